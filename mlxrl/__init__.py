@@ -1,0 +1,5 @@
+"""mlxrl: MLX-native SFT / DPO / GRPO for Qwen and Qwen-VL models."""
+
+from . import runtime  # noqa: F401  (loads a fast BLAS before mlx.core)
+
+__version__ = "0.1.0"

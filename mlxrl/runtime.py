@@ -1,0 +1,176 @@
+"""Runtime policy: fast BLAS on Linux, compute dtype, memory limits.
+
+Imported first by ``mlxrl/__init__.py`` so that an optimised BLAS is loaded before
+``mlx.core``. MLX's Linux CPU wheel bundles a reference BLAS (~6 GFLOP/s fp32);
+loading OpenBLAS or MKL with ``RTLD_GLOBAL`` first makes MLX's ``sgemm`` resolve to
+it (~30x faster).
+
+Environment:
+  MLXRL_BLAS=auto|openblas|mkl|none|/path/to/libblas.so   (default auto)
+  MLXRL_DTYPE=float32|bfloat16|float16                      (default: float32 on CPU, bf16 on GPU)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+OPENBLAS_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+)
+
+BLAS_IN_USE = "system"  # what the startup line reports
+
+
+def _bundled_reference_blas() -> bool:
+    """True when the installed MLX wheel ships its own (reference) libblas."""
+    spec = importlib.util.find_spec("mlx")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    site = Path(list(spec.submodule_search_locations)[0]).parent
+    return bool(glob.glob(str(site / "mlx_cpu.libs" / "libblas*")))
+
+
+def _mkl_paths() -> list[str]:
+    prefix = Path(sys.prefix)
+    found = glob.glob(str(prefix / "lib" / "libmkl_rt.so*"))
+    return found + ["libmkl_rt.so.2", "libmkl_rt.so"]
+
+
+def _try_load(paths) -> str | None:
+    for p in paths:
+        if os.sep in p and not os.path.exists(p):
+            continue
+        try:
+            ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)
+            return p
+        except OSError:
+            continue
+    return None
+
+
+def setup_blas() -> str:
+    """Load an optimised BLAS before ``mlx.core`` when MLX would use its reference one.
+
+    Returns a short description of the BLAS in use.
+    """
+    global BLAS_IN_USE
+    choice = os.environ.get("MLXRL_BLAS", "auto").strip().lower()
+    if sys.platform != "linux":
+        BLAS_IN_USE = "Accelerate" if sys.platform == "darwin" else "system"
+        return BLAS_IN_USE
+    if "mlx.core" in sys.modules:
+        BLAS_IN_USE = "unchanged (mlx.core was imported before mlxrl)"
+        return BLAS_IN_USE
+    if choice in ("none", "off", "0", "reference"):
+        BLAS_IN_USE = "reference (MLXRL_BLAS=none)"
+        return BLAS_IN_USE
+    if not _bundled_reference_blas() and choice == "auto":
+        BLAS_IN_USE = "system"
+        return BLAS_IN_USE
+    if choice == "openblas":
+        candidates = list(OPENBLAS_PATHS)
+    elif choice == "mkl":
+        candidates = _mkl_paths()
+    elif choice == "auto":
+        candidates = list(OPENBLAS_PATHS) + _mkl_paths()
+    else:
+        candidates = [choice]
+    loaded = _try_load(candidates)
+    if loaded is None:
+        BLAS_IN_USE = "reference (no OpenBLAS/MKL found: apt-get install libopenblas0-pthread)"
+    else:
+        name = "MKL" if "mkl" in loaded else "OpenBLAS"
+        BLAS_IN_USE = f"{name} ({loaded})"
+    return BLAS_IN_USE
+
+
+setup_blas()
+
+import mlx.core as mx  # noqa: E402  (must come after setup_blas)
+
+
+def default_device_kind() -> str:
+    """'gpu' when MLX's default device is a GPU (Metal or CUDA), else 'cpu'."""
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def compute_dtype(override: str | None = None) -> mx.Dtype:
+    """float32 on CPU (bf16 matmul on MLX CPU is ~30x slower), bf16 on Metal/CUDA."""
+    name = override or os.environ.get("MLXRL_DTYPE")
+    if name:
+        try:
+            return {"float32": mx.float32, "fp32": mx.float32, "bfloat16": mx.bfloat16,
+                    "bf16": mx.bfloat16, "float16": mx.float16, "fp16": mx.float16}[name.lower()]
+        except KeyError:
+            raise ValueError(f"unknown dtype {name!r}: use float32, bfloat16 or float16") from None
+    return mx.bfloat16 if default_device_kind() == "gpu" else mx.float32
+
+
+def _parse_bytes(value: float | int | str | None, total: int | None) -> int | None:
+    """'8GB', '512MiB', 0.75 (fraction of total) or a byte count -> bytes."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        s = value.strip().upper().replace("IB", "B")
+        for unit, mult in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+            if s.endswith(unit):
+                return int(float(s[: -len(unit)]) * mult)
+        value = float(s)
+    if 0 < value <= 1.0:
+        if total is None:
+            raise ValueError("a memory fraction needs the device's memory size, which is unknown here")
+        return int(value * total)
+    return int(value)
+
+
+def device_memory_bytes() -> int | None:
+    """Memory the default device can use (recommended working set on GPU, RAM on CPU)."""
+    try:
+        info = mx.device_info()
+        for key in ("max_recommended_working_set_size", "memory_size"):
+            if info.get(key):
+                return int(info[key])
+    except Exception:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> dict:
+    """MLX's counterparts of PYTORCH_MPS_HIGH_WATERMARK_RATIO and friends.
+
+    Each value is bytes, a string like '12GB', or a fraction (0-1] of device memory.
+    Returns the limits that were applied.
+    """
+    total = device_memory_bytes()
+    applied = {}
+    mem = _parse_bytes(memory_limit, total)
+    if mem is not None:
+        mx.set_memory_limit(mem)
+        applied["memory_limit"] = mem
+    wired = _parse_bytes(wired_limit, total)
+    if wired is not None:
+        if default_device_kind() == "gpu" and sys.platform == "darwin":
+            mx.set_wired_limit(wired)
+        applied["wired_limit"] = wired
+    cache = _parse_bytes(cache_limit, total)
+    if cache is not None:
+        mx.set_cache_limit(cache)
+        applied["cache_limit"] = cache
+    return applied
+
+
+def startup_line() -> str:
+    dev = "gpu" if default_device_kind() == "gpu" else "cpu"
+    return f"mlxrl: mlx {mx.__version__} on {dev}, BLAS {BLAS_IN_USE}, compute dtype {compute_dtype()}"
