@@ -3,3 +3,8 @@
 from . import runtime  # noqa: F401  (loads a fast BLAS before mlx.core)
 
 __version__ = "0.1.0"
+
+from .hub import MlxrlError  # noqa: E402
+from .loading import load, save  # noqa: E402
+
+__all__ = ["MlxrlError", "load", "save", "runtime"]

@@ -1,0 +1,35 @@
+"""Model registry: config.json's `model_type` -> the MLX module that implements it."""
+
+from __future__ import annotations
+
+import importlib
+
+# model_type -> module under mlxrl.models defining `Model`
+ARCHITECTURES = {
+    "qwen2": "qwen_text",
+    "qwen3": "qwen_text",
+    "qwen2_vl": "qwen2_vl.model",
+    "qwen2_5_vl": "qwen2_5_vl.model",
+    "qwen3_vl": "qwen3_vl.model",
+}
+
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def model_class(config: dict):
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        hint = " (Qwen3-VL MoE checkpoints are not supported yet)" if model_type == "qwen3_vl_moe" else ""
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r}{hint}: mlxrl supports {', '.join(ARCHITECTURES)}"
+        )
+    return importlib.import_module(f"{__name__}.{ARCHITECTURES[model_type]}").Model
+
+
+def build_model(config: dict):
+    """An uninitialised-weights model for `config` (a parsed config.json)."""
+    return model_class(config)(config)

@@ -1,0 +1,170 @@
+"""`mlxrl.load` and `mlxrl.save`: Hugging Face folders <-> MLX modules.
+
+Weights keep Hugging Face names and layouts, so loading is: read safetensors -> the model's
+`sanitize()` (the one conversion point, idempotent) -> strict `load_weights`. Saving writes the
+same names back, atomically (a crash mid-save leaves the previous folder intact).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import runtime
+from .hub import MlxrlError, resolve_model_path, weight_files
+from .models import UnsupportedModelError, build_model
+
+DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
+
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise MlxrlError(f"{folder} has no config.json: is it a Hugging Face model folder?")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise MlxrlError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from None
+
+
+def read_weights(folder: Path) -> dict[str, mx.array]:
+    weights = {}
+    for f in weight_files(folder):
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError) as e:
+            detail = str(e).split("]", 1)[-1].strip()
+            raise MlxrlError(
+                f"cannot read {f}: truncated or corrupt safetensors file ({detail}); delete it and re-download"
+            ) from None
+    return weights
+
+
+def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None):
+    folder = Path(folder)
+    config = read_config(folder)
+    try:
+        model = build_model(config)
+    except UnsupportedModelError as e:
+        raise MlxrlError(f"{folder}/config.json: {e}") from None
+    weights = model.sanitize(read_weights(folder))
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} (e.g. {', '.join(unexpected[:3])})")
+        raise MlxrlError(f"weights in {folder} do not match its config.json: {'; '.join(parts)}")
+    bad = [(k, v.shape, expected[k].shape) for k, v in weights.items() if v.shape != expected[k].shape]
+    if bad:
+        k, got, want = bad[0]
+        raise MlxrlError(f"weight {k} in {folder} has shape {tuple(got)}, config.json implies {tuple(want)}")
+    model.load_weights(list(weights.items()), strict=True)
+    if not isinstance(dtype, mx.Dtype):
+        dtype = runtime.compute_dtype(dtype)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    model.name_or_path = str(folder)
+    return model
+
+
+def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, revision: str | None = None):
+    """Load a Qwen / Qwen-VL model and its processor.
+
+    id_or_path: a local folder, or a Hub id (looked up in the HF cache first, then downloaded).
+    dtype: compute dtype; default float32 on CPU, bfloat16 on Metal/CUDA.
+    Returns (model, processor).
+    """
+    from .processing import Processor
+
+    folder = resolve_model_path(id_or_path, revision=revision)
+    model = load_model(folder, dtype)
+    try:
+        processor = Processor.from_pretrained(folder)
+    except FileNotFoundError as e:
+        raise MlxrlError(str(e).splitlines()[0]) from None
+    return model, processor
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    s = size.upper().rstrip("B").rstrip("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s.rstrip("KMG")) * mult)
+
+
+def _shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
+    shards, current, size = [], {}, 0
+    for k in sorted(weights):
+        nbytes = weights[k].nbytes
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[k] = weights[k]
+        size += nbytes
+    return shards + [current] if current else shards
+
+
+def write_weights(folder: Path, weights: dict[str, mx.array], max_shard_size: int | str = "5GB") -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index past max_shard_size."""
+    shards = _shards(weights, _parse_size(max_shard_size))
+    meta = {"format": "pt"}  # transformers refuses safetensors without a known format tag
+    if len(shards) == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), shards[0], metadata=meta)
+        return
+    weight_map, n = {}, len(shards)
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        mx.save_safetensors(str(folder / name), shard, metadata=meta)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(v.nbytes for v in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def replace_dir_atomically(tmp: Path, final: Path) -> None:
+    """Move a fully written `tmp` folder to `final`; the old `final` is removed only after."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> Path:
+    """Write `model` and `processor` as a Hugging Face folder that transformers loads:
+    config.json, safetensors with HF names, tokenizer and processor files."""
+    out = Path(out_dir).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        config = dict(model.config)
+        dtypes = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
+        if len(dtypes) == 1:
+            config["dtype"] = DTYPE_NAMES.get(dtypes.pop(), "float32")
+        write_weights(tmp, weights, max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        src = Path(getattr(model, "name_or_path", "") or "/nonexistent")
+        if (src / "generation_config.json").exists():
+            shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
+        if processor is not None:
+            processor.save_pretrained(tmp)
+        replace_dir_atomically(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,244 @@
+"""The Qwen decoder shared by every architecture: Qwen2 / Qwen3 text models and the language
+models of Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+
+One module covers them because they differ only in switches: q/k/v bias (Qwen2), q/k RMSNorm
+(Qwen3), and the rotary layout (1D, sectioned M-RoPE, interleaved M-RoPE). Parameter names are
+Hugging Face's (embed_tokens, layers.N.self_attn.q_proj, mlp.gate_proj, norm, ...).
+
+Positions are explicit arrays (`[B, L]` or `[3, B, L]`), never a scalar offset, so packed rows
+(positions restarting per document) and M-RoPE share one code path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass
+class TextConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (always on for Qwen2-family)
+    qk_norm: bool = False  # Qwen3-family
+    mrope_section: list[int] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL
+    model_type: str = "qwen2"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict, **overrides) -> TextConfig:
+        names = set(inspect.signature(cls).parameters)
+        args = {k: v for k, v in d.items() if k in names}
+        args.update(overrides)
+        cfg = cls(**args)
+        cfg._resolve_rope()
+        return cfg
+
+    def _resolve_rope(self):
+        # transformers >= 5 nests rope settings under rope_parameters; older configs use
+        # rope_theta + rope_scaling ({"type": "mrope", "mrope_section": [...]}).
+        params = dict(self.rope_scaling or {})
+        params.update(self.rope_parameters or {})
+        if "rope_theta" in params:
+            self.rope_theta = float(params["rope_theta"])
+        if params.get("mrope_section") and self.mrope_section is None:
+            self.mrope_section = list(params["mrope_section"])
+        if params.get("mrope_interleaved"):
+            self.mrope_interleaved = True
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ("default", "mrope", None):
+            raise NotImplementedError(
+                f"rope type {kind!r} is not supported yet (supported: default, mrope); "
+                "remove rope_scaling from config.json to train at the native context length"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+
+def rope_axis_of_frequency(half_dim: int, section: list[int] | None, interleaved: bool) -> list[int]:
+    """Which position axis (0=t, 1=h, 2=w) drives each of the `half_dim` rotary frequencies.
+
+    Sectioned M-RoPE (Qwen2/2.5-VL): the first s0 frequencies follow t, the next s1 h, the
+    next s2 w. Interleaved (Qwen3-VL): frequency j follows h when j % 3 == 1 and j < 3*s1,
+    w when j % 3 == 2 and j < 3*s2, else t. Plain RoPE: every frequency follows axis 0.
+    """
+    if not section:
+        return [0] * half_dim
+    if sum(section) != half_dim:
+        raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {half_dim}")
+    if not interleaved:
+        return [axis for axis, n in enumerate(section) for _ in range(n)]
+    axes = [0] * half_dim
+    for axis in (1, 2):
+        for j in range(axis, 3 * section[axis], 3):
+            axes[j] = axis
+    return axes
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for explicit positions; float32 math whatever the model dtype."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        dim = config.head_dim
+        self._inv_freq = 1.0 / (config.rope_theta ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim))
+        self._axes = mx.array(rope_axis_of_frequency(dim // 2, config.mrope_section, config.mrope_interleaved))
+        self.multimodal = bool(config.mrope_section)
+
+    def __call__(self, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """positions [B, L] or [3, B, L] -> cos, sin [B, 1, L, head_dim]."""
+        if positions.ndim == 2:
+            positions = positions[None]
+        positions = positions.astype(mx.float32)
+        if positions.shape[0] == 1:
+            freqs = positions[0][..., None] * self._inv_freq  # [B, L, D/2]
+        else:
+            # pick, per frequency, the axis that drives it: [3, B, L] -> [B, L, D/2]
+            freqs = mx.take(positions, self._axes, axis=0).transpose(1, 2, 0) * self._inv_freq
+        emb = mx.concatenate([freqs, freqs], axis=-1)[:, None]
+        return mx.cos(emb), mx.sin(emb)
+
+
+def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.scale = hd**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+
+    def __call__(self, x, cos, sin, mask, cache=None):
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)
+        k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, cos, sin, mask, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def attention_mask_for(
+    L: int,
+    attention_mask: mx.array | None = None,
+    segment_ids: mx.array | None = None,
+    offset: int = 0,
+):
+    """Boolean [B, 1, L, offset+L] mask, or "causal" when nothing but causality is needed.
+
+    attention_mask [B, offset+L]: 1 for real tokens, 0 for padding (keys that nobody attends to).
+    segment_ids [B, L]: packed documents; a query attends only to keys of its own segment.
+    """
+    if attention_mask is None and segment_ids is None:
+        return "causal" if L > 1 else None
+    q_idx = mx.arange(offset, offset + L)[:, None]
+    k_idx = mx.arange(offset + L)[None]
+    mask = (q_idx >= k_idx)[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, :].astype(mx.bool_)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    # A fully masked row (a left-padding query) would give NaN: let it see itself.
+    eye = q_idx == k_idx
+    return mask | eye[None, None]
+
+
+class LanguageModel(nn.Module):
+    """embed_tokens -> layers -> norm. Returns hidden states before the LM head."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+
+    def __call__(
+        self,
+        inputs_embeds: mx.array,
+        position_ids: mx.array,
+        mask=None,
+        cache=None,
+        deepstack: tuple[mx.array, list[mx.array]] | None = None,
+    ) -> mx.array:
+        """inputs_embeds [B, L, D]; position_ids [B, L] or [3, B, L]; mask as attention_mask_for.
+
+        deepstack: (visual_mask [B, L] bool, [features [M, D] per layer]) adds each layer's
+        features to the visual positions after that layer (Qwen3-VL).
+        """
+        cos, sin = self.rotary_emb(position_ids)
+        h = inputs_embeds
+        if deepstack is not None:
+            vis_mask, feats = deepstack
+            # row of each visual token in the flat feature list (index arithmetic, no scatter loop)
+            idx = mx.maximum(mx.cumsum(vis_mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(vis_mask.shape)
+        caches = cache if cache is not None else [None] * len(self.layers)
+        for i, (layer, c) in enumerate(zip(self.layers, caches, strict=True)):
+            if self.gradient_checkpointing and c is None:
+                # recompute the layer in backward; mask may be the string "causal", so close over it
+                h = nn.utils.checkpoint(layer, lambda x, c_, s_, _l=layer: _l(x, c_, s_, mask))(h, cos, sin)
+            else:
+                h = layer(h, cos, sin, mask, c)
+            if deepstack is not None and i < len(feats):
+                h = h + mx.where(vis_mask[..., None], feats[i][idx].astype(h.dtype), 0)
+        return self.norm(h)

@@ -1,0 +1,52 @@
+"""Qwen2-VL: vision tower at `visual.*`, language model at `model.*`, `lm_head` (HF Hub layout,
+which is also what transformers 5 writes)."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from ..language import LanguageModel, TextConfig
+from ..vl import QwenVLBase
+from .vision import VisionConfig, VisionModel
+
+
+class Model(QwenVLBase):
+    vision_module = VisionModel
+    vision_config_class = VisionConfig
+
+    def __init__(self, config: dict):
+        super().__init__()
+        tc, tie = self._setup(config)
+        # the Qwen2 language model: q/k/v bias, no q/k norm, sectioned M-RoPE
+        self.text_config = TextConfig.from_dict(tc, attention_bias=True, qk_norm=False, tie_word_embeddings=tie)
+        self.visual = self.vision_module(self.vision_config_class.from_dict(config.get("vision_config") or {}))
+        self.model = LanguageModel(self.text_config)
+        if not tie:
+            self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+
+    @property
+    def vision_tower(self):
+        return self.visual
+
+    @property
+    def language_model(self) -> LanguageModel:
+        return self.model
+
+    def sanitize(self, weights: dict) -> dict:
+        """Map the layouts this family has been saved in to ours; idempotent."""
+        out, vision = {}, {}
+        for k, v in weights.items():
+            if "rotary_emb.inv_freq" in k:
+                continue
+            if k.startswith("model.language_model."):
+                k = "model." + k[len("model.language_model."):]
+            elif k.startswith("model.visual."):
+                k = k[len("model."):]
+            if k == "lm_head.weight" and self.tied:
+                continue
+            if k.startswith("visual."):
+                vision[k[len("visual."):]] = v
+            else:
+                out[k] = v
+        out.update({"visual." + k: v for k, v in self.visual.sanitize(vision).items()})
+        return out

@@ -1,0 +1,79 @@
+"""Qwen2 / Qwen2.5 / Qwen3 causal language models (text only), HF layout:
+`model.embed_tokens`, `model.layers.N...`, `model.norm`, `lm_head` (absent when tied)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .language import LanguageModel, TextConfig, attention_mask_for
+
+
+class Model(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        model_type = config.get("model_type", "qwen2")
+        qwen2 = model_type == "qwen2"
+        self.text_config = TextConfig.from_dict(
+            config,
+            # Qwen2 always has q/k/v bias and no q/k norm; Qwen3 the reverse.
+            attention_bias=True if qwen2 else bool(config.get("attention_bias", False)),
+            qk_norm=not qwen2,
+        )
+        self.model = LanguageModel(self.text_config)
+        if not self.text_config.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+
+    @property
+    def language_model(self) -> LanguageModel:
+        return self.model
+
+    @property
+    def tied(self) -> bool:
+        return "lm_head" not in self
+
+    def lm_head_weight(self) -> mx.array:
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def apply_lm_head(self, hidden: mx.array) -> mx.array:
+        return self.model.embed_tokens.as_linear(hidden) if self.tied else self.lm_head(hidden)
+
+    def __call__(
+        self,
+        input_ids: mx.array | None = None,
+        attention_mask: mx.array | None = None,
+        position_ids: mx.array | None = None,
+        inputs_embeds: mx.array | None = None,
+        cache=None,
+        return_hidden: bool = False,
+        segment_ids: mx.array | None = None,
+        pixel_values=None,
+        **_ignored,
+    ) -> mx.array:
+        """Logits [B, L, V], or hidden states [B, L, D] before the LM head with return_hidden."""
+        if pixel_values is not None:
+            raise ValueError(f"{self.config.get('model_type')} is a text-only model: it cannot take images")
+        h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        offset = cache[0].offset if cache is not None else 0
+        if position_ids is None:
+            B, L = h.shape[:2]
+            position_ids = mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (B, L))
+        mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
+        h = self.model(h, position_ids, mask, cache)
+        return h if return_hidden else self.apply_lm_head(h)
+
+    def sanitize(self, weights: dict) -> dict:
+        out = {}
+        for k, v in weights.items():
+            if "rotary_emb.inv_freq" in k:
+                continue
+            if k == "lm_head.weight" and self.tied:
+                continue
+            out[k] = v
+        return out
+
+    def make_cache(self):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.model.layers]
