@@ -81,13 +81,13 @@ def rope_axis_of_frequency(half_dim: int, section: list[int] | None, interleaved
     """
     if not section:
         return [0] * half_dim
-    if sum(section) != half_dim:
-        raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {half_dim}")
     if not interleaved:
+        if sum(section) != half_dim:
+            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {half_dim}")
         return [axis for axis, n in enumerate(section) for _ in range(n)]
     axes = [0] * half_dim
     for axis in (1, 2):
-        for j in range(axis, 3 * section[axis], 3):
+        for j in range(axis, min(3 * section[axis], half_dim), 3):
             axes[j] = axis
     return axes
 
