@@ -5,6 +5,6 @@ from . import runtime  # noqa: F401  (loads a fast BLAS before mlx.core)
 __version__ = "0.1.0"
 
 from .hub import MlxrlError  # noqa: E402
-from .loading import load, save  # noqa: E402
+from .loading import load, load_default, save  # noqa: E402
 
-__all__ = ["MlxrlError", "load", "save", "runtime"]
+__all__ = ["MlxrlError", "load", "load_default", "save", "runtime"]

@@ -77,8 +77,10 @@ def resolve_model_path(id_or_path: str | os.PathLike, revision: str | None = Non
         return Path(snapshot_download(name, revision=revision, allow_patterns=WEIGHT_PATTERNS, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     hint = suggest_repo(name)
+    if hint and " comes in " in hint:  # a size this family was never published in
+        raise MlxrlError(f"no model {name} on the Hugging Face Hub: {hint}")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     if offline:
         raise MlxrlError(
             f"{name} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: "

@@ -96,6 +96,31 @@ def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, 
     return model, processor
 
 
+DEFAULT_CONFIG = Path(__file__).parent / "assets" / "default_qwen3_vl.json"
+
+
+def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None):
+    """The embedded default: a tiny Qwen3-VL-architecture model (config shipped in the package,
+    random weights from `seed`) with the real Qwen tokenizer and a Qwen3-VL image processor.
+    Needs no network and no downloaded model. Returns (model, processor)."""
+    from .models import build_model
+    from .processing import QWEN3_VL_CHAT_TEMPLATE, ImageProcessor, Processor, build_qwen_tokenizer
+
+    config = json.loads(DEFAULT_CONFIG.read_text())
+    pre = config.pop("preprocessor_config")
+    mx.random.seed(seed)
+    model = build_model(config)
+    if not isinstance(dtype, mx.Dtype):
+        dtype = runtime.compute_dtype(dtype)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    model.eval()
+    model.name_or_path = "mlxrl:default"
+    processor = Processor(build_qwen_tokenizer(QWEN3_VL_CHAT_TEMPLATE), ImageProcessor.from_dict(pre),
+                          QWEN3_VL_CHAT_TEMPLATE)
+    return model, processor
+
+
 def _parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size

@@ -1,0 +1,84 @@
+"""`python -m mlxrl`: load a model (or the embedded default), run one image+text forward, print
+the next-token prediction, and optionally save the model as a Hugging Face folder.
+
+    python -m mlxrl                                  # embedded tiny Qwen3-VL, no network
+    python -m mlxrl --model Qwen/Qwen3-VL-2B-Instruct --image cat.png --prompt "What is this?"
+    python -m mlxrl --model ./my-model --save out/   # write an HF-layout copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def demo_image():
+    """A red disc on a blue square on white: something to look at without any file."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (200, 150), "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle([20, 30, 90, 100], fill=(40, 80, 200))
+    d.ellipse([110, 40, 170, 100], fill=(220, 30, 30))
+    return img
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mlxrl", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded tiny Qwen3-VL)")
+    ap.add_argument("--image", default=None, help="image file (default: a drawn demo image; ignored by text models)")
+    ap.add_argument("--prompt", default="What shapes are in the picture?")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
+    ap.add_argument("--save", default=None, help="write the model + processor here in Hugging Face layout")
+    args = ap.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import mlxrl
+    from mlxrl.hub import MlxrlError
+
+    print(mlxrl.runtime.startup_line(), flush=True)
+    try:
+        t0 = time.perf_counter()
+        model, processor = mlxrl.load(args.model, dtype=args.dtype) if args.model else mlxrl.load_default(
+            dtype=args.dtype)
+        n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+        print(f"loaded {getattr(model, 'name_or_path', args.model)} ({model.config.get('model_type')}, "
+              f"{n_params / 1e6:.1f}M parameters) in {time.perf_counter() - t0:.1f}s")
+        vl = processor.image_processor is not None
+        content = ([{"type": "image"}] if vl else []) + [{"type": "text", "text": args.prompt}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        if vl:
+            from PIL import Image
+
+            try:
+                image = Image.open(args.image) if args.image else demo_image()
+                image.load()
+            except OSError as e:
+                raise MlxrlError(f"cannot read image {args.image}: {e}") from None
+            batch = processor(text=[text], images=[[image]])
+        else:
+            batch = processor(text=[text])
+        t0 = time.perf_counter()
+        logits = model(**batch)
+        probs = mx.softmax(logits[0, -1].astype(mx.float32))
+        top = mx.argsort(-probs)[:5]
+        mx.eval(top, probs)
+        ms = (time.perf_counter() - t0) * 1e3
+        shape = "x".join(map(str, batch["image_grid_thw"].tolist()[0])) if vl else "none"
+        print(f"forward: {batch['input_ids'].shape[1]} tokens, image grid {shape}, {ms:.0f} ms")
+        preds = ", ".join(f"{processor.decode([int(i)])!r} {float(probs[i]):.3f}" for i in top.tolist())
+        print(f"next-token top-5: {preds}")
+        if args.save:
+            out = mlxrl.save(model, processor, args.save)
+            print(f"saved Hugging Face folder: {out}")
+    except MlxrlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
