@@ -1,0 +1,47 @@
+"""Runtime policy: BLAS choice is reported, dtype policy, memory knobs map onto MLX."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlxrl import runtime
+
+CHILD = "import mlxrl.runtime as r; print(r.BLAS_IN_USE)"
+
+
+def _blas_line(choice):
+    env = dict(os.environ, MLXRL_BLAS=choice)
+    return subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not runtime._bundled_reference_blas(),
+                    reason="only Linux wheels bundle a reference BLAS")
+def test_blas_choice_is_applied_and_reported():
+    assert _blas_line("none").startswith("reference")
+    auto = _blas_line("auto")
+    assert auto.startswith(("OpenBLAS", "MKL")), auto
+    assert runtime.BLAS_IN_USE in runtime.startup_line()
+
+
+def test_compute_dtype_policy():
+    expected = mx.bfloat16 if runtime.default_device_kind() == "gpu" else mx.float32
+    assert runtime.compute_dtype() == expected
+    assert runtime.compute_dtype("bf16") == mx.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        runtime.compute_dtype("int8")
+
+
+def test_memory_limits_map_to_mlx():
+    total = runtime.device_memory_bytes()
+    before = mx.set_cache_limit(0)  # each setter returns the previous limit
+    before_mem = mx.set_memory_limit(total)
+    try:
+        applied = runtime.set_memory_limits(memory_limit=0.5, cache_limit="256MB")
+        assert applied["memory_limit"] == int(0.5 * total)
+        assert applied["cache_limit"] == 256 << 20
+        assert mx.set_cache_limit(before) == 256 << 20  # what we set is what MLX holds
+    finally:
+        mx.set_memory_limit(before_mem)
