@@ -33,10 +33,11 @@ def assert_one_line(code, err, *needles):
 
 
 @pytest.fixture
-def copy_of(tiny_checkpoint, tmp_path):
+def copy_of(tiny_checkpoint, tmp_path, capsys):
     def make(arch):
         dst = tmp_path / arch
         shutil.copytree(tiny_checkpoint(arch), dst)
+        capsys.readouterr()  # drop what building the checkpoint printed
         return dst
 
     return make
