@@ -1,0 +1,139 @@
+"""Tiny random Qwen / Qwen-VL checkpoints for tests, built offline with transformers + torch.
+
+    python scripts/tiny_checkpoints.py --arch qwen3_vl --out /tmp/tiny   # -> /tmp/tiny/qwen3_vl
+    python scripts/tiny_checkpoints.py --out /tmp/tiny                   # every arch
+
+Each folder holds a float32 model (real vocab 151936, 2 text layers, hidden 64, 4 heads / 2 kv
+heads of 16, M-RoPE sections [2, 3, 3] for VL, a 2-block vision tower), our tokenizer files and
+chat template, and for VL a preprocessor_config.json with small min/max pixels so tests are fast.
+Weights are re-drawn with a larger std than transformers' 0.02 so that logits are far from
+uniform and parity tests can fail. The same seed gives the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")
+SEED = 0
+INIT_STD = 0.15
+
+TOKEN_IDS = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+VL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                    vision_end_token_id=151653)
+TEXT = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rms_norm_eps=1e-6, **TOKEN_IDS)
+TIED = {"qwen2": True, "qwen3": False, "qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": True}
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+PREPROCESSOR = {
+    "qwen2_vl": dict(min_pixels=56 * 56, max_pixels=320 * 320, patch_size=14, temporal_patch_size=2,
+                     merge_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+                     processor_class="Qwen2VLProcessor"),
+    "qwen2_5_vl": dict(min_pixels=56 * 56, max_pixels=320 * 320, patch_size=14, temporal_patch_size=2,
+                       merge_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+                       processor_class="Qwen2_5_VLProcessor"),
+    "qwen3_vl": dict(min_pixels=64 * 64, max_pixels=320 * 320, patch_size=16, temporal_patch_size=2,
+                     merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                     processor_class="Qwen3VLProcessor"),
+}
+
+
+def _config(arch: str):
+    import transformers as tf
+
+    tied = TIED[arch]
+    mrope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
+    if arch == "qwen2":
+        return tf.Qwen2Config(**TEXT, tie_word_embeddings=tied, rope_parameters={
+            "rope_type": "default", "rope_theta": 1_000_000.0}), tf.Qwen2ForCausalLM
+    if arch == "qwen3":
+        return tf.Qwen3Config(**TEXT, head_dim=16, tie_word_embeddings=tied, rope_parameters={
+            "rope_type": "default", "rope_theta": 1_000_000.0}), tf.Qwen3ForCausalLM
+    if arch == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        cfg = tf.Qwen2VLConfig(text_config={**TEXT, "rope_parameters": mrope, "tie_word_embeddings": tied},
+                               vision_config=vision, tie_word_embeddings=tied, **VL_TOKEN_IDS, **TOKEN_IDS)
+        return cfg, tf.Qwen2VLForConditionalGeneration
+    if arch == "qwen2_5_vl":
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                      fullatt_block_indexes=[1], hidden_act="silu", in_channels=3)
+        cfg = tf.Qwen2_5_VLConfig(text_config={**TEXT, "rope_parameters": mrope, "tie_word_embeddings": tied},
+                                  vision_config=vision, tie_word_embeddings=tied, **VL_TOKEN_IDS, **TOKEN_IDS)
+        return cfg, tf.Qwen2_5_VLForConditionalGeneration
+    if arch == "qwen3_vl":
+        text = {**TEXT, "head_dim": 16, "tie_word_embeddings": tied,
+                "rope_parameters": {**mrope, "mrope_interleaved": True}}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh", in_channels=3)
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied,
+                               **VL_TOKEN_IDS, **TOKEN_IDS)
+        return cfg, tf.Qwen3VLForConditionalGeneration
+    raise ValueError(f"unknown arch {arch!r}: choose from {', '.join(ARCHS)}")
+
+
+def _reinit(model, seed: int, std: float) -> None:
+    """Normal(0, std) for every weight and bias; norm scales 1 + Normal(0, std) so they stay near 1."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):  # sorted: order-independent of module layout
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
+            owner = name.split(".")[-2] if "." in name else ""
+            is_norm = "norm" in owner or owner.startswith("ln")  # ln_q: the merger's norm
+            p.copy_(1.0 + noise if is_norm and name.endswith("weight") else noise)
+
+
+def build(arch: str, out_dir, seed: int = SEED) -> Path:
+    """Build ``out_dir/<arch>`` (model, tokenizer, chat template, VL preprocessor config); returns it."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import mlxrl  # noqa: F401  (loads the fast BLAS before mlx.core)
+    from mlxrl.processing import (
+        QWEN3_VL_CHAT_TEMPLATE,
+        QWEN_CHAT_TEMPLATE,
+        QWEN_VL_CHAT_TEMPLATE,
+        ImageProcessor,
+        Processor,
+        build_qwen_tokenizer,
+    )
+
+    config, model_cls = _config(arch)
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    _reinit(model, seed, INIT_STD)
+    if TIED[arch]:
+        model.tie_weights()
+    out = Path(out_dir) / arch
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+
+    template = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_vl": QWEN_VL_CHAT_TEMPLATE,
+                "qwen2_5_vl": QWEN_VL_CHAT_TEMPLATE}.get(arch, QWEN_CHAT_TEMPLATE)
+    image_processor = ImageProcessor.from_dict(PREPROCESSOR[arch]) if arch in PREPROCESSOR else None
+    Processor(build_qwen_tokenizer(), image_processor, template).save_pretrained(out)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=[*ARCHS, "all"], default="all")
+    ap.add_argument("--out", required=True, help="parent folder; each arch goes to OUT/<arch>")
+    ap.add_argument("--seed", type=int, default=SEED)
+    args = ap.parse_args(argv)
+    for arch in ARCHS if args.arch == "all" else (args.arch,):
+        print(build(arch, args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()
