@@ -1,0 +1,408 @@
+"""GRPO family losses and group-relative advantages, as pure MLX array functions (TRL 1.16 semantics).
+
+Arrays in, ``(value, metrics)`` out; metrics are lazy ``mx.array`` scalars under TRL's names, evaluated by the
+engine once per step. All math is float32. Nothing here calls ``.item()``, so ``grpo_loss`` can sit inside
+``mx.compile``.
+
+Notation: ``B`` completions in the micro-batch (``B = prompts * G``), ``T`` completion length, ``m`` the
+completion mask, ``A`` advantages, ``logp`` / ``logp_old`` / ``logp_ref`` per-token log-probs of the sampled
+tokens under the policy, the policy that sampled (or was current at generation time), and the reference.
+
+Run the tests: ``pytest tests/test_grpo_losses.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+ADVANTAGE_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
+
+# Loss types whose micro-batch loss is a token SUM divided by a caller-supplied token count (`normalizer`).
+# The engine should pass the active-token count of the whole accumulation window and SUM micro-batch losses.
+# Every other loss type is a per-micro-batch mean that the engine AVERAGES over accumulation steps
+# (TRL divides those by `gradient_accumulation_steps`).
+TOKEN_SUM_LOSS_TYPES = frozenset({"dapo", "cispo"})
+
+
+# ----------------------------------------------------------------------------------------------- NaN-aware stats
+
+
+def _nanmean(x: mx.array, axis=None, keepdims: bool = False) -> mx.array:
+    valid = ~mx.isnan(x)
+    total = mx.where(valid, x, 0.0).sum(axis=axis, keepdims=keepdims)
+    return total / valid.sum(axis=axis, keepdims=keepdims).astype(mx.float32)
+
+
+def _nanstd(x: mx.array, axis=None, keepdims: bool = False) -> mx.array:
+    """Bessel-corrected std over non-NaN values; NaN where fewer than two values are present (as TRL's nanstd)."""
+    mean = _nanmean(x, axis=axis, keepdims=True)
+    var = _nanmean((x - mean) ** 2, axis=axis, keepdims=keepdims)
+    count = (~mx.isnan(x)).sum(axis=axis, keepdims=keepdims).astype(mx.float32)
+    correction = mx.where(count > 1, count / mx.maximum(count - 1, 1.0), float("nan"))
+    return mx.sqrt(var * correction)
+
+
+def _nansum(x: mx.array, axis=None) -> mx.array:
+    return mx.where(mx.isnan(x), 0.0, x).sum(axis=axis)
+
+
+def _nanmin(x: mx.array) -> mx.array:
+    nan = mx.isnan(x)
+    return mx.where(nan.all(), float("nan"), mx.where(nan, float("inf"), x).min())
+
+
+def _nanmax(x: mx.array) -> mx.array:
+    nan = mx.isnan(x)
+    return mx.where(nan.all(), float("nan"), mx.where(nan, -float("inf"), x).max())
+
+
+# ------------------------------------------------------------------------------------------------------ rewards
+
+
+def rewards_to_array(per_func_rewards: Sequence[Sequence[float | None]]) -> mx.array:
+    """Reward functions' outputs, one list per function (``None`` = could not score) -> ``[N, F]``, NaN for None."""
+    cols = [[float("nan") if r is None else float(r) for r in rewards] for rewards in per_func_rewards]
+    return mx.array(cols, dtype=mx.float32).T
+
+
+def combine_rewards(rewards_per_func: mx.array, reward_weights: Sequence[float] | mx.array | None = None) -> mx.array:
+    """Weighted sum over reward functions, ignoring NaN (unscored) entries.
+
+        r_i = nansum_k w_k * R_ik,   r_i = NaN when every R_ik is NaN (the completion is unscorable)
+
+    ``rewards_per_func`` ``[N, F]``; ``reward_weights`` ``[F]`` (default all 1.0). Returns ``[N]``.
+    """
+    rewards_per_func = rewards_per_func.astype(mx.float32)
+    w = mx.ones((rewards_per_func.shape[1],)) if reward_weights is None else mx.array(reward_weights, dtype=mx.float32)
+    unscorable = mx.isnan(rewards_per_func).all(axis=1)
+    return mx.where(unscorable, float("nan"), _nansum(rewards_per_func * w, axis=1))
+
+
+def _group_std(rewards: mx.array, num_generations: int) -> mx.array:  # [N], each group's std repeated
+    if num_generations <= 1:
+        return mx.zeros_like(rewards)
+    std = _nanstd(rewards.reshape(-1, num_generations), axis=1, keepdims=True)
+    return mx.broadcast_to(std, (std.shape[0], num_generations)).reshape(-1)
+
+
+def _batch_std(rewards: mx.array, num_generations: int) -> mx.array:  # [N], the batch std repeated
+    if rewards.size <= 1:
+        return mx.zeros_like(rewards)
+    return mx.broadcast_to(_nanstd(rewards), rewards.shape)
+
+
+# scale_rewards -> (std used for the zero-std statistic, whether advantages are divided by it).
+# "none" still computes the group std: TRL logs frac_reward_zero_std from it.
+_SCALE_REWARDS = {"group": (_group_std, True), "batch": (_batch_std, True), "none": (_group_std, False)}
+
+
+def _reward_metrics(rewards: mx.array, std: mx.array) -> dict[str, mx.array]:
+    return {
+        "reward": _nanmean(rewards),
+        "reward_std": _nanstd(rewards),
+        "frac_reward_zero_std": mx.isclose(std, mx.zeros_like(std)).astype(mx.float32).mean(),
+    }
+
+
+def group_advantages(
+    rewards: mx.array, num_generations: int, scale_rewards: str = "group"
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """Group-relative advantages (TRL's ``multi_objective_aggregation="sum_then_normalize"``).
+
+    ``rewards`` ``[N = prompts * G]``, the G completions of a prompt contiguous; NaN = unscorable.
+
+        mu_g   = nanmean of the group's rewards
+        A_i    = r_i - mu_g                                 scale_rewards="none"
+        A_i    = (r_i - mu_g) / (sigma + 1e-4)              sigma = group std ("group") or batch std ("batch")
+        A_i    = 0 where A_i is NaN (unscorable completions, or a group with < 2 scored completions when scaling)
+
+    sigma is Bessel-corrected over non-NaN values. Metrics: ``reward`` (nanmean), ``reward_std`` (nanstd over the
+    batch), ``frac_reward_zero_std`` (fraction of completions whose sigma is ~0: group sigma for "group"/"none",
+    the batch sigma for "batch").
+    """
+    if scale_rewards not in _SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {sorted(_SCALE_REWARDS)}, got {scale_rewards!r}")
+    std_fn, divide = _SCALE_REWARDS[scale_rewards]
+    rewards = rewards.astype(mx.float32).reshape(-1)
+    grouped = rewards.reshape(-1, num_generations)  # [prompts, G]
+    advantages = (grouped - _nanmean(grouped, axis=1, keepdims=True)).reshape(-1)
+    std = std_fn(rewards, num_generations)
+    if divide:
+        advantages = advantages / (std + ADVANTAGE_EPS)
+    return mx.nan_to_num(advantages, nan=0.0), _reward_metrics(rewards, std)
+
+
+def _sum_then_normalize(rewards_per_func, num_generations, reward_weights, scale_rewards):
+    return group_advantages(combine_rewards(rewards_per_func, reward_weights), num_generations, scale_rewards)
+
+
+def _normalize_then_sum(rewards_per_func, num_generations, reward_weights, scale_rewards):
+    """GDPO: normalise each reward function within its group, weighted-sum, then normalise over the batch.
+
+    ``scale_rewards`` is not used (TRL ignores it here too); the logged reward is the raw weighted sum.
+    """
+    n, f = rewards_per_func.shape
+    grouped = rewards_per_func.astype(mx.float32).reshape(-1, num_generations, f)
+    mean_k = _nanmean(grouped, axis=1, keepdims=True)
+    std_k = _nanstd(grouped, axis=1, keepdims=True) if num_generations > 1 else mx.zeros_like(mean_k)
+    normalized = ((grouped - mean_k) / (std_k + ADVANTAGE_EPS)).reshape(n, f)
+    w = mx.ones((f,)) if reward_weights is None else mx.array(reward_weights, dtype=mx.float32)
+    # A scored row whose normalised values are all NaN (its group had < 2 scores) sums to 0, not NaN.
+    summed = mx.where(mx.isnan(rewards_per_func).all(axis=1), float("nan"), _nansum(normalized * w, axis=1))
+    std = _batch_std(summed, num_generations)
+    advantages = mx.nan_to_num((summed - _nanmean(summed)) / (std + ADVANTAGE_EPS), nan=0.0)
+    return advantages, _reward_metrics(combine_rewards(rewards_per_func, reward_weights), std)
+
+
+_MULTI_OBJECTIVE = {"sum_then_normalize": _sum_then_normalize, "normalize_then_sum": _normalize_then_sum}
+
+
+def compute_advantages(
+    rewards_per_func: mx.array,
+    num_generations: int,
+    *,
+    reward_weights: Sequence[float] | None = None,
+    scale_rewards: str = "group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    reward_names: Sequence[str] | None = None,
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """Advantages from several reward functions, as TRL's ``_generate_and_score_completions``.
+
+    ``rewards_per_func`` ``[N, F]`` (NaN = that function returned None). Returns ``advantages [N]`` and the
+    metrics ``reward``, ``reward_std``, ``frac_reward_zero_std`` and ``rewards/{name}/mean|std`` per function
+    (nanmean / nanstd of its raw column).
+    """
+    if multi_objective_aggregation not in _MULTI_OBJECTIVE:
+        raise ValueError(f"multi_objective_aggregation must be one of {sorted(_MULTI_OBJECTIVE)}")
+    rewards_per_func = rewards_per_func.astype(mx.float32)
+    names = list(reward_names) if reward_names is not None else [str(k) for k in range(rewards_per_func.shape[1])]
+    if len(names) != rewards_per_func.shape[1]:
+        raise ValueError(f"{len(names)} reward names for {rewards_per_func.shape[1]} reward functions")
+    aggregate = _MULTI_OBJECTIVE[multi_objective_aggregation]
+    advantages, metrics = aggregate(rewards_per_func, num_generations, reward_weights, scale_rewards)
+    for k, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = _nanmean(rewards_per_func[:, k])
+        metrics[f"rewards/{name}/std"] = _nanstd(rewards_per_func[:, k])
+    return advantages, metrics
+
+
+# ------------------------------------------------------------------------------------------ policy-loss pieces
+
+
+def token_log_importance_weights(log_ratio: mx.array, mask: mx.array) -> mx.array:
+    """log w_t = logp_t - logp_old_t, one weight per token: ``[B, T]``."""
+    return log_ratio
+
+
+def sequence_log_importance_weights(log_ratio: mx.array, mask: mx.array) -> mx.array:
+    """GSPO: log w = sum_t m_t (logp_t - logp_old_t) / max(sum_t m_t, 1), one weight per sequence: ``[B, 1]``."""
+    return (log_ratio * mask).sum(-1, keepdims=True) / mx.maximum(mask.sum(-1, keepdims=True), 1.0)
+
+
+IMPORTANCE_SAMPLING_LEVELS = {"token": token_log_importance_weights, "sequence": sequence_log_importance_weights}
+
+
+def k3_kl(logps: mx.array, ref_logps: mx.array) -> mx.array:
+    """Per-token k3 estimator of KL(pi || pi_ref): exp(logp_ref - logp) - (logp_ref - logp) - 1  (>= 0)."""
+    d = ref_logps - logps
+    return mx.exp(d) - d - 1.0
+
+
+def clipped_surrogate(coef_1, advantages, logps, *, epsilon_low, epsilon_high, delta=None, **_):
+    """PPO clipped surrogate (grpo / bnpo / dr_grpo / dapo / luspo).
+
+        r'   = min(r, delta)   if delta is set (INTELLECT-2 two-sided clip), else r
+        loss = -min(r' A, clip(r, 1 - eps_low, 1 + eps_high) A)
+
+    Returns the per-token loss and r' (TRL computes the clip metrics from the delta-clamped ratio).
+    """
+    coef_2 = mx.clip(coef_1, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    if delta is not None:
+        coef_1 = mx.minimum(coef_1, delta)
+    return -mx.minimum(coef_1 * advantages, coef_2 * advantages), coef_1
+
+
+def cispo_surrogate(coef_1, advantages, logps, *, epsilon_high, **_):
+    """CISPO (MiniMax-M1): loss = -sg(min(r, eps_high)) A logp. Note eps_high is the absolute cap on r, not 1 + eps."""
+    return -mx.stop_gradient(mx.minimum(coef_1, epsilon_high)) * advantages * logps, coef_1
+
+
+def sapo_surrogate(coef_1, advantages, logps, *, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, **_):
+    """SAPO soft gate: loss = -sigmoid(tau (r - 1)) * 4 / tau * A, tau = tau_pos if A > 0 else tau_neg."""
+    tau = mx.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+    return -mx.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau * advantages, coef_1
+
+
+# ------------------------------------------------------------------------------------------------ aggregations
+
+
+def grpo_aggregate(per_token_loss, mask, **_):
+    """grpo / sapo: mean over each sequence's tokens, then over sequences: mean_i [sum_t m l / max(sum_t m, 1)]."""
+    return ((per_token_loss * mask).sum(-1) / mx.maximum(mask.sum(-1), 1.0)).mean()
+
+
+def bnpo_aggregate(per_token_loss, mask, **_):
+    """bnpo: sum_it m l / max(sum_it m, 1) over the local micro-batch."""
+    return (per_token_loss * mask).sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def dr_grpo_aggregate(per_token_loss, mask, *, max_completion_length=None, **_):
+    """dr_grpo: sum_it m l / (B * max_completion_length); the constant defaults to the padded length T."""
+    length = mask.shape[1] if max_completion_length is None else max_completion_length
+    return (per_token_loss * mask).sum() / (mask.shape[0] * length)
+
+
+def token_sum_aggregate(per_token_loss, mask, *, normalizer=None, **_):
+    """dapo / cispo: sum_it m l / N, N = active tokens of the global accumulated batch (default: this micro-batch)."""
+    if normalizer is None:
+        normalizer = mx.maximum(mask.sum(), 1.0)
+    return (per_token_loss * mask).sum() / normalizer
+
+
+def luspo_aggregate(per_token_loss, mask, **_):
+    """luspo: each sequence's token sum, averaged over sequences: mean_i sum_t m l (length-scaled GSPO)."""
+    return (per_token_loss * mask).sum(-1).mean()
+
+
+# loss_type -> (per-token surrogate, aggregation, clip-metric family)
+LOSS_TYPES = {
+    "grpo": (clipped_surrogate, grpo_aggregate, "clip"),
+    "bnpo": (clipped_surrogate, bnpo_aggregate, "clip"),
+    "dr_grpo": (clipped_surrogate, dr_grpo_aggregate, "clip"),
+    "dapo": (clipped_surrogate, token_sum_aggregate, "clip"),
+    "luspo": (clipped_surrogate, luspo_aggregate, "clip"),
+    "cispo": (cispo_surrogate, token_sum_aggregate, "cispo"),
+    "sapo": (sapo_surrogate, grpo_aggregate, None),
+}
+
+
+# ------------------------------------------------------------------------------------------------------ metrics
+
+
+def _global_masked_mean(x: mx.array, mask: mx.array) -> mx.array:
+    """TRL's logged mean: over active tokens, or over sequences for a sequence-level ``[B, 1]`` quantity."""
+    if x.shape[1] == 1:
+        return x.sum() / max(x.shape[0], 1)
+    return (x * mask).sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def _masked_seq_mean(x: mx.array, mask: mx.array) -> mx.array:  # [B]; NaN for an empty row (skipped by nanmin/max)
+    if x.shape[1] == 1:
+        return x[:, 0]
+    return (x * mask).sum(-1) / mask.sum(-1)
+
+
+def _clip_metrics(ratio, advantages, mask, *, epsilon_low, epsilon_high, **_):
+    low = ((ratio < 1.0 - epsilon_low) & (advantages < 0)).astype(mx.float32)
+    high = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).astype(mx.float32)
+    region = mx.maximum(low, high)
+    return {
+        "clip_ratio/low_mean": _global_masked_mean(low, mask),
+        "clip_ratio/high_mean": _global_masked_mean(high, mask),
+        "clip_ratio/region_mean": _global_masked_mean(region, mask),
+        "clip_ratio/low_min": _nanmin(_masked_seq_mean(low, mask)),
+        "clip_ratio/high_max": _nanmax(_masked_seq_mean(high, mask)),
+    }
+
+
+def _cispo_metrics(ratio, advantages, mask, *, epsilon_high, **_):
+    clipped = ((ratio > epsilon_high) & (advantages > 0)).astype(mx.float32)
+    return {"cispo_clip_ratio": _global_masked_mean(clipped, mask)}
+
+
+_CLIP_METRICS = {"clip": _clip_metrics, "cispo": _cispo_metrics, None: lambda *a, **k: {}}
+
+
+# --------------------------------------------------------------------------------------------------- the loss
+
+
+def grpo_loss(
+    logps: mx.array,
+    old_logps: mx.array | None,
+    ref_logps: mx.array | None,
+    advantages: mx.array,
+    completion_mask: mx.array,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    normalizer: mx.array | float | None = None,
+    use_bias_correction_kl: bool = True,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    entropy: mx.array | None = None,
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """GRPO-family policy loss for one micro-batch (TRL 1.16 ``GRPOTrainer._compute_loss``).
+
+    Shapes: ``logps``, ``old_logps``, ``ref_logps``, ``completion_mask``, ``entropy`` ``[B, T]``; ``advantages``
+    ``[B]`` (or ``[B, T]``). ``old_logps=None`` means on-policy: ``logp_old = stop_gradient(logp)``, so r = 1 with
+    gradient A * grad(logp) (what TRL does when num_iterations == 1 and generation is aligned with the step).
+
+        log r = logp - logp_old                       per token  [B, T]       importance_sampling_level="token"
+              = masked mean of it over the sequence   broadcast  [B, 1]       "sequence" (GSPO)
+        l     = surrogate(r, A, logp)                 per loss_type (clipped / cispo / sapo)
+        KL    = exp(logp_ref - logp) - (logp_ref - logp) - 1,  times r if use_bias_correction_kl (TRL default)
+        l     = l + beta * KL                         when beta != 0
+        loss  = aggregate(l, m)                       grpo/sapo: per-sequence mean, then mean; bnpo: token mean;
+                                                      dr_grpo: sum / (B * max_completion_length);
+                                                      dapo/cispo: sum / normalizer; luspo: per-sequence sum, mean
+
+    ``epsilon_high`` defaults to ``epsilon``; for cispo it is the absolute cap on r (TRL recommends 5.0).
+    ``normalizer`` (dapo/cispo only): the active-token count of the whole accumulation window, so that summing
+    micro-batch losses gives TRL's loss; TRL uses ``num_items_in_batch / num_processes * grad_accum /
+    steps_per_generation``. Default: this micro-batch's ``max(sum m, 1)``. The other loss types are micro-batch
+    means; the engine divides them by the number of accumulation steps (TRL does the same).
+
+    Metrics (TRL's names): ``kl`` (beta != 0), ``entropy`` (when given), ``clip_ratio/low_mean``,
+    ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``
+    (clipped types), ``cispo_clip_ratio`` (cispo). Means are over active tokens, or over sequences for
+    sequence-level ratios; low = r < 1 - eps_low with A < 0, high = r' > 1 + eps_high with A > 0 (r' is the
+    delta-clamped ratio, as TRL).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    if normalizer is not None and loss_type not in TOKEN_SUM_LOSS_TYPES:
+        raise ValueError(f"normalizer applies to {sorted(TOKEN_SUM_LOSS_TYPES)} only, not {loss_type!r}")
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError("beta != 0 needs ref_logps")
+    surrogate, aggregate, metric_family = LOSS_TYPES[loss_type]
+    clip = {
+        "epsilon_low": epsilon,
+        "epsilon_high": epsilon if epsilon_high is None else epsilon_high,
+        "delta": delta,
+        "sapo_temperature_pos": sapo_temperature_pos,
+        "sapo_temperature_neg": sapo_temperature_neg,
+    }
+
+    logps = logps.astype(mx.float32)
+    mask = completion_mask.astype(mx.float32)
+    old_logps = mx.stop_gradient(logps) if old_logps is None else old_logps.astype(mx.float32)
+    advantages = advantages.astype(mx.float32)
+    if advantages.ndim == 1:
+        advantages = advantages[:, None]  # [B, 1]
+
+    log_w = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](logps - old_logps, mask)  # [B, T] or [B, 1]
+    coef_1 = mx.exp(log_w)
+    per_token_loss, ratio = surrogate(coef_1, advantages, logps, **clip)
+
+    metrics = {}
+    if beta != 0.0:
+        kl = k3_kl(logps, ref_logps.astype(mx.float32))  # [B, T]
+        if use_bias_correction_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+        metrics["kl"] = _global_masked_mean(kl, mask)
+    if entropy is not None:
+        metrics["entropy"] = _global_masked_mean(entropy.astype(mx.float32), mask)
+    metrics.update(_CLIP_METRICS[metric_family](ratio, advantages, mask, **clip))
+
+    loss = aggregate(per_token_loss, mask, max_completion_length=max_completion_length, normalizer=normalizer)
+    return loss, metrics
