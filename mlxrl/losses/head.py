@@ -1,0 +1,258 @@
+"""The LM head and log-probs as one streamed op that never materialises [tokens, vocab] logits.
+
+    logp_i = z_i[t_i] - logsumexp(z_i),   z_i = W h_i / T          (float32)
+    H_i    = logsumexp(z_i) - sum_j p_ij z_ij                       (entropy, optional)
+
+Backward, per row chunk, from cotangents g (of logp) and e (of H):
+    dz = g (onehot(t) - p) - e p (log p + H)
+    dh = dz W / T,   dW += dz^T h / T                               (float32 accumulation)
+
+Two ways to drive it, both exact (no gradient filtering):
+
+* `head_logprobs(...)` is differentiable (`mx.custom_function` with a streamed VJP) and works
+  inside any `mx.grad` / `mx.value_and_grad`. The chunks of the forward and of the VJP are chained
+  with `mx.depends` so MLX schedules them one after another: peak memory is the weight gradient
+  plus a few [chunk, V] tiles, flat in N. Rows whose target is -100 are dropped before the head
+  (they cost nothing) when `targets` is a concrete array.
+* `streamed_logprobs` + `streamed_head_backward` are the eager halves of a two-phase step for the
+  trainers: an `mx.eval` per chunk bounds memory to about two tiles plus the weight gradient, at
+  the price of running the trunk forward twice (once to get `hidden`, once inside its `mx.vjp`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+IGNORE_INDEX = -100
+TILE_BYTES = 64 << 20  # default budget for one float32 [rows, vocab_chunk] tile
+
+
+def default_chunk_size(n_rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> int:
+    """Vocab columns per tile so that one float32 [n_rows, chunk] tile stays within `tile_bytes`."""
+    cols = tile_bytes // (4 * max(n_rows, 1))
+    return int(min(vocab_size, max(128, cols // 128 * 128)))
+
+
+def _tile(h, weight, inv_t):
+    z = (h @ weight.T).astype(mx.float32)
+    return z * inv_t if inv_t != 1.0 else z
+
+
+def _target_logit(h, weight, t, inv_t):
+    """z[t] without the full row: a gather of W's target rows and a dot product ([N, D] work)."""
+    zt = (h.astype(mx.float32) * weight[t].astype(mx.float32)).sum(-1)
+    return zt * inv_t
+
+
+def _online_stats(h, weight, s, e, inv_t, stats, with_entropy):
+    """Fold vocab tile [s, e) into each row's running (max, sum exp, sum exp*z, argmax)."""
+    z = _tile(h, weight[s:e], inv_t)  # [N, C]
+    m_old, sum_old, zsum_old, arg_old = stats
+    tile_max = z.max(-1)
+    m = mx.maximum(m_old, tile_max)
+    scale = mx.exp(m_old - m)
+    ez = mx.exp(z - m[:, None])
+    zsum = zsum_old * scale + (ez * z).sum(-1) if with_entropy else zsum_old
+    arg = mx.where(tile_max > m_old, mx.argmax(z, -1).astype(mx.int32) + s, arg_old)
+    return m, sum_old * scale + ez.sum(-1), zsum, arg
+
+
+def _finish(stats, zt, with_entropy):
+    m, total, zsum, _ = stats
+    lse = m + mx.log(total)
+    ent = lse - zsum / total if with_entropy else mx.zeros_like(lse)
+    return zt - lse, ent, lse
+
+
+def _tile_dz(h, weight, s, e, t, lse, ent, g_logp, g_ent, inv_t):
+    """Gradient of sum(g*logp + e*H) w.r.t. the logits of vocab tile [s, e) (float32 [N, C])."""
+    z = _tile(h, weight[s:e], inv_t)
+    logp_all = z - lse[:, None]
+    p = mx.exp(logp_all)
+    onehot = (mx.arange(s, e)[None, :] == t[:, None]).astype(mx.float32)
+    dz = g_logp[:, None] * (onehot - p)
+    if g_ent is not None:
+        dz = dz - g_ent[:, None] * p * (logp_all + ent[:, None])
+    return dz * inv_t if inv_t != 1.0 else dz
+
+
+def _bounds(n: int, chunk: int):
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+def _init_stats(n):
+    return (mx.full((n,), -mx.inf, dtype=mx.float32), mx.zeros((n,), mx.float32), mx.zeros((n,), mx.float32),
+            mx.zeros((n,), mx.int32))
+
+
+def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool):
+    @mx.custom_function
+    def fn(hidden, weight, targets):
+        n, v = hidden.shape[0], weight.shape[0]
+        stats = _init_stats(n)
+        for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
+            h = mx.depends(hidden, list(stats))  # run tiles in order: each waits for the previous stats
+            stats = _online_stats(h, weight, s, e, inv_t, stats, with_entropy)
+        return _finish(stats, _target_logit(hidden, weight, targets, inv_t), with_entropy)
+
+    @fn.vjp
+    def fn_vjp(primals, cotangents, outputs):
+        hidden, weight, targets = primals
+        g_logp, g_ent, _ = cotangents
+        _, ent, lse = outputs
+        n, v = hidden.shape[0], weight.shape[0]
+        h32 = hidden.astype(mx.float32)
+        dh = mx.zeros(hidden.shape, mx.float32)
+        dws = []
+        for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
+            h = mx.depends(hidden, dh)  # the next tile waits for the running hidden gradient
+            dz = _tile_dz(h, weight, s, e, targets, lse, ent, g_logp, g_ent if with_entropy else None, inv_t)
+            dh = dh + dz @ weight[s:e].astype(mx.float32)
+            dws.append((dz.T @ h32).astype(weight.dtype))
+        return dh.astype(hidden.dtype), mx.concatenate(dws), mx.zeros_like(targets)
+
+    return fn
+
+
+_CACHE: dict = {}
+
+
+def _active_rows(targets: mx.array) -> np.ndarray | None:
+    """Indices of rows to score, or None when every row counts (no gather needed)."""
+    t = np.asarray(targets)
+    keep = np.flatnonzero(t != IGNORE_INDEX)
+    return None if keep.size == t.size else keep
+
+
+def head_logprobs(
+    hidden: mx.array,
+    weight: mx.array,
+    targets: mx.array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+    active_rows: mx.array | np.ndarray | None = None,
+):
+    """Per-token log p(target) (float32 [N]) of `hidden [N, D]` under the LM head `weight [V, D]`,
+    streamed over row chunks; differentiable w.r.t. hidden and weight.
+
+    targets [N]: token ids; -100 rows are not scored (their log-prob and entropy are 0).
+    temperature: logits are divided by it (GRPO's sampling temperature).
+    chunk_size: vocab columns per tile (default: a 64 MB float32 [rows, chunk] tile).
+    return_entropy: also return the per-token entropy of the (tempered) distribution.
+    active_rows: indices of the rows to score; computed from targets when omitted (pass it when
+    targets is not concrete, e.g. under mx.compile).
+    Returns logp, or (logp, entropy).
+    """
+    n = hidden.shape[0]
+    if active_rows is None:
+        active_rows = _active_rows(targets)
+    if active_rows is not None:
+        rows = mx.array(np.asarray(active_rows), dtype=mx.int32)
+        h, t = hidden[rows], targets[rows]
+    else:
+        h, t = hidden, targets
+    key = (chunk_size, 1.0 / temperature, return_entropy)
+    if key not in _CACHE:
+        _CACHE[key] = _make_streamed(*key)
+    if h.shape[0] == 0:
+        logp = ent = mx.zeros((0,), dtype=mx.float32)
+    else:
+        logp, ent, _ = _CACHE[key](h, weight, t.astype(mx.int32))
+    if active_rows is not None:
+        logp = mx.zeros((n,), dtype=mx.float32).at[rows].add(logp)
+        ent = mx.zeros((n,), dtype=mx.float32).at[rows].add(ent)
+    return (logp, ent) if return_entropy else logp
+
+
+# --------------------------------------------------------------------------------------------
+# Two-phase streamed step (eager; an mx.eval per chunk)
+# --------------------------------------------------------------------------------------------
+
+
+def _rows(targets):
+    t = np.asarray(targets)
+    rows = np.flatnonzero(t != IGNORE_INDEX)
+    return rows, mx.array(rows), mx.array(t[rows], dtype=mx.int32)
+
+
+def streamed_logprobs(hidden, weight, targets, *, temperature=1.0, chunk_size=None, with_entropy=False):
+    """Phase 1: per-token logp, entropy, logsumexp (float32 [N] each) and the argmax token (int32
+    [N], for accuracy), one evaluated vocab tile at a time over the rows whose target is not -100
+    (those rows get 0, and argmax -1). Keeps no graph: call it outside any gradient transformation."""
+    n, v = hidden.shape[0], weight.shape[0]
+    rows_np, rows, t = _rows(targets)
+    inv_t = 1.0 / temperature
+    h = hidden[rows]
+    stats = _init_stats(rows_np.size)
+    for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v)):
+        stats = _online_stats(h, weight, s, e, inv_t, stats, with_entropy)
+        mx.eval(stats)
+    outs = _finish(stats, _target_logit(h, weight, t, inv_t), with_entropy)
+    full = [mx.zeros((n,), mx.float32).at[rows].add(o) for o in outs]
+    full.append(mx.full((n,), -1, mx.int32).at[rows].add(stats[3] + 1))
+    mx.eval(full)
+    return tuple(full)
+
+
+def streamed_head_backward(hidden, weight, targets, lse, entropy, g_logp, g_entropy=None, *,
+                           temperature=1.0, chunk_size=None):
+    """Phase 2: d_hidden [N, D] and d_weight [V, D] for cotangents g_logp (and g_entropy) of the
+    log-probs, one evaluated vocab tile at a time; d_weight is filled in place, tile by tile
+    (float32 math, returned in the weight's dtype)."""
+    v = weight.shape[0]
+    rows_np, rows, t = _rows(targets)
+    inv_t = 1.0 / temperature
+    h = hidden[rows]
+    h32 = h.astype(mx.float32)
+    lse, ent, g = lse[rows], entropy[rows], g_logp[rows]
+    ge = None if g_entropy is None else g_entropy[rows]
+    dh = mx.zeros(h.shape, mx.float32)
+    dw = mx.zeros(weight.shape, weight.dtype)
+    for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v)):
+        dz = _tile_dz(h, weight, s, e, t, lse, ent, g, ge, inv_t)
+        dh = dh + dz @ weight[s:e].astype(mx.float32)
+        dw[s:e] = (dz.T @ h32).astype(weight.dtype)
+        mx.eval(dh, dw)
+    d_hidden = mx.zeros(hidden.shape, mx.float32).at[rows].add(dh).astype(hidden.dtype)
+    return d_hidden, dw
+
+
+def streamed_value_and_grad(trunk, params, targets, loss_fn, *, head_weight, temperature=1.0, chunk_size=None,
+                            with_entropy=False):
+    """The two-phase step: loss and gradients of `loss_fn(logp, entropy)` w.r.t. `params` with the
+    LM head streamed eagerly and the trunk differentiated by `mx.vjp`.
+
+    trunk(params) -> hidden [N, D]; head_weight(params) -> [V, D] (the embedding when tied: its
+    gradient then gets both the trunk's and the head's part); loss_fn(logp [N], entropy [N]) ->
+    (loss, aux). The trunk runs twice (forward to get `hidden`, then again inside its VJP), which
+    is the price of never holding a [N, V] tile together with the trunk's graph.
+    Returns (loss, aux, grads, (logp, entropy, argmax)).
+    """
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    keys, leaves = zip(*tree_flatten(params), strict=True)
+
+    def rebuild(xs):
+        return tree_unflatten(list(zip(keys, xs, strict=True)))
+
+    hidden = trunk(params)
+    weight = head_weight(params)
+    mx.eval(hidden, weight)
+    logp, ent, lse, argmax = streamed_logprobs(hidden, weight, targets, temperature=temperature,
+                                               chunk_size=chunk_size, with_entropy=with_entropy)
+    (loss, aux), (g_logp, g_ent) = mx.value_and_grad(loss_fn, argnums=(0, 1))(logp, ent)
+    mx.eval(loss, aux, g_logp, g_ent)
+    d_hidden, d_weight = streamed_head_backward(hidden, weight, targets, lse, ent, g_logp,
+                                                g_ent if with_entropy else None,
+                                                temperature=temperature, chunk_size=chunk_size)
+    del hidden
+
+    def trunk_and_head(*xs):  # one VJP: the trunk gets d_hidden, the head weight d_weight
+        p = rebuild(xs)
+        return trunk(p), head_weight(p)
+
+    _, grads = mx.vjp(trunk_and_head, list(leaves), [d_hidden, d_weight])
+    return loss, aux, rebuild(grads), (logp, ent, argmax)

@@ -1,0 +1,91 @@
+"""Peak memory and time of the LM head + NLL (loss and gradients w.r.t. hidden and weight):
+naive full logits vs `head_logprobs` (differentiable, streamed VJP) vs the two-phase streamed step.
+
+    python scripts/bench_loss.py [--n 1024 4096 8192] [--d 1024] [--v 151936] [--repeats 2]
+
+Peak is `mx.get_peak_memory()` after `mx.reset_peak_memory()`, minus the inputs (hidden, weight,
+targets) which all three hold. float32 throughout. Each configuration runs in a fresh subprocess so
+one method's cache does not colour another's peak.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+
+CHILD = r"""
+import json, sys, time
+import mlxrl
+import mlx.core as mx
+from mlxrl.losses.head import head_logprobs, streamed_logprobs, streamed_head_backward
+method, n, d, v, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+mx.random.seed(0)
+h = mx.random.normal((n, d)) * 0.5
+w = mx.random.normal((v, d)) * 0.02
+t = mx.random.randint(0, v, (n,))
+mx.eval(h, w, t)
+inputs = h.nbytes + w.nbytes + t.nbytes
+
+def naive(h, w):
+    z = h @ w.T
+    lp = mx.take_along_axis(z, t[:, None], -1)[:, 0] - mx.logsumexp(z, -1)
+    return -lp.mean()
+
+def diff(h, w):
+    return -head_logprobs(h, w, t).mean()
+
+def run():
+    if method == "naive":
+        out = mx.value_and_grad(naive, argnums=(0, 1))(h, w)
+    elif method == "differentiable":
+        out = mx.value_and_grad(diff, argnums=(0, 1))(h, w)
+    else:
+        lp, ent, lse = streamed_logprobs(h, w, t)
+        loss, g = mx.value_and_grad(lambda x: -x.mean())(lp)
+        out = (loss, streamed_head_backward(h, w, t, lse, ent, g))
+    mx.eval(out)
+    return out
+
+run()  # warm-up (compiles kernels, fills the cache)
+mx.clear_cache()
+mx.reset_peak_memory()
+times = []
+for _ in range(reps):
+    t0 = time.perf_counter(); out = run(); times.append(time.perf_counter() - t0)
+    del out
+peak = mx.get_peak_memory() - inputs
+print(json.dumps({"peak": peak, "time": min(times)}))
+"""
+
+
+def measure(method, n, d, v, reps):
+    out = subprocess.run([sys.executable, "-c", CHILD, method, str(n), str(d), str(v), str(reps)],
+                         capture_output=True, text=True)
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["killed"])[-1][:60]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--d", type=int, default=1024)
+    ap.add_argument("--v", type=int, default=151936)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    print(f"LM head + NLL, loss and grads w.r.t. hidden and weight; D={args.d}, V={args.v}, float32")
+    print(f"{'N':>6} {'method':<15} {'peak GB':>8} {'x naive':>8} {'time s':>7} {'x naive':>8}")
+    for n in args.n:
+        base = None
+        for method in ("naive", "differentiable", "two-phase"):
+            r = measure(method, n, args.d, args.v, args.repeats)
+            if "error" in r:
+                print(f"{n:>6} {method:<15} failed: {r['error']}")
+                continue
+            base = base or r
+            print(f"{n:>6} {method:<15} {r['peak'] / 1e9:8.2f} {r['peak'] / base['peak']:8.2f} "
+                  f"{r['time']:7.2f} {r['time'] / base['time']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
