@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 IGNORE_INDEX = -100
-TILE_BYTES = 64 << 20  # default budget for one float32 [rows, vocab_chunk] tile
+TILE_BYTES = 16 << 20  # default budget for one float32 [rows, vocab_chunk] tile
 
 
 def default_chunk_size(n_rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> int:
@@ -106,7 +106,8 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool):
         dh = mx.zeros(hidden.shape, mx.float32)
         dws = []
         for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
-            h = mx.depends(hidden, dh)  # the next tile waits for the running hidden gradient
+            # the next tile waits for everything the previous one produced, so its [N, C] tiles die first
+            h = mx.depends(hidden, [dh] + dws[-1:])
             dz = _tile_dz(h, weight, s, e, targets, lse, ent, g_logp, g_ent if with_entropy else None, inv_t)
             dh = dh + dz @ weight[s:e].astype(mx.float32)
             dws.append((dz.T @ h32).astype(weight.dtype))
@@ -140,7 +141,7 @@ def head_logprobs(
 
     targets [N]: token ids; -100 rows are not scored (their log-prob and entropy are 0).
     temperature: logits are divided by it (GRPO's sampling temperature).
-    chunk_size: vocab columns per tile (default: a 64 MB float32 [rows, chunk] tile).
+    chunk_size: vocab columns per tile (default: a 16 MB float32 [rows, chunk] tile).
     return_entropy: also return the per-token entropy of the (tempered) distribution.
     active_rows: indices of the rows to score; computed from targets when omitted (pass it when
     targets is not concrete, e.g. under mx.compile).
