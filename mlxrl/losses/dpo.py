@@ -19,8 +19,9 @@ and returns TRL's metrics (rewards/*, logps/*). Semantics follow TRL 1.16:
   pass `chosen_token_counts` / `rejected_token_counts`; the log-probs stay token *sums*.
 * `sft` is the token-level mean NLL over all chosen tokens of the batch, -sum_b pc_b / sum_b n_b
   (not a mean of per-sequence means), broadcast to [B] so it averages like the others.
-* `sigmoid` in `dpo_loss` ignores `label_smoothing` as TRL 1.16 does (it is used by robust,
-  exo_pair, aot, aot_unpaired); `sigmoid_loss(label_smoothing=...)` called directly is cDPO.
+* `sigmoid` with `label_smoothing` > 0 is conservative DPO (cDPO), as TRL < 1.0 did. TRL 1.16
+  silently ignores `label_smoothing` for sigmoid (it only feeds robust, exo_pair, aot,
+  aot_unpaired); we do not drop a flag the user set. With label_smoothing = 0 both agree.
 * `bco_pair` has no running reward mean (TRL 1.16 dropped it): -logs(b c) - logs(-b r).
 * `aot_pair` (older TRL name) is an alias of `aot_unpaired`.
 * LD-DPO (`ld_alpha`) is applied by the caller when summing token log-probs; pass the unweighted
@@ -251,7 +252,6 @@ DPO_LOSSES: dict[str, Callable[..., Array]] = {
 F_DIVERGENCE_LOSSES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"})
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 # TRL 1.16 applies label_smoothing to robust / exo_pair / aot* only: its `sigmoid` is plain DPO.
-_IGNORED_IN_DPO_LOSS = {"sigmoid": frozenset({"label_smoothing"})}
 _SORTING = frozenset({"aot", "aot_unpaired", "aot_pair"})
 _COUNTED = {"ipo": ("chosen", "rejected"), "sigmoid_norm": ("chosen", "rejected"), "sft": ("chosen",)}
 
@@ -285,8 +285,7 @@ def _check_vector(name: str, x, shape: tuple[int, ...]) -> Array:
 def _kwargs_for(name: str, fn: Callable, hyper: dict) -> dict:
     params = inspect.signature(fn).parameters
     wanted = [k for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    ignored = _IGNORED_IN_DPO_LOSS.get(name, frozenset())
-    return {k: hyper[k] for k in wanted if k not in ignored}
+    return {k: hyper[k] for k in wanted}
 
 
 def dpo_loss(
