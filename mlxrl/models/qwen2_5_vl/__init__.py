@@ -1,0 +1,1 @@
+"""Qwen2.5-VL: vision tower in ``vision.py``."""

@@ -1,0 +1,253 @@
+"""Qwen2-VL vision tower in MLX: patch embed, ViT blocks with 2D rotary, 2x2 patch merger.
+
+Parameter names are Hugging Face's, relative to ``visual.``. Everything that depends on the
+image grids (rotary cos/sin, per-frame segment ids) is computed in numpy by ``metadata``; the
+forward only does array math, so ``mx.compile`` traces it once per shape.
+
+The helpers here (grid parsing, position ids, rotary, segment mask, patch embed, attention)
+are shared with the Qwen2.5-VL tower.
+
+Test: pytest tests/test_vision_qwen2.py
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# Old config.json files (and transformers' attribute_map) use other names for these fields.
+_ALIASES = {"in_chans": "in_channels", "num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
+
+
+def config_kwargs(cls, d: dict) -> dict:
+    """Keyword arguments for the dataclass ``cls`` from an HF vision-config dict."""
+    d = dict(d)
+    for old, new in _ALIASES.items():
+        if old in d and new not in d:
+            d[new] = d[old]
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if "rope_theta" not in d and "rope_theta" in rope:
+        d["rope_theta"] = rope["rope_theta"]
+    names = inspect.signature(cls).parameters
+    return {k: v for k, v in d.items() if k in names}
+
+
+@dataclass
+class VisionConfig:
+    depth: int = 32
+    embed_dim: int = 1280
+    hidden_size: int = 3584  # output width: the language model's hidden size
+    hidden_act: str = "quick_gelu"
+    mlp_ratio: float = 4
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VisionConfig:
+        return cls(**config_kwargs(cls, d))
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+
+# ---------------------------------------------------------------- grid-dependent metadata (numpy)
+
+
+def as_grid(grid_thw, merge: int) -> np.ndarray:
+    """[n, 3] int64 array of (t, h, w) patch grids; h and w must be multiples of ``merge``."""
+    grid = np.asarray(grid_thw).astype(np.int64).reshape(-1, 3)
+    if (grid[:, 1:] % merge).any() or (grid <= 0).any():
+        raise ValueError(f"grid_thw rows must be positive with h, w multiples of {merge}: {grid.tolist()}")
+    return grid
+
+
+def position_ids(grid: np.ndarray, merge: int) -> np.ndarray:
+    """[N, 2] (row, col) of every patch, in the processor's order: merge blocks of
+    ``merge x merge`` patches, blocks in raster order, frames one after another."""
+    out = []
+    for t, h, w in grid:
+        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        blocks = (h // merge, merge, w // merge, merge)
+        rows = rows.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+        cols = cols.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1)
+        out.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
+    return np.concatenate(out, axis=0)
+
+
+def rotary_cos_sin(pos: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """Axial 2D rotary: a quarter of the head rotates by the row, a quarter by the column, and
+    the result is repeated for the two rotate-half halves. Returns float32 [N, head_dim] each."""
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(0, half, 2, dtype=np.float64) / half)  # [head_dim // 4]
+    freqs = (pos[:, :, None] * inv_freq).reshape(len(pos), -1)  # [N, head_dim // 2]: rows, then cols
+    freqs = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+
+def frame_segment_ids(grid: np.ndarray) -> np.ndarray:
+    """[N] int32: one id per frame of every image/video (attention never crosses frames)."""
+    sizes = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+    return np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
+
+
+# ---------------------------------------------------------------- layers
+
+
+def quick_gelu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(1.702 * x)
+
+
+ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}
+
+
+def segment_mask(seg: mx.array) -> mx.array:
+    """[N, N] bool: token i attends to token j iff they share a segment."""
+    return seg[:, None] == seg[None, :]
+
+
+def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """x [N, H, D] in any dtype; the rotation itself runs in float32 (cos/sin [N, D])."""
+    x32 = x.astype(mx.float32)
+    x1, x2 = mx.split(x32, 2, axis=-1)
+    rotated = mx.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+class Conv3dWeight(nn.Module):
+    """Holds the Conv3d kernel in HF layout [E, C, T, P, P] so the name is ``proj.weight``."""
+
+    def __init__(self, embed_dim: int, in_channels: int, temporal: int, patch: int):
+        super().__init__()
+        self.weight = mx.zeros((embed_dim, in_channels, temporal, patch, patch))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, embed_dim: int, in_channels: int, temporal: int, patch: int):
+        super().__init__()
+        self.proj = Conv3dWeight(embed_dim, in_channels, temporal, patch)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # The processor already flattened each patch as (C, T, P, P): a Conv3d whose kernel
+        # equals its stride is then one matmul with the flattened kernel.
+        w = self.proj.weight
+        return x.astype(w.dtype) @ w.reshape(w.shape[0], -1).T
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
+        n = x.shape[0]
+        qkv = self.qkv(x).reshape(n, 3, self.num_heads, -1)
+        q = apply_rotary(qkv[:, 0], cos, sin)
+        k = apply_rotary(qkv[:, 1], cos, sin)
+        q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, qkv[:, 2]))  # [1, H, N, D]
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.proj(out[0].transpose(1, 0, 2).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.act = ACT[act]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        dim = config.embed_dim
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, config.num_heads)
+        self.mlp = MLP(dim, int(dim * config.mlp_ratio), config.hidden_act)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Norm, then concatenate each merge x merge block of patches (adjacent rows in the
+    processor's order) and project with a 2-layer GELU MLP to the LM width."""
+
+    def __init__(self, out_dim: int, context_dim: int, merge: int, ln_q: nn.Module):
+        super().__init__()
+        self.hidden = context_dim * merge**2
+        self.ln_q = ln_q
+        # A list (not nn.Sequential) so the names are mlp.0 / mlp.2 as in HF.
+        self.mlp = [nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim)]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self.ln_q(x).reshape(-1, self.hidden)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+def sanitize_vision_weights(weights: dict[str, mx.array], in_channels: int) -> dict[str, mx.array]:
+    """Identity for HF checkpoints. Drops rotary buffers some exports carry and turns a
+    channels-last patch kernel [E, T, P, P, C] (mlx-vlm's layout) back into [E, C, T, P, P];
+    a kernel already in HF layout (dim 1 == C) is left alone, so this is idempotent."""
+    out = {}
+    for k, v in weights.items():
+        if k.startswith("rotary_pos_emb."):
+            continue
+        if k == "patch_embed.proj.weight" and v.ndim == 5 and v.shape[1] != in_channels:
+            if v.shape[-1] == in_channels:
+                v = v.transpose(0, 4, 1, 2, 3)
+        out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------- the tower
+
+
+class VisionModel(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.patch_embed = PatchEmbed(c.embed_dim, c.in_channels, c.temporal_patch_size, c.patch_size)
+        self.blocks = [Block(c) for _ in range(c.depth)]
+        self.merger = PatchMerger(c.hidden_size, c.embed_dim, c.spatial_merge_size, nn.LayerNorm(c.embed_dim, eps=1e-6))
+
+    def metadata(self, grid_thw) -> dict[str, mx.array]:
+        """cos/sin [N, head_dim] float32 and segment_ids [N] (one per frame) for ``grid_thw``."""
+        c = self.config
+        grid = as_grid(grid_thw, c.spatial_merge_size)
+        cos, sin = rotary_cos_sin(position_ids(grid, c.spatial_merge_size), c.head_dim, c.rope_theta)
+        return {
+            "cos": mx.array(cos),
+            "sin": mx.array(sin),
+            "segment_ids": mx.array(frame_segment_ids(grid)),
+        }
+
+    def __call__(self, pixel_values: mx.array, meta: dict[str, mx.array]) -> mx.array:
+        """pixel_values [N, C*T*P*P] -> merged features [N // merge**2, hidden_size]."""
+        x = self.patch_embed(pixel_values)  # [N, E]
+        mask = segment_mask(meta["segment_ids"])
+        for block in self.blocks:
+            x = block(x, meta["cos"], meta["sin"], mask)
+        return self.merger(x)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        return sanitize_vision_weights(weights, self.config.in_channels)
