@@ -211,3 +211,25 @@ def test_sanitize_is_idempotent_and_maps_layouts(arch_pair):
         return
     assert other.keys() != raw.keys()
     assert model.sanitize(other).keys() == once.keys()
+
+
+def test_packed_row_equals_separate_forwards(arch_pair):
+    """Two documents packed in one row with segment ids (positions restart, attention cannot cross)
+    give each document the logits it gets alone."""
+    arch, _, model, processor, _ = arch_pair
+    n_img = 0 if arch in TEXT else 1
+    docs = [(chat(processor, n_img, "first document"), [image(90, 60, 1)] if n_img else []),
+            (chat(processor, n_img, "the second, longer document"), [image(60, 120, 2)] if n_img else [])]
+    alone = [processor(text=[t], images=[imgs] if imgs else None) for t, imgs in docs]
+    ids = mx.concatenate([b["input_ids"] for b in alone], axis=1)
+    seg = mx.concatenate([mx.full(b["input_ids"].shape, i + 1, dtype=mx.int32) for i, b in enumerate(alone)], axis=1)
+    extra = {}
+    if n_img:
+        extra = {"pixel_values": mx.concatenate([b["pixel_values"] for b in alone]),
+                 "image_grid_thw": mx.concatenate([b["image_grid_thw"] for b in alone])}
+    packed = np.array(model(input_ids=ids, segment_ids=seg, **extra))
+    start = 0
+    for b in alone:
+        n = b["input_ids"].shape[1]
+        np.testing.assert_allclose(packed[0, start:start + n], np.array(model(**b))[0], atol=1e-4)
+        start += n

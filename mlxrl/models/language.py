@@ -201,6 +201,18 @@ def attention_mask_for(
     return mask | eye[None, None]
 
 
+def restart_positions(advance: mx.array, segment_ids: mx.array | None = None) -> mx.array:
+    """Exclusive cumulative sum of per-token `advance` [B, L] along each row, restarting at 0 at
+    the first token of every segment (packed documents). Vectorised: the running sum at each
+    segment start is carried forward with a cumulative max (the sum never decreases)."""
+    start = mx.cumsum(advance, axis=1) - advance
+    if segment_ids is None:
+        return start
+    first = mx.concatenate([mx.ones_like(segment_ids[:, :1], dtype=mx.bool_),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return start - mx.cummax(mx.where(first, start, 0), axis=1)
+
+
 class LanguageModel(nn.Module):
     """embed_tokens -> layers -> norm. Returns hidden states before the LM head."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .language import LanguageModel, TextConfig, attention_mask_for
+from .language import LanguageModel, TextConfig, attention_mask_for, restart_positions
 
 
 class Model(nn.Module):
@@ -56,7 +56,11 @@ class Model(nn.Module):
             raise ValueError(f"{self.config.get('model_type')} is a text-only model: it cannot take images")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         offset = cache[0].offset if cache is not None else 0
-        if position_ids is None:
+        if position_ids is None and segment_ids is not None:
+            # packed documents: positions restart per document (padding does not advance)
+            valid = (segment_ids > 0).astype(mx.int32)
+            position_ids = mx.where(valid > 0, restart_positions(valid, segment_ids), 0)
+        elif position_ids is None:
             B, L = h.shape[:2]
             position_ids = mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (B, L))
         mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)

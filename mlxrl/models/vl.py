@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .language import LanguageModel, TextConfig, attention_mask_for
+from .language import LanguageModel, TextConfig, attention_mask_for, restart_positions
 
 
 def mrope_positions(
@@ -19,6 +19,7 @@ def mrope_positions(
     attention_mask: mx.array | None,
     image_token_id: int,
     merge_size: int,
+    segment_ids: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """3D (t, h, w) positions of Qwen-VL's M-RoPE, vectorised over the batch.
 
@@ -30,6 +31,8 @@ def mrope_positions(
     elsewhere); the exclusive cumulative sum is the start position, and image tokens add their
     grid coordinates. Images are numbered in flattened batch order, which is the order of
     `pixel_values`.
+
+    segment_ids [B, L]: packed documents; positions restart at 0 at each document's first token.
 
     Returns positions [3, B, L] (int32) and rope deltas [B] (max position + 1 - real length,
     what generation adds to later positions).
@@ -58,7 +61,7 @@ def mrope_positions(
         last = flat & (k == n_tok[img] - 1)
         span = mx.maximum(gh, gw)[img]
         advance = mx.where(flat, mx.where(last, span, 0), valid.reshape(-1).astype(mx.int32)).reshape(B, L)
-    start = mx.cumsum(advance, axis=1) - advance  # exclusive cumsum per row
+    start = restart_positions(advance, segment_ids)
     pos = mx.stack([start + t_i, start + h_i, start + w_i])
     pos = mx.where(valid[None], pos, 0)
     deltas = pos.max(axis=(0, 2)) + 1 - valid.astype(mx.int32).sum(axis=1)
@@ -167,9 +170,13 @@ class QwenVLBase(nn.Module):
             if deep:
                 deepstack = (image_mask, deep)
         if position_ids is None:
-            if pixel_values is not None and cache is None:
-                grid = image_grid_thw if isinstance(image_grid_thw, mx.array) else mx.array(np.asarray(image_grid_thw))
-                position_ids, _ = mrope_positions(input_ids, grid, attention_mask, self.image_token_id, self.merge_size)
+            if (pixel_values is not None or segment_ids is not None) and cache is None:
+                grid = None
+                if pixel_values is not None:
+                    grid = mx.array(np.asarray(image_grid_thw)) if not isinstance(image_grid_thw, mx.array) \
+                        else image_grid_thw
+                position_ids, _ = mrope_positions(input_ids, grid, attention_mask, self.image_token_id,
+                                                  self.merge_size, segment_ids)
             else:
                 offset = cache[0].offset if cache is not None else 0
                 B, L = h.shape[:2]
