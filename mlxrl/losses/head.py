@@ -135,6 +135,7 @@ def head_logprobs(
     chunk_size: int | None = None,
     return_entropy: bool = False,
     active_rows: mx.array | np.ndarray | None = None,
+    skip_ignored: bool = True,
 ):
     """Per-token log p(target) (float32 [N]) of `hidden [N, D]` under the LM head `weight [V, D]`,
     streamed over row chunks; differentiable w.r.t. hidden and weight.
@@ -143,12 +144,16 @@ def head_logprobs(
     temperature: logits are divided by it (GRPO's sampling temperature).
     chunk_size: vocab columns per tile (default: a 16 MB float32 [rows, chunk] tile).
     return_entropy: also return the per-token entropy of the (tempered) distribution.
-    active_rows: indices of the rows to score; computed from targets when omitted (pass it when
-    targets is not concrete, e.g. under mx.compile).
+    active_rows: indices of the rows to score; computed from targets when omitted.
+    skip_ignored=False: score every row without looking at the targets (needed under mx.compile,
+    where targets are not concrete; select the rows beforehand); -100 rows then get garbage that
+    the caller masks out.
     Returns logp, or (logp, entropy).
     """
     n = hidden.shape[0]
-    if active_rows is None:
+    if not skip_ignored:
+        targets = mx.maximum(targets, 0)
+    elif active_rows is None:
         active_rows = _active_rows(targets)
     if active_rows is not None:
         rows = mx.array(np.asarray(active_rows), dtype=mx.int32)

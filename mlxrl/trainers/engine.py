@@ -1,0 +1,338 @@
+"""The one training engine shared by SFT, DPO and GRPO.
+
+A trainer supplies `make_batches(epoch) -> list[dict of np arrays]` and a pure
+`loss(model, batch, num_items) -> (loss, metrics)`; the engine owns everything else: trainable
+parameters (full / LoRA / frozen vision), AdamW with warmup + linear/cosine decay, gradient
+accumulation (losses normalised by the trained tokens of the whole accumulated batch, as TRL),
+grad-norm clipping, an `mx.compile`d step per shape bucket (state = model, optimizer, random
+state; one `mx.eval` per micro-batch), evaluation, resumable checkpoints (trainable weights,
+optimizer state, step, data position and RNG: resuming reproduces the uninterrupted run), logging
+with TRL's metric names plus tokens/s and peak memory, a progress bar, metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from .. import runtime
+from ..models import lora as lora_lib
+
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def make_schedule(args, total_steps: int):
+    warmup = args.warmup_steps or int(math.ceil(args.warmup_ratio * total_steps))
+    decay_steps = max(1, total_steps - warmup)
+    lr = args.learning_rate
+    kind = args.lr_scheduler_type
+    if kind == "linear":
+        main = optim.linear_schedule(lr, 0.0, decay_steps)
+    elif kind == "cosine":
+        main = optim.cosine_decay(lr, decay_steps, 0.0)
+    elif kind in ("constant", "constant_with_warmup"):
+        main = lambda step: mx.array(lr, dtype=mx.float32)  # noqa: E731
+    else:
+        raise ValueError(f"lr_scheduler_type {kind!r} is not supported: use linear, cosine or constant")
+    if warmup == 0:
+        return main
+    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), main], [warmup])
+
+
+def _atomic_dir(final: Path):
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    return tmp
+
+
+class Trainer:
+    """Subclasses implement `make_batches(epoch)`, `loss(model, batch, num_items)` and may
+    override `evaluate()` and `save_final()`."""
+
+    metric_names: tuple[str, ...] = ()
+
+    def __init__(self, model, processor, args):
+        self.model, self.processor, self.args = model, processor, args
+        self.output_dir = Path(args.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
+        mx.random.seed(args.seed)
+        self._setup_trainable()
+        self.optimizer = None
+        self.global_step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
+        self.num_tokens = 0
+        self.log_history: list[dict] = []
+        self._compiled: dict = {}
+        self._shapes_seen: set = set()
+
+    # ------------------------------------------------------------------ parameters
+    def _setup_trainable(self):
+        a, m = self.args, self.model
+        m.language_model.gradient_checkpointing = bool(a.gradient_checkpointing)
+        if a.use_peft:
+            lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
+                                target_modules=a.lora_target_modules, use_dora=a.use_dora)
+        else:
+            m.unfreeze()
+            if a.freeze_vision_tower and hasattr(m, "vision_tower"):
+                m.vision_tower.freeze()
+        m.train()
+
+    # ------------------------------------------------------------------ the step
+    def _grad_fn(self):
+        loss_and_grad = nn.value_and_grad(self.model, self.loss)
+
+        def step(batch, num_items):
+            (loss, metrics), grads = loss_and_grad(self.model, batch, num_items)
+            return loss, metrics, grads
+
+        return step
+
+    def _step_for(self, batch):
+        """A compiled step per batch shape (up to max_compiled_shapes, then eager)."""
+        key = tuple(sorted((k, v.shape, v.dtype) for k, v in batch.items() if isinstance(v, mx.array)))
+        if key not in self._compiled:
+            fn = self._grad_fn()
+            if self.args.compile and len(self._compiled) < self.args.max_compiled_shapes:
+                state = [self.model.state, mx.random.state]
+                fn = mx.compile(fn, inputs=state, outputs=state)
+            self._compiled[key] = fn
+        return self._compiled[key]
+
+    def _update(self, grads):
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            grads, norm = optim.clip_grad_norm(grads, self.args.max_grad_norm)
+        else:
+            norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+        self.optimizer.update(self.model, grads)
+        return norm
+
+    # ------------------------------------------------------------------ hooks for subclasses
+    def make_batches(self, epoch: int) -> list[dict]:
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict, num_items):
+        raise NotImplementedError
+
+    def to_device(self, batch: dict) -> dict:
+        """np -> mx for the arrays the step uses (subclasses may add vision metadata)."""
+        return {k: mx.array(v) for k, v in batch.items() if isinstance(v, np.ndarray)}
+
+    def batch_tokens(self, batch: dict) -> tuple[int, int]:
+        """(real tokens, trained tokens) of a prepared batch."""
+        return int(batch["num_tokens"]), int(batch["num_items"])
+
+    def evaluate(self) -> dict:
+        return {}
+
+    # ------------------------------------------------------------------ training loop
+    def _plan(self):
+        batches0 = self.make_batches(0)
+        self._epoch_batches = len(batches0)
+        per_epoch = max(1, len(batches0) // self.args.gradient_accumulation_steps)
+        if self.args.max_steps and self.args.max_steps > 0:
+            total = self.args.max_steps
+        else:
+            total = int(math.ceil(self.args.num_train_epochs * per_epoch))
+        return batches0, per_epoch, total
+
+    def train(self):
+        args = self.args
+        batches, steps_per_epoch, total = self._plan()
+        self.total_steps = total
+        self.optimizer = optim.AdamW(learning_rate=make_schedule(args, total), betas=[args.adam_beta1, args.adam_beta2],
+                                     eps=args.adam_epsilon, weight_decay=args.weight_decay)
+        if args.resume_from_checkpoint:
+            self.load_checkpoint(args.resume_from_checkpoint)
+        print(runtime.startup_line(), flush=True)
+        trainable, total_params = lora_lib.trainable_count(self.model)
+        print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
+              f"{total} optimizer steps, {steps_per_epoch} per epoch", flush=True)
+        bar = None
+        if not args.disable_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, initial=self.global_step, desc="train", dynamic_ncols=True)
+        interrupted = False
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            self._loop(batches, total, bar)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            if bar is not None:
+                bar.close()
+        if interrupted:
+            path = self.save_checkpoint()
+            print(f"interrupted: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        self.save_final()
+        return self.log_history
+
+    def _loop(self, batches, total, bar):
+        args = self.args
+        accum = args.gradient_accumulation_steps
+        window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
+        mx.reset_peak_memory()
+        while self.global_step < total:
+            if self.epoch > 0 or batches is None:
+                batches = self.make_batches(self.epoch)
+            usable = len(batches) // accum * accum
+            if usable == 0:
+                raise ValueError(f"fewer batches ({len(batches)}) than gradient_accumulation_steps ({accum})")
+            while self.batch_in_epoch < usable and self.global_step < total:
+                group = batches[self.batch_in_epoch:self.batch_in_epoch + accum]
+                num_items = sum(self.batch_tokens(b)[1] for b in group)
+                grads_sum, loss_sum, metric_sums = None, 0.0, []
+                for b in group:
+                    arrays = self.to_device(b)
+                    step = self._step_for(arrays)
+                    loss, metrics, grads = step(arrays, mx.array(num_items, dtype=mx.float32))
+                    grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
+                    mx.eval(loss, metrics, grads_sum)
+                    loss_sum += loss.item()
+                    metric_sums.append({k: v.item() for k, v in metrics.items()})
+                    window["tokens"] += self.batch_tokens(b)[0]
+                    self.num_tokens += self.batch_tokens(b)[0]
+                norm = self._update(grads_sum)
+                mx.eval(self.model.parameters(), self.optimizer.state, norm)
+                self.batch_in_epoch += accum
+                self.global_step += 1
+                window["losses"].append(loss_sum)
+                window["metrics"].extend(metric_sums)
+                window["grad_norm"] = norm.item()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_sum:.4f}")
+                if self.global_step % args.logging_steps == 0 or self.global_step == total:
+                    self._log(window)
+                    window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
+                if args.eval_strategy == "steps" and self.global_step % (args.eval_steps or args.logging_steps) == 0:
+                    self._log_eval()
+                if args.save_strategy == "steps" and args.save_steps and self.global_step % args.save_steps == 0:
+                    self.save_checkpoint()
+            if self.batch_in_epoch >= usable:
+                self.epoch += 1
+                self.batch_in_epoch = 0
+                batches = None
+                if args.eval_strategy == "epoch":
+                    self._log_eval()
+                if args.save_strategy == "epoch":
+                    self.save_checkpoint()
+
+    def _log(self, window):
+        dt = max(time.perf_counter() - window["t0"], 1e-9)
+        epoch = self.epoch + self.batch_in_epoch / max(1, self._epoch_len())
+        entry = {"step": self.global_step, "epoch": round(epoch, 4),
+                 "loss": float(np.mean(window["losses"])), "grad_norm": window.get("grad_norm"),
+                 "learning_rate": float(self.optimizer.learning_rate.item()), "num_tokens": self.num_tokens}
+        keys = {k for m in window["metrics"] for k in m}
+        entry.update({k: float(np.mean([m[k] for m in window["metrics"] if k in m])) for k in sorted(keys)})
+        entry["tokens_per_second"] = window["tokens"] / dt
+        entry["peak_memory_gb"] = mx.get_peak_memory() / 1e9
+        self._record(entry)
+
+    def _log_eval(self):
+        metrics = self.evaluate()
+        if metrics:
+            self._record({"step": self.global_step, **{f"eval_{k}": v for k, v in metrics.items()}})
+            self.model.train()
+
+    def _record(self, entry):
+        self.log_history.append(entry)
+        with open(self.output_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items() if v is not None}
+        print(json.dumps(shown), flush=True)
+
+    def _epoch_len(self):
+        return getattr(self, "_epoch_batches", 1)
+
+    @property
+    def compiled_shapes(self) -> int:
+        """Distinct batch shapes the step was built for (compiled up to max_compiled_shapes)."""
+        return len(self._compiled)
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainable_state(self) -> dict:
+        return dict(tree_flatten(self.model.trainable_parameters()))
+
+    def save_checkpoint(self) -> Path:
+        final = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+        tmp = _atomic_dir(final)
+        try:
+            mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable_state())
+            opt = dict(tree_flatten(self.optimizer.state))
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+            mx.save_safetensors(str(tmp / "rng.safetensors"), {"state": mx.random.state[0]})
+            state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                     "num_tokens": self.num_tokens, "log_history": self.log_history}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._rotate()
+        return final
+
+    def _checkpoints(self) -> list[Path]:
+        found = [p for p in self.output_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.name[len(CHECKPOINT_PREFIX):].isdigit()]
+        return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+    def _rotate(self):
+        limit = self.args.save_total_limit
+        if limit:
+            for old in self._checkpoints()[:-limit]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, path):
+        if str(path) == "last":
+            found = self._checkpoints()
+            if not found:
+                raise ValueError(f"--resume_from_checkpoint last: no checkpoint in {self.output_dir}")
+            path = found[-1]
+        path = Path(path)
+        if not (path / "trainer_state.json").exists():
+            raise ValueError(f"--resume_from_checkpoint {path}: not a checkpoint folder (no trainer_state.json)")
+        weights = mx.load(str(path / "trainable.safetensors"))
+        self.model.load_weights(list(weights.items()), strict=False)
+        opt = mx.load(str(path / "optimizer.safetensors"))
+        self.optimizer.init(self.model.trainable_parameters())
+        self.optimizer.state = tree_unflatten(list(opt.items()))
+        mx.random.state[0] = mx.load(str(path / "rng.safetensors"))["state"]
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]
+        self.log_history = state["log_history"]
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        print(f"resumed from {path} at step {self.global_step}", flush=True)
+
+    def save_final(self):
+        from ..loading import save
+
+        args = self.args
+        if getattr(self.model, "lora_config", None):
+            lora_lib.save_adapter(self.model, self.output_dir, getattr(self.model, "name_or_path", None))
+            if self.processor is not None:
+                self.processor.save_pretrained(self.output_dir)
+            if args.merge:
+                lora_lib.merge_lora(self.model)
+                save(self.model, self.processor, self.output_dir / "merged")
+        else:
+            save(self.model, self.processor, self.output_dir / "model")
