@@ -94,13 +94,14 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool):
         for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
             h = mx.depends(hidden, list(stats))  # run tiles in order: each waits for the previous stats
             stats = _online_stats(h, weight, s, e, inv_t, stats, with_entropy)
-        return _finish(stats, _target_logit(hidden, weight, targets, inv_t), with_entropy)
+        logp, ent, lse = _finish(stats, _target_logit(hidden, weight, targets, inv_t), with_entropy)
+        return logp, ent, lse, stats[3]
 
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
         hidden, weight, targets = primals
-        g_logp, g_ent, _ = cotangents
-        _, ent, lse = outputs
+        g_logp, g_ent = cotangents[:2]
+        _, ent, lse, _ = outputs
         n, v = hidden.shape[0], weight.shape[0]
         h32 = hidden.astype(mx.float32)
         dh = mx.zeros(hidden.shape, mx.float32)
@@ -136,6 +137,7 @@ def head_logprobs(
     return_entropy: bool = False,
     active_rows: mx.array | np.ndarray | None = None,
     skip_ignored: bool = True,
+    return_argmax: bool = False,
 ):
     """Per-token log p(target) (float32 [N]) of `hidden [N, D]` under the LM head `weight [V, D]`,
     streamed over row chunks; differentiable w.r.t. hidden and weight.
@@ -148,7 +150,8 @@ def head_logprobs(
     skip_ignored=False: score every row without looking at the targets (needed under mx.compile,
     where targets are not concrete; select the rows beforehand); -100 rows then get garbage that
     the caller masks out.
-    Returns logp, or (logp, entropy).
+    return_argmax: also return each row's argmax token (int32; -1 on unscored rows), for accuracy.
+    Returns logp, then entropy and argmax when asked for.
     """
     n = hidden.shape[0]
     if not skip_ignored:
@@ -165,12 +168,15 @@ def head_logprobs(
         _CACHE[key] = _make_streamed(*key)
     if h.shape[0] == 0:
         logp = ent = mx.zeros((0,), dtype=mx.float32)
+        arg = mx.zeros((0,), dtype=mx.int32)
     else:
-        logp, ent, _ = _CACHE[key](h, weight, t.astype(mx.int32))
+        logp, ent, _, arg = _CACHE[key](h, weight, t.astype(mx.int32))
     if active_rows is not None:
         logp = mx.zeros((n,), dtype=mx.float32).at[rows].add(logp)
         ent = mx.zeros((n,), dtype=mx.float32).at[rows].add(ent)
-    return (logp, ent) if return_entropy else logp
+        arg = mx.full((n,), -1, dtype=mx.int32).at[rows].add(arg + 1)
+    out = (logp,) + ((ent,) if return_entropy else ()) + ((arg,) if return_argmax else ())
+    return out if len(out) > 1 else logp
 
 
 # --------------------------------------------------------------------------------------------

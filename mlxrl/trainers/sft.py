@@ -1,0 +1,160 @@
+"""SFTTrainer: TRL's supervised fine-tuning on the shared engine.
+
+    trainer = SFTTrainer(model=model, processor=processor, args=SFTConfig(...), train_dataset=rows)
+    trainer.train()
+
+Rows are TRL dataset rows (language modelling, prompt-completion, conversational, vision
+conversational). The loss is TRL's: -sum log p(label) / (trained tokens of the whole accumulated
+batch), through the streamed LM head (no [tokens, vocab] logits).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..losses.head import IGNORE_INDEX, head_logprobs, streamed_value_and_grad
+from ..losses.sft import check_has_labels, sft_loss
+from .config import SFTConfig
+from .engine import Trainer
+
+
+def _bucket(n: int, minimum: int = 64) -> int:
+    return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
+
+
+def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndarray:
+    """targets[b, i] = labels[b, i + 1]: what position i predicts. The last position and the last
+    token of each packed document predict nothing (the next token belongs to another document)."""
+    t = np.full_like(labels, IGNORE_INDEX)
+    t[:, :-1] = labels[:, 1:]
+    if segment_ids is not None:
+        boundary = np.zeros_like(labels, dtype=bool)
+        boundary[:, :-1] = segment_ids[:, 1:] != segment_ids[:, :-1]
+        t[boundary] = IGNORE_INDEX
+    return t
+
+
+class SFTTrainer(Trainer):
+    metric_names = ("loss", "mean_token_accuracy", "entropy", "num_tokens")
+
+    def __init__(self, model, processor, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None):
+        args = args or SFTConfig()
+        super().__init__(model, processor, args)
+        if train_dataset is None:
+            raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
+        if args.head_mode not in ("differentiable", "two_phase"):
+            raise ValueError(f"head_mode {args.head_mode!r}: use differentiable or two_phase")
+        self.train_examples = self._tokenize(train_dataset)
+        self.eval_examples = self._tokenize(eval_dataset) if eval_dataset is not None else None
+
+    # ------------------------------------------------------------------ data
+    def _tokenize(self, rows):
+        from ..data import tokenize_example
+
+        a = self.args
+        return [tokenize_example(row, self.processor, index=i, max_length=a.max_length,
+                                 truncation_mode=a.truncation_mode, completion_only_loss=a.completion_only_loss,
+                                 assistant_only_loss=a.assistant_only_loss, dataset_text_field=a.dataset_text_field)
+                for i, row in enumerate(rows)]
+
+    def _batches_of(self, examples, epoch, shuffle, batch_size):
+        from ..data import make_batches
+
+        a = self.args
+        batches = make_batches(examples, batch_size, packing=a.packing, packing_strategy=a.packing_strategy,
+                               padding_free=a.padding_free, max_length=a.max_length,
+                               pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
+                               shuffle=shuffle, seed=a.seed, epoch=epoch)
+        return [self.prepare(b) for b in batches]
+
+    def make_batches(self, epoch):
+        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size)
+
+    def prepare(self, batch) -> dict:
+        """Batch -> the numpy arrays of one step: the trained rows (padded to a bucket so the
+        compiled step sees few shapes) and their targets."""
+        seg = batch.segment_ids
+        targets = shift_targets(np.asarray(batch.labels), None if seg is None else np.asarray(seg))
+        check_has_labels(targets, batch.example_ids)
+        flat = targets.reshape(-1)
+        rows = np.flatnonzero(flat != IGNORE_INDEX)
+        n_rows = _bucket(rows.size)
+        padded_rows = np.zeros(n_rows, np.int32)
+        padded_rows[: rows.size] = rows
+        padded_targets = np.full(n_rows, IGNORE_INDEX, np.int32)
+        padded_targets[: rows.size] = flat[rows]
+        out = {"input_ids": np.asarray(batch.input_ids, np.int32),
+               "attention_mask": np.asarray(batch.attention_mask, np.int32),
+               "rows": padded_rows, "targets": padded_targets,
+               "num_tokens": int(np.asarray(batch.attention_mask).sum()), "num_items": int(rows.size),
+               "example_ids": list(batch.example_ids)}
+        if seg is not None:
+            out["segment_ids"] = np.asarray(seg, np.int32)
+        if batch.pixel_values is not None:
+            out["pixel_values"] = np.asarray(batch.pixel_values, np.float32)
+            out["image_grid_thw"] = np.asarray(batch.image_grid_thw, np.int32)
+        return out
+
+    def to_device(self, batch):
+        arrays = super().to_device(batch)
+        if "image_grid_thw" in batch:
+            arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
+        return arrays
+
+    # ------------------------------------------------------------------ loss
+    def hidden_rows(self, model, batch):
+        """Hidden states of the trained rows [R, D] (the trunk, up to the final norm)."""
+        kw = {k: batch[k] for k in ("segment_ids", "pixel_values", "image_grid_thw", "vision_meta") if k in batch}
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_hidden=True, **kw)
+        return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
+
+    def loss(self, model, batch, num_items):
+        h = self.hidden_rows(model, batch)
+        logp, ent, argmax = head_logprobs(h, model.lm_head_weight(), batch["targets"], chunk_size=self.args.chunk_size,
+                                          return_entropy=True, return_argmax=True, skip_ignored=False)
+        return sft_loss(logp, batch["targets"], loss_type=self.args.loss_type, num_items=num_items,
+                        entropy=ent, argmax=argmax)
+
+    def _grad_fn(self):
+        if self.args.head_mode != "two_phase":
+            return super()._grad_fn()
+        model, args = self.model, self.args
+
+        def step(batch, num_items):
+            params = model.trainable_parameters()
+
+            def trunk(p):
+                model.update(p)
+                return self.hidden_rows(model, batch)
+
+            def head_weight(p):
+                model.update(p)
+                return model.lm_head_weight()
+
+            def loss_fn(logp, ent):
+                return sft_loss(logp, batch["targets"], loss_type=args.loss_type, num_items=num_items, entropy=ent)
+
+            loss, metrics, grads, (_, _, argmax) = streamed_value_and_grad(
+                trunk, params, batch["targets"], loss_fn, head_weight=head_weight, chunk_size=args.chunk_size,
+                with_entropy=True)
+            t = batch["targets"]
+            mask = (t != IGNORE_INDEX).astype(mx.float32)
+            metrics["mean_token_accuracy"] = ((argmax == t) * mask).sum() / mx.maximum(mask.sum(), 1)
+            return loss, metrics, grads
+
+        return step
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        if not self.eval_examples:
+            return {}
+        self.model.eval()
+        total, items = 0.0, 0
+        for b in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size):
+            arrays = self.to_device(b)
+            loss, _ = self.loss(self.model, arrays, mx.array(b["num_items"], dtype=mx.float32))
+            total += loss.item() * b["num_items"]
+            items += b["num_items"]
+        self.model.train()
+        return {"loss": total / max(items, 1)}
