@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -31,12 +30,20 @@ BLAS_IN_USE = "system"  # what the startup line reports
 
 
 def _bundled_reference_blas() -> bool:
-    """True when the installed MLX wheel ships its own (reference) libblas."""
-    spec = importlib.util.find_spec("mlx")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    site = Path(list(spec.submodule_search_locations)[0]).parent
-    return bool(glob.glob(str(site / "mlx_cpu.libs" / "libblas*")))
+    """True when the installed MLX CPU wheel ships its own (reference) libblas.
+
+    Looked up through the installed distribution, not `import mlx`, so that a folder named `mlx`
+    in the working directory cannot hide it."""
+    from importlib import metadata
+
+    for dist in ("mlx-cpu", "mlx"):
+        try:
+            root = Path(metadata.distribution(dist).locate_file(""))
+        except metadata.PackageNotFoundError:
+            continue
+        if glob.glob(str(root / "mlx_cpu.libs" / "libblas*")):
+            return True
+    return False
 
 
 def _mkl_paths() -> list[str]:
