@@ -1,0 +1,389 @@
+"""Dataset rows -> token ids and labels for SFT, with TRL 1.16's formats and semantics.
+
+    from mlxrl.data import load_rows, tokenize_example
+    rows = load_rows("data/train.jsonl")
+    ex = tokenize_example(rows[0], processor, index=0, max_length=1024)
+
+Formats (``detect_format``): language modeling (``text``), prompt-completion (``prompt`` +
+``completion``, both strings or both message lists) and conversational (``messages``, or ShareGPT
+``conversations`` with from/value keys, converted to ChatML as TRL does). Vision rows add an
+``images`` (or ``image``) column: PIL images, paths, raw bytes or Hugging Face ``Image`` dicts.
+
+What matches TRL (``SFTTrainer._prepare_dataset`` and ``DataCollatorForVisionLanguageModeling``):
+EOS appended to ``text`` / string completions that lack it; the completion starts where the
+tokenised prompt and prompt+completion first differ; ``completion_only_loss=None`` means "on for
+prompt-completion rows"; ``assistant_only_loss`` trains each assistant turn's content and its
+closing ``<|im_end|>\\n`` (what TRL's Qwen training templates put inside ``{% generation %}``);
+image blocks are filled from the ``images`` column in order, and a row whose messages have no image
+block gets them before its first user message's text. Deliberate differences: EOS is also added for
+vision rows (TRL's vision collator forgets it); truncation never cuts an image, and images wholly
+outside the kept window are dropped with their pixels; rows left with nothing to train are kept
+(``Example.num_trainable == 0``) for the batch-level guard in ``mlxrl.losses.sft`` to report.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from ..losses.head import IGNORE_INDEX
+from ..processing import _to_rgb
+
+__all__ = ["Example", "load_rows", "detect_format", "tokenize_example", "truncate_example", "FORMATS"]
+
+FORMATS = ("language_modeling", "prompt_completion", "conversational")
+_DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+_ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n?)", re.DOTALL)
+
+
+@dataclass
+class Example:
+    """One tokenised row. ``labels`` are aligned with ``input_ids`` (TRL's convention: the loss shifts,
+    token t predicts labels[t+1]); -100 marks tokens that are not trained."""
+
+    input_ids: np.ndarray                       # [L] int32
+    labels: np.ndarray                          # [L] int32
+    images: list = field(default_factory=list)  # PIL RGB, in placeholder order
+    pixel_values: np.ndarray | None = None      # [P, C*T*p*p] float32
+    image_grid_thw: np.ndarray | None = None    # [n, 3] int64
+    index: int = -1                             # the dataset row
+    image_spans: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # [n, 2] token [start, stop)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_trainable(self) -> int:
+        """Tokens the loss scores: labels[1:] != -100 (labels[0] has nothing before it to predict it)."""
+        return int((self.labels[1:] != IGNORE_INDEX).sum())
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+def _read_file(path: Path) -> list[dict]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return list(json.loads(text))
+    # .jsonl, and .json written as one object per line (what datasets' to_json writes)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def load_rows(dataset: str | os.PathLike, split: str = "train") -> list[dict]:
+    """Rows of a local .json / .jsonl / .parquet file, a folder of them (sorted by name), or a Hub
+    dataset (``datasets.load_dataset(name, split=split)``; images stay undecoded dicts)."""
+    path = Path(dataset)
+    if path.is_file():
+        if path.suffix not in _DATA_SUFFIXES:
+            raise ValueError(f"dataset {str(path)!r}: unsupported file type {path.suffix!r} "
+                             "(use .json, .jsonl or .parquet)")
+        return _read_file(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _DATA_SUFFIXES)
+        if not files:
+            raise ValueError(f"dataset {str(path)!r}: folder has no .json, .jsonl or .parquet file")
+        return [row for f in files for row in _read_file(f)]
+    if path.suffix in _DATA_SUFFIXES or str(dataset).startswith((".", "/", "~")):
+        raise ValueError(f"dataset {str(dataset)!r}: no such file or folder")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(str(dataset), split=split)
+        # to_list keeps Image columns as {"bytes", "path"} dicts: decoded later, one row at a time
+        return ds.to_list()
+    except Exception as e:  # the Hub's errors vary (offline, 404, gated): one line naming the dataset
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"dataset {str(dataset)!r} (split {split!r}): not a local path and cannot be loaded "
+                         f"from the Hugging Face Hub ({type(e).__name__}: {reason})") from None
+
+
+# ------------------------------------------------------------------------------------------- formats
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value) and (
+        "role" in value[0] or "from" in value[0])
+
+
+def detect_format(row: dict, index: int | None = None, dataset_text_field: str = "text") -> str:
+    """"conversational", "prompt_completion" or "language_modeling"; a one-line error otherwise."""
+    where = f"row {index}" if index is not None else "row"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a dict of columns, got {type(row).__name__}")
+    for key in ("messages", "conversations"):
+        if key in row:
+            if not _is_messages(row[key]):
+                raise ValueError(f"{where}: {key!r} must be a non-empty list of {{'role', 'content'}} messages")
+            return "conversational"
+    if "prompt" in row or "completion" in row:
+        missing = [k for k in ("prompt", "completion") if k not in row]
+        if missing:
+            raise ValueError(f"{where}: prompt-completion data is missing column(s) {', '.join(map(repr, missing))}")
+        kinds = {"messages" if _is_messages(row[k]) else type(row[k]).__name__ for k in ("prompt", "completion")}
+        if kinds not in ({"str"}, {"messages"}):
+            raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings or both be message "
+                             f"lists, got {' and '.join(sorted(kinds))}")
+        return "prompt_completion"
+    if dataset_text_field in row:
+        if not isinstance(row[dataset_text_field], str):
+            raise ValueError(f"{where}: {dataset_text_field!r} must be a string")
+        return "language_modeling"
+    raise ValueError(f"{where}: no known columns (has {', '.join(map(repr, sorted(row))) or 'none'}); need "
+                     f"{dataset_text_field!r}, 'prompt' + 'completion', or 'messages'")
+
+
+def _chatml(messages: list[dict]) -> list[dict]:
+    """ShareGPT's from/value keys -> role/content (TRL's maybe_convert_to_chatml), without mutating."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if "from" in m:
+            m["role"] = m.pop("from")
+        if "value" in m:
+            m["content"] = m.pop("value")
+        out.append(m)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- images
+
+def _open_image(obj) -> Image.Image:
+    if isinstance(obj, Image.Image):
+        return obj
+    if isinstance(obj, dict):  # Hugging Face Image feature, undecoded
+        if obj.get("bytes") is not None:
+            return Image.open(io.BytesIO(obj["bytes"]))
+        if obj.get("path"):
+            return Image.open(obj["path"])
+        raise ValueError("image dict has neither 'bytes' nor 'path'")
+    if isinstance(obj, (bytes, bytearray)):
+        return Image.open(io.BytesIO(obj))
+    if isinstance(obj, (str, os.PathLike)):
+        return Image.open(obj)
+    if isinstance(obj, np.ndarray):
+        return Image.fromarray(obj)
+    raise TypeError(f"unsupported image type {type(obj).__name__}")
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, (str, os.PathLike)):
+        return repr(str(obj))
+    if isinstance(obj, dict) and obj.get("path"):
+        return repr(str(obj["path"]))
+    return type(obj).__name__
+
+
+def _decode_images(images: list, index) -> list[Image.Image]:
+    out = []
+    for k, obj in enumerate(images):
+        try:
+            im = _open_image(obj)
+            im.load()
+            out.append(Image.fromarray(_to_rgb(im)))  # the processor's RGB rule: alpha onto white
+        except Exception as e:
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
+                             f"{type(e).__name__}: {reason}") from None
+    return out
+
+
+def _row_images(row: dict) -> list:
+    if row.get("images") is not None:
+        images = row["images"]
+        return list(images) if isinstance(images, (list, tuple)) else [images]
+    if row.get("image") is not None:
+        return [row["image"]]
+    return []
+
+
+def _is_image_block(block) -> bool:
+    return isinstance(block, dict) and (block.get("type") == "image" or "image" in block or "image_url" in block)
+
+
+def _fill_images(messages: list[dict], images: list, index) -> tuple[list[dict], list]:
+    """Fill image blocks from the ``images`` column, in order (TRL's prepare_multimodal_messages).
+
+    With no image block anywhere, the images go before the first user message's text. Blocks that
+    carry their own ``image`` keep it. Returns the messages and every image in block order."""
+    blocks = [b for m in messages if isinstance(m.get("content"), list) for b in m["content"] if _is_image_block(b)]
+    if images and not blocks:
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+        if first is None:
+            raise ValueError(f"row {index}: {len(images)} image(s) but no user message to put them in")
+        content = messages[first].get("content")
+        content = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        messages = [*messages[:first], {**messages[first], "content": [{"type": "image"} for _ in images] + content},
+                    *messages[first + 1:]]
+    empty = sum(1 for m in messages if isinstance(m.get("content"), list)
+                for b in m["content"] if _is_image_block(b) and b.get("image") is None)
+    if empty != len(images):
+        raise ValueError(f"row {index}: the messages have {empty} image block(s) to fill but the row has "
+                         f"{len(images)} image(s)")
+    pending, ordered, out = iter(images), [], []
+    for m in messages:
+        if isinstance(m.get("content"), list):
+            content = []
+            for b in m["content"]:
+                if _is_image_block(b):
+                    b = {**b, "type": "image", "image": b["image"] if b.get("image") is not None else next(pending)}
+                    ordered.append(b["image"])
+                content.append(b)
+            m = {**m, "content": content}
+        out.append(m)
+    return out, ordered
+
+
+# -------------------------------------------------------------------------------------- tokenisation
+
+def _with_eos(text: str, eos: str | None) -> str:
+    return text if not eos or text.endswith(eos) else text + eos
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def _assistant_mask(text: str, offsets: np.ndarray) -> np.ndarray:
+    """1 for tokens overlapping an assistant turn's content + "<|im_end|>\\n" (char spans of the
+    ChatML text; a token straddling the span's edge counts, as transformers' generation masks do)."""
+    mask = np.zeros(len(offsets), dtype=bool)
+    for m in _ASSISTANT_TURN.finditer(text):
+        lo, hi = m.span(1)
+        mask |= (offsets[:, 0] < hi) & (offsets[:, 1] > lo)
+    return mask
+
+
+def _render(processor, messages, row: dict, **kwargs) -> str:
+    tools = row.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    return processor.apply_chat_template(messages, tools=tools, **(row.get("chat_template_kwargs") or {}), **kwargs)
+
+
+def tokenize_example(row: dict, processor, *, index: int, max_length: int | None = 1024,
+                     truncation_mode: str = "keep_start", completion_only_loss: bool | None = None,
+                     assistant_only_loss: bool = False, dataset_text_field: str = "text") -> Example:
+    """Tokenise one row as TRL's SFTTrainer would, expand its images and truncate it.
+
+    processor: ``mlxrl.processing.Processor`` (tokenizer, chat template, image processor for VL).
+    completion_only_loss: None = True for prompt-completion rows. assistant_only_loss: conversational
+    rows only. truncation_mode: "keep_start" or "keep_end" (both refuse to cut through an image).
+    """
+    fmt = detect_format(row, index, dataset_text_field)
+    tok = processor.tokenizer
+    images = _row_images(row)
+    prompt_text = None
+    if fmt == "conversational":
+        messages = _chatml(row["messages"] if "messages" in row else row["conversations"])
+        messages, images = _fill_images(messages, images, index)
+        text = _render(processor, messages, row)
+    elif fmt == "prompt_completion" and not isinstance(row["prompt"], str):
+        prompt, images = _fill_images(_chatml(row["prompt"]), images, index)
+        prompt_text = _render(processor, prompt, row, add_generation_prompt=True)
+        text = _render(processor, prompt + _chatml(row["completion"]), row)
+    else:
+        if assistant_only_loss:
+            raise ValueError(f"row {index}: assistant_only_loss=True needs conversational rows ('messages' or "
+                             f"message-list prompt/completion), this row is {fmt}")
+        if fmt == "prompt_completion":
+            prompt_text = row["prompt"]
+            text = prompt_text + _with_eos(row["completion"], tok.eos_token)
+        else:
+            text = _with_eos(row[dataset_text_field], tok.eos_token)
+
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=assistant_only_loss)
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    keep = np.ones(len(ids), dtype=bool)
+    if completion_only_loss is None:
+        completion_only_loss = fmt == "prompt_completion"
+    if completion_only_loss and prompt_text is not None:
+        prompt_ids = np.asarray(tok(prompt_text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        keep[:_common_prefix(prompt_ids, ids)] = False
+    if assistant_only_loss:
+        keep &= _assistant_mask(text, np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2))
+
+    example = _expand_images(ids, keep, images, processor, index)
+    if max_length is not None:
+        example = truncate_example(example, max_length, truncation_mode)
+    return example
+
+
+def _expand_images(ids: np.ndarray, keep: np.ndarray, images: list, processor, index) -> Example:
+    """Repeat each <|image_pad|> to its image's token count; labels follow ``keep``."""
+    if images and processor.image_processor is None:
+        raise ValueError(f"row {index}: has images but the processor has no image processor (a text-only model)")
+    at = np.flatnonzero(ids == processor.image_token_id)
+    if len(at) != len(images):
+        raise ValueError(f"row {index}: the text has {len(at)} image placeholder(s) but the row has "
+                         f"{len(images)} image(s)")
+    labels = np.where(keep, ids, IGNORE_INDEX)
+    if not images:
+        return Example(ids.astype(np.int32), labels.astype(np.int32), index=index)
+    decoded = _decode_images(images, index)
+    pixel_values, grid = processor.image_processor(decoded)
+    reps = np.ones(len(ids), dtype=np.int64)
+    reps[at] = processor.image_processor.num_image_tokens(grid)
+    starts = np.cumsum(reps) - reps  # position of each original token after expansion
+    spans = np.stack([starts[at], starts[at] + reps[at]], axis=1)
+    return Example(np.repeat(ids, reps).astype(np.int32), np.repeat(labels, reps).astype(np.int32), decoded,
+                   pixel_values.astype(np.float32), np.asarray(grid, dtype=np.int64), index, spans)
+
+
+def image_patch_offsets(example: Example) -> np.ndarray:
+    """[n+1] row offsets of each image's patches in ``pixel_values``."""
+    if example.image_grid_thw is None:
+        return np.zeros(1, dtype=np.int64)
+    return np.concatenate([[0], np.cumsum(example.image_grid_thw.prod(axis=1))]).astype(np.int64)
+
+
+def select_window(example: Example, start: int, stop: int) -> Example:
+    """Tokens [start, stop) with the images wholly inside; an image cut by the window is an error
+    (the caller words it)."""
+    spans = example.image_spans
+    inside = (spans[:, 0] >= start) & (spans[:, 1] <= stop)
+    cut = ~inside & (spans[:, 0] < stop) & (spans[:, 1] > start)
+    if cut.any():
+        raise _ImageCut(int(np.flatnonzero(cut)[0]))
+    keep = np.flatnonzero(inside)
+    pixel_values = grid = None
+    if len(keep):
+        offsets = image_patch_offsets(example)
+        pixel_values = np.concatenate([example.pixel_values[offsets[k]:offsets[k + 1]] for k in keep])
+        grid = example.image_grid_thw[keep]
+    return Example(example.input_ids[start:stop], example.labels[start:stop], [example.images[k] for k in keep],
+                   pixel_values, grid, example.index, spans[keep] - start)
+
+
+class _ImageCut(Exception):
+    def __init__(self, image: int):
+        super().__init__(image)
+        self.image = image
+
+
+def truncate_example(example: Example, max_length: int, truncation_mode: str = "keep_start") -> Example:
+    """Keep the first (keep_start) or last (keep_end) ``max_length`` tokens; images outside the kept
+    window are dropped with their pixels; cutting through an image raises a one-line error."""
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}")
+    n = len(example)
+    if n <= max_length:
+        return example
+    start, stop = (0, max_length) if truncation_mode == "keep_start" else (n - max_length, n)
+    try:
+        return select_window(example, start, stop)
+    except _ImageCut as cut:
+        s, e = (int(x) for x in example.image_spans[cut.image])
+        need = e if truncation_mode == "keep_start" else n - s
+        raise ValueError(f"row {example.index}: truncating its {n} tokens to max_length={max_length} "
+                         f"({truncation_mode}) would cut through image {cut.image} (tokens {s}..{e - 1}); "
+                         f"use max_length >= {need} or smaller images") from None
