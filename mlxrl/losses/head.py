@@ -86,7 +86,7 @@ def _init_stats(n):
             mx.zeros((n,), mx.int32))
 
 
-def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool):
+def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool, weight_grad: bool = True):
     @mx.custom_function
     def fn(hidden, weight, targets):
         n, v = hidden.shape[0], weight.shape[0]
@@ -108,11 +108,13 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool):
         dws = []
         for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
             # the next tile waits for everything the previous one produced, so its [N, C] tiles die first
-            h = mx.depends(hidden, [dh] + dws[-1:])
+            h = mx.depends(hidden, [dh] + dws[-1:])  # noqa: B023
             dz = _tile_dz(h, weight, s, e, targets, lse, ent, g_logp, g_ent if with_entropy else None, inv_t)
             dh = dh + dz @ weight[s:e].astype(mx.float32)
-            dws.append((dz.T @ h32).astype(weight.dtype))
-        return dh.astype(hidden.dtype), mx.concatenate(dws), mx.zeros_like(targets)
+            if weight_grad:
+                dws.append((dz.T @ h32).astype(weight.dtype))
+        dw = mx.concatenate(dws) if weight_grad else mx.zeros_like(weight)
+        return dh.astype(hidden.dtype), dw, mx.zeros_like(targets)
 
     return fn
 
@@ -138,6 +140,7 @@ def head_logprobs(
     active_rows: mx.array | np.ndarray | None = None,
     skip_ignored: bool = True,
     return_argmax: bool = False,
+    weight_grad: bool = True,
 ):
     """Per-token log p(target) (float32 [N]) of `hidden [N, D]` under the LM head `weight [V, D]`,
     streamed over row chunks; differentiable w.r.t. hidden and weight.
@@ -151,6 +154,7 @@ def head_logprobs(
     where targets are not concrete; select the rows beforehand); -100 rows then get garbage that
     the caller masks out.
     return_argmax: also return each row's argmax token (int32; -1 on unscored rows), for accuracy.
+    weight_grad=False: the VJP skips the weight gradient (returns zeros) when the head is frozen.
     Returns logp, then entropy and argmax when asked for.
     """
     n = hidden.shape[0]
@@ -163,7 +167,7 @@ def head_logprobs(
         h, t = hidden[rows], targets[rows]
     else:
         h, t = hidden, targets
-    key = (chunk_size, 1.0 / temperature, return_entropy)
+    key = (chunk_size, 1.0 / temperature, return_entropy, weight_grad)
     if key not in _CACHE:
         _CACHE[key] = _make_streamed(*key)
     if h.shape[0] == 0:

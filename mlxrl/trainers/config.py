@@ -55,6 +55,7 @@ class TrainConfig:
     lora_target_modules: list[str] | None = _f(None, "module names to adapt (default: all linear layers of the LM)")
     use_dora: bool = _f(False, "DoRA instead of LoRA")
     freeze_vision_tower: bool = _f(False, "(mlxrl) keep the vision tower frozen in full fine-tuning")
+    freeze_embeddings: bool = _f(False, "(mlxrl) keep the token embeddings (and a tied LM head) frozen")
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")
     # memory and speed (mlxrl)
     chunk_size: int | None = _f(None, "(mlxrl) vocab columns per streamed LM-head tile (default: 16 MB tiles)")

@@ -89,7 +89,15 @@ class Trainer:
             m.unfreeze()
             if a.freeze_vision_tower and hasattr(m, "vision_tower"):
                 m.vision_tower.freeze()
+            if a.freeze_embeddings:
+                m.language_model.embed_tokens.freeze()
         m.train()
+
+    @property
+    def head_trainable(self) -> bool:
+        """Whether the LM-head weight receives a gradient (not with LoRA or frozen tied embeddings)."""
+        weight = self.model.lm_head_weight()
+        return any(v is weight for _, v in tree_flatten(self.model.trainable_parameters()))
 
     # ------------------------------------------------------------------ the step
     def _grad_fn(self):

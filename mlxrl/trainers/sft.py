@@ -45,6 +45,7 @@ class SFTTrainer(Trainer):
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
         if args.head_mode not in ("differentiable", "two_phase"):
             raise ValueError(f"head_mode {args.head_mode!r}: use differentiable or two_phase")
+        self._head_trainable = self.head_trainable
         self.train_examples = self._tokenize(train_dataset)
         self.eval_examples = self._tokenize(eval_dataset) if eval_dataset is not None else None
 
@@ -79,7 +80,8 @@ class SFTTrainer(Trainer):
         check_has_labels(targets, batch.example_ids)
         flat = targets.reshape(-1)
         rows = np.flatnonzero(flat != IGNORE_INDEX)
-        n_rows = _bucket(rows.size)
+        # a compiled step sees few shapes when the row count is bucketed; eager needs no padding
+        n_rows = _bucket(rows.size) if self.args.compile else rows.size
         padded_rows = np.zeros(n_rows, np.int32)
         padded_rows[: rows.size] = rows
         padded_targets = np.full(n_rows, IGNORE_INDEX, np.int32)
@@ -112,7 +114,8 @@ class SFTTrainer(Trainer):
     def loss(self, model, batch, num_items):
         h = self.hidden_rows(model, batch)
         logp, ent, argmax = head_logprobs(h, model.lm_head_weight(), batch["targets"], chunk_size=self.args.chunk_size,
-                                          return_entropy=True, return_argmax=True, skip_ignored=False)
+                                          return_entropy=True, return_argmax=True, skip_ignored=False,
+                                          weight_grad=self._head_trainable)
         return sft_loss(logp, batch["targets"], loss_type=self.args.loss_type, num_items=num_items,
                         entropy=ent, argmax=argmax)
 
