@@ -121,16 +121,36 @@ def test_qwen2_5_vl_parity(qwen25, grids):
     _check_parity(*qwen25, grids)
 
 
+def _dense(meta):
+    """The same metadata with only the dense-mask layout."""
+    return {k: v for k, v in meta.items() if not k.endswith(("_gather", "_valid", "_scatter"))}
+
+
 def test_parity_checks_are_sensitive(qwen25):
     """Guards the test itself: wrong segments must miss the reference by far more than 1e-4."""
     hf, ours = qwen25
     pixels, grid = _inputs(GRIDS["uneven_windows"])
     expected = _reference(hf, pixels, grid)
-    meta = ours.metadata(grid)
+    meta = _dense(ours.metadata(grid))
     one_segment = {**meta, "segment_ids": mx.zeros_like(meta["segment_ids"])}
     no_windows = {**meta, "window_segment_ids": meta["segment_ids"]}
     for wrong in (one_segment, no_windows):
         assert np.abs(np.array(ours(mx.array(pixels), wrong)) - expected).max() > 1e-2
+
+
+@pytest.mark.parametrize("which", ["qwen2", "qwen25"])
+def test_padded_and_dense_layouts_agree(which, request):
+    """Padded segments (picked when cheaper) and the dense mask: same features and gradients."""
+    _, ours = request.getfixturevalue(which)
+    pixels, grid = _inputs(GRIDS["mixed"])
+    meta = ours.metadata(grid)
+    assert "segment_gather" in meta  # 3 * 64**2 < 148**2: the padded layout was chosen
+    if which == "qwen25":
+        assert "window_segment_gather" in meta
+    loss = lambda pv, m: (ours(pv, m) ** 2).sum()
+    (padded, d_padded), (dense, d_dense) = (mx.value_and_grad(loss)(mx.array(pixels), m) for m in (meta, _dense(meta)))
+    assert abs(padded.item() - dense.item()) <= 1e-4 * abs(dense.item())
+    assert np.abs(np.array(d_padded) - np.array(d_dense)).max() <= 1e-5 * np.abs(np.array(d_dense)).max()
 
 
 @pytest.mark.parametrize("which", ["qwen2", "qwen25"])

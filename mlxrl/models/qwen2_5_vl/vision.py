@@ -4,7 +4,8 @@ attention (full attention only in ``fullatt_block_indexes``).
 Window attention: merge units (``merge x merge`` patches) are grouped into windows of
 ``window_size // patch_size // merge`` units per side. The tokens are reordered so each window
 is contiguous (HF's ``window_index``), every block attends within a window or within a frame
-(a segment mask), and the merged features are put back in the processor's order at the end.
+(see ``qwen2_vl.vision`` for the two attention layouts), and the merged features are put
+back in the processor's order at the end.
 All index arrays come from ``metadata`` (numpy); the forward is compile-friendly.
 
 Test: pytest tests/test_vision_qwen2.py
@@ -26,10 +27,11 @@ from ..qwen2_vl.vision import (
     as_grid,
     config_kwargs,
     frame_segment_ids,
+    padded_segments,
     position_ids,
     rotary_cos_sin,
     sanitize_vision_weights,
-    segment_mask,
+    segment_layout,
 )
 
 
@@ -102,8 +104,8 @@ class Block(nn.Module):
         self.attn = Attention(dim, config.num_heads)
         self.mlp = MLP(dim, config.intermediate_size, config.hidden_act)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, layout) -> mx.array:
+        x = x + self.attn(self.norm1(x), cos, sin, layout)
         return x + self.mlp(self.norm2(x))
 
 
@@ -120,7 +122,8 @@ class VisionModel(nn.Module):
 
     def metadata(self, grid_thw) -> dict[str, mx.array]:
         """Everything is in window order (the order the blocks see): cos/sin [N, head_dim]
-        float32, segment_ids [N] (per frame, for full-attention blocks), window_segment_ids [N];
+        float32, segment_ids [N] (per frame, for full-attention blocks), window_segment_ids [N],
+        and the padded layouts of either when cheaper (segment_*, window_segment_*);
         window_index [N / unit] gathers merge units into window order, reverse_index undoes it."""
         c = self.config
         merge = c.spatial_merge_size
@@ -129,14 +132,19 @@ class VisionModel(nn.Module):
         units, unit_windows = window_index(grid, merge, c.window_size // merge // c.patch_size)
         tokens = (units[:, None] * unit + np.arange(unit)).reshape(-1)  # token-level permutation
         cos, sin = rotary_cos_sin(position_ids(grid, merge), c.head_dim, c.rope_theta)
-        return {
-            "cos": mx.array(cos[tokens]),
-            "sin": mx.array(sin[tokens]),
-            "segment_ids": mx.array(frame_segment_ids(grid)[tokens]),
-            "window_segment_ids": mx.array(np.repeat(unit_windows, unit).astype(np.int32)),
-            "window_index": mx.array(units.astype(np.int32)),
-            "reverse_index": mx.array(np.argsort(units).astype(np.int32)),
+        frames = frame_segment_ids(grid)[tokens]
+        windows = np.repeat(unit_windows, unit).astype(np.int32)
+        meta = {
+            "cos": cos[tokens],
+            "sin": sin[tokens],
+            "segment_ids": frames,
+            "window_segment_ids": windows,
+            "window_index": units.astype(np.int32),
+            "reverse_index": np.argsort(units).astype(np.int32),
+            **padded_segments(frames, "segment"),
+            **padded_segments(windows, "window_segment"),
         }
+        return {k: mx.array(v) for k, v in meta.items()}
 
     def __call__(self, pixel_values: mx.array, meta: dict[str, mx.array]) -> mx.array:
         """pixel_values [N, C*T*P*P] -> merged features [N // merge**2, out_hidden_size]."""
@@ -144,12 +152,12 @@ class VisionModel(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, E]
         n, dim = x.shape
         x = x.reshape(n // unit, unit, dim)[meta["window_index"]].reshape(n, dim)
-        full_mask = segment_mask(meta["segment_ids"])
-        window_mask = segment_mask(meta["window_segment_ids"])
+        frames = segment_layout(meta, "segment")
+        windows = segment_layout(meta, "window_segment")
         cos, sin = meta["cos"], meta["sin"]
         full = set(self.config.fullatt_block_indexes)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full_mask if i in full else window_mask)
+            x = block(x, cos, sin, frames if i in full else windows)
         return self.merger(x)[meta["reverse_index"]]  # back to the processor's order
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

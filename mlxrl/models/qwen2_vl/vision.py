@@ -4,7 +4,12 @@ Parameter names are Hugging Face's, relative to ``visual.``. Everything that dep
 image grids (rotary cos/sin, per-frame segment ids) is computed in numpy by ``metadata``; the
 forward only does array math, so ``mx.compile`` traces it once per shape.
 
-The helpers here (grid parsing, position ids, rotary, segment mask, patch embed, attention)
+Attention stays inside segments (a frame here; a window or a frame in Qwen2.5-VL). Two
+layouts give the same result: a dense [N, N] segment mask, quadratic in all patches of the
+batch; or segments padded to the longest one and attended as a batch ([S, L, L] with a key
+mask), which ``metadata`` picks when S * L**2 < N**2 (several images, Qwen2.5-VL windows).
+
+The helpers here (grid parsing, position ids, rotary, segment layouts, patch embed, attention)
 are shared with the Qwen2.5-VL tower.
 
 Test: pytest tests/test_vision_qwen2.py
@@ -109,9 +114,50 @@ def quick_gelu(x: mx.array) -> mx.array:
 ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}
 
 
-def segment_mask(seg: mx.array) -> mx.array:
-    """[N, N] bool: token i attends to token j iff they share a segment."""
+def padded_segments(seg: np.ndarray, name: str) -> dict[str, np.ndarray]:
+    """Padded layout for ``seg`` [N] (each id one contiguous run), or {} when the dense mask
+    costs no more (S * L**2 >= N**2). ``{name}_gather`` [S, L]: token of each slot (pads repeat
+    the segment's first token), ``{name}_valid`` [S, L]: real slots, ``{name}_scatter`` [N]:
+    slot of each token in the flattened [S * L]."""
+    n = len(seg)
+    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    lengths = np.diff(np.r_[starts, n])
+    width = int(lengths.max())
+    if len(starts) * width**2 >= n**2:
+        return {}
+    slots = np.arange(width)
+    valid = slots < lengths[:, None]
+    gather = starts[:, None] + np.where(valid, slots, 0)
+    owner = np.repeat(np.arange(len(starts)), lengths)
+    scatter = owner * width + np.arange(n) - starts[owner]
+    return {
+        f"{name}_gather": gather.astype(np.int32),
+        f"{name}_valid": valid,
+        f"{name}_scatter": scatter.astype(np.int32),
+    }
+
+
+def segment_layout(meta: dict[str, mx.array], name: str):
+    """What ``attend`` takes for segments ``name``: the padded triple when metadata chose it,
+    else the dense [N, N] bool mask built from ``{name}_ids``."""
+    if f"{name}_gather" in meta:
+        return meta[f"{name}_gather"], meta[f"{name}_valid"], meta[f"{name}_scatter"]
+    seg = meta[f"{name}_ids"]
     return seg[:, None] == seg[None, :]
+
+
+def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, layout) -> mx.array:
+    """Attention within segments; q, k, v and the result are [N, H, D]."""
+    if isinstance(layout, tuple):
+        gather, valid, scatter = layout
+        q, k, v = (a[gather].transpose(0, 2, 1, 3) for a in (q, k, v))  # [S, H, L, D]
+        # Every segment has a real first slot, so no query row is fully masked.
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=valid[:, None, None, :])
+        out = out.transpose(0, 2, 1, 3)  # [S, L, H, D]
+        return out.reshape(-1, *out.shape[2:])[scatter]
+    q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, H, N, D]
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=layout)
+    return out[0].transpose(1, 0, 2)
 
 
 def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -150,14 +196,12 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, layout) -> mx.array:
         n = x.shape[0]
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, -1)
         q = apply_rotary(qkv[:, 0], cos, sin)
         k = apply_rotary(qkv[:, 1], cos, sin)
-        q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, qkv[:, 2]))  # [1, H, N, D]
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.proj(out[0].transpose(1, 0, 2).reshape(n, -1))
+        return self.proj(attend(q, k, qkv[:, 2], self.scale, layout).reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -180,8 +224,8 @@ class Block(nn.Module):
         self.attn = Attention(dim, config.num_heads)
         self.mlp = MLP(dim, int(dim * config.mlp_ratio), config.hidden_act)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, layout) -> mx.array:
+        x = x + self.attn(self.norm1(x), cos, sin, layout)
         return x + self.mlp(self.norm2(x))
 
 
@@ -231,22 +275,21 @@ class VisionModel(nn.Module):
         self.merger = PatchMerger(c.hidden_size, c.embed_dim, c.spatial_merge_size, nn.LayerNorm(c.embed_dim, eps=1e-6))
 
     def metadata(self, grid_thw) -> dict[str, mx.array]:
-        """cos/sin [N, head_dim] float32 and segment_ids [N] (one per frame) for ``grid_thw``."""
+        """cos/sin [N, head_dim] float32, segment_ids [N] (one per frame) and, when cheaper
+        than the dense mask, the padded segment layout (segment_gather/_valid/_scatter)."""
         c = self.config
         grid = as_grid(grid_thw, c.spatial_merge_size)
         cos, sin = rotary_cos_sin(position_ids(grid, c.spatial_merge_size), c.head_dim, c.rope_theta)
-        return {
-            "cos": mx.array(cos),
-            "sin": mx.array(sin),
-            "segment_ids": mx.array(frame_segment_ids(grid)),
-        }
+        seg = frame_segment_ids(grid)
+        meta = {"cos": cos, "sin": sin, "segment_ids": seg, **padded_segments(seg, "segment")}
+        return {k: mx.array(v) for k, v in meta.items()}
 
     def __call__(self, pixel_values: mx.array, meta: dict[str, mx.array]) -> mx.array:
         """pixel_values [N, C*T*P*P] -> merged features [N // merge**2, hidden_size]."""
         x = self.patch_embed(pixel_values)  # [N, E]
-        mask = segment_mask(meta["segment_ids"])
+        layout = segment_layout(meta, "segment")
         for block in self.blocks:
-            x = block(x, meta["cos"], meta["sin"], mask)
+            x = block(x, meta["cos"], meta["sin"], layout)
         return self.merger(x)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
