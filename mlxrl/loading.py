@@ -99,6 +99,26 @@ def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, 
 DEFAULT_CONFIG = Path(__file__).parent / "assets" / "default_qwen3_vl.json"
 
 
+def init_weights(model, std: float = 0.02) -> None:
+    """Hugging Face's initialisation for Qwen models (initializer_range 0.02): weights and
+    embeddings ~ N(0, std), biases 0, norm scales 1. MLX's layer defaults (uniform +-1/sqrt(fan_in),
+    N(0, 1) embeddings) make a tied head start with logits of std ~sqrt(hidden) and train badly."""
+    new = []
+    for name, value in tree_flatten(model.parameters()):
+        if not mx.issubdtype(value.dtype, mx.floating):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        is_norm = "norm" in name or name.endswith(("ln_q.weight",))
+        if leaf == "bias":
+            value = mx.zeros_like(value)
+        elif is_norm and value.ndim == 1:
+            value = mx.ones_like(value)
+        else:
+            value = mx.random.normal(value.shape, dtype=value.dtype) * std
+        new.append((name, value))
+    model.load_weights(new, strict=False)
+
+
 def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None):
     """The embedded default: a tiny Qwen3-VL-architecture model (config shipped in the package,
     random weights from `seed`) with the real Qwen tokenizer and a Qwen3-VL image processor.
@@ -110,6 +130,7 @@ def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None):
     pre = config.pop("preprocessor_config")
     mx.random.seed(seed)
     model = build_model(config)
+    init_weights(model)
     if not isinstance(dtype, mx.Dtype):
         dtype = runtime.compute_dtype(dtype)
     model.set_dtype(dtype)
