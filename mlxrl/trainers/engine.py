@@ -6,7 +6,8 @@ parameters (full / LoRA / frozen vision), AdamW with warmup + linear/cosine deca
 accumulation (losses normalised by the trained tokens of the whole accumulated batch, as TRL),
 grad-norm clipping, an `mx.compile`d step per shape bucket (state = model, optimizer, random
 state; one `mx.eval` per micro-batch), evaluation, resumable checkpoints (trainable weights,
-optimizer state, step, data position and RNG: resuming reproduces the uninterrupted run), logging
+optimizer state, step and data position; the RNG is reseeded from (seed, step) every step, so
+resuming reproduces the uninterrupted run), logging
 with TRL's metric names plus tokens/s and peak memory, a progress bar, metrics.jsonl.
 """
 
@@ -204,6 +205,8 @@ class Trainer:
                 raise ValueError(f"fewer batches ({len(batches)}) than gradient_accumulation_steps ({accum})")
             while self.batch_in_epoch < usable and self.global_step < total:
                 group = batches[self.batch_in_epoch:self.batch_in_epoch + accum]
+                # dropout noise is a function of (seed, step): a resumed run draws what the uninterrupted one did
+                mx.random.seed(args.seed * 1_000_003 + self.global_step)
                 num_items = sum(self.batch_tokens(b)[1] for b in group)
                 grads_sum, loss_sum, metric_sums = None, 0.0, []
                 for b in group:
@@ -286,7 +289,6 @@ class Trainer:
             mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable_state())
             opt = dict(tree_flatten(self.optimizer.state))
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
-            mx.save_safetensors(str(tmp / "rng.safetensors"), {"state": mx.random.state[0]})
             state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                      "num_tokens": self.num_tokens, "log_history": self.log_history}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
@@ -323,7 +325,6 @@ class Trainer:
         opt = mx.load(str(path / "optimizer.safetensors"))
         self.optimizer.init(self.model.trainable_parameters())
         self.optimizer.state = tree_unflatten(list(opt.items()))
-        mx.random.state[0] = mx.load(str(path / "rng.safetensors"))["state"]
         state = json.loads((path / "trainer_state.json").read_text())
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]

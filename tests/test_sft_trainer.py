@@ -1,0 +1,171 @@
+"""SFTTrainer on the shared engine: step-0 loss against transformers' causal-LM loss (what TRL's
+nll is), trained / frozen parameters, packed == unpacked, exact resume, merged LoRA save loaded by
+transformers, CLI errors."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+import transformers
+from mlx.utils import tree_flatten
+
+import mlxrl
+from mlxrl.data.synthetic import make_vqa
+from mlxrl.models.lora import lora_layers
+from mlxrl.sft import main as sft_main
+from mlxrl.trainers import engine as engine_lib
+from mlxrl.trainers.config import SFTConfig
+from mlxrl.trainers.sft import SFTTrainer
+
+TEXT_ROWS = [
+    {"messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]},
+    {"prompt": "The capital of France is", "completion": " Paris."},
+    {"text": "A short document about MLX and training loops on one machine."},
+    {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi there, friend!"}]},
+]
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "run"), max_length=256, gradient_checkpointing=False, compile=False,
+                disable_tqdm=True, save_steps=0, logging_steps=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                seed=0)
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def grads_and_loss(trainer, batch):
+    arrays = trainer.to_device(batch)
+    (loss, _), grads = nn.value_and_grad(trainer.model, trainer.loss)(
+        trainer.model, arrays, mx.array(batch["num_items"], dtype=mx.float32))
+    return loss.item(), dict(tree_flatten(grads))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl"])
+def test_step0_loss_matches_transformers(arch, tiny_checkpoint, tmp_path):
+    """TRL's nll is sum(-log p) over trained tokens / their count: transformers' causal-LM loss
+    with the same labels (shifted inside) and num_items_in_batch."""
+    folder = tiny_checkpoint(arch)
+    model, processor = mlxrl.load(folder)
+    rows = TEXT_ROWS if arch == "qwen3" else make_vqa(4, seed=3)
+    trainer = SFTTrainer(model, processor, config(tmp_path), train_dataset=rows)
+    batch = trainer._batches_of(trainer.train_examples, 0, False, 4)[0]
+    loss, _ = grads_and_loss(trainer, batch)
+
+    ref = getattr(transformers, "Qwen3ForCausalLM" if arch == "qwen3" else "Qwen3VLForConditionalGeneration")
+    hf = ref.from_pretrained(str(folder), dtype=torch.float32).eval()
+    from mlxrl.data import make_batches
+
+    raw = make_batches(trainer.train_examples, 4, max_length=256, pad_token_id=processor.pad_token_id, shuffle=False)[0]
+    inputs = {"input_ids": torch.tensor(raw.input_ids).long(), "labels": torch.tensor(raw.labels).long(),
+              "attention_mask": torch.tensor(raw.attention_mask).long()}
+    if raw.pixel_values is not None:
+        inputs.update(pixel_values=torch.tensor(raw.pixel_values),
+                      image_grid_thw=torch.tensor(raw.image_grid_thw).long(),
+                      mm_token_type_ids=(inputs["input_ids"] == processor.image_token_id).long())
+    with torch.no_grad():
+        expected = hf(**inputs).loss.item()
+    assert abs(loss - expected) <= 1e-4 * max(1.0, abs(expected)), (loss, expected)
+
+
+def test_trained_and_frozen_parameters(tmp_path):
+    model, processor = mlxrl.load_default()
+    before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    rows = make_vqa(8, seed=1)
+    SFTTrainer(model, processor, config(tmp_path, max_steps=2, freeze_vision_tower=True), train_dataset=rows).train()
+    after = dict(tree_flatten(model.parameters()))
+    for k, v in before.items():
+        changed = not np.array_equal(v, np.array(after[k]))
+        assert changed != k.startswith("model.visual."), k  # vision frozen, everything else trained
+
+    model, processor = mlxrl.load_default()
+    SFTTrainer(model, processor, config(tmp_path / "full", max_steps=2), train_dataset=rows).train()
+    after = dict(tree_flatten(model.parameters()))
+    unchanged = [k for k, v in before.items() if np.array_equal(v, np.array(after[k]))]
+    assert unchanged == [], unchanged  # vision tower included
+
+
+def test_lora_trains_only_adapters_and_merged_save_loads_in_transformers(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("qwen3_vl")
+    model, processor = mlxrl.load(folder)
+    base = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    args = config(tmp_path, max_steps=3, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, merge=True)
+    SFTTrainer(model, processor, args, train_dataset=make_vqa(6, seed=2)).train()
+    assert {k for k, _ in tree_flatten(model.parameters())} == set(base)  # merged: plain weights again
+    assert lora_layers(model) == []
+    out = tmp_path / "run"
+    peft_cfg = json.loads((out / "adapter_config.json").read_text())
+    assert peft_cfg["r"] == 4 and (out / "adapter_model.safetensors").exists()
+    changed = [k for k, v in tree_flatten(model.parameters()) if not np.array_equal(base[k], np.array(v))]
+    assert changed and all(k.split(".")[-2] in peft_cfg["target_modules"] for k in changed)
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(out / "merged"), dtype=torch.float32)
+    ids = processor(text=["<|im_start|>user\nhello<|im_end|>\n"])
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor(np.array(ids["input_ids"])).long()).logits.numpy()
+    np.testing.assert_allclose(np.array(model(input_ids=ids["input_ids"])), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["packing", "padding_free"])
+@pytest.mark.parametrize("data", ["text", "vlm"])
+def test_packed_batches_equal_unpacked(mode, data, tiny_checkpoint, tmp_path):
+    if data == "text":
+        model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+        rows = TEXT_ROWS
+    else:
+        model, processor = mlxrl.load_default()
+        rows = make_vqa(4, seed=5)
+    plain = SFTTrainer(model, processor, config(tmp_path), train_dataset=rows)
+    packed = SFTTrainer(model, processor, config(tmp_path, **{mode: True}), train_dataset=rows)
+    b_plain = plain._batches_of(plain.train_examples, 0, False, len(rows))
+    b_packed = packed._batches_of(packed.train_examples, 0, False, len(rows))
+    assert len(b_plain) == len(b_packed) == 1 and "segment_ids" in b_packed[0]
+    assert b_packed[0]["input_ids"].shape[0] < len(rows) or mode == "padding_free"
+    loss_a, grads_a = grads_and_loss(plain, b_plain[0])
+    loss_b, grads_b = grads_and_loss(packed, b_packed[0])
+    assert abs(loss_a - loss_b) <= 1e-5 * max(1, abs(loss_a))
+    for k in grads_a:
+        scale = max(float(mx.abs(grads_a[k]).max()), 1e-6)
+        assert float(mx.abs(grads_a[k] - grads_b[k]).max()) / scale <= 1e-4, k
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_checkpoint, tmp_path):
+    rows = TEXT_ROWS * 4
+    folder = tiny_checkpoint("qwen3")
+
+    def run(out, **kw):
+        model, processor = mlxrl.load(folder)
+        args = config(tmp_path, output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_steps=6,
+                      use_peft=True, lora_dropout=0.1, learning_rate=1e-3, **kw)
+        return [e["loss"] for e in SFTTrainer(model, processor, args, train_dataset=rows).train() if "loss" in e]
+
+    full = run("a", save_steps=3)
+    resumed = run("a", resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    assert resumed[3:] == full[3:]
+    assert resumed[:3] == full[:3]  # the history comes back with the checkpoint
+
+
+def test_checkpoint_rotation_and_atomicity(tiny_checkpoint, tmp_path):
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    args = config(tmp_path, per_device_train_batch_size=1, max_steps=4, save_steps=1, save_total_limit=2,
+                  use_peft=True)
+    SFTTrainer(model, processor, args, train_dataset=TEXT_ROWS).train()
+    names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(engine_lib.CHECKPOINT_PREFIX))
+    assert names == ["checkpoint-3", "checkpoint-4"]
+    assert not any(p.name.startswith(".") for p in (tmp_path / "run").iterdir())  # no temp folders left
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    code = sft_main(["--model", str(tmp_path / "nope"), "--dataset", str(tmp_path / "d.jsonl")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no such local path" in err[0]
+    code = sft_main(["--model", "x/y"])
+    assert code == 2 and "--dataset is required" in capsys.readouterr().err
+
+
+def test_all_ignored_batch_names_rows(tiny_checkpoint, tmp_path):
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    rows = [{"prompt": "only a prompt " * 30, "completion": " end"}]
+    with pytest.raises(ValueError, match=r"example\(s\) 0"):
+        SFTTrainer(model, processor, config(tmp_path, max_length=16), train_dataset=rows).train()
