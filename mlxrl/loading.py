@@ -99,10 +99,12 @@ def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, 
 DEFAULT_CONFIG = Path(__file__).parent / "assets" / "default_qwen3_vl.json"
 
 
-def init_weights(model, std: float = 0.02) -> None:
+def init_weights(model, std: float = 0.02, embed_std: float | None = None) -> None:
     """Hugging Face's initialisation for Qwen models (initializer_range 0.02): weights and
     embeddings ~ N(0, std), biases 0, norm scales 1. MLX's layer defaults (uniform +-1/sqrt(fan_in),
-    N(0, 1) embeddings) make a tied head start with logits of std ~sqrt(hidden) and train badly."""
+    N(0, 1) embeddings) make a tied head start with logits of std ~sqrt(hidden) and train badly.
+    embed_std: a different std for the token embeddings (a frozen tied head needs room to say
+    one token confidently: max logit ~ embed_std * hidden_size)."""
     new = []
     for name, value in tree_flatten(model.parameters()):
         if not mx.issubdtype(value.dtype, mx.floating):
@@ -114,7 +116,8 @@ def init_weights(model, std: float = 0.02) -> None:
         elif is_norm and value.ndim == 1:
             value = mx.ones_like(value)
         else:
-            value = mx.random.normal(value.shape, dtype=value.dtype) * std
+            scale = embed_std if (embed_std and name.endswith("embed_tokens.weight")) else std
+            value = mx.random.normal(value.shape, dtype=value.dtype) * scale
         new.append((name, value))
     model.load_weights(new, strict=False)
 
@@ -130,7 +133,7 @@ def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None):
     pre = config.pop("preprocessor_config")
     mx.random.seed(seed)
     model = build_model(config)
-    init_weights(model)
+    init_weights(model, config.get("initializer_range", 0.02), config.get("mlxrl_embedding_init_std"))
     if not isinstance(dtype, mx.Dtype):
         dtype = runtime.compute_dtype(dtype)
     model.set_dtype(dtype)
