@@ -169,3 +169,20 @@ def test_all_ignored_batch_names_rows(tiny_checkpoint, tmp_path):
     rows = [{"prompt": "only a prompt " * 30, "completion": " end"}]
     with pytest.raises(ValueError, match=r"example\(s\) 0"):
         SFTTrainer(model, processor, config(tmp_path, max_length=16), train_dataset=rows).train()
+
+
+def test_two_phase_step_equals_differentiable(tiny_checkpoint, tmp_path):
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    a = SFTTrainer(model, processor, config(tmp_path), train_dataset=TEXT_ROWS)
+    b = SFTTrainer(model, processor, config(tmp_path, head_mode="two_phase"), train_dataset=TEXT_ROWS)
+    batch = a._batches_of(a.train_examples, 0, False, 4)[0]
+    n = mx.array(batch["num_items"], dtype=mx.float32)
+    loss_a, metrics_a, grads_a = a._grad_fn()(a.to_device(batch), n)
+    loss_b, metrics_b, grads_b = b._grad_fn()(b.to_device(batch), n)
+    assert abs(loss_a.item() - loss_b.item()) <= 1e-5 * max(1, abs(loss_a.item()))
+    assert abs(metrics_a["mean_token_accuracy"].item() - metrics_b["mean_token_accuracy"].item()) < 1e-6
+    ga, gb = dict(tree_flatten(grads_a)), dict(tree_flatten(grads_b))
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        scale = max(float(mx.abs(ga[k]).max()), 1e-6)
+        assert float(mx.abs(ga[k] - gb[k]).max()) / scale <= 1e-4, k

@@ -44,7 +44,7 @@ class TrainConfig:
     save_total_limit: int | None = _f(None, "keep at most this many checkpoints (oldest deleted)")
     resume_from_checkpoint: str | None = _f(None, "checkpoint folder to resume from, or 'last'")
     seed: int = _f(42, "seed for data order, LoRA init and dropout")
-    report_to: str = _f("none", "none | wandb | tensorboard | all (used when installed)")
+    report_to: str = _f("none", "none (W&B / TensorBoard are not wired yet; metrics go to metrics.jsonl)")
     gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward (less memory, more compute)")
     dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
     # LoRA (TRL's ModelConfig names)

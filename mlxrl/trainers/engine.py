@@ -67,6 +67,9 @@ class Trainer:
         self.model, self.processor, self.args = model, processor, args
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if (args.report_to or "none") != "none":
+            raise ValueError(f"report_to={args.report_to!r} is not wired yet: use 'none' (metrics go to "
+                             f"{self.output_dir / 'metrics.jsonl'} and stdout)")
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
