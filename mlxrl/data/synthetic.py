@@ -1,0 +1,188 @@
+"""Synthetic visual question answering: the embedded default dataset of `python -m mlxrl.sft`.
+
+    from mlxrl.data.synthetic import make_vqa
+    train = make_vqa(2000, seed=0)                  # list of rows in TRL's vision conversational format
+    test = make_vqa(200, seed=0, split="test")      # held-out scenes (a different random stream)
+
+Each row: {"messages": [user: [image, question], assistant: [answer]], "images": [PIL.Image],
+"type": question type}. Scenes are drawn with pillow; nothing is downloaded.
+
+Design (why it looks like this):
+
+- It must be learnable in minutes of CPU training by the embedded tiny Qwen3-VL (hidden 128,
+  4 layers, a 2-block vision tower on 16 px patches merged 2x2, so one LM token sees 32x32 px):
+  big solid shapes on a plain light background, 3 shapes x 4 colours, small images (64..160 px
+  a side, any aspect ratio in that box: 4..25 image tokens; the processor's min/max pixels are
+  4096 / 65536), and every answer is ONE word that is ONE Qwen token (so exact match is fair).
+- Questions must need the image: for every question text the answers are dealt from a shuffled
+  deck of all (text, answer) pairs, so the answer given the text alone is uniform (counts differ
+  by at most one). `mlxrl.evaluate.text_only_baseline` measures this; tests check it.
+- Question types (``TYPES``):
+    color     one shape:            "What color is the circle?"                    -> red|green|blue|yellow
+    shape     one shape:            "What shape is the red object?"                -> circle|square|triangle
+    count     1-3 shapes:           "How many shapes are there?"                   -> 1|2|3
+    position  two shapes, one per half, different colours:
+                                    "Is the red shape on the left or the right?"   -> left|right
+  Single-object colour/shape questions keep binding out of the way; counting and position need
+  the image tokens' layout (the vision tower's position embedding and M-RoPE carry it).
+- Deterministic given (seed, split); "train" and "test" are different random streams.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+__all__ = ["COLORS", "SHAPES", "TYPES", "DEFAULT_TYPES", "make_vqa", "draw_scene"]
+
+# Saturated, well-separated colours (jittered a little per shape) on a near-white background.
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), "yellow": (235, 200, 20)}
+SHAPES = ("circle", "square", "triangle")
+COUNTS = ("1", "2", "3")
+SIDES = ("left", "right")
+TYPES = ("color", "shape", "count", "position")
+DEFAULT_TYPES = ("color", "shape", "count")  # what the tiny model learns in minutes (see above)
+MIN_SIDE, MAX_SIDE = 64, 160
+BACKGROUND = (245, 245, 245)
+_SPLITS = {"train": 0, "test": 1}
+
+
+def _question(qtype: str, key: str) -> str:
+    if qtype == "color":
+        return f"What color is the {key}?"
+    if qtype == "shape":
+        return f"What shape is the {key} object?"
+    if qtype == "count":
+        return f"How many {key}s are there?"
+    return f"Is the {key} shape on the left or the right?"
+
+
+def _pairs(qtype: str) -> list[tuple[str, str]]:
+    """Every (question key, answer) pair of a type: dealing them evenly balances answers per text."""
+    if qtype == "color":
+        return [(s, c) for s in SHAPES for c in COLORS]
+    if qtype == "shape":
+        return [(c, s) for c in COLORS for s in SHAPES]
+    if qtype == "count":
+        return [(s, n) for s in SHAPES for n in COUNTS]
+    return [(c, side) for c in COLORS for side in SIDES]
+
+
+class _Deck:
+    """Deals items in shuffled rounds: after k full rounds every item came out exactly k times."""
+
+    def __init__(self, items, rng: np.random.Generator):
+        self.items, self.rng, self.queue = list(items), rng, []
+
+    def draw(self):
+        if not self.queue:
+            self.queue = [self.items[i] for i in self.rng.permutation(len(self.items))]
+        return self.queue.pop()
+
+
+# ------------------------------------------------------------------------------------------ drawing
+
+def _jitter(rgb, rng: np.random.Generator, amount: int = 10) -> tuple[int, int, int]:
+    return tuple(int(np.clip(v + rng.integers(-amount, amount + 1), 0, 255)) for v in rgb)
+
+
+def draw_scene(width: int, height: int, objects, background=(245, 245, 245)) -> Image.Image:
+    """objects: (shape, rgb, (x0, y0, size)) with the shape inside the size x size box at x0, y0."""
+    img = Image.new("RGB", (width, height), background)
+    draw = ImageDraw.Draw(img)
+    for shape, rgb, (x0, y0, s) in objects:
+        box = (x0, y0, x0 + s - 1, y0 + s - 1)
+        if shape == "circle":
+            draw.ellipse(box, fill=rgb)
+        elif shape == "square":
+            draw.rectangle(box, fill=rgb)
+        elif shape == "triangle":
+            draw.polygon([(x0 + s / 2, y0), (x0 + s - 1, y0 + s - 1), (x0, y0 + s - 1)], fill=rgb)
+        else:
+            raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+    return img
+
+
+def _place(rng: np.random.Generator, width: int, height: int, k: int, lo: float, hi: float, ref: float,
+           xrange: tuple[int, int] | None = None) -> list[tuple[int, int, int]]:
+    """k non-overlapping square boxes (with a gap) of side lo..hi x ref pixels.
+
+    xrange confines the boxes horizontally (the position questions use one half each)."""
+    x_lo, x_hi = xrange or (0, width)
+    for attempt in range(200):
+        shrink = 0.9 ** (attempt // 40)  # crowded canvas: smaller boxes rather than endless retries
+        boxes = []
+        for _ in range(k):
+            s = int(ref * rng.uniform(lo, hi) * shrink)
+            s = max(12, min(s, x_hi - x_lo - 2, height - 2))
+            x = int(rng.integers(x_lo + 1, x_hi - s))
+            y = int(rng.integers(1, height - s))
+            boxes.append((x, y, s))
+        gap = 4
+        if all(a[0] + a[2] + gap <= b[0] or b[0] + b[2] + gap <= a[0] or
+               a[1] + a[2] + gap <= b[1] or b[1] + b[2] + gap <= a[1]
+               for i, a in enumerate(boxes) for b in boxes[i + 1:]):
+            return boxes
+    raise RuntimeError(f"could not place {k} shapes on a {width}x{height} canvas")
+
+
+def _scene(qtype: str, key: str, answer: str, rng: np.random.Generator) -> Image.Image:
+    width, height = (int(v) for v in rng.integers(MIN_SIDE, MAX_SIDE + 1, size=2))
+    colors, shapes = list(COLORS), list(SHAPES)
+    col = lambda name: _jitter(COLORS[name], rng)
+    # shape and count scenes scale their boxes with sqrt(image area): the coloured fraction of the
+    # image then also tells the shape (box filled 100% / 79% / 50%) and the count, a cue that
+    # pooling over image tokens finds early in training, next to the edges that define shapes
+    area = math.sqrt(width * height)
+    if qtype == "color":
+        objects = [(key, col(answer), _place(rng, width, height, 1, 0.55, 0.85, min(width, height))[0])]
+    elif qtype == "shape":
+        objects = [(answer, col(key), _place(rng, width, height, 1, 0.57, 0.6, area)[0])]
+    elif qtype == "count":
+        rgb = col(colors[rng.integers(4)])
+        objects = [(key, rgb, b) for b in _place(rng, width, height, int(answer), 0.29, 0.31, area)]
+    elif qtype == "position":
+        other = [c for c in colors if c != key][rng.integers(3)]
+        half, short = width // 2, min(width, height)
+        left = _place(rng, width, height, 1, 0.3, 0.5, short, (0, half))[0]
+        right = _place(rng, width, height, 1, 0.3, 0.5, short, (half, width))[0]
+        named, unnamed = (left, right) if answer == "left" else (right, left)
+        objects = [(shapes[rng.integers(3)], col(key), named), (shapes[rng.integers(3)], col(other), unnamed)]
+    else:
+        raise ValueError(f"unknown question type {qtype!r}; expected one of {TYPES}")
+    return draw_scene(width, height, objects, BACKGROUND)
+
+
+# ------------------------------------------------------------------------------------------ dataset
+
+def make_vqa(n: int, seed: int = 0, split: str = "train", types=DEFAULT_TYPES) -> list[dict]:
+    """n rows of synthetic VQA in TRL's vision conversational format (plus a "type" key).
+
+    Types are dealt round-robin from a shuffled deck; within a type, (question, answer) pairs are
+    dealt evenly, so no question text predicts its answer. Deterministic given (n, seed, split, types).
+    """
+    if split not in _SPLITS:
+        raise ValueError(f"split must be one of {tuple(_SPLITS)}, got {split!r}")
+    bad = [t for t in types if t not in TYPES]
+    if bad or not types:
+        raise ValueError(f"types must be a non-empty subset of {TYPES}, got {tuple(types)}")
+    rng = np.random.default_rng([int(seed), _SPLITS[split]])
+    type_deck = _Deck(types, rng)
+    pair_decks = {t: _Deck(_pairs(t), rng) for t in types}
+    rows = []
+    for _ in range(n):
+        qtype = type_deck.draw()
+        key, answer = pair_decks[qtype].draw()
+        image = _scene(qtype, key, answer, rng)
+        rows.append({
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _question(qtype, key)}]},
+                {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+            ],
+            "images": [image],
+            "type": qtype,
+        })
+    return rows
