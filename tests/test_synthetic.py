@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mlxrl
-from mlxrl.data.synthetic import COLORS, COUNTS, DEFAULT_TYPES, MAX_SIDE, MIN_SIDE, SHAPES, SIDES, TYPES, make_vqa
+from mlxrl.data.synthetic import COLORS, COUNTS, DEFAULT_SIDES, SHAPES, SIDES, TYPES, make_vqa
 from mlxrl.evaluate import (
     _encode,
     _predict,
@@ -34,7 +34,7 @@ def _answer(row):
 
 
 def test_format_and_determinism():
-    a, b = make_vqa(16, seed=3), make_vqa(16, seed=3)
+    a, b = make_vqa(16, seed=3, types=TYPES), make_vqa(16, seed=3, types=TYPES)
     for x, y in zip(a, b, strict=True):
         assert x["messages"] == y["messages"] and x["type"] == y["type"]
         assert x["images"][0].tobytes() == y["images"][0].tobytes()
@@ -45,15 +45,18 @@ def test_format_and_determinism():
     for r in a:
         assert _answer(r) in ANSWERS[r["type"]] and " " not in _answer(r)
     # other seeds and the test split are other scenes
-    for other in (make_vqa(16, seed=4), make_vqa(16, seed=3, split="test")):
+    assert {r["type"] for r in make_vqa(8, seed=3)} == {"color"}  # the default: what learns fast
+    for other in (make_vqa(16, seed=4, types=TYPES), make_vqa(16, seed=3, split="test", types=TYPES)):
         assert [r["images"][0].tobytes() for r in other] != [r["images"][0].tobytes() for r in a]
     with pytest.raises(ValueError, match="split"):
         make_vqa(2, split="validation")
     with pytest.raises(ValueError, match="types"):
         make_vqa(2, types=("colour",))
+    with pytest.raises(ValueError, match="sides"):
+        make_vqa(2, sides=(128, 96))
 
 
-@pytest.mark.parametrize("n, types", [(480, DEFAULT_TYPES), (250, DEFAULT_TYPES), (333, TYPES)])
+@pytest.mark.parametrize("n, types", [(480, TYPES), (250, ("color",)), (333, ("shape", "count", "position"))])
 def test_answers_balanced_per_question_text(n, types):
     """The question text alone predicts nothing: majority-answer accuracy per text is chance."""
     rows = make_vqa(n, seed=0, types=types)
@@ -79,21 +82,23 @@ def test_text_only_baseline_by_hand():
     assert text_only_baseline(rows) == pytest.approx(3 / 4)
 
 
-def test_images_vary():
-    rows = make_vqa(200, seed=1)
+@pytest.mark.parametrize("sides, types", [(DEFAULT_SIDES, ("color",)), ((64, 160), TYPES)])
+def test_images_vary(sides, types):
+    rows = make_vqa(200, seed=1, types=types, sides=sides)
     images = [r["images"][0] for r in rows]
     assert len({im.tobytes() for im in images}) == len(images)
     sizes = {im.size for im in images}
-    assert all(MIN_SIDE <= s <= MAX_SIDE for size in sizes for s in size)
+    assert all(sides[0] <= s <= sides[1] for size in sizes for s in size)
     ratios = [w / h for w, h in sizes]
-    assert len(sizes) > 50 and min(ratios) < 0.7 and max(ratios) > 1.4
+    spread = sides[1] / sides[0]
+    assert len(sizes) > 50 and min(ratios) < spread ** -0.5 and max(ratios) > spread ** 0.5
     # every scene's shapes are drawn: some pixels far from the light background
     assert all((np.asarray(im).min(axis=-1) < 100).mean() > 0.01 for im in images)
 
 
 def test_rows_render_through_the_default_processor(default):
     _, processor = default
-    rows = make_vqa(8, seed=2)
+    rows = make_vqa(8, seed=2, types=TYPES, sides=(64, 160))
     texts = [processor.apply_chat_template(r["messages"]) for r in rows]
     batch = processor(text=texts, images=[r["images"] for r in rows], return_tensors="np")
     grid = batch["image_grid_thw"]
@@ -148,7 +153,7 @@ def test_exact_match_counts_exactly_the_right_rows(default):
 
 def test_untrained_default_model_scores_near_zero(default):
     model, processor = default
-    rows = make_vqa(16, seed=6, split="test")
+    rows = make_vqa(16, seed=6, split="test", types=TYPES)
     correct = answer_correct(model, processor, rows, batch_size=8)
     assert correct.mean() <= 0.1
     # the LM head run on the answer positions only predicts what the full logits do
