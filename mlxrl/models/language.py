@@ -254,3 +254,26 @@ class LanguageModel(nn.Module):
             if deepstack is not None and i < len(feats):
                 h = h + mx.where(vis_mask[..., None], feats[i][idx].astype(h.dtype), 0)
         return self.norm(h)
+
+
+class CausalLMHead:
+    """What every model class shares around its LanguageModel (`self.language_model`): the LM head,
+    which is the embedding matrix when `lm_head` is absent (tied), and the KV cache."""
+
+    @property
+    def tied(self) -> bool:
+        return "lm_head" not in self
+
+    def lm_head_weight(self) -> mx.array:
+        """[V, D] weight of the LM head (the embedding matrix when tied)."""
+        return self.language_model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def apply_lm_head(self, hidden: mx.array) -> mx.array:
+        if self.tied:
+            return self.language_model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def make_cache(self):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.language_model.layers]

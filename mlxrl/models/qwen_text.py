@@ -6,10 +6,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .language import LanguageModel, TextConfig, attention_mask_for, restart_positions
+from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, restart_positions
 
 
-class Model(nn.Module):
+class Model(CausalLMHead, nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         self.config = config
@@ -28,16 +28,6 @@ class Model(nn.Module):
     @property
     def language_model(self) -> LanguageModel:
         return self.model
-
-    @property
-    def tied(self) -> bool:
-        return "lm_head" not in self
-
-    def lm_head_weight(self) -> mx.array:
-        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-
-    def apply_lm_head(self, hidden: mx.array) -> mx.array:
-        return self.model.embed_tokens.as_linear(hidden) if self.tied else self.lm_head(hidden)
 
     def __call__(
         self,
@@ -76,8 +66,3 @@ class Model(nn.Module):
                 continue
             out[k] = v
         return out
-
-    def make_cache(self):
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in self.model.layers]

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .language import LanguageModel, TextConfig, attention_mask_for, restart_positions
+from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, restart_positions
 
 
 def mrope_positions(
@@ -83,7 +83,7 @@ def text_config_dict(config: dict) -> dict:
     return {**flat, **nested}
 
 
-class QwenVLBase(nn.Module):
+class QwenVLBase(CausalLMHead, nn.Module):
     """Forward shared by the Qwen-VL families. Subclasses place the submodules under their
     Hugging Face names and expose them through `vision_tower`, `language_model`, `lm_head`."""
 
@@ -109,19 +109,6 @@ class QwenVLBase(nn.Module):
     @property
     def language_model(self) -> LanguageModel:
         raise NotImplementedError
-
-    @property
-    def tied(self) -> bool:
-        return "lm_head" not in self
-
-    def lm_head_weight(self) -> mx.array:
-        """[V, D] weight of the LM head (the embedding matrix when tied)."""
-        return self.language_model.embed_tokens.weight if self.tied else self.lm_head.weight
-
-    def apply_lm_head(self, hidden: mx.array) -> mx.array:
-        if self.tied:
-            return self.language_model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
 
     # -- vision ---------------------------------------------------------------------------
     def vision_metadata(self, image_grid_thw) -> dict:
@@ -185,8 +172,3 @@ class QwenVLBase(nn.Module):
         mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
         h = lm(h, position_ids, mask, cache, deepstack)
         return h if return_hidden else self.apply_lm_head(h)
-
-    def make_cache(self):
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in self.language_model.layers]
