@@ -1,0 +1,281 @@
+"""Preference rows -> token ids for DPO, with TRL 1.16's formats and semantics, and pair batches.
+
+    from mlxrl.data.preference import tokenize_preference, make_preference_batches
+    ex = tokenize_preference(row, processor, index=0, max_length=1024)
+    batches = make_preference_batches(examples, 4, max_length=1024, pad_token_id=processor.pad_token_id)
+
+Formats (TRL's): explicit prompt (``prompt`` / ``chosen`` / ``rejected``) and implicit prompt (only
+``chosen`` / ``rejected``; the shared prefix is the prompt: whole messages for conversations, the
+common characters for strings, as ``trl.extract_prompt``), each as plain strings or message lists.
+Vision rows add an ``images`` (or ``image``) column; the images belong to the prompt (their blocks
+are filled in order, or put before the first user message's text when the prompt has none).
+
+What matches TRL (``DPOTrainer._prepare_dataset`` and its collators): string completions get EOS
+appended when they lack it; the prompt, prompt+chosen and prompt+rejected are tokenised separately
+(conversations through the chat template, the prompt with the generation prompt, or continuing a
+final assistant message) and the completion starts where the prompt's tokens and each full
+sequence's tokens stop agreeing (the minimum over chosen and rejected); each full sequence is then
+truncated to ``max_length`` (``keep_start``; ``keep_end`` for text only), and rows whose prompt alone
+fills ``max_length`` are dropped (keep_start). A batch of B pairs is ONE forward of 2B sequences,
+chosen rows first, then rejected rows (TRL's concatenated batch); the images are repeated for the
+rejected half.
+
+Deliberate differences: vision rows are tokenised up front like text rows (TRL's vision collator
+tokenises prompt and completions apart at collate time: the same ids for Qwen templates, where the
+completion starts after "<|im_start|>assistant\\n"); ``padding_free`` really drops the padding (the
+2B sequences concatenated in one row whose attention and positions restart per sequence) while TRL
+1.16 falls back to padding; rows are padded to length buckets so a compiled step sees few shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..losses.head import IGNORE_INDEX
+from .batches import default_buckets
+from .formats import _chatml, _common_prefix, _expand_images, _fill_images, _is_messages, _render, _row_images
+
+__all__ = ["PreferenceExample", "extract_prompt", "tokenize_preference", "make_preference_batches",
+           "preference_batch"]
+
+
+@dataclass
+class PreferenceExample:
+    """One tokenised pair. ``chosen_ids`` / ``rejected_ids`` hold the whole (truncated) sequences,
+    prompt included; the masks are 1 on completion tokens (TRL's ``completion_mask``)."""
+
+    chosen_ids: np.ndarray        # [Lc] int32
+    chosen_mask: np.ndarray       # [Lc] int32, 1 = completion
+    rejected_ids: np.ndarray      # [Lr] int32
+    rejected_mask: np.ndarray     # [Lr] int32
+    prompt_length: int            # prompt tokens (image tokens expanded), before truncation
+    pixel_values: np.ndarray | None = None     # [P, C*T*p*p] the prompt's images
+    image_grid_thw: np.ndarray | None = None   # [n, 3]
+    index: int = -1
+    ref_logps: tuple[float, float] | None = None  # precomputed (chosen, rejected) reference log-probs
+    images: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+# ---------------------------------------------------------------------------------------- prompts
+
+def extract_prompt(chosen, rejected) -> tuple:
+    """The shared prefix of an implicit-prompt pair -> (prompt, chosen, rejected), TRL's rule:
+    whole messages for conversations; for strings the common characters, minus a trailing space
+    that then starts the completions."""
+    n = min(len(chosen), len(rejected))
+    idx = n
+    for i in range(n):
+        if chosen[i] != rejected[i]:
+            idx = i - 1 if i > 0 and chosen[i - 1] == " " else i
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _columns(row: dict, index: int):
+    where = f"row {index}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a dict of columns, got {type(row).__name__}")
+    missing = [k for k in ("chosen", "rejected") if k not in row]
+    if missing:
+        raise ValueError(f"{where}: preference data needs 'chosen' and 'rejected' columns (missing "
+                         f"{', '.join(map(repr, missing))}; has {', '.join(map(repr, sorted(row)))})")
+    chosen, rejected = row["chosen"], row["rejected"]
+    conv = _is_messages(chosen)
+    if conv != _is_messages(rejected) or (not conv and not (isinstance(chosen, str) and isinstance(rejected, str))):
+        raise ValueError(f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists")
+    prompt = row.get("prompt")
+    # TRL keeps an explicit prompt only when it has the completions' kind (both conversations or both strings)
+    if prompt is None or _is_messages(prompt) != conv:
+        prompt, chosen, rejected = extract_prompt(chosen, rejected)
+    elif not conv and not isinstance(prompt, str):
+        raise ValueError(f"{where}: 'prompt' must be a string like 'chosen' and 'rejected'")
+    if conv:
+        prompt, chosen, rejected = _chatml(prompt), _chatml(chosen), _chatml(rejected)
+    return prompt, chosen, rejected, conv
+
+
+def _render_prompt(processor, prompt: list[dict], row: dict) -> str:
+    if not prompt:
+        return ""
+    last = prompt[-1].get("role")
+    if last == "assistant":  # the completion continues the assistant's message
+        return _render(processor, prompt, row, continue_final_message=True)
+    if last not in ("user", "tool", "system"):
+        raise ValueError(f"invalid role of the prompt's last message: {last!r}")
+    return _render(processor, prompt, row, add_generation_prompt=True)
+
+
+def _with_eos(text: str, eos: str | None) -> str:
+    return text if not eos or text.endswith(eos) else text + eos
+
+
+# ------------------------------------------------------------------------------------- tokenising
+
+def tokenize_preference(row: dict, processor, *, index: int, max_length: int | None = 1024,
+                        truncation_mode: str = "keep_start") -> PreferenceExample | None:
+    """Tokenise one preference row as TRL's DPOTrainer would. Returns None when the prompt alone
+    fills ``max_length`` (TRL drops those rows with keep_start)."""
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}")
+    prompt, chosen, rejected, conv = _columns(row, index)
+    tok = processor.tokenizer
+    images = _row_images(row)
+    if conv:
+        if images:
+            prompt, images = _fill_images(prompt, images, index)
+        p_text = _render_prompt(processor, prompt, row)
+        c_text = _render(processor, prompt + chosen, row)
+        r_text = _render(processor, prompt + rejected, row)
+    else:
+        p_text = prompt
+        c_text = prompt + _with_eos(chosen, tok.eos_token)
+        r_text = prompt + _with_eos(rejected, tok.eos_token)
+
+    def encode(text):
+        return np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64) if text else \
+            np.zeros(0, np.int64)
+
+    p_ids, c_ids, r_ids = encode(p_text), encode(c_text), encode(r_text)
+    # the completion starts where the prompt's tokens stop agreeing with the full sequence's
+    n = min(_common_prefix(p_ids, c_ids), _common_prefix(p_ids, r_ids))
+    p_ids, c_ids, r_ids = p_ids[:n], c_ids[n:], r_ids[n:]
+    image_id = processor.image_token_id if processor.image_processor is not None else None
+    if image_id is not None and ((c_ids == image_id).any() or (r_ids == image_id).any()):
+        raise ValueError(f"row {index}: an image placeholder is in a completion; images belong to the prompt")
+    expanded = _expand_images(p_ids, np.zeros(len(p_ids), bool), images, processor, index)
+    p_ids = expanded.input_ids.astype(np.int64)
+
+    if max_length is not None and truncation_mode == "keep_start" and len(p_ids) >= max_length:
+        return None
+    if images and max_length is not None and truncation_mode == "keep_end" and len(p_ids) + max(
+            len(c_ids), len(r_ids)) > max_length:
+        raise ValueError(f"row {index}: truncation_mode='keep_end' would cut this row's prompt and its images; "
+                         "use keep_start (TRL refuses keep_end for vision data too) or a larger max_length")
+
+    def side(completion):
+        ids = np.concatenate([p_ids, completion]).astype(np.int32)
+        mask = np.concatenate([np.zeros(len(p_ids), np.int32), np.ones(len(completion), np.int32)])
+        if max_length is not None and len(ids) > max_length:
+            cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            ids, mask = ids[cut], mask[cut]
+        return ids, mask
+
+    (ci, cm), (ri, rm) = side(c_ids), side(r_ids)
+    return PreferenceExample(ci, cm, ri, rm, len(p_ids), expanded.pixel_values, expanded.image_grid_thw, index,
+                             images=expanded.images)
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+def _bucket(length: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= length:
+            return b
+    raise ValueError(f"a sequence of {length} tokens is longer than the largest bucket {max(buckets)}; "
+                     "add a larger bucket to seq_buckets")
+
+
+def _row_bucket(n: int, minimum: int = 64) -> int:
+    return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
+
+
+def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int, buckets: Sequence[int],
+                     padding_free: bool = False, ld_alpha: float | None = None,
+                     bucket_rows: bool = True) -> dict:
+    """B pairs -> the numpy arrays of one DPO forward over 2B sequences (chosen rows, then rejected).
+
+    input_ids / attention_mask [2B, L] (padding-free: [1, L] with segment_ids 1..2B); pixel_values
+    with every prompt's images twice; ``rows`` [R] the flat positions that predict a completion
+    token and ``targets`` [R] those tokens (-100 padding up to a row bucket); ``seq_weights``
+    [2B, R] maps a position's log-prob to its sequence's sum (1, or ld_alpha on the LD-DPO tail) and
+    ``seq_mask`` [2B, R] is the same without LD weighting; ``chosen_counts`` / ``rejected_counts``
+    [B] completion tokens per answer (TRL's completion_mask sums).
+    """
+    b = len(examples)
+    seqs = [(e.chosen_ids, e.chosen_mask) for e in examples] + [(e.rejected_ids, e.rejected_mask) for e in examples]
+    lengths = [len(ids) for ids, _ in seqs]
+    if padding_free:
+        width = _bucket(sum(lengths), buckets)
+        shape = (1, width)
+    else:
+        width = _bucket(max(lengths), buckets)
+        shape = (2 * b, width)
+    ids = np.full(shape, pad_token_id, np.int32)
+    mask = np.zeros(shape, np.int32)
+    comp = np.zeros(shape, np.int32)
+    seg = np.zeros(shape, np.int32)
+    starts = []
+    pos = 0
+    for k, (s_ids, s_mask) in enumerate(seqs):
+        r, c = (0, pos) if padding_free else (k, 0)
+        n = len(s_ids)
+        ids[r, c:c + n], mask[r, c:c + n], comp[r, c:c + n], seg[r, c:c + n] = s_ids, 1, s_mask, k + 1
+        starts.append(r * width + c)
+        pos += n if padding_free else 0
+    # position t predicts token t + 1 of the same sequence (TRL's shifted completion mask)
+    flat_ids, flat_comp, flat_seg = ids.reshape(-1), comp.reshape(-1), seg.reshape(-1)
+    scored = np.zeros(flat_ids.size, bool)
+    scored[:-1] = (flat_comp[1:] == 1) & (flat_seg[1:] == flat_seg[:-1])
+    rows = np.flatnonzero(scored)
+    seq_of = flat_seg[rows] - 1                                    # 0..2B-1
+    n_rows = _row_bucket(rows.size) if bucket_rows else rows.size
+    padded_rows = np.zeros(n_rows, np.int32)
+    padded_rows[:rows.size] = rows
+    targets = np.full(n_rows, IGNORE_INDEX, np.int32)
+    targets[:rows.size] = flat_ids[rows + 1]
+    seq_mask = np.zeros((2 * b, n_rows), np.float32)
+    seq_mask[seq_of, np.arange(rows.size)] = 1.0
+    seq_weights = seq_mask
+    if ld_alpha is not None:
+        # LD-DPO: completion tokens past the shorter answer's length count ld_alpha
+        rank = np.zeros(rows.size, np.int64)                       # 1-based position within its completion
+        for k in range(2 * b):
+            at = np.flatnonzero(seq_of == k)
+            rank[at] = np.arange(1, at.size + 1)
+        per_seq = seq_mask.sum(1)
+        shared = np.minimum(per_seq[:b], per_seq[b:])
+        shared = np.concatenate([shared, shared])
+        w = np.where(rank <= shared[seq_of], 1.0, ld_alpha).astype(np.float32)
+        seq_weights = np.zeros_like(seq_mask)
+        seq_weights[seq_of, np.arange(rows.size)] = w
+    counts = np.array([int(m.sum()) for _, m in seqs], np.float32)
+    out = {"input_ids": ids, "attention_mask": mask, "rows": padded_rows, "targets": targets,
+           "seq_weights": seq_weights, "seq_mask": seq_mask,
+           "chosen_counts": counts[:b], "rejected_counts": counts[b:],
+           "num_tokens": int(mask.sum()), "num_pairs": b, "example_ids": [e.index for e in examples]}
+    if padding_free:
+        out["segment_ids"] = seg
+    pixels = [e.pixel_values for e in examples if e.pixel_values is not None]
+    if pixels:
+        grids = [e.image_grid_thw for e in examples if e.pixel_values is not None]
+        out["pixel_values"] = np.concatenate(pixels * 2).astype(np.float32)
+        out["image_grid_thw"] = np.concatenate(grids * 2).astype(np.int32)
+    if all(e.ref_logps is not None for e in examples):
+        out["ref_chosen"] = np.array([e.ref_logps[0] for e in examples], np.float32)
+        out["ref_rejected"] = np.array([e.ref_logps[1] for e in examples], np.float32)
+    return out
+
+
+def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: int, *, max_length: int | None,
+                            pad_token_id: int, seq_buckets: Sequence[int] | None = None,
+                            padding_free: bool = False, shuffle: bool = True, seed: int = 0, epoch: int = 0,
+                            ld_alpha: float | None = None, bucket_rows: bool = True) -> list[dict]:
+    """One epoch of pair batches (the same for the same seed and epoch); the last may hold fewer pairs."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    longest = max((len(e) for e in examples), default=1)
+    limit = max(max_length or longest, longest)
+    if seq_buckets is None:
+        seq_buckets = default_buckets(limit * 2 * batch_size if padding_free else limit, smallest=32)
+    buckets = sorted(int(x) for x in seq_buckets)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
+    return [preference_batch([examples[i] for i in order[k:k + batch_size]], pad_token_id=pad_token_id,
+                             buckets=buckets, padding_free=padding_free, ld_alpha=ld_alpha, bucket_rows=bucket_rows)
+            for k in range(0, len(order), batch_size)]

@@ -1,0 +1,351 @@
+"""DPOTrainer: TRL's direct preference optimisation (and its loss variants) on the shared engine.
+
+    trainer = DPOTrainer(model=model, processor=processor, args=DPOConfig(output_dir="out", use_peft=True),
+                         train_dataset=rows)      # prompt/chosen/rejected rows, text or vision
+    trainer.train()
+
+One step: the B pairs of a micro-batch run as ONE forward of 2B sequences (chosen rows, then
+rejected rows); the streamed LM head (`head_logprobs`, never [tokens, vocab] logits) scores only
+the positions that predict a completion token, and a [2B, R] 0/1 matrix sums them per sequence.
+The reference log-probs come, without a gradient and outside the compiled step, from:
+
+* LoRA (`use_peft`): the same model with its adapters switched off (`adapters_disabled`): no
+  second copy of the weights (TRL does the same with PEFT's `disable_adapter`);
+* `precompute_ref_log_probs=True`: computed once for the whole dataset before training, by the
+  reference below; nothing is kept for it afterwards;
+* `ref_model` (a model object, or `DPOConfig.ref_model`, a path or Hub id loaded with `mlxrl.load`);
+* full fine-tuning without either: a frozen reference built from the initial weights (what TRL
+  does, it loads the model a second time). It shares the weight arrays at first (MLX arrays are
+  immutable) and costs one more copy of the weights in memory as the policy moves away from them;
+  use `precompute_ref_log_probs` or LoRA to avoid it.
+
+The loss is `mlxrl.losses.dpo_loss` (every TRL 1.16 loss_type, lists with loss_weights). It is a
+mean over the pairs of the micro-batch; the engine normalises by `batch_tokens(...)[1]`, which is
+the pair count here, so with gradient accumulation the step's loss is the mean over all its pairs
+(TRL divides by the accumulation steps: the same thing for equal micro-batches).
+
+Metrics (TRL's names): rewards/chosen|rejected|accuracies|margins, logps/chosen|rejected,
+logits/chosen|rejected (mean logit over the vocabulary, exact via the mean weight row),
+entropy (completion tokens of both answers), mean_token_accuracy (chosen completion tokens),
+num_tokens (the engine).
+
+Tests: pytest tests/test_dpo_trainer.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..losses.dpo import DPO_LOSSES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, dpo_loss
+from ..losses.head import head_logprobs
+from ..models import lora as lora_lib
+from .config import TrainConfig, _f
+from .engine import Trainer
+
+__all__ = ["DPOConfig", "DPOTrainer", "adapters_disabled", "frozen_copy"]
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    """TRL 1.16's DPOConfig fields (names and defaults). Fields TRL has that mlxrl does not support
+    raise a ValueError when set to anything but their default (see `check_dpo_config`)."""
+
+    learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's DPO default)")
+    # model
+    model_init_kwargs: str | None = _f(None, "not supported: load the model with mlxrl.load")
+    trust_remote_code: bool = _f(False, "not supported (mlxrl runs no remote code)")
+    router_aux_loss_coef: float | None = _f(None, "not supported (no Mixture-of-Experts models yet)")
+    disable_dropout: bool = _f(True, "disable dropout (LoRA dropout included) in the model")
+    ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model")
+    # data
+    dataset_num_proc: int | None = _f(None, "not supported (tokenisation runs in-process)")
+    max_length: int | None = _f(1024, "truncate each prompt+completion sequence to this many tokens")
+    truncation_mode: str = _f("keep_start", "keep_start | keep_end (deprecated in TRL; text only)")
+    padding_free: bool = _f(False, "concatenate the 2B sequences of a batch into one row without padding "
+                                   "(TRL 1.16 falls back to padding; mlxrl does it)")
+    pad_to_multiple_of: str | None = _f("auto", "not supported beyond 'auto' (rows are padded to seq_buckets)")
+    precompute_ref_log_probs: bool = _f(False, "compute the reference log-probs of the whole dataset before "
+                                               "training (no reference kept in memory)")
+    precompute_ref_batch_size: int | None = _f(None, "pairs per batch when precomputing (default: the train / "
+                                                     "eval batch size)")
+    # loss
+    loss_type: list[str] = dataclasses.field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={"help": f"one or more of {', '.join(DPO_LOSSES)} (a list is summed with loss_weights)"})
+    loss_weights: list[float] | None = _f(None, "one weight per loss_type (default 1 each)")
+    ld_alpha: float | None = _f(None, "LD-DPO: weight of completion tokens past the shorter answer's length")
+    f_divergence_type: str = _f("reverse_kl", f"f-DPO regulariser: {' | '.join(F_DIVERGENCES)}")
+    f_alpha_divergence_coef: float = _f(0.5, "alpha of alpha_divergence")
+    label_smoothing: float = _f(0.0, "robust / exo_pair / aot label smoothing (sigmoid: cDPO, see README)")
+    beta: float = _f(0.1, "deviation from the reference (IPO: tau)")
+    use_weighting: bool = _f(False, "not supported: WPO weighting")
+    discopop_tau: float = _f(0.05, "DiscoPOP temperature")
+    activation_offloading: bool = _f(False, "not supported (MLX unified memory; use gradient_checkpointing)")
+    sync_ref_model: bool = _f(False, "not supported: TR-DPO reference syncing")
+    ref_model_mixup_alpha: float = _f(0.6, "TR-DPO alpha (only with sync_ref_model, which is not supported)")
+    ref_model_sync_steps: int = _f(512, "TR-DPO sync period (only with sync_ref_model, not supported)")
+    pad_token: str | None = _f(None, "deprecated in TRL and not supported: the processor's pad token is used")
+    eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
+
+    def __post_init__(self):
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(f"loss_weights has {len(self.loss_weights)} weights for {len(self.loss_type)} loss types "
+                             f"{self.loss_type}")
+
+
+_UNSUPPORTED = {
+    "model_init_kwargs": "load the model with mlxrl.load (dtype: --dtype)",
+    "trust_remote_code": "mlxrl never runs model code from the Hub",
+    "router_aux_loss_coef": "mlxrl has no Mixture-of-Experts models yet",
+    "dataset_num_proc": "tokenisation runs in-process",
+    "use_weighting": "WPO weighting needs sum(p^2) per token, which the streamed head does not compute yet",
+    "activation_offloading": "MLX has unified memory; use gradient_checkpointing",
+    "sync_ref_model": "TR-DPO reference syncing is not implemented (use a fixed reference)",
+    "ref_model_mixup_alpha": "it only applies with sync_ref_model (TR-DPO), which is not implemented",
+    "ref_model_sync_steps": "it only applies with sync_ref_model (TR-DPO), which is not implemented",
+    "pad_token": "deprecated in TRL; the processor's pad token is used",
+}
+
+
+def check_dpo_config(args: DPOConfig) -> None:
+    """One-line ValueErrors for unsupported or inconsistent settings (TRL's checks plus ours)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(DPOConfig)}
+    for name, why in _UNSUPPORTED.items():
+        if getattr(args, name) != defaults[name]:
+            raise ValueError(f"{name}={getattr(args, name)!r} is not supported by mlxrl's DPOTrainer: {why}")
+    if args.pad_to_multiple_of not in ("auto", None, "none", "None"):
+        raise ValueError(f"pad_to_multiple_of={args.pad_to_multiple_of!r} is not supported: rows are padded to "
+                         "length buckets (set seq_buckets)")
+    unknown = [t for t in args.loss_type if t not in DPO_LOSSES]
+    if unknown or not args.loss_type:
+        raise ValueError(f"unknown loss_type {unknown}; valid: {', '.join(DPO_LOSSES)}")
+    if args.f_divergence_type not in F_DIVERGENCES:
+        raise ValueError(f"f_divergence_type {args.f_divergence_type!r}: use one of {', '.join(F_DIVERGENCES)}")
+    if args.f_divergence_type != "reverse_kl" and not set(args.loss_type) <= F_DIVERGENCE_LOSSES:
+        raise ValueError(f"f_divergence_type={args.f_divergence_type!r} supports only loss types "
+                         f"{sorted(F_DIVERGENCE_LOSSES)}, got {args.loss_type}")
+    if "exo_pair" in args.loss_type and not args.label_smoothing > 0:
+        raise ValueError("loss_type exo_pair needs label_smoothing > 0 (the EXO paper recommends 1e-3)")
+    if args.ld_alpha is not None and not 0.0 <= args.ld_alpha <= 1.0:
+        raise ValueError(f"ld_alpha must be in [0, 1], got {args.ld_alpha}")
+    if args.truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be keep_start or keep_end, got {args.truncation_mode!r}")
+    if args.head_mode != "differentiable":
+        raise ValueError(f"head_mode={args.head_mode!r}: DPO supports only the differentiable streamed head")
+    if args.beta <= 0:
+        raise ValueError(f"beta must be > 0, got {args.beta}")
+
+
+# ------------------------------------------------------------------------------------ references
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Run `model` as its base: every LoRA / DoRA layer is swapped for its wrapped base Linear for
+    the duration (exact: the base layer's own output, DoRA's magnitude not applied) and put back
+    afterwards. Shares every weight: nothing is copied."""
+    layers = lora_lib.lora_layers(model)
+    lora_lib._set_modules(model, [(p, m.linear) for p, m in layers])
+    try:
+        yield model
+    finally:
+        lora_lib._set_modules(model, layers)
+
+
+def frozen_copy(model):
+    """A frozen, eval-mode model with the same config and (initially shared, immutable) weights."""
+    from ..models import build_model
+
+    ref = build_model(model.config)
+    ref.load_weights(list(tree_flatten(model.parameters())), strict=True)
+    ref.freeze()
+    ref.eval()
+    ref.name_or_path = getattr(model, "name_or_path", None)
+    return ref
+
+
+def _hidden_rows(model, batch):
+    """Hidden states [R, D] at the scored positions (the trunk up to the final norm)."""
+    kw = {k: batch[k] for k in ("segment_ids", "pixel_values", "image_grid_thw", "vision_meta") if k in batch}
+    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_hidden=True, **kw)
+    return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
+
+
+# --------------------------------------------------------------------------------------- trainer
+
+class DPOTrainer(Trainer):
+    metric_names = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy",
+                    "mean_token_accuracy", "num_tokens")
+
+    def __init__(self, model, processor, args: DPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 ref_model=None):
+        args = args or DPOConfig()
+        check_dpo_config(args)
+        if train_dataset is None:
+            raise ValueError("DPOTrainer needs a train_dataset (rows with prompt/chosen/rejected or chosen/rejected)")
+        if ref_model is not None and ref_model is model:
+            raise ValueError("model and ref_model are the same object: omit ref_model (LoRA switches the adapters "
+                             "off, full fine-tuning keeps a frozen copy)")
+        if args.disable_dropout and args.use_peft and args.lora_dropout:
+            args = dataclasses.replace(args, lora_dropout=0.0)  # TRL's disable_dropout reaches LoRA's dropout too
+        if args.truncation_mode == "keep_end":
+            warnings.warn("truncation_mode='keep_end' is deprecated in TRL 1.16 (keep_start is the default)",
+                          FutureWarning, stacklevel=2)
+        super().__init__(model, processor, args)
+        self._head_trainable = self.head_trainable
+        if ref_model is None and args.ref_model:
+            import mlxrl
+
+            ref_model, _ = mlxrl.load(args.ref_model, dtype=args.dtype)
+        if ref_model is not None:
+            ref_model.freeze()
+            ref_model.eval()
+        elif not args.use_peft and not args.precompute_ref_log_probs:
+            ref_model = frozen_copy(model)  # TRL loads a second copy; see the module docstring for the cost
+        self.ref_model = ref_model
+        self.train_examples = self._tokenize(train_dataset, "train")
+        self.eval_examples = self._tokenize(eval_dataset, "eval") if eval_dataset is not None else None
+        if args.precompute_ref_log_probs:
+            self.precompute_ref_log_probs(self.train_examples, args.precompute_ref_batch_size or
+                                          args.per_device_train_batch_size)
+            if self.eval_examples:
+                self.precompute_ref_log_probs(self.eval_examples, args.precompute_ref_batch_size or
+                                              args.per_device_eval_batch_size)
+
+    # ------------------------------------------------------------------ data
+    def _tokenize(self, rows, name):
+        from ..data.preference import tokenize_preference
+
+        a = self.args
+        out = [tokenize_preference(row, self.processor, index=i, max_length=a.max_length,
+                                   truncation_mode=a.truncation_mode) for i, row in enumerate(rows)]
+        kept = [e for e in out if e is not None]
+        if len(kept) < len(out):
+            print(f"{name}: dropped {len(out) - len(kept)} of {len(out)} pairs whose prompt alone fills "
+                  f"max_length={a.max_length}", flush=True)
+        if not kept:
+            raise ValueError(f"{name} dataset: no pair left (every prompt fills max_length={a.max_length})")
+        return kept
+
+    def _batches_of(self, examples, epoch, shuffle, batch_size):
+        from ..data.preference import make_preference_batches
+
+        a = self.args
+        return make_preference_batches(examples, batch_size, max_length=a.max_length,
+                                       pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
+                                       padding_free=a.padding_free, shuffle=shuffle, seed=a.seed, epoch=epoch,
+                                       ld_alpha=a.ld_alpha, bucket_rows=a.compile)
+
+    def make_batches(self, epoch):
+        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size)
+
+    def batch_tokens(self, batch):
+        """(real tokens of the 2B sequences, pairs): the engine's normaliser is the pair count."""
+        return int(batch["num_tokens"]), int(batch["num_pairs"])
+
+    def to_device(self, batch):
+        arrays = super().to_device(batch)
+        if "image_grid_thw" in batch:
+            arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
+        if "ref_chosen" not in arrays:
+            arrays["ref_chosen"], arrays["ref_rejected"] = self.reference_logps(arrays)
+        return arrays
+
+    # ------------------------------------------------------------------ log-probs
+    def sequence_logps(self, model, arrays, *, mask_key="seq_weights"):
+        """Summed completion log-probs [2B] of `model` (no gradient intended: the caller's choice)."""
+        h = _hidden_rows(model, arrays)
+        logp = head_logprobs(h, model.lm_head_weight(), arrays["targets"], chunk_size=self.args.chunk_size,
+                             skip_ignored=False)
+        return arrays[mask_key] @ logp
+
+    def reference_logps(self, arrays) -> tuple[mx.array, mx.array]:
+        """Reference (chosen [B], rejected [B]) summed log-probs, evaluated eagerly."""
+        if self.ref_model is not None:
+            ctx, model = contextlib.nullcontext(), self.ref_model
+        else:  # LoRA (adapters off) or the policy itself before training (precompute, full fine-tuning)
+            ctx, model = adapters_disabled(self.model), self.model
+        with ctx:
+            logps = mx.stop_gradient(self.sequence_logps(model, arrays))
+            mx.eval(logps)
+        b = logps.shape[0] // 2
+        return logps[:b], logps[b:]
+
+    def precompute_ref_log_probs(self, examples, batch_size):
+        """Reference log-probs of every pair, once, stored on the examples (TRL's precompute_ref_log_probs)."""
+        from ..data.batches import default_buckets
+        from ..data.preference import preference_batch
+
+        a = self.args
+        longest = max(len(e) for e in examples)
+        limit = max(a.max_length or longest, longest)
+        buckets = a.seq_buckets or default_buckets(limit * 2 * batch_size if a.padding_free else limit, 32)
+        for k in range(0, len(examples), batch_size):
+            group = examples[k:k + batch_size]
+            batch = preference_batch(group, pad_token_id=self.processor.pad_token_id, buckets=sorted(buckets),
+                                     padding_free=a.padding_free, ld_alpha=a.ld_alpha, bucket_rows=False)
+            arrays = Trainer.to_device(self, batch)
+            if "image_grid_thw" in batch:
+                arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
+            chosen, rejected = self.reference_logps(arrays)
+            for e, c, r in zip(group, np.array(chosen).tolist(), np.array(rejected).tolist(), strict=True):
+                e.ref_logps = (c, r)
+
+    # ------------------------------------------------------------------ loss
+    def loss(self, model, batch, num_items):
+        a = self.args
+        h = _hidden_rows(model, batch)                                   # [R, D]
+        weight = model.lm_head_weight()
+        t = batch["targets"]
+        logp, ent, argmax = head_logprobs(h, weight, t, chunk_size=a.chunk_size, return_entropy=True,
+                                          return_argmax=True, skip_ignored=False, weight_grad=self._head_trainable)
+        logps = batch["seq_weights"] @ logp                               # [2B] summed completion log-probs
+        b = logps.shape[0] // 2
+        extra = {}
+        if "sft" in a.loss_type and a.ld_alpha is not None:
+            extra["sft_chosen_logps"] = (batch["seq_mask"] @ logp)[:b]
+        loss, metrics = dpo_loss(logps[:b], logps[b:], batch["ref_chosen"], batch["ref_rejected"],
+                                 loss_type=a.loss_type, loss_weights=a.loss_weights, beta=a.beta,
+                                 label_smoothing=a.label_smoothing, discopop_tau=a.discopop_tau,
+                                 f_divergence_type=a.f_divergence_type,
+                                 f_alpha_divergence_coef=a.f_alpha_divergence_coef,
+                                 chosen_token_counts=batch["chosen_counts"],
+                                 rejected_token_counts=batch["rejected_counts"], **extra)
+        mask = mx.stop_gradient(batch["seq_mask"])                        # [2B, R]
+        scored, chosen = mask.sum(0), mask[:b].sum(0)                     # [R] 0/1
+        rejected = mask[b:].sum(0)
+        ent = mx.stop_gradient(ent)
+        metrics["entropy"] = (ent * scored).sum() / mx.maximum(scored.sum(), 1.0)
+        hit = (argmax == t).astype(mx.float32)
+        metrics["mean_token_accuracy"] = (hit * chosen).sum() / mx.maximum(chosen.sum(), 1.0)
+        # mean over the vocabulary of the logits = h . mean(W): exact, no [R, V] tile
+        mean_logit = mx.stop_gradient(h.astype(mx.float32) @ weight.astype(mx.float32).mean(0))
+        metrics["logits/chosen"] = (mean_logit * chosen).sum() / mx.maximum(chosen.sum(), 1.0)
+        metrics["logits/rejected"] = (mean_logit * rejected).sum() / mx.maximum(rejected.sum(), 1.0)
+        # dpo_loss is a mean over these b pairs; the engine sums micro-batches normalised by all pairs
+        return loss * (b / num_items), metrics
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        if not self.eval_examples:
+            return {}
+        self.model.eval()
+        sums, pairs = {}, 0
+        for batch in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size):
+            arrays = self.to_device(batch)
+            b = batch["num_pairs"]
+            loss, metrics = self.loss(self.model, arrays, mx.array(b, dtype=mx.float32))
+            for k, v in {"loss": loss, **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + v.item() * b
+            pairs += b
+        self.model.train()
+        return {k: v / max(pairs, 1) for k, v in sums.items()}
