@@ -1,0 +1,288 @@
+"""Batched sampling with a KV cache for mlxrl's Qwen / Qwen-VL models, each prompt prefilled once.
+
+    from mlxrl.generation import generate
+    batch = processor(text=prompts, images=images, padding_side="left")
+    out = generate(model, **batch, num_generations=8, max_tokens=128, temperature=1.0, top_p=0.95, seed=0)
+    out.completion_ids, out.completion_mask, out.logps, out.finished, out.truncated   # [P*G, T] / [P*G]
+
+How it runs:
+
+* **prefill once per prompt.** The P prompts (and their images: the vision tower runs once per
+  prompt) go through the model once, filling mlx-lm `KVCache`s of batch P. Each cache entry is then
+  repeated G times along the batch (rows are prompt-major: prompt 0's G samples, then prompt 1's),
+  so decoding runs P*G rows while the prompt was forwarded P times, not P*G times.
+* **positions.** Prompts may be left- or right-padded (right padding is moved to the left first).
+  Text models get positions `cumsum(mask) - 1`; Qwen-VL models get M-RoPE positions from
+  `mrope_positions`, and the next token of each row sits at its max position + 1 (the real length
+  plus the row's rope delta), on all three axes. Padding keys are masked out at every step.
+* **sampling** follows transformers' order: logits / temperature -> top_k -> top_p -> min_p, then a
+  categorical draw (`temperature=0`: argmax). The filters are mlx-lm's (`apply_top_k`,
+  `apply_top_p`, `apply_min_p`), applied to the *tempered* log-probs (mlx-lm's own `make_sampler`
+  filters before the temperature, which is not what transformers / vLLM / TRL do).
+* **stopping.** A row finishes at its first stop token (kept in the completion and in the mask, like
+  TRL's completion mask); afterwards it emits `pad_token_id` with mask 0. The loop ends when every
+  row has finished or after `max_tokens` tokens (those rows are `truncated`).
+* **reproducible.** Draws use keys split from `mx.random.key(seed)`, one per step, independent of
+  the global random state and of when the loop stops.
+
+Log-probs returned (both float32 [P*G, T], 0 on padding):
+
+* `logps`: log softmax(logits / temperature) of the chosen token, *unfiltered*: what
+  `head_logprobs(..., temperature=temperature)` gives for the same weights in a training forward.
+  TRL computes `old_per_token_logps` with such a forward, right after generation and only when
+  generation and optimisation steps are misaligned (num_iterations > 1 or steps_per_generation >
+  gradient_accumulation_steps); otherwise it uses the detached current log-probs. These are equal
+  to that forward up to float error, so a trainer may use them instead of the extra forward.
+* `sampling_logps`: log-prob under the distribution actually sampled from (tempered, filtered by
+  top_k / top_p / min_p, renormalised), i.e. vLLM's `processed_logprobs`. TRL uses those only for
+  the vLLM importance-sampling correction (`sampling_per_token_logps`), never as old log-probs.
+  Without filters they equal `logps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from .models.vl import QwenVLBase, mrope_positions
+
+IM_END, END_OF_TEXT = 151645, 151643
+DEFAULT_STOP_TOKEN_IDS = (IM_END, END_OF_TEXT)  # Qwen chat turns end with <|im_end|>
+
+
+def is_vl(model) -> bool:
+    return isinstance(model, QwenVLBase)
+
+
+# ------------------------------------------------------------------------------------ positions
+def prompt_positions(model, input_ids: mx.array, attention_mask: mx.array, image_grid_thw=None):
+    """Positions of a padded prompt batch and the position of each row's next token.
+
+    Returns (positions, next_position): [B, L] (text) or [3, B, L] (Qwen-VL M-RoPE), and [B] int32.
+    Padding (mask 0) gets position 0 and does not advance, for left and right padding alike.
+    """
+    mask = attention_mask.astype(mx.int32)
+    if is_vl(model):
+        grid = None if image_grid_thw is None else mx.array(image_grid_thw)
+        pos, deltas = mrope_positions(input_ids, grid, mask, model.image_token_id, model.merge_size)
+        return pos, mask.sum(axis=1) + deltas
+    pos = mx.where(mask > 0, mx.cumsum(mask, axis=1) - 1, 0)
+    return pos, mask.sum(axis=1)
+
+
+def continue_positions(model, next_position: mx.array, length: int) -> mx.array:
+    """Positions of `length` text tokens that follow a prompt: next_position + 0..length-1 per row
+    ([B, L], or the same on all three M-RoPE axes [3, B, L])."""
+    pos = next_position[:, None].astype(mx.int32) + mx.arange(length, dtype=mx.int32)[None]
+    return mx.broadcast_to(pos[None], (3, *pos.shape)) if is_vl(model) else pos
+
+
+def left_align(input_ids: mx.array, attention_mask: mx.array, pad_token_id: int):
+    """Move each row's real tokens to the right end (left padding); a no-op for left-padded input."""
+    mask = np.asarray(attention_mask).astype(bool)
+    if mask[:, -1].all():
+        return input_ids, attention_mask
+    ids = np.asarray(input_ids)
+    out_ids = np.full_like(ids, pad_token_id)
+    out_mask = np.zeros_like(mask)
+    for i in range(ids.shape[0]):
+        row = ids[i][mask[i]]
+        if len(row):
+            out_ids[i, -len(row):], out_mask[i, -len(row):] = row, True
+    return mx.array(out_ids), mx.array(out_mask.astype(np.int32))
+
+
+def images_per_row(input_ids, image_grid_thw, image_token_id: int, merge_size: int) -> np.ndarray:
+    """How many images (of `image_grid_thw`, in order) each row of `input_ids` holds."""
+    grid = np.asarray(image_grid_thw).astype(np.int64)
+    tokens = grid.prod(axis=1) // merge_size**2
+    per_row = (np.asarray(input_ids) == image_token_id).sum(axis=1)
+    ends = np.cumsum(tokens)
+    row_ends = np.cumsum(per_row)
+    # image k belongs to the first row whose cumulative token count reaches the image's end
+    owner = np.searchsorted(row_ends, ends, side="left")
+    return np.bincount(owner, minlength=len(per_row))
+
+
+def repeat_prompts(model, num_generations: int, input_ids, attention_mask, pixel_values=None,
+                   image_grid_thw=None):
+    """Each prompt row (and its images, in `pixel_values` order) repeated G times, prompt-major:
+    what forwarding every sample separately needs. Eager (numpy index arithmetic on the grid)."""
+    G = num_generations
+    ids, mask = mx.repeat(input_ids, G, axis=0), mx.repeat(attention_mask, G, axis=0)
+    if pixel_values is None:
+        return ids, mask, None, None
+    grid = np.asarray(image_grid_thw).astype(np.int64)
+    counts = images_per_row(input_ids, grid, model.image_token_id, model.merge_size)
+    first = np.concatenate([[0], np.cumsum(counts)])
+    order = np.concatenate([np.tile(np.arange(first[p], first[p + 1]), G) for p in range(len(counts))])
+    patches = grid.prod(axis=1)
+    start = np.concatenate([[0], np.cumsum(patches)])
+    rows = np.concatenate([np.arange(start[k], start[k + 1]) for k in order])
+    return ids, mask, pixel_values[mx.array(rows)], mx.array(grid[order])
+
+
+# ------------------------------------------------------------------------------------- sampling
+def filter_logprobs(logits: mx.array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> tuple[mx.array, mx.array]:
+    """(sampling log-probs, tempered log-probs), float32 [B, V].
+
+    tempered = log softmax(logits / temperature); sampling = tempered filtered by top_k, then top_p,
+    then min_p (transformers' order; filtered tokens -inf), renormalised."""
+    z = logits.astype(mx.float32)
+    if temperature != 1.0:
+        z = z * (1.0 / temperature)
+    tempered = z - mx.logsumexp(z, axis=-1, keepdims=True)
+    lp = tempered
+    if 0 < top_k < lp.shape[-1]:
+        lp = apply_top_k(lp, int(top_k))
+    if 0 < top_p < 1.0:
+        lp = apply_top_p(lp, float(top_p))
+    if min_p > 0.0:
+        lp = apply_min_p(lp, float(min_p))
+    if lp is not tempered:
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    return lp, tempered
+
+
+def sample_tokens(logits: mx.array, key: mx.array | None = None, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, min_p: float = 0.0):
+    """Draw one token per row of `logits` [B, V]. Returns (tokens int32 [B], sampling log-probs [B],
+    tempered log-probs [B]); temperature 0 is argmax (both log-probs then at temperature 1)."""
+    if temperature == 0:
+        lp = logits.astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        tok = mx.argmax(lp, axis=-1).astype(mx.int32)
+        chosen = mx.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+        return tok, chosen, chosen
+    sampling, tempered = filter_logprobs(logits, temperature, top_k, top_p, min_p)
+    tok = mx.random.categorical(sampling, axis=-1, key=key).astype(mx.int32)
+    pick = tok[:, None]
+    return tok, mx.take_along_axis(sampling, pick, -1)[:, 0], mx.take_along_axis(tempered, pick, -1)[:, 0]
+
+
+# ----------------------------------------------------------------------------------- generation
+@dataclass
+class Generation:
+    """Output of `generate`. Rows are prompt-major: row r is sample r % G of prompt r // G."""
+
+    completion_ids: mx.array  # [P*G, T] int32; pad_token_id after the stop token
+    completion_mask: mx.array  # [P*G, T] int32; 1 up to and including the stop token
+    logps: mx.array  # [P*G, T] float32; log softmax(logits / T) of the token (unfiltered), 0 on pad
+    sampling_logps: mx.array  # [P*G, T] float32; under the filtered sampling distribution, 0 on pad
+    finished: mx.array  # [P*G] bool; ended with a stop token
+    truncated: mx.array  # [P*G] bool; hit max_tokens before any stop token
+    prompt_index: mx.array  # [P*G] int32; r // G
+
+    @property
+    def lengths(self) -> mx.array:
+        return self.completion_mask.sum(axis=1)
+
+
+def _model_kwargs(model, pixel_values, image_grid_thw, vision_meta) -> dict:
+    if not is_vl(model):
+        if pixel_values is not None:
+            raise ValueError("a text-only model cannot take images")
+        return {}
+    return dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw, vision_meta=vision_meta)
+
+
+def _next_logits(model, hidden: mx.array) -> mx.array:
+    return model.apply_lm_head(hidden[:, -1]).astype(mx.float32)  # [B, V]: the last position only
+
+
+def generate(
+    model,
+    input_ids: mx.array,
+    attention_mask: mx.array | None = None,
+    *,
+    pixel_values: mx.array | None = None,
+    image_grid_thw: mx.array | None = None,
+    vision_meta: dict | None = None,
+    num_generations: int = 1,
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    stop_token_ids=DEFAULT_STOP_TOKEN_IDS,
+    pad_token_id: int = END_OF_TEXT,
+    seed: int | None = None,
+    shared_prefill: bool = True,
+    **_ignored,
+) -> Generation:
+    """Sample `num_generations` (G) completions for each of the P prompts in `input_ids` [P, L].
+
+    input_ids / attention_mask / pixel_values / image_grid_thw: a processor batch (left padding
+    preferred; right-padded rows are left-aligned first). max_tokens: TRL's max_completion_length.
+    temperature 0: greedy. top_k 0, top_p 1, min_p 0: filter off. stop_token_ids: a row ends at
+    the first of these (default <|im_end|>, <|endoftext|>). seed: None draws the key from MLX's
+    global random state (reproducible under `mx.random.seed`).
+    shared_prefill=False repeats every prompt (and its images) G times before the prefill instead
+    of sharing its cache: the per-sample baseline, same outputs.
+    """
+    G = int(num_generations)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if attention_mask is None:
+        attention_mask = mx.ones(input_ids.shape, dtype=mx.int32)
+    input_ids, attention_mask = left_align(input_ids, attention_mask, pad_token_id)
+    P = input_ids.shape[0]
+    if seed is None:
+        seed = int(mx.random.randint(0, 2**31 - 1).item())
+    keys = mx.random.split(mx.random.key(seed), max(max_tokens, 1))
+    stops = mx.array(sorted(set(int(s) for s in stop_token_ids)), dtype=mx.int32)
+
+    if not shared_prefill and G > 1:
+        input_ids, attention_mask, pixel_values, image_grid_thw = repeat_prompts(
+            model, G, input_ids, attention_mask, pixel_values, image_grid_thw)
+        vision_meta, rep = None, 1
+    else:
+        rep = G
+    # prefill: the prompt batch (P rows, or P*G without sharing) once, with its images
+    cache = model.make_cache()
+    positions, next_pos = prompt_positions(model, input_ids, attention_mask, image_grid_thw)
+    hidden = model(input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                   return_hidden=True, **_model_kwargs(model, pixel_values, image_grid_thw, vision_meta))
+    logits = _next_logits(model, hidden)
+    if rep > 1:  # share the prompt's keys/values with its G samples
+        for c in cache:
+            c.keys = mx.repeat(c.keys[..., :c.offset, :], rep, axis=0)
+            c.values = mx.repeat(c.values[..., :c.offset, :], rep, axis=0)
+        logits = mx.repeat(logits, rep, axis=0)
+        attention_mask = mx.repeat(attention_mask, rep, axis=0)
+        next_pos = mx.repeat(next_pos, rep, axis=0)
+    mask = attention_mask.astype(mx.int32)
+    n = P * G
+    finished = mx.zeros((n,), dtype=mx.bool_)
+    toks, lps, slps, valid = [], [], [], []
+    for t in range(max_tokens):
+        tok, slp, lp = sample_tokens(logits, keys[t], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        live = ~finished
+        tok = mx.where(live, tok, pad_token_id)
+        toks.append(tok), lps.append(mx.where(live, lp, 0.0)), slps.append(mx.where(live, slp, 0.0))
+        valid.append(live)
+        finished = finished | (live & (tok[:, None] == stops[None]).any(axis=1))
+        if t == max_tokens - 1:
+            break
+        mask = mx.concatenate([mask, live.astype(mx.int32)[:, None]], axis=1)
+        hidden = model(tok[:, None], attention_mask=mask, position_ids=continue_positions(model, next_pos + t, 1),
+                       cache=cache, return_hidden=True)
+        logits = _next_logits(model, hidden)
+        mx.async_eval(logits, finished, tok, lp, slp)
+        if finished.all().item():  # the next step's forward is already queued; stop after this one
+            break
+    out = Generation(
+        completion_ids=mx.stack(toks, axis=1),
+        completion_mask=mx.stack(valid, axis=1).astype(mx.int32),
+        logps=mx.stack(lps, axis=1),
+        sampling_logps=mx.stack(slps, axis=1),
+        finished=finished,
+        truncated=~finished,
+        prompt_index=mx.arange(n, dtype=mx.int32) // G,
+    )
+    mx.eval(out.completion_ids, out.completion_mask, out.logps, out.sampling_logps, out.finished, out.truncated)
+    return out
