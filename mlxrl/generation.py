@@ -126,6 +126,28 @@ def repeat_prompts(model, num_generations: int, input_ids, attention_mask, pixel
 
 
 # ------------------------------------------------------------------------------------- sampling
+TOP_P_CANDIDATES = 1024
+
+
+def top_p_filter(lp: mx.array, top_p: float, candidates: int = TOP_P_CANDIDATES) -> mx.array:
+    """mlx-lm's `apply_top_p` (keep a token while the mass strictly above it is < top_p), without
+    sorting the whole vocabulary when the nucleus lies inside the top `candidates` tokens of every
+    row: MLX's CPU sort of a [B, 151936] row block is ~10x slower than `topk`. Falls back to
+    `apply_top_p` otherwise (checked eagerly: generation is not compiled)."""
+    V = lp.shape[-1]
+    if candidates >= V:
+        return apply_top_p(lp, top_p)
+    top = mx.sort(mx.topk(lp, candidates, axis=-1), axis=-1)  # [B, K] ascending
+    probs = mx.exp(top)
+    total = mx.exp(mx.logsumexp(lp, axis=-1, keepdims=True))  # rows may be unnormalised (after top_k)
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)  # >= 1: the nucleus is inside
+    if not (dropped >= 1).all().item():
+        return apply_top_p(lp, top_p)
+    threshold = mx.take_along_axis(top, dropped, axis=-1)
+    return mx.where(lp < threshold, -mx.inf, lp)
+
+
 def filter_logprobs(logits: mx.array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                     min_p: float = 0.0) -> tuple[mx.array, mx.array]:
     """(sampling log-probs, tempered log-probs), float32 [B, V].
@@ -140,7 +162,7 @@ def filter_logprobs(logits: mx.array, temperature: float = 1.0, top_k: int = 0, 
     if 0 < top_k < lp.shape[-1]:
         lp = apply_top_k(lp, int(top_k))
     if 0 < top_p < 1.0:
-        lp = apply_top_p(lp, float(top_p))
+        lp = top_p_filter(lp, float(top_p))
     if min_p > 0.0:
         lp = apply_min_p(lp, float(min_p))
     if lp is not tempered:
