@@ -61,19 +61,24 @@ class _SharedPrefix:
         return mx.concatenate([kp, keys], axis=2), mx.concatenate([vp, values], axis=2)
 
 
-def _prompt_embeddings(model, input_ids, pixel_values, image_grid_thw, vision_meta):
-    """Token embeddings with image features merged in (vision tower once per prompt batch), and
-    Qwen3-VL's DeepStack (visual mask, per-layer features) or None."""
+def _embeddings(model, prompt_ids, completion_ids, pixel_values, image_grid_thw, vision_meta):
+    """Token embeddings of the prompts [P, Lp, D] (image features merged in: the vision tower runs
+    once per prompt batch) and of the completions [P*G, C, D], and Qwen3-VL's DeepStack (visual
+    mask, per-layer features) or None. One lookup for both: each use of the embedding table costs
+    a dense [V, D] gradient in backward."""
     lm = model.language_model
-    h = lm.embed_tokens(input_ids)
+    n_prompt = prompt_ids.size
+    flat = mx.concatenate([prompt_ids.reshape(-1), completion_ids.reshape(-1).astype(prompt_ids.dtype)])
+    h = lm.embed_tokens(flat)
+    hp, hc = h[:n_prompt].reshape(*prompt_ids.shape, -1), h[n_prompt:].reshape(*completion_ids.shape, -1)
     if pixel_values is None:
-        return h, None
+        return hp, hc, None
     if not is_vl(model):
         raise ValueError("a text-only model cannot take images")
-    image_mask = input_ids == model.image_token_id
+    image_mask = prompt_ids == model.image_token_id
     feats, deep = model.image_features(pixel_values, image_grid_thw, vision_meta)
-    h = merge_image_features(h, image_mask, feats)
-    return h, ((image_mask, deep) if deep else None)
+    hp = merge_image_features(hp, image_mask, feats)
+    return hp, hc, ((image_mask, deep) if deep else None)
 
 
 def _last_real(mask: mx.array) -> mx.array:
@@ -106,8 +111,7 @@ def shared_prompt_hidden(
     lm = model.language_model
     prompt_mask = prompt_mask.astype(mx.int32)
 
-    hp, deepstack = _prompt_embeddings(model, prompt_ids, pixel_values, image_grid_thw, vision_meta)
-    hc = lm.embed_tokens(completion_ids)
+    hp, hc, deepstack = _embeddings(model, prompt_ids, completion_ids, pixel_values, image_grid_thw, vision_meta)
     pos_p, next_pos = prompt_positions(model, prompt_ids, prompt_mask, image_grid_thw)
     pos_c = continue_positions(model, mx.repeat(next_pos, G, axis=0), C)
     cos_p, sin_p = lm.rotary_emb(pos_p)
