@@ -76,9 +76,10 @@ class DPOConfig(TrainConfig):
     precompute_ref_batch_size: int | None = _f(None, "pairs per batch when precomputing (default: the train / "
                                                      "eval batch size)")
     # loss
-    loss_type: list[str] = dataclasses.field(
+    # `| None` only so that config.build_parser gives the flag nargs="+" (it reads lists through Optional)
+    loss_type: list[str] | None = dataclasses.field(
         default_factory=lambda: ["sigmoid"],
-        metadata={"help": f"one or more of {', '.join(DPO_LOSSES)} (a list is summed with loss_weights)"})
+        metadata={"help": f"one or more of {', '.join(DPO_LOSSES)}, summed with loss_weights (default: sigmoid)"})
     loss_weights: list[float] | None = _f(None, "one weight per loss_type (default 1 each)")
     ld_alpha: float | None = _f(None, "LD-DPO: weight of completion tokens past the shorter answer's length")
     f_divergence_type: str = _f("reverse_kl", f"f-DPO regulariser: {' | '.join(F_DIVERGENCES)}")
@@ -95,6 +96,8 @@ class DPOConfig(TrainConfig):
     eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
 
     def __post_init__(self):
+        if self.loss_type is None:
+            self.loss_type = ["sigmoid"]
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):

@@ -1,0 +1,268 @@
+"""DPOTrainer: step-0 loss and every metric against TRL 1.16's own DPOTrainer (torch, CPU, float32) on
+the same tiny checkpoints and batch, for sigmoid, ipo and a weighted list of two loss types, text
+(Qwen3, plain and conversational implicit-prompt) and vision (Qwen2-VL); the LoRA-off reference
+equals a separately loaded frozen copy and holds no second copy in memory; precomputed reference
+log-probs; padding-free == padded; trained parameters change; the demo's rewards/accuracies rise
+above 0.5; CLI errors.
+
+    python -m pytest -x -q tests/test_dpo_trainer.py
+"""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import mlxrl
+from mlxrl.data.preference import extract_prompt
+from mlxrl.dpo import main as dpo_main
+from mlxrl.dpo import preference_pairs, run_demo
+from mlxrl.models.lora import lora_layers
+from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
+
+TEXT_ROWS = [
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green today."},
+    {"prompt": "One plus one is", "chosen": " two", "rejected": " three, or maybe four"},
+    {"prompt": "Paris is the capital of", "chosen": " France.", "rejected": " Spain."},
+    {"prompt": "Water boils at", "chosen": " 100 degrees Celsius at sea level.", "rejected": " 50 degrees."},
+]
+CONV_ROWS = [  # implicit prompt: the shared first message is the prompt
+    {"chosen": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}],
+     "rejected": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Five, I think."}]},
+    {"chosen": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi there!"}],
+     "rejected": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "No."}]},
+    {"chosen": [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "Red."}],
+     "rejected": [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "A dog."}]},
+]
+LOSSES = [(["sigmoid"], None), (["ipo"], None), (["sigmoid", "bco_pair"], [0.8, 0.2])]
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "run"), max_length=256, gradient_checkpointing=False, compile=False,
+                disable_tqdm=True, save_steps=0, logging_steps=1, per_device_train_batch_size=4, seed=0)
+    base.update(kw)
+    return DPOConfig(**base)
+
+
+def vision_rows(n=3):
+    from mlxrl.data.synthetic import make_vqa
+
+    return preference_pairs(make_vqa(n, seed=4), seed=1)
+
+
+@pytest.fixture(scope="module")
+def ref_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """A perturbed copy of a tiny checkpoint: the reference, so that rewards are not all zero at step 0."""
+    from safetensors.numpy import load_file, save_file
+
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            src = tiny_checkpoint(arch)
+            out = tmp_path_factory.mktemp("ref") / arch
+            shutil.copytree(src, out)
+            rng = np.random.default_rng(7)
+            w = load_file(str(src / "model.safetensors"))
+            w = {k: (v + rng.normal(0, 0.03, v.shape)).astype(v.dtype) for k, v in w.items()}
+            save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+            made[arch] = out
+        return made[arch]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------- TRL parity
+
+def _hf_processor(folder):
+    from transformers import AutoTokenizer, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class NoVideoProcessor(Qwen2VLProcessor):  # transformers wants a torchvision video processor: skip it
+        def check_argument_for_proper_class(self, name, arg):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, arg)
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    cfg = json.loads((folder / "preprocessor_config.json").read_text())
+    keys = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+    return NoVideoProcessor(image_processor=Qwen2VLImageProcessorPil(**{k: cfg[k] for k in keys}), tokenizer=tok,
+                            video_processor=None, chat_template=(folder / "chat_template.jinja").read_text())
+
+
+def trl_step0(arch, folder, ref_folder, rows, tmp_path):
+    """TRL's loss and logged metrics for each of LOSSES on the whole `rows` as one batch."""
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import DPOConfig as TRLConfig
+    from trl import DPOTrainer as TRLTrainer
+
+    cls = transformers.Qwen3ForCausalLM if arch == "qwen3" else transformers.Qwen2VLForConditionalGeneration
+    policy = cls.from_pretrained(str(folder), dtype=torch.float32)
+    ref = cls.from_pretrained(str(ref_folder), dtype=torch.float32)
+    processing = transformers.AutoTokenizer.from_pretrained(str(folder)) if arch == "qwen3" else _hf_processor(folder)
+    args = TRLConfig(output_dir=str(tmp_path / "trl"), bf16=False, gradient_checkpointing=False, report_to="none",
+                     use_cpu=True, max_length=256, per_device_train_batch_size=len(rows))
+    trainer = TRLTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=processing)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    policy.train()
+    out = []
+    for types, weights in LOSSES:  # the loss settings are read per call: one trainer serves all three
+        trainer.loss_types, trainer.loss_weights = types, weights or [1.0] * len(types)
+        trainer._metrics["train"].clear()
+        trainer._total_train_tokens = 0
+        with torch.no_grad():
+            loss = trainer.compute_loss(policy, dict(batch)).item()
+        out.append((loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}))
+    return out
+
+
+@pytest.mark.parametrize("arch,data", [("qwen3", "text"), ("qwen3", "conversational"), ("qwen2_vl", "vision")])
+def test_step0_loss_and_metrics_match_trl(arch, data, tiny_checkpoint, ref_checkpoint, tmp_path):
+    folder, ref_folder = tiny_checkpoint(arch), ref_checkpoint(arch)
+    rows = {"text": TEXT_ROWS, "conversational": CONV_ROWS, "vision": vision_rows()}[data]
+    expected = trl_step0(arch, folder, ref_folder, rows, tmp_path)
+
+    model, processor = mlxrl.load(folder)
+    ref_model, _ = mlxrl.load(ref_folder)
+    trainer = DPOTrainer(model, processor, config(tmp_path), train_dataset=rows, ref_model=ref_model)
+    batch = trainer._batches_of(trainer.train_examples, 0, False, len(rows))[0]
+    arrays = trainer.to_device(batch)
+    for (types, weights), (want_loss, want) in zip(LOSSES, expected, strict=True):
+        trainer.args.loss_type, trainer.args.loss_weights = types, weights
+        loss, metrics = trainer.loss(trainer.model, arrays, mx.array(len(rows), dtype=mx.float32))
+        got = {k: v.item() for k, v in metrics.items()}
+        assert abs(loss.item() - want_loss) <= 1e-4 * max(1.0, abs(want_loss)), (types, loss.item(), want_loss)
+        for k in METRICS:
+            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (types, k, got[k], want[k])
+        assert batch["num_tokens"] == want["num_tokens"]
+    assert abs(got["rewards/margins"]) > 1e-3  # the perturbed reference makes the comparison non-trivial
+
+
+def test_extract_prompt_matches_trl():
+    from trl.data_utils import extract_prompt as trl_extract
+
+    cases = [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
+             {"chosen": "Same start then A", "rejected": "Same start then B"},
+             CONV_ROWS[0]]
+    for row in cases:
+        want = trl_extract(row)
+        assert extract_prompt(row["chosen"], row["rejected"]) == (want["prompt"], want["chosen"], want["rejected"])
+
+
+# ------------------------------------------------------------------------------------- reference
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_lora_off_reference_equals_a_frozen_copy_without_a_second_copy(use_dora, tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("qwen3")
+    model, processor = mlxrl.load(folder)
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    # small vocabulary tiles, so that a copy of the weights would stand out in the peak
+    trainer = DPOTrainer(model, processor, config(tmp_path, use_peft=True, lora_r=4, use_dora=use_dora,
+                                                  chunk_size=8192), train_dataset=TEXT_ROWS)
+    assert trainer.ref_model is None
+    mx.random.seed(3)
+    for _, layer in lora_layers(model):  # adapters that change the output, as after some training
+        layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.05
+    mx.eval(model.parameters())
+    batch = trainer._batches_of(trainer.train_examples, 0, False, 4)[0]
+    arrays = trainer.to_device(batch)  # the reference log-probs: adapters switched off
+    mx.eval(arrays)
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    chosen, rejected = trainer.reference_logps(arrays)
+    extra_peak = mx.get_peak_memory() - active
+    base, _ = mlxrl.load(folder)  # a separate frozen copy of the base weights
+    want = trainer.sequence_logps(base, arrays)
+    np.testing.assert_allclose(np.array(arrays["ref_chosen"]), np.array(want[:4]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.array(arrays["ref_rejected"]), np.array(want[4:]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.array(chosen), np.array(want[:4]), rtol=1e-5, atol=1e-4)
+    policy = trainer.sequence_logps(model, arrays)
+    assert float(mx.abs(policy - want).max()) > 1e-3  # the adapters are back on afterwards
+    assert lora_layers(model)
+    assert extra_peak < 0.2 * weight_bytes, (extra_peak, weight_bytes)  # no second copy of the weights
+    assert rejected.shape == (4,)
+
+
+def test_precomputed_reference_equals_on_the_fly(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("qwen3")
+    model, processor = mlxrl.load(folder)
+    pre = DPOTrainer(model, processor, config(tmp_path, precompute_ref_log_probs=True,
+                                              precompute_ref_batch_size=3), train_dataset=TEXT_ROWS)
+    assert pre.ref_model is None  # full fine-tuning with precomputed log-probs keeps no reference
+    model2, _ = mlxrl.load(folder)
+    live = DPOTrainer(model2, processor, config(tmp_path), train_dataset=TEXT_ROWS)
+    assert live.ref_model is not None  # full fine-tuning: a frozen copy, as TRL
+    b_pre = pre._batches_of(pre.train_examples, 0, False, 4)[0]
+    b_live = live.to_device(live._batches_of(live.train_examples, 0, False, 4)[0])
+    np.testing.assert_allclose(b_pre["ref_chosen"], np.array(b_live["ref_chosen"]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(b_pre["ref_rejected"], np.array(b_live["ref_rejected"]), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("data", ["text", "vision"])
+def test_padding_free_equals_padded(data, tiny_checkpoint, tmp_path):
+    arch, rows = ("qwen3", TEXT_ROWS) if data == "text" else ("qwen2_vl", vision_rows())
+    model, processor = mlxrl.load(tiny_checkpoint(arch))
+    a = DPOTrainer(model, processor, config(tmp_path, use_peft=True, lora_r=4), train_dataset=rows)
+    model, processor = mlxrl.load(tiny_checkpoint(arch))  # the same seed gives the same LoRA init
+    b = DPOTrainer(model, processor, config(tmp_path, use_peft=True, lora_r=4, padding_free=True),
+                   train_dataset=rows)
+    results = []
+    for t in (a, b):
+        batch = t._batches_of(t.train_examples, 0, False, len(rows))[0]
+        arrays = t.to_device(batch)
+        n = mx.array(len(rows), dtype=mx.float32)
+        (loss, metrics), grads = nn.value_and_grad(t.model, t.loss)(t.model, arrays, n)
+        results.append((batch["input_ids"].shape, loss.item(), metrics["logps/rejected"].item(),
+                        dict(tree_flatten(grads))))
+    (shape_a, loss_a, lr_a, g_a), (shape_b, loss_b, lr_b, g_b) = results
+    assert shape_b[0] == 1 and shape_a[0] == 2 * len(rows)
+    assert abs(loss_a - loss_b) <= 1e-5 and abs(lr_a - lr_b) <= 1e-4 * abs(lr_a)
+    for k in g_a:
+        scale = max(float(mx.abs(g_a[k]).max()), 1e-6)
+        assert float(mx.abs(g_a[k] - g_b[k]).max()) / scale <= 1e-4, k
+
+
+# ------------------------------------------------------------------------------------- training
+
+def test_trained_parameters_change_and_reference_stays(tiny_checkpoint, tmp_path):
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    trainer = DPOTrainer(model, processor, config(tmp_path, max_steps=2, learning_rate=1e-3), train_dataset=TEXT_ROWS)
+    history = trainer.train()
+    after = dict(tree_flatten(model.parameters()))
+    unchanged = [k for k, v in before.items() if np.array_equal(v, np.array(after[k]))]
+    assert unchanged == [], unchanged
+    for k, v in tree_flatten(trainer.ref_model.parameters()):
+        assert np.array_equal(before[k], np.array(v)), k
+    logged = [e for e in history if "rewards/margins" in e]
+    assert len(logged) == 2 and logged[1]["rewards/margins"] > 0  # the same 4 pairs, scored after one update
+    assert (tmp_path / "run" / "model" / "config.json").exists()
+
+
+def test_demo_rewards_accuracy_rises(tmp_path):
+    args = DPOConfig(output_dir=str(tmp_path / "demo"))
+    out = run_demo(args, set(), sft_steps=0, n_test=8, n_pairs=8,
+                   overrides={"max_steps": 8, "per_device_train_batch_size": 4, "logging_steps": 2,
+                              "learning_rate": 1e-2})
+    accs = [e["rewards/accuracies"] for e in out["history"]]
+    assert max(accs[-2:]) > 0.5, out["history"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    for argv, needle in [(["--dataset", str(tmp_path / "d.jsonl")], "--model is required"),
+                         (["--sync_ref_model"], "sync_ref_model=True is not supported"),
+                         (["--use_weighting", "true"], "use_weighting=True is not supported"),
+                         (["--loss_type", "nope"], "unknown loss_type"),
+                         (["--loss_type", "sigmoid", "ipo", "--loss_weights", "1"], "loss_weights has 1")]:
+        code = dpo_main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and needle in err[0], (argv, err)
