@@ -273,7 +273,7 @@ def test_image_sources_decode_to_the_same_pixels(vl_proc, tmp_path):
                    {"bytes": None, "path": str(path)}):
         ex = tokenize_example({"images": [source], "messages": msgs}, vl_proc, index=0)
         np.testing.assert_array_equal(ex.pixel_values, want)
-        assert ex.images[0].mode == "RGB"
+        assert ex.images[0] is source  # kept as given; decoded only when pixel_values is read
     single = tokenize_example({"image": img, "messages": msgs}, vl_proc, index=0)
     np.testing.assert_array_equal(single.pixel_values, want)
 
@@ -589,3 +589,18 @@ def test_load_rows_files_folders_and_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     one_line_error(lambda: load_rows("no-such-org/no-such-dataset"), "'no-such-org/no-such-dataset'", "Hub")
+
+
+def test_unreadable_images_name_the_row(vl_proc, tmp_path):
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]},
+            {"role": "assistant", "content": "!"}]
+    for bad in (b"not an image", str(tmp_path / "missing.png")):
+        with pytest.raises(ValueError, match=r"^row 7: cannot read image 0"):
+            tokenize_example({"images": [bad], "messages": msgs}, vl_proc, index=7)
+    # a valid header with its pixel data cut off fails when decoded (in the data worker), naming the row
+    path = tmp_path / "cut.png"
+    drawn(64, 64, 1).save(path)
+    path.write_bytes(path.read_bytes()[:120])
+    ex = tokenize_example({"images": [str(path)], "messages": msgs}, vl_proc, index=9)
+    with pytest.raises(ValueError, match=r"^row 9: cannot read image 0"):
+        _ = ex.pixel_values

@@ -17,6 +17,7 @@ counts.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -104,7 +105,7 @@ def _collate(examples: Sequence[Example], rows: list[list[Piece]], buckets, pad_
 def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool = False,
                  packing_strategy: str = "bfd", padding_free: bool = False, max_length: int,
                  pad_token_id: int, seq_buckets: Sequence[int] | None = None, shuffle: bool = True,
-                 seed: int = 0, epoch: int = 0) -> list[Batch]:
+                 seed: int = 0, epoch: int = 0, lazy: bool = False) -> list[Batch]:
     """One epoch of batches, the same for the same (seed, epoch).
 
     Without packing a batch holds ``batch_size`` examples (the last one may hold fewer). With
@@ -141,7 +142,9 @@ def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool 
     groups = [rows[k:k + batch_size] for k in range(0, len(rows), batch_size)]
     if padding_free:
         groups = [[[piece for row in group for piece in row]] for group in groups]
-    return [_collate(examples, group, buckets, pad_token_id, packing or padding_free) for group in groups]
+    plans = [functools.partial(_collate, examples, group, buckets, pad_token_id, packing or padding_free)
+             for group in groups]
+    return plans if lazy else [plan() for plan in plans]
 
 
 # ---------------------------------------------------------------------------------------- prefetch

@@ -46,15 +46,34 @@ _ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n?)", r
 @dataclass
 class Example:
     """One tokenised row. ``labels`` are aligned with ``input_ids`` (TRL's convention: the loss shifts,
-    token t predicts labels[t+1]); -100 marks tokens that are not trained."""
+    token t predicts labels[t+1]); -100 marks tokens that are not trained.
+
+    Images are kept as the row gave them (path, bytes, PIL image, ...): tokenising reads only their
+    size (to expand the placeholders), and ``pixel_values`` decodes, resizes and normalises them
+    each time it is read (in the batch collator, which runs on the background data worker), so a
+    dataset's pixels are never all held in memory at once."""
 
     input_ids: np.ndarray                       # [L] int32
     labels: np.ndarray                          # [L] int32
-    images: list = field(default_factory=list)  # PIL RGB, in placeholder order
-    pixel_values: np.ndarray | None = None      # [P, C*T*p*p] float32
+    images: list = field(default_factory=list)  # the row's image objects, in placeholder order
+    pixels: np.ndarray | None = None            # [P, C*T*p*p] float32 when given up front (else computed)
     image_grid_thw: np.ndarray | None = None    # [n, 3] int64
     index: int = -1                             # the dataset row
     image_spans: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # [n, 2] token [start, stop)
+    image_processor: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def pixel_values(self) -> np.ndarray | None:
+        """[P, C*T*p*p] float32 of every image, decoded and processed now (None without images)."""
+        if self.pixels is not None or not self.images:
+            return self.pixels
+        if self.image_processor is None:
+            raise ValueError(f"row {self.index}: has images but no image processor to turn them into pixels")
+        pixel_values, grid = self.image_processor(_decode_images(self.images, self.index))
+        if not np.array_equal(grid, self.image_grid_thw):
+            raise ValueError(f"row {self.index}: an image changed size since it was tokenised "
+                             f"(grid {grid.tolist()} != {self.image_grid_thw.tolist()})")
+        return pixel_values.astype(np.float32)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -196,6 +215,23 @@ def _decode_images(images: list, index) -> list[Image.Image]:
     return out
 
 
+def _image_sizes(images: list, index) -> list[tuple[int, int]]:
+    """(height, width) of each image, reading only what PIL needs for the size (the header)."""
+    sizes = []
+    for k, obj in enumerate(images):
+        try:
+            im = _open_image(obj)
+            width, height = im.size
+            if im is not obj:
+                im.close()
+        except Exception as e:
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
+                             f"{type(e).__name__}: {reason}") from None
+        sizes.append((height, width))
+    return sizes
+
+
 def _row_images(row: dict) -> list:
     if row.get("images") is not None:
         images = row["images"]
@@ -329,14 +365,14 @@ def _expand_images(ids: np.ndarray, keep: np.ndarray, images: list, processor, i
     labels = np.where(keep, ids, IGNORE_INDEX)
     if not images:
         return Example(ids.astype(np.int32), labels.astype(np.int32), index=index)
-    decoded = _decode_images(images, index)
-    pixel_values, grid = processor.image_processor(decoded)
+    grid = np.asarray([processor.image_processor.grid(*size) for size in _image_sizes(images, index)],
+                      dtype=np.int64).reshape(-1, 3)
     reps = np.ones(len(ids), dtype=np.int64)
     reps[at] = processor.image_processor.num_image_tokens(grid)
     starts = np.cumsum(reps) - reps  # position of each original token after expansion
     spans = np.stack([starts[at], starts[at] + reps[at]], axis=1)
-    return Example(np.repeat(ids, reps).astype(np.int32), np.repeat(labels, reps).astype(np.int32), decoded,
-                   pixel_values.astype(np.float32), np.asarray(grid, dtype=np.int64), index, spans)
+    return Example(np.repeat(ids, reps).astype(np.int32), np.repeat(labels, reps).astype(np.int32), list(images),
+                   None, grid, index, spans, processor.image_processor)
 
 
 def image_patch_offsets(example: Example) -> np.ndarray:
@@ -355,13 +391,14 @@ def select_window(example: Example, start: int, stop: int) -> Example:
     if cut.any():
         raise _ImageCut(int(np.flatnonzero(cut)[0]))
     keep = np.flatnonzero(inside)
-    pixel_values = grid = None
+    pixels = grid = None
     if len(keep):
-        offsets = image_patch_offsets(example)
-        pixel_values = np.concatenate([example.pixel_values[offsets[k]:offsets[k + 1]] for k in keep])
         grid = example.image_grid_thw[keep]
+        if example.pixels is not None:
+            offsets = image_patch_offsets(example)
+            pixels = np.concatenate([example.pixels[offsets[k]:offsets[k + 1]] for k in keep])
     return Example(example.input_ids[start:stop], example.labels[start:stop], [example.images[k] for k in keep],
-                   pixel_values, grid, example.index, spans[keep] - start)
+                   pixels, grid, example.index, spans[keep] - start, example.image_processor)
 
 
 class _ImageCut(Exception):

@@ -1,6 +1,7 @@
 """The one training engine shared by SFT, DPO and GRPO.
 
-A trainer supplies `make_batches(epoch) -> list[dict of np arrays]` and a pure
+A trainer supplies `make_batches(epoch) -> list[dict of np arrays, or callables that build one on
+the background data worker]` and a pure
 `loss(model, batch, num_items) -> (loss, metrics)`; the engine owns everything else: trainable
 parameters (full / LoRA / frozen vision), AdamW with warmup + linear/cosine decay, gradient
 accumulation (losses normalised by the trained tokens of the whole accumulated batch, as TRL),
@@ -29,6 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .. import runtime
+from ..data.batches import Prefetcher
 from ..models import lora as lora_lib
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -166,7 +168,8 @@ class Trainer:
         batches, steps_per_epoch, total = self._plan()
         self.total_steps = total
         self.optimizer = optim.AdamW(learning_rate=make_schedule(args, total), betas=[args.adam_beta1, args.adam_beta2],
-                                     eps=args.adam_epsilon, weight_decay=args.weight_decay)
+                                     eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                                     bias_correction=True)  # torch.optim.AdamW's update, as TRL trains
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
         print(runtime.startup_line(), flush=True)
@@ -195,6 +198,11 @@ class Trainer:
         self.save_final()
         return self.log_history
 
+    def load_batch(self, item) -> dict:
+        """A batch of `make_batches`: a prepared dict, or a zero-argument callable that prepares it
+        (called on the background data worker)."""
+        return item() if callable(item) else item
+
     def _loop(self, batches, total, bar):
         args = self.args
         accum = args.gradient_accumulation_steps
@@ -206,39 +214,20 @@ class Trainer:
             usable = len(batches) // accum * accum
             if usable == 0:
                 raise ValueError(f"fewer batches ({len(batches)}) than gradient_accumulation_steps ({accum})")
-            while self.batch_in_epoch < usable and self.global_step < total:
-                group = batches[self.batch_in_epoch:self.batch_in_epoch + accum]
-                # dropout noise is a function of (seed, step): a resumed run draws what the uninterrupted one did
-                mx.random.seed(args.seed * 1_000_003 + self.global_step)
-                num_items = sum(self.batch_tokens(b)[1] for b in group)
-                grads_sum, loss_sum, metric_sums = None, 0.0, []
-                for b in group:
-                    arrays = self.to_device(b)
-                    step = self._step_for(arrays)
-                    loss, metrics, grads = step(arrays, mx.array(num_items, dtype=mx.float32))
-                    grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
-                    mx.eval(loss, metrics, grads_sum)
-                    loss_sum += loss.item()
-                    metric_sums.append({k: v.item() for k, v in metrics.items()})
-                    window["tokens"] += self.batch_tokens(b)[0]
-                    self.num_tokens += self.batch_tokens(b)[0]
-                norm = self._update(grads_sum)
-                mx.eval(self.model.parameters(), self.optimizer.state, norm)
-                self.batch_in_epoch += accum
-                self.global_step += 1
-                window["losses"].append(loss_sum)
-                window["metrics"].extend(metric_sums)
-                window["grad_norm"] = norm.item()
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_sum:.4f}")
-                if self.global_step % args.logging_steps == 0 or self.global_step == total:
-                    self._log(window)
-                    window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
-                if args.eval_strategy == "steps" and self.global_step % (args.eval_steps or args.logging_steps) == 0:
-                    self._log_eval()
-                if args.save_strategy == "steps" and args.save_steps and self.global_step % args.save_steps == 0:
-                    self.save_checkpoint()
+            todo = batches[self.batch_in_epoch:usable]
+            # data preparation (collating, decoding and resizing images) runs ahead on a worker thread,
+            # at most `depth` batches ahead so it cannot pile up memory
+            with Prefetcher(lambda todo=todo: map(self.load_batch, todo), depth=max(2, accum + 1)) as ready:
+                while self.batch_in_epoch < usable and self.global_step < total:
+                    self._optimizer_step([next(ready) for _ in range(accum)], window, bar, total)
+                    if self.global_step % args.logging_steps == 0 or self.global_step == total:
+                        self._log(window)
+                        window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
+                    every = args.eval_steps or args.logging_steps
+                    if args.eval_strategy == "steps" and self.global_step % every == 0:
+                        self._log_eval()
+                    if args.save_strategy == "steps" and args.save_steps and self.global_step % args.save_steps == 0:
+                        self.save_checkpoint()
             if self.batch_in_epoch >= usable:
                 self.epoch += 1
                 self.batch_in_epoch = 0
@@ -247,6 +236,33 @@ class Trainer:
                     self._log_eval()
                 if args.save_strategy == "epoch":
                     self.save_checkpoint()
+
+    def _optimizer_step(self, group, window, bar, total):
+        args = self.args
+        # dropout noise is a function of (seed, step): a resumed run draws what the uninterrupted one did
+        mx.random.seed(args.seed * 1_000_003 + self.global_step)
+        num_items = sum(self.batch_tokens(b)[1] for b in group)
+        grads_sum, loss_sum, metric_sums = None, 0.0, []
+        for b in group:
+            arrays = self.to_device(b)
+            step = self._step_for(arrays)
+            loss, metrics, grads = step(arrays, mx.array(num_items, dtype=mx.float32))
+            grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
+            mx.eval(loss, metrics, grads_sum)
+            loss_sum += loss.item()
+            metric_sums.append({k: v.item() for k, v in metrics.items()})
+            window["tokens"] += self.batch_tokens(b)[0]
+            self.num_tokens += self.batch_tokens(b)[0]
+        norm = self._update(grads_sum)
+        mx.eval(self.model.parameters(), self.optimizer.state, norm)
+        self.batch_in_epoch += len(group)
+        self.global_step += 1
+        window["losses"].append(loss_sum)
+        window["metrics"].extend(metric_sums)
+        window["grad_norm"] = norm.item()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_sum:.4f}")
 
     def _log(self, window):
         dt = max(time.perf_counter() - window["t0"], 1e-9)

@@ -59,18 +59,21 @@ class SFTTrainer(Trainer):
                                  assistant_only_loss=a.assistant_only_loss, dataset_text_field=a.dataset_text_field)
                 for i, row in enumerate(rows)]
 
-    def _batches_of(self, examples, epoch, shuffle, batch_size):
+    def _batches_of(self, examples, epoch, shuffle, batch_size, lazy=False):
+        """One epoch of prepared batches; lazy: callables that collate (decoding the images) and
+        prepare a batch when the engine's data worker calls them."""
         from ..data import make_batches
 
         a = self.args
-        batches = make_batches(examples, batch_size, packing=a.packing, packing_strategy=a.packing_strategy,
-                               padding_free=a.padding_free, max_length=a.max_length,
-                               pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
-                               shuffle=shuffle, seed=a.seed, epoch=epoch)
-        return [self.prepare(b) for b in batches]
+        plans = make_batches(examples, batch_size, packing=a.packing, packing_strategy=a.packing_strategy,
+                             padding_free=a.padding_free, max_length=a.max_length,
+                             pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
+                             shuffle=shuffle, seed=a.seed, epoch=epoch, lazy=True)
+        batches = [lambda plan=plan: self.prepare(plan()) for plan in plans]
+        return batches if lazy else [make() for make in batches]
 
     def make_batches(self, epoch):
-        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size)
+        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, lazy=True)
 
     def prepare(self, batch) -> dict:
         """Batch -> the numpy arrays of one step: the trained rows (padded to a bucket so the
@@ -154,7 +157,8 @@ class SFTTrainer(Trainer):
             return {}
         self.model.eval()
         total, items = 0.0, 0
-        for b in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size):
+        for make in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size, lazy=True):
+            b = make()
             arrays = self.to_device(b)
             loss, _ = self.loss(self.model, arrays, mx.array(b["num_items"], dtype=mx.float32))
             total += loss.item() * b["num_items"]
