@@ -25,15 +25,17 @@ from .trainers.config import build_parser, config_from_args
 from .trainers.dpo import DPOConfig, check_dpo_config
 
 # The embedded default's settings (used only for fields the user did not set).
-DEMO_OVERRIDES = {"learning_rate": 2e-3, "max_steps": 60, "per_device_train_batch_size": 8, "beta": 0.1,
+DEMO_OVERRIDES = {"learning_rate": 2e-3, "max_steps": 30, "per_device_train_batch_size": 8, "beta": 0.1,
                   "use_peft": True, "lora_r": 16, "lora_alpha": 32, "compile": False,
-                  "lr_scheduler_type": "constant", "warmup_steps": 0, "logging_steps": 10, "save_steps": 0,
+                  "lr_scheduler_type": "constant", "warmup_steps": 0, "logging_steps": 5, "save_steps": 0,
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/dpo-demo",
                   "disable_tqdm": True}
-DEMO_SFT_STEPS, DEMO_TEST = 40, 96
-DEMO_SFT = {"learning_rate": 1e-2, "per_device_train_batch_size": 8, "freeze_embeddings": True, "compile": False,
-            "lr_scheduler_type": "cosine", "warmup_ratio": 0.05, "save_steps": 0, "gradient_checkpointing": False,
-            "max_length": 256, "assistant_only_loss": True, "disable_tqdm": True}
+DEMO_SFT_STEPS, DEMO_TEST = 30, 96
+# the brief SFT: what learns the colour task fastest here (measured: 50 such steps reach 100% held-out exact
+# match; 30 leave room for DPO). Clipping and lr 1e-2 (the SFT demo's) learn much slower.
+DEMO_SFT = {"learning_rate": 2e-3, "per_device_train_batch_size": 8, "freeze_embeddings": True, "compile": False,
+            "lr_scheduler_type": "cosine", "warmup_ratio": 0.25, "max_grad_norm": 0.0, "save_steps": 0,
+            "gradient_checkpointing": False, "max_length": 256, "assistant_only_loss": True, "disable_tqdm": True}
 
 
 def _extra(parser):
