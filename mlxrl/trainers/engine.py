@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from .. import runtime
 from ..data.batches import Prefetcher
 from ..models import lora as lora_lib
+from .reporting import Reporter
 
 CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -69,9 +70,6 @@ class Trainer:
         self.model, self.processor, self.args = model, processor, args
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if (args.report_to or "none") != "none":
-            raise ValueError(f"report_to={args.report_to!r} is not wired yet: use 'none' (metrics go to "
-                             f"{self.output_dir / 'metrics.jsonl'} and stdout)")
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
@@ -83,6 +81,7 @@ class Trainer:
         self.log_history: list[dict] = []
         self._compiled: dict = {}
         self._shapes_seen: set = set()
+        self.reporter = Reporter(args, self.output_dir)  # W&B / TensorBoard when report_to asks
 
     # ------------------------------------------------------------------ parameters
     def _setup_trainable(self):
@@ -196,6 +195,7 @@ class Trainer:
             signal.signal(signal.SIGINT, previous)
             raise KeyboardInterrupt
         self.save_final()
+        self.reporter.close()
         return self.log_history
 
     def load_batch(self, item) -> dict:
@@ -284,6 +284,7 @@ class Trainer:
 
     def _record(self, entry):
         self.log_history.append(entry)
+        self.reporter.log(entry)
         with open(self.output_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(entry) + "\n")
         shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items() if v is not None}

@@ -1,0 +1,101 @@
+"""Optional experiment trackers (`report_to`, transformers' names): Weights & Biases and TensorBoard.
+
+    --report_to none                # default: metrics.jsonl and stdout only
+    --report_to wandb               # needs `pip install wandb` (project: $WANDB_PROJECT, default "mlxrl")
+    --report_to tensorboard         # needs `pip install tensorboard`; event files in <output_dir>/runs
+    --report_to wandb,tensorboard   # several; "all" = every tracker that is installed
+
+Keys are namespaced as transformers' callbacks do: `train/loss`, `eval/loss` (from `eval_loss`).
+Only numbers are sent; every entry still goes to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+
+TRACKERS = ("wandb", "tensorboard")
+
+
+def _names(report_to) -> list[str]:
+    if report_to is None:
+        return []
+    items = report_to if isinstance(report_to, (list, tuple)) else str(report_to).split(",")
+    names = [s.strip().lower() for s in items if s.strip()]
+    if names in ([], ["none"]):
+        return []
+    if names == ["all"]:
+        return [t for t in TRACKERS if _installed(t)]
+    bad = [n for n in names if n not in TRACKERS]
+    if bad:
+        raise ValueError(f"report_to: unknown tracker(s) {', '.join(bad)}; use none, all, or a comma-separated "
+                         f"subset of {', '.join(TRACKERS)}")
+    return names
+
+
+def _installed(name: str) -> bool:
+    if name == "wandb":
+        return importlib.util.find_spec("wandb") is not None
+    return any(importlib.util.find_spec(m) is not None for m in ("tensorboard", "tensorboardX"))
+
+
+def _summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ValueError("report_to=tensorboard needs TensorBoard: pip install tensorboard "
+                             "(or tensorboardX)") from None
+    return SummaryWriter
+
+
+class Reporter:
+    """Sends each logged entry to the configured trackers (none by default)."""
+
+    def __init__(self, args, output_dir: Path):
+        self.wandb_run = self.writer = None
+        names = _names(getattr(args, "report_to", None))
+        if "wandb" in names:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("report_to=wandb needs the wandb package: pip install wandb") from None
+            config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
+            self.wandb_run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mlxrl"),
+                                        name=getattr(args, "run_name", None), dir=str(output_dir), config=config)
+        if "tensorboard" in names:
+            log_dir = getattr(args, "logging_dir", None) or str(Path(output_dir) / "runs")
+            self.writer = _summary_writer()(log_dir=log_dir)
+
+    @staticmethod
+    def _scalars(entry: dict) -> dict:
+        out = {}
+        for k, v in entry.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or k == "step":
+                continue
+            out[f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"] = float(v)
+        return out
+
+    def log(self, entry: dict) -> None:
+        if self.wandb_run is None and self.writer is None:
+            return
+        step = int(entry.get("step", 0))
+        scalars = self._scalars(entry)
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=step)
+        if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
