@@ -1,7 +1,10 @@
 """Peak memory and time of the LM head + NLL (loss and gradients w.r.t. hidden and weight):
-naive full logits vs `head_logprobs` (differentiable, streamed VJP) vs the two-phase streamed step.
+naive full logits vs `head_logprobs` (differentiable, vocab-tiled streamed VJP) vs the two-phase
+streamed step (`streamed_logprobs` + `streamed_head_backward`) vs the fused row-chunked head + loss
+(`fused_head_loss` under `mx.value_and_grad`, and its eager twin `fused_head_grads`).
 
     python scripts/bench_loss.py [--n 1024 4096 8192] [--d 1024] [--v 151936] [--repeats 2]
+                                 [--methods naive differentiable two-phase fused fused-eager]
 
 Peak is `mx.get_peak_memory()` after `mx.reset_peak_memory()`, minus the inputs (hidden, weight,
 targets) which all three hold. float32 throughout. Each configuration runs in a fresh subprocess so
@@ -17,7 +20,8 @@ CHILD = r"""
 import json, sys, time
 import mlxrl
 import mlx.core as mx
-from mlxrl.losses.head import head_logprobs, streamed_logprobs, streamed_head_backward
+from mlxrl.losses.head import (fused_head_grads, fused_head_loss, head_logprobs, streamed_head_backward,
+                               streamed_logprobs)
 method, n, d, v, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 mx.random.seed(0)
 h = mx.random.normal((n, d)) * 0.5
@@ -39,6 +43,11 @@ def run(h=h, w=w, t=t):
         out = mx.value_and_grad(naive, argnums=(0, 1))(h, w, t)
     elif method == "differentiable":
         out = mx.value_and_grad(diff, argnums=(0, 1))(h, w, t)
+    elif method == "fused":  # loss = mean NLL, as naive
+        out = mx.value_and_grad(lambda h, w: fused_head_loss(h, w, t)[0], argnums=(0, 1))(h, w)
+    elif method == "fused-eager":
+        loss, _, dh, dw = fused_head_grads(h, w, t)
+        out = (loss, dh, dw)
     else:
         lp, ent, lse, _ = streamed_logprobs(h, w, t)
         loss, g = mx.value_and_grad(lambda x: -x.mean())(lp)
@@ -58,6 +67,9 @@ print(json.dumps({"peak": peak, "time": min(times)}))
 """
 
 
+METHODS = ("naive", "differentiable", "two-phase", "fused", "fused-eager")
+
+
 def measure(method, n, d, v, reps):
     out = subprocess.run([sys.executable, "-c", CHILD, method, str(n), str(d), str(v), str(reps)],
                          capture_output=True, text=True)
@@ -72,12 +84,14 @@ def main():
     ap.add_argument("--d", type=int, default=1024)
     ap.add_argument("--v", type=int, default=151936)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                    help="the first one is the baseline of the 'x naive' columns")
     args = ap.parse_args()
     print(f"LM head + NLL, loss and grads w.r.t. hidden and weight; D={args.d}, V={args.v}, float32")
     print(f"{'N':>6} {'method':<15} {'peak GB':>8} {'x naive':>8} {'time s':>7} {'x naive':>8}")
     for n in args.n:
         base = None
-        for method in ("naive", "differentiable", "two-phase"):
+        for method in args.methods:
             r = measure(method, n, args.d, args.v, args.repeats)
             if "error" in r:
                 print(f"{n:>6} {method:<15} failed: {r['error']}")

@@ -8,6 +8,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxrl.losses.head import (
+    fused_head_grads,
+    fused_head_loss,
+    fused_value_and_grad,
     head_logprobs,
     streamed_head_backward,
     streamed_logprobs,
@@ -141,6 +144,111 @@ def test_two_phase_step_with_tied_weights_matches_full_gradient():
         z = model.trunk(ids) @ p["embed"]["weight"].T
         lp = mx.take_along_axis(z - mx.logsumexp(z, -1, keepdims=True), mx.maximum(targets, 0)[:, None], -1)[:, 0]
         return -(lp * mask).sum() / mask.sum()
+
+    ref_loss, ref_grads = mx.value_and_grad(full)(params)
+    close(loss, ref_loss)
+    ours, ref = dict(tree_flatten(grads)), dict(tree_flatten(ref_grads))
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        close(ours[k], ref[k])
+
+
+# ---------------------------------------------------------------- fused row-chunked loss + grads
+FUSED_CASES = [
+    # N, D, V, rows per chunk, temperature, ignored
+    (37, 16, 1001, 8, 1.0, "some"),  # N not a multiple of the chunk
+    (64, 24, 515, 16, 0.7, "some"),  # temperature != 1
+    (33, 16, 300, 5, 1.3, "all_but_one"),
+    (20, 8, 257, None, 1.0, "none"),  # default chunking
+]
+
+
+def _grpo_token_loss(lp, old, adv):  # TRL's clipped surrogate per token (epsilon 0.2 / 0.28)
+    ratio = mx.exp(lp - old)
+    return -mx.minimum(ratio * adv, mx.clip(ratio, 0.8, 1.28) * adv)
+
+
+def _naive_loss(loss_type, t, num_items, temp, extra):
+    def f(h, w):
+        lp, _, _ = naive(h, w, t, temp)
+        mask = (t != -100).astype(mx.float32)
+        if loss_type == "nll":
+            per = -lp
+        elif loss_type == "dft":
+            per = -mx.stop_gradient(mx.exp(lp)) * lp
+        else:
+            per = _grpo_token_loss(lp, *extra[:2]) * extra[2]
+        n = mask.sum() if loss_type != "grpo" else 1.0
+        return (per * mask).sum() / (num_items or n)
+    return f
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft", "grpo"])
+@pytest.mark.parametrize("n,d,v,rows,temp,ignored", FUSED_CASES)
+def test_fused_matches_naive(n, d, v, rows, temp, ignored, loss_type):
+    h, w, t, g, e = make(n, d, v, ignored, seed=2)
+    num_items = 50 if loss_type == "nll" else None
+    kw = dict(temperature=temp, chunk_rows=rows)
+    extra = ()
+    if loss_type == "grpo":  # a per-token callable with its own args and weights
+        old = naive(h, w, t, temp)[0] + 0.3 * g
+        extra = (old, e, mx.abs(g) / n)
+        kw.update(loss_type=_grpo_token_loss, token_args=extra[:2], token_weights=extra[2])
+    else:
+        kw.update(loss_type=loss_type, num_items=num_items)
+    ref_v, (ref_gh, ref_gw) = mx.value_and_grad(_naive_loss(loss_type, t, num_items, temp, extra), argnums=(0, 1))(h, w)
+    ref_lp, ref_ent, ref_am = naive(h, w, t, temp)
+
+    for skip in (True, False):  # differentiable, with and without dropping ignored rows first
+        def ours(h, w):
+            loss, lp, ent, am = fused_head_loss(h, w, t, skip_ignored=skip, **kw)  # noqa: B023
+            return 3.0 * loss, (lp, ent, am)  # the VJP scales by the cotangent
+        (val, (lp, ent, am)), (gh, gw) = mx.value_and_grad(ours, argnums=(0, 1))(h, w)
+        close(val, 3.0 * ref_v)
+        close(gh, 3.0 * ref_gh)
+        close(gw, 3.0 * ref_gw)
+        close(lp, ref_lp)
+        close(ent, ref_ent)
+        np.testing.assert_array_equal(np.array(am), np.array(ref_am))
+
+    loss, (lp, ent, am), dh, dw = fused_head_grads(h, w, t, **kw)  # eager twin
+    close(loss, ref_v)
+    close(dh, ref_gh)
+    close(dw, ref_gw)
+    close(lp, ref_lp)
+    close(ent, ref_ent)
+    np.testing.assert_array_equal(np.array(am), np.array(ref_am))
+
+
+def test_fused_ignored_rows_are_not_scored():
+    h, w, t, *_ = make(16, 8, 300, "some")
+    h_poisoned = mx.where((t == -100)[:, None], mx.nan, h)
+    loss, lp, _, _ = fused_head_loss(h_poisoned, w, t)
+    assert np.isfinite(loss.item()) and not np.isnan(np.array(lp)).any()
+    assert np.isfinite(fused_head_grads(h_poisoned, w, t)[0].item())
+
+
+def test_fused_step_with_tied_weights_matches_full_gradient():
+    mx.random.seed(4)
+    v, d, n = 400, 16, 29
+    model = TiedLM(v, d)
+    ids = mx.random.randint(0, v, (n,))
+    targets = mx.where(mx.arange(n) % 3 == 0, -100, mx.random.randint(0, v, (n,)))
+    mask = (targets != -100).astype(mx.float32)
+
+    def trunk(p):
+        model.update(p)
+        return model.trunk(ids)
+
+    params = model.trainable_parameters()
+    loss, grads, _ = fused_value_and_grad(trunk, params, targets, head_weight=lambda p: p["embed"]["weight"],
+                                          loss_type="dft", chunk_rows=7, temperature=0.9)
+
+    def full(p):
+        model.update(p)
+        z = model.trunk(ids) @ p["embed"]["weight"].T / 0.9
+        lp = mx.take_along_axis(z - mx.logsumexp(z, -1, keepdims=True), mx.maximum(targets, 0)[:, None], -1)[:, 0]
+        return -(mx.stop_gradient(mx.exp(lp)) * lp * mask).sum() / mask.sum()
 
     ref_loss, ref_grads = mx.value_and_grad(full)(params)
     close(loss, ref_loss)

@@ -1,13 +1,17 @@
 """Pure loss functions: arrays in, (loss, metrics) out. They never see a model.
 
 `head_logprobs` streams the LM head (no [tokens, vocab] logits); SFT, DPO and GRPO losses are
-functions of the per-token log-probs it returns.
+functions of the per-token log-probs it returns. `fused_head_loss` does the head AND a
+token-separable loss (SFT nll / dft, token-level GRPO) with its gradients in one row-chunked pass.
 """
 
 from .dpo import DPO_LOSSES, dpo_loss
 from .grpo import compute_advantages, group_advantages, grpo_loss
 from .head import (
     IGNORE_INDEX,
+    fused_head_grads,
+    fused_head_loss,
+    fused_value_and_grad,
     head_logprobs,
     streamed_head_backward,
     streamed_logprobs,
@@ -22,6 +26,9 @@ __all__ = [
     "check_has_labels",
     "compute_advantages",
     "dpo_loss",
+    "fused_head_grads",
+    "fused_head_loss",
+    "fused_value_and_grad",
     "group_advantages",
     "grpo_loss",
     "head_logprobs",

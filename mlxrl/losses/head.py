@@ -17,6 +17,18 @@ Two ways to drive it, both exact (no gradient filtering):
 * `streamed_logprobs` + `streamed_head_backward` are the eager halves of a two-phase step for the
   trainers: an `mx.eval` per chunk bounds memory to about two tiles plus the weight gradient, at
   the price of running the trunk forward twice (once to get `hidden`, once inside its `mx.vjp`).
+
+Both tile the VOCABULARY, so the gradient needs each tile's logits again: 4 [N, D] x [D, V]
+matmuls against the naive head's 3. When the loss is token-separable (its gradient w.r.t. each
+logp depends on that token only: SFT nll / dft with a global normaliser, GRPO's token-level
+surrogates), the fused path tiles the ROWS instead: a chunk of rows x the full vocabulary has its
+exact logsumexp at once, so loss, logp, entropy, argmax, d_hidden and d_weight come out of one pass
+with 3 matmuls per chunk and a single exp over the tile:
+
+* `fused_head_loss(...)`: differentiable (`mx.custom_function` whose forward also produces the
+  gradients and whose VJP scales them by the loss's cotangent); chunks chained with `mx.depends`.
+* `fused_head_grads(...)` / `fused_value_and_grad(...)`: the eager twin (an `mx.eval` per chunk)
+  and the two-phase step built on it.
 """
 
 from __future__ import annotations
@@ -45,17 +57,27 @@ def _target_logit(h, weight, t, inv_t):
     return zt * inv_t
 
 
+@mx.compile
+def _exp_shift(z, m):  # one fused pass, no [Nc, V] temporary for z - m
+    return mx.exp(z - m)
+
+
 def _online_stats(h, weight, s, e, inv_t, stats, with_entropy):
-    """Fold vocab tile [s, e) into each row's running (max, sum exp, sum exp*z, argmax)."""
+    """Fold vocab tile [s, e) into each row's running (max, sum exp, sum exp*z, argmax).
+
+    Passes over the [N, C] tile (MLX's CPU elementwise ops run on one core): argmax (the max is
+    gathered from it), one fused exp, and the row sums as BLAS gemvs."""
     z = _tile(h, weight[s:e], inv_t)  # [N, C]
     m_old, sum_old, zsum_old, arg_old = stats
-    tile_max = z.max(-1)
+    tile_arg = mx.argmax(z, -1).astype(mx.int32)
+    tile_max = mx.take_along_axis(z, tile_arg[:, None], -1)[:, 0]
     m = mx.maximum(m_old, tile_max)
     scale = mx.exp(m_old - m)
-    ez = mx.exp(z - m[:, None])
-    zsum = zsum_old * scale + (ez * z).sum(-1) if with_entropy else zsum_old
-    arg = mx.where(tile_max > m_old, mx.argmax(z, -1).astype(mx.int32) + s, arg_old)
-    return m, sum_old * scale + ez.sum(-1), zsum, arg
+    ez = _exp_shift(z, m[:, None])
+    total = sum_old * scale + ez @ mx.ones((e - s,), mx.float32)
+    zsum = zsum_old * scale + (ez[:, None, :] @ z[:, :, None])[:, 0, 0] if with_entropy else zsum_old
+    arg = mx.where(tile_max > m_old, tile_arg + s, arg_old)
+    return m, total, zsum, arg
 
 
 def _finish(stats, zt, with_entropy):
@@ -65,16 +87,22 @@ def _finish(stats, zt, with_entropy):
     return zt - lse, ent, lse
 
 
-def _tile_dz(h, weight, s, e, t, lse, ent, g_logp, g_ent, inv_t):
-    """Gradient of sum(g*logp + e*H) w.r.t. the logits of vocab tile [s, e) (float32 [N, C])."""
-    z = _tile(h, weight[s:e], inv_t)
+@mx.compile
+def _dz_core(z, lse, ent, g, ge, t, cols):
+    """g (onehot - p) - ge p (log p + H) in one fused pass over the tile."""
     logp_all = z - lse[:, None]
     p = mx.exp(logp_all)
-    onehot = (mx.arange(s, e)[None, :] == t[:, None]).astype(mx.float32)
-    dz = g_logp[:, None] * (onehot - p)
-    if g_ent is not None:
-        dz = dz - g_ent[:, None] * p * (logp_all + ent[:, None])
-    return dz * inv_t if inv_t != 1.0 else dz
+    onehot = (cols[None, :] == t[:, None]).astype(mx.float32)
+    return g[:, None] * (onehot - p) - ge[:, None] * p * (logp_all + ent[:, None])
+
+
+def _tile_dz(h, weight, s, e, t, lse, ent, g_logp, g_ent, inv_t):
+    """Gradient of sum(g*logp + e*H) w.r.t. the logits of vocab tile [s, e) (float32 [N, C]),
+    already scaled by 1/T (the chain rule through z = h W^T / T)."""
+    z = _tile(h, weight[s:e], inv_t)
+    g = g_logp * inv_t
+    ge = mx.zeros_like(g) if g_ent is None else g_ent * inv_t
+    return _dz_core(z, lse, ent, g, ge, t, mx.arange(s, e))
 
 
 def _bounds(n: int, chunk: int):
@@ -272,3 +300,228 @@ def streamed_value_and_grad(trunk, params, targets, loss_fn, *, head_weight, tem
 
     _, grads = mx.vjp(trunk_and_head, list(leaves), [d_hidden, d_weight])
     return loss, aux, rebuild(grads), (logp, ent, argmax)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused loss + gradients over row chunks (one pass: 3 matmuls per chunk, like the naive head)
+# --------------------------------------------------------------------------------------------
+
+ROW_TILE_BYTES = 160 << 20  # default budget for one float32 [rows, vocab] tile of the fused path
+
+
+def default_chunk_rows(vocab_size: int, tile_bytes: int = ROW_TILE_BYTES) -> int:
+    """Rows per chunk so that one float32 [rows, vocab] tile stays within `tile_bytes`."""
+    return int(max(8, tile_bytes // (4 * max(vocab_size, 1)) // 8 * 8))
+
+
+def _nll_grad(logp, w):
+    return -(w * logp), -w
+
+
+def _dft_grad(logp, w):
+    p = mx.exp(logp)  # the token's own (detached) prob: a constant weight in the gradient
+    return -(w * p * logp), -(w * p)
+
+
+_TOKEN_LOSSES = {"nll": _nll_grad, "dft": _dft_grad}
+
+
+def _callable_grad(token_loss):
+    def f(logp, w, *args):
+        losses, vjp = mx.vjp(lambda lp: token_loss(lp, *args), [logp], [w])
+        return w * losses[0], vjp[0]
+
+    return f
+
+
+def _fused_chunk(h, weight, t, inv_t, w, args, grad_fn, with_entropy, dw):
+    """Loss, logp, entropy, argmax, d_hidden of one row chunk, and d_weight accumulated into `dw`.
+
+    z = h W^T / T [Nc, V] holds the chunk's exact logsumexp, so the loss's gradient w.r.t. each
+    logp is known here and dz = g (onehot - p) never needs the logits again:
+        ez = exp(z - max),  s = sum ez,  a = -g / s,  dz = a (ez - s onehot)
+        dh = (a / T) (ez' W),  dW += ez'^T (a h / T)      with ez' = ez - s onehot
+    (the row scale a is folded into the [Nc, D] operands: no extra pass over the tile)."""
+    hs = h.astype(mx.float32) * inv_t if inv_t != 1.0 else h.astype(mx.float32)
+    z = hs @ weight.T.astype(mx.float32)  # [Nc, V]
+    arg = mx.argmax(z, -1).astype(mx.int32)
+    m = mx.take_along_axis(z, arg[:, None], -1)  # [Nc, 1]
+    ez = _exp_shift(z, m)
+    s = ez @ mx.ones((z.shape[1],), mx.float32)  # row sums as a gemv (multi-threaded BLAS, one read)
+    lse = m[:, 0] + mx.log(s)
+    zt = mx.take_along_axis(z, t[:, None], -1)  # [Nc, 1]
+    logp = zt[:, 0] - lse
+    if with_entropy:  # H = lse - sum(ez z) / s, the row dot as a batched gemv
+        ent = lse - (ez[:, None, :] @ z[:, :, None])[:, 0, 0] / s
+    else:
+        ent = mx.zeros_like(lse)
+    loss, g = grad_fn(logp, w, *args)
+    a = -g / s
+    ez = mx.put_along_axis(ez, t[:, None], mx.exp(zt - m) - s[:, None], -1)  # ez - s onehot(t)
+    dh = (a * inv_t)[:, None] * (ez @ weight.astype(mx.float32))
+    if dw is not None:
+        dw = mx.addmm(dw, ez.T, a[:, None] * hs)
+    return loss.sum(), logp, ent, arg, dh, dw
+
+
+def _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, eager):
+    """All row chunks; eager: an mx.eval per chunk; lazy: chunks chained with mx.depends."""
+    n, v = hidden.shape[0], weight.shape[0]
+    dw = mx.zeros(weight.shape, mx.float32) if weight_grad else None
+    loss = mx.zeros((), mx.float32)
+    outs = []
+    for s, e in _bounds(n, chunk_rows or default_chunk_rows(v)):
+        h = hidden[s:e]
+        if not eager and outs:  # the next chunk waits for the previous one: its tiles die first
+            h = mx.depends(h, [loss, *outs[-1]] + ([dw] if dw is not None else []))
+        c_loss, logp, ent, arg, dh, dw = _fused_chunk(h, weight, targets[s:e], inv_t, w[s:e],
+                                                      [a[s:e] for a in args], grad_fn, with_entropy, dw)
+        loss = loss + c_loss
+        outs.append((logp, ent, arg, dh))
+        if eager:
+            mx.eval(loss, outs[-1], dw if dw is not None else [])
+    logp, ent, arg, dh = (mx.concatenate(x) for x in zip(*outs, strict=True))
+    if dw is None:
+        dw = mx.zeros_like(weight)
+    return loss, logp, ent, arg, dh.astype(hidden.dtype), dw.astype(weight.dtype)
+
+
+def _fused_setup(hidden, targets, loss_type, num_items, token_weights, token_args, skip_ignored):
+    """Rows to score, their targets, per-token weights (mask / num_items by default) and args."""
+    if loss_type in _TOKEN_LOSSES:
+        grad_fn = _TOKEN_LOSSES[loss_type]
+    elif callable(loss_type):
+        grad_fn = _callable_grad(loss_type)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}: use 'nll', 'dft' or a per-token callable")
+    mask = (targets != IGNORE_INDEX).astype(mx.float32)
+    if token_weights is None:
+        n = mask.sum() if num_items is None else mx.array(num_items, dtype=mx.float32)
+        w = mask / mx.maximum(n.astype(mx.float32), 1.0)
+    else:
+        w = token_weights.astype(mx.float32) * mask
+    rows = _active_rows(targets) if skip_ignored else None
+    t = mx.maximum(targets, 0).astype(mx.int32)
+    args = list(token_args)
+    if rows is not None:
+        r = mx.array(rows, dtype=mx.int32)
+        hidden, t, w, args = hidden[r], t[r], w[r], [a[r] for a in args]
+    return rows, hidden, t, w, args, grad_fn
+
+
+def _scatter_rows(n, rows, logp, ent, arg, dh):
+    if rows is None:
+        return logp, ent, arg, dh
+    r = mx.array(rows, dtype=mx.int32)
+    full = [mx.zeros((n,), mx.float32).at[r].add(logp), mx.zeros((n,), mx.float32).at[r].add(ent),
+            mx.full((n,), -1, mx.int32).at[r].add(arg + 1)]
+    return (*full, None if dh is None else mx.zeros((n, dh.shape[1]), dh.dtype).at[r].add(dh))
+
+
+def _make_fused(grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, n_args):
+    @mx.custom_function
+    def fn(hidden, weight, targets, w, *args):
+        loss, logp, ent, arg, dh, dw = _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t, chunk_rows,
+                                                  with_entropy, weight_grad, eager=False)
+        return loss, logp, ent, arg, dh, dw
+
+    @fn.vjp
+    def fn_vjp(primals, cotangents, outputs):
+        hidden, weight, targets, w, *args = primals
+        c = cotangents[0]  # only the loss is differentiable; logp / entropy / argmax are metrics
+        dh, dw = outputs[4], outputs[5]
+        return (c * dh, c * dw if weight_grad else dw, mx.zeros_like(targets), mx.zeros_like(w),
+                *(mx.zeros_like(a) for a in args))
+
+    return fn
+
+
+def fused_head_loss(
+    hidden: mx.array,
+    weight: mx.array,
+    targets: mx.array,
+    *,
+    loss_type="nll",
+    num_items=None,
+    token_weights: mx.array | None = None,
+    token_args=(),
+    temperature: float = 1.0,
+    chunk_rows: int | None = None,
+    with_entropy: bool = True,
+    skip_ignored: bool = True,
+    weight_grad: bool = True,
+):
+    """The LM head and a token-separable loss in ONE streamed pass over row chunks, differentiable
+    w.r.t. hidden and weight (`mx.custom_function`: the forward also produces the gradients, the
+    VJP scales them by the loss's cotangent). 3 matmuls per chunk, as many as the naive head.
+
+        loss = sum_i w_i l_i(logp_i),  w_i = mask_i / num_items (default) or token_weights_i * mask_i
+
+    loss_type: "nll" (l = -logp), "dft" (l = -sg(p) logp, TRL's DFT), or a callable
+    `l(logp [Nc], *args) -> [Nc]` that is elementwise in logp (GRPO's token-level losses), with
+    `token_args` [N, ...] arrays sliced to the chunk's rows. The gradient w.r.t. each logp must
+    depend on that token only, known once its row's logsumexp is: that is what lets one pass do it.
+    num_items: trained tokens in the whole accumulated batch (TRL's normaliser; default this batch's).
+    Returns (loss, logp [N], entropy [N], argmax [N]); only the loss carries a gradient (the others
+    are metrics: ignored rows get 0 / 0 / -1). skip_ignored / weight_grad as in `head_logprobs`.
+    """
+    n = hidden.shape[0]
+    rows, h, t, w, args, grad_fn = _fused_setup(hidden, targets, loss_type, num_items, token_weights, token_args,
+                                                skip_ignored)
+    if h.shape[0] == 0:
+        z = mx.zeros((n,), mx.float32)
+        return (hidden * 0).sum() + (weight * 0).sum(), z, z, mx.full((n,), -1, mx.int32)
+    fn = _make_fused(grad_fn, 1.0 / temperature, chunk_rows, with_entropy, weight_grad, len(args))
+    loss, logp, ent, arg, _, _ = fn(h, weight, t, w, *args)
+    logp, ent, arg, _ = _scatter_rows(n, rows, logp, ent, arg, None)
+    if rows is None and not skip_ignored:
+        keep = targets != IGNORE_INDEX
+        logp, ent, arg = mx.where(keep, logp, 0), mx.where(keep, ent, 0), mx.where(keep, arg, -1)
+    return loss, logp, ent, arg
+
+
+def fused_head_grads(hidden, weight, targets, *, loss_type="nll", num_items=None, token_weights=None, token_args=(),
+                     temperature=1.0, chunk_rows=None, with_entropy=True, weight_grad=True):
+    """Eager twin of `fused_head_loss` for a two-phase step: an `mx.eval` per row chunk, no graph
+    kept. Returns (loss, (logp, entropy, argmax), d_hidden [N, D], d_weight [V, D])."""
+    n = hidden.shape[0]
+    rows, h, t, w, args, grad_fn = _fused_setup(hidden, targets, loss_type, num_items, token_weights, token_args,
+                                                True)
+    if h.shape[0] == 0:
+        z = mx.zeros((n,), mx.float32)
+        return mx.zeros((), mx.float32), (z, z, mx.full((n,), -1, mx.int32)), mx.zeros_like(hidden), \
+            mx.zeros_like(weight)
+    loss, logp, ent, arg, dh, dw = _fused_run(h, weight, t, w, args, grad_fn, 1.0 / temperature, chunk_rows,
+                                              with_entropy, weight_grad, eager=True)
+    logp, ent, arg, dh = _scatter_rows(n, rows, logp, ent, arg, dh)
+    mx.eval(loss, logp, ent, arg, dh)
+    return loss, (logp, ent, arg), dh, dw
+
+
+def fused_value_and_grad(trunk, params, targets, *, head_weight, loss_type="nll", num_items=None, token_weights=None,
+                         token_args=(), temperature=1.0, chunk_rows=None, with_entropy=True):
+    """The two-phase step with the fused head: trunk forward -> `fused_head_grads` (loss, metrics,
+    d_hidden, d_weight in one eager pass) -> one `mx.vjp` of trunk and head weight. Like
+    `streamed_value_and_grad`, but the loss is token-separable (see `fused_head_loss`) and the head
+    costs 3 matmuls instead of 4. Returns (loss, grads, (logp, entropy, argmax))."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    keys, leaves = zip(*tree_flatten(params), strict=True)
+
+    def rebuild(xs):
+        return tree_unflatten(list(zip(keys, xs, strict=True)))
+
+    hidden = trunk(params)
+    weight = head_weight(params)
+    mx.eval(hidden, weight)
+    loss, metrics, d_hidden, d_weight = fused_head_grads(
+        hidden, weight, targets, loss_type=loss_type, num_items=num_items, token_weights=token_weights,
+        token_args=token_args, temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy)
+    del hidden
+
+    def trunk_and_head(*xs):
+        p = rebuild(xs)
+        return trunk(p), head_weight(p)
+
+    _, grads = mx.vjp(trunk_and_head, list(leaves), [d_hidden, d_weight])
+    return loss, rebuild(grads), metrics
