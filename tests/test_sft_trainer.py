@@ -18,7 +18,7 @@ from mlxrl.models.lora import lora_layers
 from mlxrl.sft import main as sft_main
 from mlxrl.trainers import engine as engine_lib
 from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft import SFTTrainer, patch_bucket
 
 TEXT_ROWS = [
     {"messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]},
@@ -128,6 +128,30 @@ def test_packed_batches_equal_unpacked(mode, data, tiny_checkpoint, tmp_path):
     for k in grads_a:
         scale = max(float(mx.abs(grads_a[k]).max()), 1e-6)
         assert float(mx.abs(grads_a[k] - grads_b[k]).max()) / scale <= 1e-4, k
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_patch_bucket_padding_changes_nothing(arch, tiny_checkpoint, tmp_path):
+    """With compile on, a batch's image patches are padded to a bucket by a dummy image: same loss
+    and gradients as the unpadded batch, and different image sizes share one padded shape."""
+    model, processor = mlxrl.load(tiny_checkpoint(arch))
+    rows = make_vqa(3, seed=2, sides=(64, 160))
+    plain = SFTTrainer(model, processor, config(tmp_path), train_dataset=rows)
+    bucketed = SFTTrainer(model, processor, config(tmp_path, compile=True), train_dataset=rows)
+    b_plain = plain._batches_of(plain.train_examples, 0, False, 3)[0]
+    b_pad = bucketed._batches_of(bucketed.train_examples, 0, False, 3)[0]
+    n = len(b_plain["pixel_values"])
+    assert len(b_pad["pixel_values"]) == patch_bucket(n) > n and len(b_pad["image_grid_thw"]) == 4
+    b_pad = {**b_pad, "rows": b_plain["rows"], "targets": b_plain["targets"]}  # same rows (no row bucket)
+    loss_a, grads_a = grads_and_loss(plain, b_plain)
+    loss_b, grads_b = grads_and_loss(plain, b_pad)
+    assert abs(loss_a - loss_b) <= 1e-5 * max(1, abs(loss_a))
+    for k in grads_a:
+        scale = max(float(mx.abs(grads_a[k]).max()), 1e-6)
+        assert float(mx.abs(grads_a[k] - grads_b[k]).max()) / scale <= 1e-4, k
+    for p in range(4, 4096, 4):  # room for the dummy, at most a quarter wasted
+        assert p + 4 <= patch_bucket(p) <= 1.25 * (p + 4) and patch_bucket(p) % 4 == 0
+    assert len({patch_bucket(p) for p in range(4, 4096, 4)}) <= 4 * 12  # four sizes per doubling
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_checkpoint, tmp_path):

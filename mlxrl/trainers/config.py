@@ -64,6 +64,8 @@ class TrainConfig:
     head_mode: str = _f("differentiable", "(mlxrl) differentiable | two_phase: how the streamed head is driven")
     seq_buckets: list[int] | None = _f(None, "(mlxrl) padded lengths (default: powers of two up to max_length)")
     compile: bool = _f(True, "(mlxrl) mx.compile the step per shape bucket")
+    patch_buckets: bool = _f(True, "(mlxrl) with compile: pad each batch's image patches to one of four sizes per "
+                                   "doubling (a dummy image, discarded) so compiled steps are reused")
     max_compiled_shapes: int = _f(16, "(mlxrl) past this many distinct shapes, new shapes run uncompiled")
     memory_limit: str | None = _f(None, "(mlxrl) mx.set_memory_limit: bytes, '12GB' or a fraction of memory")
     cache_limit: str | None = _f(None, "(mlxrl) mx.set_cache_limit: bytes, '2GB' or a fraction of memory")

@@ -23,6 +23,24 @@ def _bucket(n: int, minimum: int = 64) -> int:
     return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
 
 
+def patch_bucket(n: int) -> int:
+    """Padded image-patch count of a batch with n patches: the next multiple of a quarter octave
+    (at most ~25% waste, four sizes per doubling), leaving room (>= 4 patches) for the dummy image
+    that holds the padding."""
+    n = n + 4
+    step = max(4, 1 << max(0, int(np.floor(np.log2(n))) - 2))
+    return -(-n // step) * step
+
+
+def pad_image_patches(pixel_values: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Append a dummy image of zero pixels so the batch has `patch_bucket(P)` patches. Its grid
+    (1, 2, pad/2) comes after the real images, so no image placeholder refers to it: the vision
+    tower encodes it as its own image and its features are never gathered into the sequence."""
+    pad = patch_bucket(len(pixel_values)) - len(pixel_values)
+    pixels = np.concatenate([pixel_values, np.zeros((pad, pixel_values.shape[1]), pixel_values.dtype)])
+    return pixels, np.concatenate([grid, np.asarray([[1, 2, pad // 2]], grid.dtype)])
+
+
 def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndarray:
     """targets[b, i] = labels[b, i + 1]: what position i predicts. The last position and the last
     token of each packed document predict nothing (the next token belongs to another document)."""
@@ -99,6 +117,9 @@ class SFTTrainer(Trainer):
         if batch.pixel_values is not None:
             out["pixel_values"] = np.asarray(batch.pixel_values, np.float32)
             out["image_grid_thw"] = np.asarray(batch.image_grid_thw, np.int32)
+            if self.args.compile and self.args.patch_buckets:
+                out["pixel_values"], out["image_grid_thw"] = pad_image_patches(out["pixel_values"],
+                                                                               out["image_grid_thw"])
         return out
 
     def to_device(self, batch):
