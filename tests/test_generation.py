@@ -288,3 +288,15 @@ def test_shared_forward_compiles(tiny_checkpoint, arch):
     assert mx.abs(lp_c - lp_e).max().item() <= 1e-5
     assert abs(v_c.item() - v_e.item()) <= 1e-4 * max(1.0, abs(v_e.item()))
     assert_grads_close(dict(tree_flatten(g_c)), dict(tree_flatten(g_e)))
+
+
+def test_readme_example_runs(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"<!-- generation-example -->\n```python\n(.*?)```\n<!-- /generation-example -->", text, re.S)
+    ns = {"__name__": "readme"}
+    exec(compile(code.group(1), "README generation example", "exec"), ns)
+    assert ns["logp"].shape == ns["out"].completion_ids.shape == (8, ns["out"].completion_ids.shape[1])
+    assert mx.abs(ns["logp"] - ns["out"].logps).max().item() < TOL
