@@ -79,7 +79,8 @@ class Trainer:
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.num_tokens = 0
         self.log_history: list[dict] = []
-        self._compiled: dict = {}
+        self._compiled: dict = {}  # batch shape -> step function (compiled or eager)
+        self._n_compiled = 0
         self._shapes_seen: set = set()
         self.reporter = Reporter(args, self.output_dir)  # W&B / TensorBoard when report_to asks
 
@@ -119,9 +120,10 @@ class Trainer:
         key = tuple(sorted((k, v.shape, v.dtype) for k, v in batch.items() if isinstance(v, mx.array)))
         if key not in self._compiled:
             fn = self._grad_fn()
-            if self.args.compile and len(self._compiled) < self.args.max_compiled_shapes:
+            if self.args.compile and self._n_compiled < self.args.max_compiled_shapes:
                 state = [self.model.state, mx.random.state]
                 fn = mx.compile(fn, inputs=state, outputs=state)
+                self._n_compiled += 1
             self._compiled[key] = fn
         return self._compiled[key]
 
@@ -295,7 +297,12 @@ class Trainer:
 
     @property
     def compiled_shapes(self) -> int:
-        """Distinct batch shapes the step was built for (compiled up to max_compiled_shapes)."""
+        """Distinct batch shapes a compiled step was built for (at most max_compiled_shapes)."""
+        return self._n_compiled
+
+    @property
+    def step_shapes(self) -> int:
+        """Distinct batch shapes seen (compiled or run eagerly)."""
         return len(self._compiled)
 
     # ------------------------------------------------------------------ checkpoints

@@ -19,17 +19,18 @@ from .config import SFTConfig
 from .engine import Trainer
 
 
-def _bucket(n: int, minimum: int = 64) -> int:
-    return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
+def quarter_octave(n: int, minimum: int = 16) -> int:
+    """The smallest of four sizes per doubling that holds n (>= minimum): at most ~25% padding,
+    and few distinct shapes for the compiled step."""
+    n = max(int(n), minimum)
+    step = max(1, 1 << max(0, int(np.floor(np.log2(n))) - 2))
+    return -(-n // step) * step
 
 
 def patch_bucket(n: int) -> int:
-    """Padded image-patch count of a batch with n patches: the next multiple of a quarter octave
-    (at most ~25% waste, four sizes per doubling), leaving room (>= 4 patches) for the dummy image
-    that holds the padding."""
-    n = n + 4
-    step = max(4, 1 << max(0, int(np.floor(np.log2(n))) - 2))
-    return -(-n // step) * step
+    """Padded image-patch count of a batch with n patches: a quarter-octave size (a multiple of 4)
+    leaving room (>= 4 patches) for the dummy image that holds the padding."""
+    return quarter_octave(n + 4, minimum=16)
 
 
 def pad_image_patches(pixel_values: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +103,7 @@ class SFTTrainer(Trainer):
         flat = targets.reshape(-1)
         rows = np.flatnonzero(flat != IGNORE_INDEX)
         # a compiled step sees few shapes when the row count is bucketed; eager needs no padding
-        n_rows = _bucket(rows.size) if self.args.compile else rows.size
+        n_rows = quarter_octave(rows.size) if self.args.compile else rows.size
         padded_rows = np.zeros(n_rows, np.int32)
         padded_rows[: rows.size] = rows
         padded_targets = np.full(n_rows, IGNORE_INDEX, np.int32)
