@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -99,7 +100,9 @@ def _parse_bool(s: str) -> bool:
 
 def _arg_type(tp):
     """(type, nargs) for a dataclass field annotation (strings under `from __future__`)."""
-    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], "+"
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
     inner = [a for a in args if a is not type(None)] if args else [tp]
     base = inner[0] if inner else str
     if typing.get_origin(base) is list:
@@ -119,7 +122,9 @@ def build_parser(cls, prog: str, description: str, extra=None) -> argparse.Argum
     group = parser.add_argument_group(f"{cls.__name__} fields")
     for f in dataclasses.fields(cls):
         tp, nargs = _arg_type(hints[f.name])
-        kw = {"type": tp, "default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {f.default})"}
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        kw = {"type": tp, "default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {default})"}
         if nargs == "?":
             kw.update(nargs="?", const=True)
         elif nargs:
