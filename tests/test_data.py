@@ -604,3 +604,21 @@ def test_unreadable_images_name_the_row(vl_proc, tmp_path):
     ex = tokenize_example({"images": [str(path)], "messages": msgs}, vl_proc, index=9)
     with pytest.raises(ValueError, match=r"^row 9: cannot read image 0"):
         _ = ex.pixel_values
+
+
+@pytest.mark.parametrize("kw", [{}, {"packing": True}, {"padding_free": True}])
+def test_shards_split_each_global_batch(kw):
+    """Ranks get disjoint slices of the one-process global batch; uneven tails are split evenly
+    and a tail smaller than the number of shards is dropped."""
+    examples = text_examples(23, lo=5, hi=40)
+    whole = make_batches(examples, 6, max_length=64, pad_token_id=0, seed=4, **kw)
+    shards = [make_batches(examples, 2, max_length=64, pad_token_id=0, seed=4, num_shards=3, shard=r, **kw)
+              for r in range(3)]
+    assert len({len(s) for s in shards}) == 1  # every rank takes part in every step
+    for k, batch in enumerate(whole):
+        if k == len(shards[0]):  # the dropped tail: fewer rows than shards
+            assert batch.input_ids.shape[0] < 3 and not kw.get("padding_free")
+            break
+        parts = [s[k] for s in shards]
+        assert sorted(i for p in parts for i in p.example_ids) == sorted(batch.example_ids)
+        assert sum(p.num_trainable for p in parts) == batch.num_trainable

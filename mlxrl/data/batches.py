@@ -105,7 +105,8 @@ def _collate(examples: Sequence[Example], rows: list[list[Piece]], buckets, pad_
 def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool = False,
                  packing_strategy: str = "bfd", padding_free: bool = False, max_length: int,
                  pad_token_id: int, seq_buckets: Sequence[int] | None = None, shuffle: bool = True,
-                 seed: int = 0, epoch: int = 0, lazy: bool = False) -> list[Batch]:
+                 seed: int = 0, epoch: int = 0, lazy: bool = False, num_shards: int = 1,
+                 shard: int = 0) -> list[Batch]:
     """One epoch of batches, the same for the same (seed, epoch).
 
     Without packing a batch holds ``batch_size`` examples (the last one may hold fewer). With
@@ -140,6 +141,17 @@ def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool 
         seq_buckets = default_buckets(max_length * batch_size if padding_free else max_length)
     buckets = sorted(int(b) for b in seq_buckets)
     groups = [rows[k:k + batch_size] for k in range(0, len(rows), batch_size)]
+    if num_shards > 1:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard must be in [0, {num_shards}), got {shard}")
+        size = batch_size * num_shards
+        groups = []
+        for k in range(0, len(rows), size):
+            chunk = rows[k:k + size]
+            if len(chunk) < num_shards:
+                break
+            cut = np.array_split(np.arange(len(chunk)), num_shards)[shard]
+            groups.append([chunk[int(i)] for i in cut])
     if padding_free:
         groups = [[[piece for row in group for piece in row]] for group in groups]
     plans = [functools.partial(_collate, examples, group, buckets, pad_token_id, packing or padding_free)

@@ -31,10 +31,15 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .. import runtime
 from ..data.batches import Prefetcher
+from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from .reporting import Reporter
 
 CHECKPOINT_PREFIX = "checkpoint-"
+
+
+class PeerLostError(MlxrlError):
+    """Another data-parallel rank exited or was killed."""
 
 
 def make_schedule(args, total_steps: int):
@@ -68,6 +73,10 @@ class Trainer:
 
     def __init__(self, model, processor, args):
         self.model, self.processor, self.args = model, processor, args
+        # data parallel: launched by `mlx.launch` (ring / MPI / NCCL / JACCL), else a group of one
+        self.world = mx.distributed.init()
+        self.rank, self.world_size = self.world.rank(), self.world.size()
+        self.is_main = self.rank == 0
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
@@ -82,7 +91,8 @@ class Trainer:
         self._compiled: dict = {}  # batch shape -> step function (compiled or eager)
         self._n_compiled = 0
         self._shapes_seen: set = set()
-        self.reporter = Reporter(args, self.output_dir)  # W&B / TensorBoard when report_to asks
+        # W&B / TensorBoard when report_to asks (rank 0 only)
+        self.reporter = Reporter(args if self.is_main else None, self.output_dir)
 
     # ------------------------------------------------------------------ parameters
     def _setup_trainable(self):
@@ -173,32 +183,55 @@ class Trainer:
                                      bias_correction=True)  # torch.optim.AdamW's update, as TRL trains
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
-        print(runtime.startup_line(), flush=True)
         trainable, total_params = lora_lib.trainable_count(self.model)
-        print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
-              f"{total} optimizer steps, {steps_per_epoch} per epoch", flush=True)
+        ranks = f"; {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
+        self.print(runtime.startup_line())
+        self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
+                   f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
         bar = None
-        if not args.disable_tqdm:
+        if not args.disable_tqdm and self.is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, initial=self.global_step, desc="train", dynamic_ncols=True)
         interrupted = False
         previous = signal.getsignal(signal.SIGINT)
+        previous_term = signal.getsignal(signal.SIGTERM)
+        if self.world_size > 1:  # mlx.launch terminates the other ranks when one dies
+            signal.signal(signal.SIGTERM, self._terminated)
         try:
             self._loop(batches, total, bar)
         except KeyboardInterrupt:
             interrupted = True
+        except RuntimeError as e:
+            if self.world_size > 1 and any(w in str(e) for w in ("peer", "connection", "[ring]", "[mpi]")):
+                raise PeerLostError(self._peer_lost(str(e).splitlines()[0])) from None
+            raise
         finally:
             if bar is not None:
                 bar.close()
+            if self.world_size > 1:
+                signal.signal(signal.SIGTERM, previous_term)
         if interrupted:
             path = self.save_checkpoint()
-            print(f"interrupted: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
+            self.print(f"interrupted: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
             signal.signal(signal.SIGINT, previous)
             raise KeyboardInterrupt
         self.save_final()
         self.reporter.close()
         return self.log_history
+
+    def print(self, *args):
+        if self.is_main:
+            print(*args, flush=True)
+
+    def _peer_lost(self, why: str) -> str:
+        found = self._checkpoints()
+        last = f"the last checkpoint {found[-1]} is intact" if found else "no checkpoint was saved yet"
+        return (f"rank {self.rank} of {self.world_size}: lost another rank at step {self.global_step} ({why}); "
+                f"{last}: resume with --resume_from_checkpoint last, on any number of ranks")
+
+    def _terminated(self, signum, frame):
+        raise PeerLostError(self._peer_lost("terminated by the launcher after another rank exited"))
 
     def load_batch(self, item) -> dict:
         """A batch of `make_batches`: a prepared dict, or a zero-argument callable that prepares it
@@ -241,10 +274,11 @@ class Trainer:
 
     def _optimizer_step(self, group, window, bar, total):
         args = self.args
-        # dropout noise is a function of (seed, step): a resumed run draws what the uninterrupted one did
-        mx.random.seed(args.seed * 1_000_003 + self.global_step)
-        num_items = sum(self.batch_tokens(b)[1] for b in group)
-        grads_sum, loss_sum, metric_sums = None, 0.0, []
+        # dropout noise is a function of (seed, step, rank): a resumed run draws what the uninterrupted one did
+        mx.random.seed(args.seed * 1_000_003 + self.global_step + 7919 * self.rank)
+        # the loss is normalised by the trained tokens of the whole global batch (every rank's), as TRL
+        num_items = self.all_sum(np.array([sum(self.batch_tokens(b)[1] for b in group)], np.float64))[0]
+        grads_sum, loss_sum, metric_sums, tokens = None, 0.0, [], 0
         for b in group:
             arrays = self.to_device(b)
             step = self._step_for(arrays)
@@ -253,8 +287,16 @@ class Trainer:
             mx.eval(loss, metrics, grads_sum)
             loss_sum += loss.item()
             metric_sums.append({k: v.item() for k, v in metrics.items()})
-            window["tokens"] += self.batch_tokens(b)[0]
-            self.num_tokens += self.batch_tokens(b)[0]
+            tokens += self.batch_tokens(b)[0]
+        if self.world_size > 1:
+            grads_sum = self.all_sum_tree(grads_sum)
+            keys = sorted({k for m in metric_sums for k in m})
+            local = [loss_sum, tokens] + [float(np.mean([m[k] for m in metric_sums if k in m])) for k in keys]
+            total_ = self.all_sum(np.array(local, np.float64))
+            loss_sum, tokens = float(total_[0]), int(total_[1])
+            metric_sums = [{k: float(v) / self.world_size for k, v in zip(keys, total_[2:], strict=True)}]
+        window["tokens"] += tokens
+        self.num_tokens += tokens
         norm = self._update(grads_sum)
         mx.eval(self.model.parameters(), self.optimizer.state, norm)
         self.batch_in_epoch += len(group)
@@ -265,6 +307,41 @@ class Trainer:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_sum:.4f}")
+
+    # ------------------------------------------------------------------ data parallel
+    def all_sum(self, values: np.ndarray) -> np.ndarray:
+        """Sum a small float vector over the ranks (identity with one process)."""
+        if self.world_size == 1:
+            return values
+        out = mx.distributed.all_sum(mx.array(values.astype(np.float32)), group=self.world)
+        return np.asarray(out, dtype=np.float64)
+
+    def all_sum_tree(self, grads, bucket_bytes: int = 64 << 20):
+        """Sum a gradient tree over the ranks in float32, packed into few large buckets (one
+        message per ~64 MB instead of one per parameter)."""
+        flat = tree_flatten(grads)
+        out, bucket, size = [], [], 0
+
+        def flush():
+            if not bucket:
+                return
+            packed = mx.concatenate([g.astype(mx.float32).reshape(-1) for _, g in bucket])
+            summed = mx.distributed.all_sum(packed, group=self.world)
+            offset = 0
+            for k, g in bucket:
+                out.append((k, summed[offset:offset + g.size].reshape(g.shape).astype(g.dtype)))
+                offset += g.size
+            mx.eval([v for _, v in out[-len(bucket):]])
+            bucket.clear()
+
+        for k, g in flat:
+            bucket.append((k, g))
+            size += g.size * 4
+            if size >= bucket_bytes:
+                flush()
+                size = 0
+        flush()
+        return tree_unflatten(out)
 
     def _log(self, window):
         dt = max(time.perf_counter() - window["t0"], 1e-9)
@@ -279,6 +356,8 @@ class Trainer:
         self._record(entry)
 
     def _log_eval(self):
+        if not self.is_main:  # the weights are the same on every rank: rank 0 evaluates
+            return
         metrics = self.evaluate()
         if metrics:
             self._record({"step": self.global_step, **{f"eval_{k}": v for k, v in metrics.items()}})
@@ -286,6 +365,8 @@ class Trainer:
 
     def _record(self, entry):
         self.log_history.append(entry)
+        if not self.is_main:
+            return
         self.reporter.log(entry)
         with open(self.output_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(entry) + "\n")
@@ -311,13 +392,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         final = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+        if not self.is_main:  # the ranks hold the same weights: rank 0 writes
+            return final
         tmp = _atomic_dir(final)
         try:
             mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable_state())
             opt = dict(tree_flatten(self.optimizer.state))
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
             state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                     "num_tokens": self.num_tokens, "log_history": self.log_history}
+                     "world_size": self.world_size, "num_tokens": self.num_tokens, "log_history": self.log_history}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
             if final.exists():
                 shutil.rmtree(final)
@@ -355,14 +438,19 @@ class Trainer:
         state = json.loads((path / "trainer_state.json").read_text())
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != self.world_size:  # same rows consumed, cut into this run's per-rank batches
+            self.batch_in_epoch = self.batch_in_epoch * saved_world // self.world_size
         self.log_history = state["log_history"]
         mx.eval(self.model.parameters(), self.optimizer.state)
-        print(f"resumed from {path} at step {self.global_step}", flush=True)
+        self.print(f"resumed from {path} at step {self.global_step}")
 
     def save_final(self):
         from ..loading import save
 
         args = self.args
+        if not self.is_main:
+            return
         if getattr(self.model, "lora_config", None):
             lora_lib.save_adapter(self.model, self.output_dir, getattr(self.model, "name_or_path", None))
             if self.processor is not None:

@@ -78,7 +78,7 @@ class SFTTrainer(Trainer):
                                  assistant_only_loss=a.assistant_only_loss, dataset_text_field=a.dataset_text_field)
                 for i, row in enumerate(rows)]
 
-    def _batches_of(self, examples, epoch, shuffle, batch_size, lazy=False):
+    def _batches_of(self, examples, epoch, shuffle, batch_size, lazy=False, shard=False):
         """One epoch of prepared batches; lazy: callables that collate (decoding the images) and
         prepare a batch when the engine's data worker calls them."""
         from ..data import make_batches
@@ -87,12 +87,14 @@ class SFTTrainer(Trainer):
         plans = make_batches(examples, batch_size, packing=a.packing, packing_strategy=a.packing_strategy,
                              padding_free=a.padding_free, max_length=a.max_length,
                              pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
-                             shuffle=shuffle, seed=a.seed, epoch=epoch, lazy=True)
+                             shuffle=shuffle, seed=a.seed, epoch=epoch, lazy=True,
+                             num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0)
         batches = [lambda plan=plan: self.prepare(plan()) for plan in plans]
         return batches if lazy else [make() for make in batches]
 
     def make_batches(self, epoch):
-        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, lazy=True)
+        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, lazy=True,
+                                shard=True)
 
     def prepare(self, batch) -> dict:
         """Batch -> the numpy arrays of one step: the trained rows (padded to a bucket so the

@@ -1,0 +1,109 @@
+"""Data-parallel SFT over MLX's ring backend on loopback (`mlx.launch -n 2 --backend ring`): two
+ranks with half the batch each end with the same weights as one process with the whole batch
+(packing on), and a killed rank makes the other exit with a one-line error, the last checkpoint
+intact."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+LAUNCH = shutil.which("mlx.launch")
+pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch not installed")
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+
+
+def write_rows(path, n=24):
+    rng = np.random.default_rng(0)
+    with open(path, "w") as fh:
+        for i in range(n):
+            answer = " ".join(rng.choice(WORDS, size=int(rng.integers(2, 12))))
+            fh.write(json.dumps({"messages": [{"role": "user", "content": f"Say {i} words"},
+                                              {"role": "assistant", "content": answer}]}) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sft_args(folder, data, out, batch, **extra):
+    args = ["--model", str(folder), "--dataset", str(data), "--output_dir", str(out), "--packing", "true",
+            "--max_length", "64", "--per_device_train_batch_size", str(batch), "--max_steps", "4",
+            "--learning_rate", "1e-3", "--compile", "false", "--gradient_checkpointing", "false",
+            "--disable_tqdm", "true", "--logging_steps", "1", "--seed", "3"]
+    for k, v in extra.items():
+        args += [f"--{k}", str(v)]
+    return args
+
+
+def launch(n, command, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([LAUNCH, "-n", str(n), "--backend", "ring", "--starting-port", str(free_port()), "--",
+                           sys.executable, *command], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def weights(folder):
+    return {k: np.array(v) for f in sorted(folder.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
+
+
+def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("qwen3")
+    data = tmp_path / "rows.jsonl"
+    write_rows(data)
+    one = subprocess.run([sys.executable, "-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "one", 4)],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch(2, ["-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "two", 2)])
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert "2 data-parallel ranks" in two.stdout
+    losses = lambda d: [e["loss"] for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    a, b = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")
+    assert a.keys() == b.keys()
+    moved = weights(folder)
+    assert any(not np.array_equal(a[k], moved[k]) for k in a)  # it trained
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+KILL = """
+import os, sys
+from mlxrl.trainers import engine
+step = engine.Trainer._optimizer_step
+def dying(self, *a, **k):
+    if self.rank == 1 and self.global_step == 3:
+        os._exit(3)
+    return step(self, *a, **k)
+engine.Trainer._optimizer_step = dying
+from mlxrl.sft import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_rank_stops_the_others_with_a_clear_error(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("qwen3")
+    data = tmp_path / "rows.jsonl"
+    write_rows(data)
+    script = tmp_path / "kill.py"
+    script.write_text(KILL)
+    out = tmp_path / "run"
+    res = launch(2, [str(script), *sft_args(folder, data, out, 2, save_steps=2)], timeout=120)
+    text = res.stdout + res.stderr  # (mlx.launch itself exits 0; it reports each rank's code)
+    assert "rank 1 exited with code 3" in text and "rank 0 exited with code 2" in text, text[-3000:]
+    assert "lost another rank" in text and "checkpoint-2 is intact" in text, text[-3000:]
+    line = next(ln for ln in text.splitlines() if "lost another rank" in ln)
+    assert line.strip().startswith("error:") or "error: rank 0" in line
+    ckpt = out / "checkpoint-2"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and state["world_size"] == 2
+    assert mx.load(str(ckpt / "trainable.safetensors")) and mx.load(str(ckpt / "optimizer.safetensors"))
+    assert not list(out.glob(".checkpoint-*"))  # no half-written checkpoint left behind
