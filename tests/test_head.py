@@ -256,3 +256,18 @@ def test_fused_step_with_tied_weights_matches_full_gradient():
     assert ours.keys() == ref.keys()
     for k in ref:
         close(ours[k], ref[k])
+
+
+def test_fused_under_compile_with_unselected_rows():
+    """The trainers' path: mx.compile (targets not concrete), skip_ignored=False, num_items an array."""
+    h, w, t, *_ = make(20, 8, 50, "some", seed=5)
+
+    def f(h, w, t, n):
+        return fused_head_loss(h, w, t, skip_ignored=False, num_items=n, chunk_rows=6)[0]
+
+    n = mx.array(13.0)
+    v1, (gh1, gw1) = mx.compile(mx.value_and_grad(f, argnums=(0, 1)))(h, w, t, n)
+    v2, (gh2, gw2) = mx.value_and_grad(_naive_loss("nll", t, 13.0, 1.0, ()), argnums=(0, 1))(h, w)
+    close(v1, v2)
+    close(gh1, gh2)
+    close(gw1, gw2)

@@ -372,7 +372,10 @@ def _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t, chunk_rows, wit
     outs = []
     for s, e in _bounds(n, chunk_rows or default_chunk_rows(v)):
         h = hidden[s:e]
-        if not eager and outs:  # the next chunk waits for the previous one: its tiles die first
+        if not eager and outs:
+            # the next chunk waits for ALL of the previous one's outputs (dw included), so its tiles
+            # die first. Measured: without dw here the addmm chain runs last and keeps every
+            # chunk's tile alive (peak grows with N).
             h = mx.depends(h, [loss, *outs[-1]] + ([dw] if dw is not None else []))
         c_loss, logp, ent, arg, dh, dw = _fused_chunk(h, weight, targets[s:e], inv_t, w[s:e],
                                                       [a[s:e] for a in args], grad_fn, with_entropy, dw)
@@ -499,11 +502,12 @@ def fused_head_grads(hidden, weight, targets, *, loss_type="nll", num_items=None
 
 
 def fused_value_and_grad(trunk, params, targets, *, head_weight, loss_type="nll", num_items=None, token_weights=None,
-                         token_args=(), temperature=1.0, chunk_rows=None, with_entropy=True):
+                         token_args=(), temperature=1.0, chunk_rows=None, with_entropy=True, weight_grad=True):
     """The two-phase step with the fused head: trunk forward -> `fused_head_grads` (loss, metrics,
     d_hidden, d_weight in one eager pass) -> one `mx.vjp` of trunk and head weight. Like
     `streamed_value_and_grad`, but the loss is token-separable (see `fused_head_loss`) and the head
-    costs 3 matmuls instead of 4. Returns (loss, grads, (logp, entropy, argmax))."""
+    costs 3 matmuls instead of 4 (2 with weight_grad=False, for a frozen head).
+    Returns (loss, grads, (logp, entropy, argmax))."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     keys, leaves = zip(*tree_flatten(params), strict=True)
@@ -516,7 +520,8 @@ def fused_value_and_grad(trunk, params, targets, *, head_weight, loss_type="nll"
     mx.eval(hidden, weight)
     loss, metrics, d_hidden, d_weight = fused_head_grads(
         hidden, weight, targets, loss_type=loss_type, num_items=num_items, token_weights=token_weights,
-        token_args=token_args, temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy)
+        token_args=token_args, temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy,
+        weight_grad=weight_grad)
     del hidden
 
     def trunk_and_head(*xs):
