@@ -1,0 +1,625 @@
+"""Memory planner: predict a run's peak memory from config.json alone, before training starts.
+
+    python -m mlxrl.plan --model Qwen/Qwen3-VL-2B-Instruct --use_peft --max_length 2048
+    python -m mlxrl.plan --trainer dpo --per_device_train_batch_size 2 --memory_limit 8GB
+    python -m mlxrl.plan --measure            # a few real steps on random weights: predicted vs measured
+    python -m mlxrl.plan --measure --sweep    # plus the memory impact of max_length and LoRA rank
+
+The trainers' own flags are accepted (`--trainer sft|dpo|grpo` picks the config class). No weights are
+read: the model is built lazily from config.json (MLX arrays are not allocated until evaluated), which
+gives exact parameter counts for the base, LoRA adapters and every trainable subset.
+
+The model of one optimizer step (all sizes in bytes; s = bytes per element of the compute dtype):
+
+* persistent: weights W, AdamW m and v (2T, T = trainable bytes), and for full-parameter DPO / GRPO
+  with beta > 0 the frozen reference's copy of the trainable weights (T, once the policy moved);
+* forward + backward: the gradients (T; 2T with gradient accumulation), activations, the streamed head;
+* the optimizer update: gradients + clipped gradients (2T) + about two copies of the largest trained
+  array while AdamW writes its new m, v and weights.
+The peak is the larger of the two phases. Activations per decoder layer, measured on MLX 0.32 (CPU):
+saved tensors of ~(4D + 5I + 4 H*hd + 3 KV*hd) elements per token (norm inputs/outputs, q/k/v before
+and after q/k-norm and rotary, attention output, gate/up/silu/product) plus ~1.25 [B, H, L, L] score
+tensors (MLX's unfused attention with a mask keeps the probabilities); without checkpointing n_layers
+of them live at once plus ~1.1 layer of backward temporaries, with checkpointing one [B, L, D] input
+per layer plus ~2.9 layers (the recompute and its backward). The streamed head keeps a few
+[rows, chunk] float32 tiles; a trained LM head adds ~2 [V, D] arrays (the tile gradients and their
+concatenation), a frozen one a [V, D] zero gradient (what its VJP returns).
+
+`predict(config, args, trainer)` is what the trainers call at start-up; `measure(...)` runs real steps.
+Tests: pytest tests/test_plan.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx  # mlxrl/__init__ has loaded the fast BLAS (runtime) before this
+
+from . import runtime
+
+GB = 1 << 30
+MB = 1 << 20
+TILE_BYTES = 16 << 20  # mlxrl.losses.head.TILE_BYTES (kept here so planning imports no trainer)
+
+# measured coefficients (see the module docstring)
+SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
+SCORE_COPIES = 1.25
+BACKWARD_LAYERS = 1.1       # backward temporaries without checkpointing, in layers
+CKPT_LAYERS = 2.9           # live layers during a checkpointed layer's recompute + backward
+HEAD_TILES = 3.5            # live [rows, chunk] fp32 tiles of the streamed head
+UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
+
+
+# ---------------------------------------------------------------------------------------- config
+
+def load_config(model: str | os.PathLike | None = None) -> dict:
+    """config.json of a local folder or cached Hub id (weights are never read); None: the embedded default."""
+    from .loading import DEFAULT_CONFIG, read_config
+
+    if model is None:
+        cfg = json.loads(Path(DEFAULT_CONFIG).read_text())
+    else:
+        from .hub import resolve_model_path
+
+        p = Path(model).expanduser()
+        cfg = read_config(p if (p / "config.json").exists() else resolve_model_path(str(model)))
+    cfg.pop("preprocessor_config", None)
+    return cfg
+
+
+def _dtype_bytes(args) -> int:
+    return runtime.compute_dtype(getattr(args, "dtype", None)).size
+
+
+@dataclass
+class Arch:
+    """What the planner needs of a model: sizes from config.json and exact parameter bytes per group."""
+
+    V: int
+    D: int
+    I: int  # noqa: E741
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    weight_bytes: int
+    trainable_bytes: int
+    largest_trainable: int
+    head_trainable: bool
+    lora_params: int = 0
+    vision: dict | None = None
+
+
+def _text_config(cfg: dict) -> dict:
+    return {**cfg, **cfg.get("text_config", {})}
+
+
+def arch_of(cfg: dict, args, dtype_bytes: int | None = None) -> Arch:
+    """Build the model lazily (no array is evaluated, so nothing is allocated), apply the trainer's
+    trainable-parameter policy (LoRA / full / frozen vision / frozen embeddings) and count bytes."""
+    from mlx.utils import tree_flatten
+
+    from .models import build_model
+    from .models import lora as lora_lib
+
+    s = dtype_bytes or _dtype_bytes(args)
+    model = build_model(cfg)
+    if getattr(args, "use_peft", False):
+        lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                            target_modules=args.lora_target_modules, use_dora=args.use_dora)
+    else:
+        if getattr(args, "freeze_vision_tower", False) and hasattr(model, "vision_tower"):
+            model.vision_tower.freeze()
+        if getattr(args, "freeze_embeddings", False):
+            model.language_model.embed_tokens.freeze()
+    params = tree_flatten(model.parameters())
+    trainable = tree_flatten(model.trainable_parameters())
+    head_w = model.lm_head_weight()
+    head_trainable = any(v is head_w for _, v in trainable)
+    fp = [v for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
+    weight_bytes = sum(v.size for v in fp) * s
+    t_sizes = [v.size * s for _, v in trainable]
+    lora_n = sum(v.size for k, v in trainable if "lora_" in k)
+    t = _text_config(cfg)
+    lm = model.language_model.config
+    vision = None
+    if "vision_config" in cfg:
+        vc = cfg["vision_config"]
+        vision = {"depth": vc.get("depth", 0), "D": vc.get("hidden_size", vc.get("embed_dim", 0)),
+                  "I": vc.get("intermediate_size", 4 * vc.get("hidden_size", vc.get("embed_dim", 0))),
+                  "heads": vc.get("num_heads", 1), "patch": vc.get("patch_size", 14),
+                  "merge": vc.get("spatial_merge_size", 2), "temporal": vc.get("temporal_patch_size", 2)}
+    return Arch(V=lm.vocab_size, D=lm.hidden_size, I=lm.intermediate_size, layers=lm.num_hidden_layers,
+                heads=lm.num_attention_heads, kv_heads=lm.num_key_value_heads, head_dim=lm.head_dim,
+                tied=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+                weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes), largest_trainable=max(t_sizes, default=0),
+                head_trainable=head_trainable, lora_params=lora_n, vision=vision)
+
+
+# ---------------------------------------------------------------------------------------- the model
+
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """A prediction: `rows` (components), `total` (predicted peak bytes of mx.get_peak_memory()),
+    `limit` (bytes the run may use), `fits`, and `suggestion` (a dict of config changes or None)."""
+
+    trainer: str
+    rows: list[Row]
+    total: int
+    step_peak: int
+    update_peak: int
+    limit: int | None
+    limit_source: str
+    machine: int | None
+    cache: int
+    activations: dict = field(default_factory=dict)  # {"checkpointing": b, "no checkpointing": b}
+    suggestion: dict | None = None
+    suggestion_total: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.total <= self.limit
+
+    def table(self) -> str:
+        w = max(len(r.name) for r in self.rows) + 2
+        lines = [f"mlxrl.plan ({self.trainer}): predicted peak memory", "-" * 78]
+        for r in self.rows:
+            lines.append(f"{r.name:<{w}}{fmt(r.bytes):>10}   {r.note}")
+        lines.append("-" * 78)
+        lines.append(f"{'forward + backward':<{w}}{fmt(self.step_peak):>10}")
+        lines.append(f"{'optimizer update':<{w}}{fmt(self.update_peak):>10}")
+        lines.append(f"{'PEAK (predicted)':<{w}}{fmt(self.total):>10}   mx.get_peak_memory() of the run")
+        lines.append(f"{'MLX buffer cache':<{w}}{fmt(self.cache):>10}   freed buffers MLX keeps for reuse "
+                     "(reclaimed before the limit is hit; cap it with --cache_limit)")
+        if self.machine:
+            lines.append(f"{'machine memory':<{w}}{fmt(self.machine):>10}")
+        if self.limit is not None:
+            lines.append(f"{'limit':<{w}}{fmt(self.limit):>10}   {self.limit_source}")
+        verdict = "FITS" if self.fits else "DOES NOT FIT"
+        if self.limit is not None:
+            lines.append(f"{verdict}: {fmt(self.total)} of {fmt(self.limit)} ({self.total / self.limit:.0%})")
+        if not self.fits:
+            if self.suggestion:
+                change = " ".join(f"--{k} {v}" for k, v in self.suggestion.items())
+                lines.append(f"smallest change that fits: {change}  (predicted {fmt(self.suggestion_total)})")
+            else:
+                lines.append("no single change found that fits: combine use_peft, a shorter max_length and batch 1")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def fmt(b: int | float | None) -> str:
+    if b is None:
+        return "-"
+    return f"{b / GB:.2f} GB" if b >= GB else f"{b / MB:.1f} MB"
+
+
+def _layer_saved(a: Arch, B: int, L: int, s: int) -> float:
+    """Bytes one decoder layer keeps for backward (no checkpointing)."""
+    k = SAVED_PER_TOKEN
+    per_token = k["D"] * a.D + k["I"] * a.I + k["Q"] * a.heads * a.head_dim + k["KV"] * a.kv_heads * a.head_dim
+    return s * B * L * per_token + s * SCORE_COPIES * B * a.heads * L * L
+
+
+def _lora_extra(a: Arch, args, B: int, L: int, s: int) -> float:
+    """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([N, r]) per adapter."""
+    if not getattr(args, "use_peft", False):
+        return 0.0
+    n = B * L
+    inputs = 0.0
+    if args.lora_dropout and args.lora_dropout > 0:
+        inputs = 5 * a.D + a.heads * a.head_dim + a.I  # q, k, v, gate, up see D; o sees H*hd; down sees I
+    return s * n * (inputs + 7 * 2 * args.lora_r)
+
+
+def activations(a: Arch, args, B: int, L: int, s: int, checkpointing: bool) -> float:
+    layer = _layer_saved(a, B, L, s) + _lora_extra(a, args, B, L, s)
+    edges = 3 * s * B * L * a.D  # embeddings, final norm, gathered rows
+    if checkpointing:
+        return a.layers * s * B * L * a.D + CKPT_LAYERS * layer + edges
+    return (a.layers + BACKWARD_LAYERS) * layer + edges
+
+
+def head_bytes(a: Arch, args, rows: int, s: int) -> float:
+    chunk = args.chunk_size or _default_chunk(rows, a.V)
+    tile = 4 * rows * min(chunk, a.V)
+    vd = a.V * a.D * s
+    if a.head_trainable:
+        return 2 * vd + 0.25 * tile
+    return vd + HEAD_TILES * tile
+
+
+def _default_chunk(n_rows: int, vocab: int) -> int:
+    cols = TILE_BYTES // (4 * max(n_rows, 1))
+    return int(min(vocab, max(128, cols // 128 * 128)))
+
+
+def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool) -> float:
+    """Vision tower activations for `images` images per example of `image_size` pixels a side
+    (saved tensors as for a decoder layer, full attention within each image). Not calibrated yet."""
+    if not images or not a.vision or not image_size:
+        return 0.0
+    v = a.vision
+    patches = (image_size // v["patch"]) ** 2  # per image, before merging
+    P = B * images * patches
+    per_token = 4 * v["D"] + 3 * v["I"] + 4 * v["D"]
+    layer = s * P * per_token + s * SCORE_COPIES * B * images * v["heads"] * patches * patches
+    trained = not (getattr(args, "use_peft", False) or getattr(args, "freeze_vision_tower", False))
+    if not trained:
+        return 2 * layer  # a frozen tower keeps nothing for backward: about two layers of temporaries
+    return (v["depth"] + BACKWARD_LAYERS) * layer
+
+
+def image_tokens(a: Arch, images: int, image_size: int | None) -> int:
+    if not images or not a.vision or not image_size:
+        return 0
+    v = a.vision
+    return images * (image_size // v["patch"]) ** 2 // (v["merge"] ** 2)
+
+
+def machine_memory() -> int | None:
+    """Memory the default device can use: mx.device_info, else psutil / /proc/meminfo."""
+    try:
+        info = mx.device_info()
+        for key in ("max_recommended_working_set_size", "memory_size"):
+            if info.get(key):
+                return int(info[key])
+    except Exception:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return runtime.device_memory_bytes()
+
+
+def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, str]:
+    value = memory_limit if memory_limit is not None else getattr(args, "memory_limit", None)
+    if value is not None:
+        return runtime._parse_bytes(value, machine), f"memory_limit {value}"
+    if machine:
+        return int(0.9 * machine), "90% of machine memory (no --memory_limit)"
+    return None, "unknown"
+
+
+def _shape(args, trainer: str) -> tuple[int, int, int]:
+    """(sequences per micro-batch, padded length, rows scored by the head)."""
+    L = int(getattr(args, "max_length", None) or 1024)
+    B = int(args.per_device_train_batch_size)
+    if trainer == "dpo":
+        return 2 * B, L, 2 * B * L
+    if trainer == "grpo":
+        P = int(getattr(args, "max_prompt_length", None) or getattr(args, "max_length", None) or 512)
+        C = int(getattr(args, "max_completion_length", 512))
+        return B, P + C, B * C
+    return B, L, B * L
+
+
+def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
+            image_size: int | None = None, suggest: bool = True, _arch: Arch | None = None) -> Plan:
+    """Predicted peak memory of training with `args` (an SFTConfig / DPOConfig / GRPOConfig) on the model
+    of `config` (a parsed config.json, a model id / folder, or None for the embedded default).
+
+    images / image_size: images per example and their side in pixels (VL models).
+    memory_limit: overrides args.memory_limit ('8GB', bytes or a fraction of memory).
+    """
+    cfg = config if isinstance(config, dict) else load_config(config)
+    s = _dtype_bytes(args)
+    a = _arch or arch_of(cfg, args, s)
+    B, L, rows = _shape(args, trainer)
+    L_img = image_tokens(a, images, image_size)
+    L = L + L_img if trainer != "grpo" else L
+    W, T = a.weight_bytes, a.trainable_bytes
+    accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    ckpt = bool(getattr(args, "gradient_checkpointing", False))
+    act = {c: activations(a, args, B, L, s, c) for c in (True, False)}
+    out: list[Row] = [Row("weights", W, f"{_count(W // s)} parameters x {s} B")]
+    n_train = T // s
+    out.append(Row("trainable state", 3 * T + (T if accum > 1 else 0),
+                   f"{_count(n_train)} trainable: grads{' x2 (accumulation)' if accum > 1 else ''} + AdamW m, v"))
+    ref = 0
+    needs_ref = trainer == "dpo" or (trainer == "grpo" and getattr(args, "beta", 0.0) > 0)
+    if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
+        ref = T
+        out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
+    out.append(Row("activations", act[ckpt], f"B={B} L={L}, gradient_checkpointing={'on' if ckpt else 'off'} "
+                                             f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
+    head = head_bytes(a, args, rows, s)
+    chunk = args.chunk_size or _default_chunk(rows, a.V)
+    out.append(Row("streamed head", head, f"{rows} rows x {min(chunk, a.V)}-column fp32 tiles"
+                                          f"{', [V, D] weight grad' if a.head_trainable else ''}"))
+    img = vision_bytes(a, args, B, s, images, image_size, ckpt)
+    if img:
+        out.append(Row("images", img, f"{images} image(s)/example of {image_size}px: {L_img} tokens (uncalibrated)"))
+    kv = 0
+    if trainer == "grpo":
+        G = int(args.num_generations)
+        P = L - int(args.max_completion_length)
+        prompts = max(1, B // G)
+        kv = 2 * a.layers * a.kv_heads * a.head_dim * s * prompts * (P + G * int(args.max_completion_length))
+        out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) prefilled once + G={G} completions"))
+    steady = W + 2 * T + ref
+    step = steady + T * (2 if accum > 1 else 1) + act[ckpt] + head + img
+    clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
+    update = steady + T + clip + UPDATE_COPIES * a.largest_trainable
+    # generation: the weights, the KV cache and the [G, V] float32 logits of one decoding step (x2 for sampling)
+    gen = steady + kv + 2 * 4 * B * a.V if kv else 0
+    total = int(max(step, update, gen))
+    machine = machine_memory()
+    limit, source = _limit(args, machine, memory_limit)
+    cache_limit = getattr(args, "cache_limit", None)
+    transient = total - steady
+    cache = int(min(transient, runtime._parse_bytes(cache_limit, machine))) if cache_limit else int(transient)
+    plan = Plan(trainer, out, total, int(step), int(update), limit, source, machine, cache,
+                {"checkpointing": int(act[True]), "no checkpointing": int(act[False])})
+    if suggest and not plan.fits:
+        plan.suggestion, plan.suggestion_total = suggest_change(cfg, args, trainer, limit, images=images,
+                                                                image_size=image_size)
+    return plan
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+# ---------------------------------------------------------------------------------------- suggestions
+
+def _candidates(args, trainer: str):
+    """Changes in the order of how little they change the run: same result (chunk size, checkpointing,
+    smaller micro-batches with more accumulation), then a smaller adapter, LoRA instead of full
+    fine-tuning, a shorter max_length, fewer generations, and last a quantised base."""
+    yield {"chunk_size": 1024}
+    yield {"chunk_size": 256}
+    if not args.gradient_checkpointing:
+        yield {"gradient_checkpointing": True}
+    b = int(args.per_device_train_batch_size)
+    accum = int(args.gradient_accumulation_steps or 1)
+    while b > 1:
+        b //= 2
+        same = {"per_device_train_batch_size": b,
+                "gradient_accumulation_steps": accum * (args.per_device_train_batch_size // b)}
+        yield same
+        if not args.gradient_checkpointing:
+            yield {**same, "gradient_checkpointing": True}
+    if args.use_peft:
+        r = int(args.lora_r)
+        while r > 4:
+            r //= 2
+            yield {"lora_r": r}
+    else:
+        yield {"use_peft": True}
+        yield {"use_peft": True, "gradient_checkpointing": True}
+    L = getattr(args, "max_length", None)
+    if L:
+        while L > 64:
+            L //= 2
+            yield {"max_length": L}
+    if trainer == "grpo":
+        g = int(args.num_generations)
+        while g > 2:
+            g //= 2
+            yield {"num_generations": g}
+
+
+def suggest_change(cfg: dict, args, trainer: str, limit: int | None, **kw) -> tuple[dict | None, int | None]:
+    """The first candidate change (least disruptive first) whose predicted peak is within `limit`."""
+    if limit is None:
+        return None, None
+    for change in _candidates(args, trainer):
+        new = dataclasses.replace(args, **change)
+        try:
+            p = predict(cfg, new, trainer, memory_limit=limit, suggest=False, **kw)
+        except ValueError:
+            continue
+        if p.total <= limit:
+            return change, p.total
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+class CharTokenizer:
+    """One token per character (id = code point mod vocab): synthetic rows of an exact length for any
+    vocabulary, without the Qwen tokenizer."""
+
+    eos_token, pad_token_id, eos_token_id, chat_template = "\x01", 0, 1, None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, text, add_special_tokens=False, **_):
+        return {"input_ids": [ord(c) % self.vocab_size for c in text]}
+
+    def convert_tokens_to_ids(self, _token):
+        return -1
+
+    def save_pretrained(self, _path):
+        pass
+
+
+def _text(rng, n: int, vocab: int) -> str:
+    return "".join(chr(int(c)) for c in rng.integers(2, max(3, min(vocab, 20000)), size=n))
+
+
+def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0) -> list[dict]:
+    """Rows that fill max_length exactly (SFT: text; DPO: prompt + chosen / rejected halves)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    L = int(getattr(args, "max_length", None) or 1024)
+    if trainer == "dpo":
+        p = L // 2
+        return [{"prompt": _text(rng, p, vocab), "chosen": _text(rng, L - p - 1, vocab),
+                 "rejected": _text(rng, L - p - 1, vocab)} for _ in range(n)]
+    return [{"text": _text(rng, L + 8, vocab)} for _ in range(n)]
+
+
+def random_model(cfg: dict, dtype=None, seed: int = 0):
+    from .loading import init_weights
+    from .models import build_model
+
+    mx.random.seed(seed)
+    model = build_model(cfg)
+    init_weights(model, cfg.get("initializer_range", 0.02))
+    model.set_dtype(runtime.compute_dtype(dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 3) -> int:
+    """mx.get_peak_memory() over `steps` real optimizer steps (random weights, synthetic rows of
+    max_length tokens), minus what was allocated before the model was built."""
+    import contextlib
+    import gc
+    import io
+    import tempfile
+
+    from .processing import Processor
+
+    cfg = config if isinstance(config, dict) else load_config(config)
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    model = random_model(cfg, getattr(args, "dtype", None), getattr(args, "seed", 0))
+    vocab = model.language_model.config.vocab_size
+    processor = Processor(CharTokenizer(vocab))
+    with tempfile.TemporaryDirectory() as tmp:
+        args = dataclasses.replace(args, output_dir=tmp, max_steps=steps, save_strategy="no", logging_steps=10**6,
+                                   disable_tqdm=True)
+        rows = synthetic_rows(trainer, args, args.per_device_train_batch_size * args.gradient_accumulation_steps
+                              * steps, vocab)
+        cls = _trainer_class(trainer)
+        with contextlib.redirect_stdout(io.StringIO()):
+            t = cls(model, processor, args, train_dataset=rows)
+            t.train()
+        peak = mx.get_peak_memory()
+        del t, model
+        gc.collect()
+    mx.clear_cache()
+    return int(peak - base)
+
+
+def _trainer_class(trainer: str):
+    if trainer == "dpo":
+        from .trainers.dpo import DPOTrainer as base
+    elif trainer == "grpo":
+        from .trainers.grpo import GRPOTrainer as base
+    else:
+        from .trainers.sft import SFTTrainer as base
+
+    class Measured(base):
+        def save_final(self):  # nothing to keep
+            pass
+
+    return Measured
+
+
+def config_class(trainer: str):
+    if trainer == "dpo":
+        from .trainers.dpo import DPOConfig
+
+        return DPOConfig
+    if trainer == "grpo":
+        from .trainers.grpo import GRPOConfig
+
+        return GRPOConfig
+    from .trainers.config import SFTConfig
+
+    return SFTConfig
+
+
+def sweep(cfg: dict, args, trainer: str, lengths=None, ranks=None) -> list[tuple[str, int, int]]:
+    """(setting, predicted, measured) for a few max_length values and LoRA ranks."""
+    out = []
+    L = int(args.max_length or 256)
+    for length in lengths or (max(16, L // 2), L, 2 * L):
+        a = dataclasses.replace(args, max_length=length)
+        out.append((f"max_length={length}", predict(cfg, a, trainer, suggest=False).total, measure(cfg, a, trainer)))
+    for r in ranks or (4, 16, 64):
+        a = dataclasses.replace(args, use_peft=True, lora_r=r, lora_alpha=2 * r)
+        out.append((f"use_peft lora_r={r}", predict(cfg, a, trainer, suggest=False).total, measure(cfg, a, trainer)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+def _extra(parser):
+    parser.add_argument("--model", default=None, help="Hub id or local folder (only config.json is read; "
+                                                      "default: the embedded tiny Qwen3-VL)")
+    parser.add_argument("--trainer", default="sft", choices=("sft", "dpo", "grpo"))
+    parser.add_argument("--images", type=int, default=0, help="images per example (VL models)")
+    parser.add_argument("--image_size", type=int, default=None, help="image side in pixels after resizing")
+    parser.add_argument("--measure", action="store_true", help="run a few real steps on random weights and "
+                                                               "print predicted vs measured peak memory")
+    parser.add_argument("--sweep", action="store_true", help="with --measure: also max_length and LoRA rank")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps for --measure")
+
+
+# small settings for --measure on the embedded default when the user sets nothing
+MEASURE_DEFAULTS = {"max_length": 64, "per_device_train_batch_size": 2}
+
+
+def main(argv=None) -> int:
+    from .trainers.config import build_parser, config_from_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--trainer", default="sft", choices=("sft", "dpo", "grpo"))
+    trainer = pre.parse_known_args(argv)[0].trainer
+    try:
+        cls = config_class(trainer)
+    except ImportError:
+        print(f"mlxrl.plan: the {trainer} trainer is not available in this version", file=sys.stderr)
+        return 2
+    parser = build_parser(cls, "python -m mlxrl.plan", "Predict a training run's peak memory from config.json.",
+                          extra=_extra)
+    ns = parser.parse_args(argv)
+    if ns.measure:
+        for k, v in MEASURE_DEFAULTS.items():
+            if not hasattr(ns, k):
+                setattr(ns, k, v)
+    args = config_from_args(cls, ns)
+    try:
+        cfg = load_config(ns.model)
+    except Exception as e:  # one line, like the trainers' CLIs
+        print(f"mlxrl.plan: {e}", file=sys.stderr)
+        return 2
+    plan = predict(cfg, args, trainer, images=ns.images, image_size=ns.image_size)
+    print(plan.table())
+    if ns.measure:
+        print(f"\nmeasuring {ns.steps} steps on random weights ({runtime.compute_dtype(args.dtype)}) ...", flush=True)
+        got = measure(cfg, args, trainer, steps=ns.steps)
+        print(f"predicted {fmt(plan.total)}  measured {fmt(got)}  error {(plan.total - got) / got:+.1%}")
+        if ns.sweep:
+            print(f"\n{'setting':<24}{'predicted':>12}{'measured':>12}{'error':>9}")
+            for name, p, m in sweep(cfg, args, trainer):
+                print(f"{name:<24}{fmt(p):>12}{fmt(m):>12}{(p - m) / m:>+9.1%}", flush=True)
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
