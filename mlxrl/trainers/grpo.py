@@ -624,7 +624,7 @@ class GRPOTrainer(Trainer):
                 self._uses[k] += 1
                 micro += 1
             self._optimizer_step(group, window, bar, total)
-            self.batch_in_epoch = micro % max(1, self._epoch_batches)
+            self.epoch, self.batch_in_epoch = divmod(micro, max(1, self._epoch_batches))
             if self.global_step % a.logging_steps == 0 or self.global_step == total:
                 self._log(window)
                 window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}

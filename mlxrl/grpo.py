@@ -1,0 +1,167 @@
+"""`python -m mlxrl.grpo`: group relative policy optimisation of a Qwen / Qwen-VL model (TRL's GRPOTrainer flags).
+
+    python -m mlxrl.grpo                                   # embedded default: tiny Qwen3-VL, synthetic colour questions
+    python -m mlxrl.grpo --model Qwen/Qwen3-VL-2B-Instruct --dataset prompts.jsonl \\
+        --reward_funcs my_rewards:accuracy my_rewards:format --reward_weights 1.0 0.2 --use_peft --output_dir out
+    python -m mlxrl.grpo --config grpo.yaml --beta 0.04    # CLI > YAML > defaults
+
+Every GRPOConfig field is a flag (`--help` lists them). `--reward_funcs` takes `module:function` (or
+`path/to/file.py:function`) entries, each a TRL reward function
+`f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]`. Errors print one
+line and exit with status 2 (MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint.
+
+The embedded default (no --model, no --dataset): the tiny default model gets a brief SFT on the
+synthetic colour questions (or start from --model), then GRPO with LoRA on fresh questions of the
+same task, rewarded 1 when the completion is exactly the right colour word (`mlxrl.grpo:colour_reward`).
+It prints the mean reward of every step's completions, and held-out exact match before and after.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .trainers.config import build_parser, config_from_args
+from .trainers.grpo import GRPOConfig, check_grpo_config
+
+# The embedded default's settings (used only for fields the user did not set).
+DEMO_OVERRIDES = {"learning_rate": 2e-3, "max_steps": 20, "per_device_train_batch_size": 32, "num_generations": 8,
+                  "max_completion_length": 4, "temperature": 0.7, "use_peft": True, "lora_r": 16, "lora_alpha": 32,
+                  "compile": False,
+                  "lr_scheduler_type": "constant", "warmup_steps": 0, "logging_steps": 1, "save_steps": 0,
+                  "gradient_checkpointing": False, "output_dir": "out/grpo-demo", "disable_tqdm": True}
+DEMO_SFT_STEPS, DEMO_TEST = 30, 96
+# temperature 0.7: after the brief SFT greedy decoding is nearly always right, but at temperature 1 the untrained
+# tail of the 151,936-token vocabulary is sampled often (measured: 15% right at 1.0, 71% at 0.7, 90% at 0.5);
+# at 0.7 the reward starts low enough to rise visibly (measured 0.71 -> 0.90 over 20 steps).
+
+
+def colour_reward(prompts, completions, completion_ids, answer, **kwargs):
+    """1.0 when the completion is exactly the expected answer (surrounding whitespace ignored), else 0.0."""
+    out = []
+    for completion, want in zip(completions, answer, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        out.append(1.0 if text.strip() == want else 0.0)
+    return out
+
+
+def prompt_rows(rows: list[dict]) -> list[dict]:
+    """Synthetic VQA rows -> TRL vision prompt rows: {"prompt": messages, "images": [...], "answer": str}."""
+    from .evaluate import split_row
+
+    out = []
+    for row in rows:
+        prompt, answer = split_row(row)
+        out.append({"prompt": prompt, "images": row["images"], "answer": answer})
+    return out
+
+
+def _extra(parser):
+    parser.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded demo)")
+    parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset")
+    parser.add_argument("--dataset_split", default="train", help="split of a Hub dataset")
+    parser.add_argument("--reward_funcs", nargs="+", default=None,
+                        help="module:function reward functions (default: the demo's colour_reward)")
+    parser.add_argument("--sft_steps", type=int, default=DEMO_SFT_STEPS,
+                        help="embedded default only: SFT steps before GRPO when starting from the tiny model")
+
+
+def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft_steps: int = DEMO_SFT_STEPS,
+             n_test: int = DEMO_TEST, overrides: dict | None = None, reward_funcs=None) -> dict:
+    """The embedded default; overrides replace DEMO_OVERRIDES (tests use a shorter run)."""
+    import numpy as np
+
+    import mlxrl
+    from mlxrl.data.synthetic import make_vqa
+    from mlxrl.evaluate import exact_match
+
+    from .dpo import DEMO_SFT
+    from .trainers.config import SFTConfig
+    from .trainers.grpo import GRPOTrainer
+    from .trainers.sft import SFTTrainer
+
+    for k, v in {**DEMO_OVERRIDES, **(overrides or {})}.items():
+        if k not in explicit:
+            setattr(args, k, v)
+    check_grpo_config(args)
+    t0 = time.perf_counter()
+    test = make_vqa(n_test, seed=args.seed + 1, split="test")
+    if model_path is None:
+        model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
+        if sft_steps > 0:
+            print(f"embedded default: tiny Qwen3-VL, brief SFT ({sft_steps} steps) on synthetic colour questions",
+                  flush=True)
+            sft_args = SFTConfig(**{**DEMO_SFT, "max_steps": sft_steps, "seed": args.seed,
+                                    "logging_steps": max(1, sft_steps // 2),
+                                    "output_dir": os.path.join(args.output_dir, "sft")})
+            SFTTrainer(model, processor, sft_args,
+                       train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
+            model.unfreeze()  # the GRPO trainer sets up its own trainable parameters
+    else:
+        model, processor = mlxrl.load(model_path, dtype=args.dtype)
+    prompts_needed = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    n_prompts = max(prompts_needed // args.num_generations, 8)
+    rows = prompt_rows(make_vqa(n_prompts, seed=args.seed + 7, split="train"))
+    before = exact_match(model, processor, test)
+    print(f"GRPO on {len(rows)} synthetic colour questions, {args.num_generations} completions each, reward 1 for "
+          f"the right colour word; held-out exact match before GRPO: {before:.1%}", flush=True)
+    trainer = GRPOTrainer(model=model, processor=processor, args=args, train_dataset=rows,
+                          reward_funcs=reward_funcs or [colour_reward])
+    history = trainer.train()
+    after = exact_match(model, processor, test)
+    logged = [e for e in history if "reward" in e]
+    trend = " ".join(f"{e['reward']:.2f}" for e in logged)
+    first, last = logged[: max(1, len(logged) // 4)], logged[-max(1, len(logged) // 4):]
+    r0, r1 = float(np.mean([e["reward"] for e in first])), float(np.mean([e["reward"] for e in last]))
+    print(f"mean reward per logged step: {trend}", flush=True)
+    print(f"mean reward: first quarter {r0:.3f} -> last quarter {r1:.3f}; held-out exact match after GRPO: "
+          f"{after:.1%} (before {before:.1%}); generation {trainer.generation_time:.0f}s, "
+          f"{time.perf_counter() - t0:.0f}s in all; saved to {args.output_dir}", flush=True)
+    return {"before": before, "after": after, "history": logged, "reward_first": r0, "reward_last": r1}
+
+
+def main(argv=None) -> int:
+    parser = build_parser(GRPOConfig, "python -m mlxrl.grpo", __doc__.splitlines()[0], extra=_extra)
+    ns = parser.parse_args(argv)
+    from .hub import MlxrlError
+
+    try:
+        args = config_from_args(GRPOConfig, ns)
+        check_grpo_config(args)  # before any model is loaded or trained
+        from .trainers.grpo import load_reward_func
+
+        funcs = [load_reward_func(s) for s in ns.reward_funcs] if ns.reward_funcs else None
+        extra = ("model", "dataset", "dataset_split", "config", "sft_steps", "reward_funcs")
+        explicit = {k for k in vars(ns) if k not in extra}
+        if ns.dataset is None:
+            if ns.model is not None and ns.sft_steps != DEMO_SFT_STEPS:
+                raise MlxrlError("--sft_steps applies to the embedded default without --model")
+            run_demo(args, explicit, ns.model, ns.sft_steps, reward_funcs=funcs)
+            return 0
+        if ns.model is None:
+            raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
+        if not funcs:
+            raise MlxrlError("--reward_funcs is required with --dataset (module:function ...)")
+        import mlxrl
+        from mlxrl.data import load_rows
+
+        from .trainers.grpo import GRPOTrainer
+
+        model, processor = mlxrl.load(ns.model, dtype=args.dtype)
+        train = load_rows(ns.dataset, split=ns.dataset_split)
+        trainer = GRPOTrainer(model=model, processor=processor, args=args, train_dataset=train, reward_funcs=funcs)
+        trainer.train()
+        print(f"saved to {args.output_dir}", flush=True)
+    except KeyboardInterrupt:
+        return 130
+    except (MlxrlError, ValueError, FileNotFoundError, NotImplementedError) as e:
+        if os.environ.get("MLXRL_DEBUG"):
+            raise
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
