@@ -62,7 +62,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_p
     one = subprocess.run([sys.executable, "-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "one", 4)],
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = launch(2, ["-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "two", 2)])
+    two = launch(2, ["-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "two", 2, save_steps=2)])
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
     assert "2 data-parallel ranks" in two.stdout
     losses = lambda d: [e["loss"] for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
@@ -73,6 +73,15 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_p
     assert any(not np.array_equal(a[k], moved[k]) for k in a)  # it trained
     for k in a:
         np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+    # the 2-rank checkpoint resumes in one process (same global batch) and ends where the others did
+    resumed = subprocess.run([sys.executable, "-m", "mlxrl.sft", *sft_args(
+        folder, data, tmp_path / "resumed", 4, resume_from_checkpoint=tmp_path / "two" / "checkpoint-2")],
+        capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert losses(tmp_path / "resumed")[-2:] == pytest.approx(losses(tmp_path / "one")[-2:], rel=1e-5)
+    c = weights(tmp_path / "resumed" / "model")
+    for k in a:
+        np.testing.assert_allclose(c[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
 
 
 KILL = """

@@ -400,7 +400,8 @@ class Trainer:
             opt = dict(tree_flatten(self.optimizer.state))
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
             state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                     "world_size": self.world_size, "num_tokens": self.num_tokens, "log_history": self.log_history}
+                     "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
+                     "num_tokens": self.num_tokens, "log_history": self.log_history}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
             if final.exists():
                 shutil.rmtree(final)
@@ -438,9 +439,11 @@ class Trainer:
         state = json.loads((path / "trainer_state.json").read_text())
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]
-        saved_world = int(state.get("world_size", 1))
-        if saved_world != self.world_size:  # same rows consumed, cut into this run's per-rank batches
-            self.batch_in_epoch = self.batch_in_epoch * saved_world // self.world_size
+        # the rows of the epoch already consumed, cut into this run's per-rank batches (a checkpoint
+        # resumes on any number of ranks; keep the global batch the same to continue the same run)
+        here = self.world_size * self.args.per_device_train_batch_size
+        saved = int(state.get("world_size", 1)) * int(state.get("per_device_batch", here))
+        self.batch_in_epoch = self.batch_in_epoch * saved // here
         self.log_history = state["log_history"]
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.print(f"resumed from {path} at step {self.global_step}")
