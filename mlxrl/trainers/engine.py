@@ -442,7 +442,8 @@ class Trainer:
         # the rows of the epoch already consumed, cut into this run's per-rank batches (a checkpoint
         # resumes on any number of ranks; keep the global batch the same to continue the same run)
         here = self.world_size * self.args.per_device_train_batch_size
-        saved = int(state.get("world_size", 1)) * int(state.get("per_device_batch", here))
+        saved_batch = int(state.get("per_device_batch", self.args.per_device_train_batch_size))
+        saved = int(state.get("world_size", 1)) * saved_batch
         self.batch_in_epoch = self.batch_in_epoch * saved // here
         self.log_history = state["log_history"]
         mx.eval(self.model.parameters(), self.optimizer.state)
