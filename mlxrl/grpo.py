@@ -118,7 +118,8 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
     print(f"mean reward: first quarter {r0:.3f} -> last quarter {r1:.3f}; held-out exact match after GRPO: "
           f"{after:.1%} (before {before:.1%}); generation {trainer.generation_time:.0f}s, "
           f"{time.perf_counter() - t0:.0f}s in all; saved to {args.output_dir}", flush=True)
-    return {"before": before, "after": after, "history": logged, "reward_first": r0, "reward_last": r1}
+    return {"before": before, "after": after, "history": logged, "reward_first": r0, "reward_last": r1,
+            "model": model, "processor": processor}
 
 
 def main(argv=None) -> int:
