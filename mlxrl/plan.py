@@ -50,9 +50,10 @@ TILE_BYTES = 16 << 20  # mlxrl.losses.head.TILE_BYTES (kept here so planning imp
 # measured coefficients (see the module docstring)
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
 SCORE_COPIES = 1.25
-BACKWARD_LAYERS = 1.1       # backward temporaries without checkpointing, in layers
-CKPT_LAYERS = 2.9           # live layers during a checkpointed layer's recompute + backward
-HEAD_TILES = 3.5            # live [rows, chunk] fp32 tiles of the streamed head
+BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
+CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
+HEAD_TILES = 8.4            # live [rows, chunk] fp32 tiles of the streamed head (compiled step)
+LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
 
 
@@ -91,6 +92,7 @@ class Arch:
     tied: bool
     weight_bytes: int
     trainable_bytes: int
+    layer_trainable_bytes: int  # the decoder layers' share (their grads replace their activations)
     largest_trainable: int
     head_trainable: bool
     lora_params: int = 0
@@ -127,6 +129,7 @@ def arch_of(cfg: dict, args, dtype_bytes: int | None = None) -> Arch:
     weight_bytes = sum(v.size for v in fp) * s
     t_sizes = [v.size * s for _, v in trainable]
     lora_n = sum(v.size for k, v in trainable if "lora_" in k)
+    in_layers = sum(v.size * s for k, v in trainable if ".layers." in k and "visual" not in k)
     t = _text_config(cfg)
     lm = model.language_model.config
     vision = None
@@ -139,7 +142,8 @@ def arch_of(cfg: dict, args, dtype_bytes: int | None = None) -> Arch:
     return Arch(V=lm.vocab_size, D=lm.hidden_size, I=lm.intermediate_size, layers=lm.num_hidden_layers,
                 heads=lm.num_attention_heads, kv_heads=lm.num_key_value_heads, head_dim=lm.head_dim,
                 tied=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-                weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes), largest_trainable=max(t_sizes, default=0),
+                weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes),
+                layer_trainable_bytes=in_layers, largest_trainable=max(t_sizes, default=0),
                 head_trainable=head_trainable, lora_params=lora_n, vision=vision)
 
 
@@ -217,32 +221,48 @@ def _layer_saved(a: Arch, B: int, L: int, s: int) -> float:
     return s * B * L * per_token + s * SCORE_COPIES * B * a.heads * L * L
 
 
-def _lora_extra(a: Arch, args, B: int, L: int, s: int) -> float:
+def lora_dropout(args, trainer: str = "sft") -> float:
+    """The dropout the trainer will use (DPO / GRPO's disable_dropout turns LoRA's off too)."""
+    if getattr(args, "disable_dropout", False):
+        return 0.0
+    return float(getattr(args, "lora_dropout", 0.0) or 0.0)
+
+
+def _lora_extra(a: Arch, args, B: int, L: int, s: int, trainer: str = "sft") -> float:
     """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([N, r]) per adapter."""
     if not getattr(args, "use_peft", False):
         return 0.0
     n = B * L
     inputs = 0.0
-    if args.lora_dropout and args.lora_dropout > 0:
+    if lora_dropout(args, trainer) > 0:
         inputs = 5 * a.D + a.heads * a.head_dim + a.I  # q, k, v, gate, up see D; o sees H*hd; down sees I
     return s * n * (inputs + 7 * 2 * args.lora_r)
 
 
-def activations(a: Arch, args, B: int, L: int, s: int, checkpointing: bool) -> float:
-    layer = _layer_saved(a, B, L, s) + _lora_extra(a, args, B, L, s)
+def activations(a: Arch, args, B: int, L: int, s: int, checkpointing: bool, trainer: str = "sft") -> float:
+    """Activation bytes of the decoder during backward, INCLUDING the decoder layers' gradients:
+    measured, a layer's weight gradients appear as its saved tensors are released, so the layers cost
+    max(saved tensors, their gradients) rather than the sum."""
+    layer = _layer_saved(a, B, L, s) + _lora_extra(a, args, B, L, s, trainer)
+    if getattr(args, "use_peft", False):
+        layer *= LORA_SAVED
     edges = 3 * s * B * L * a.D  # embeddings, final norm, gathered rows
-    if checkpointing:
-        return a.layers * s * B * L * a.D + CKPT_LAYERS * layer + edges
-    return (a.layers + BACKWARD_LAYERS) * layer + edges
+    kept = a.layers * (s * B * L * a.D if checkpointing else layer)
+    extra = (CKPT_LAYERS if checkpointing else BACKWARD_LAYERS) * layer
+    return max(kept, a.layer_trainable_bytes) + extra + edges
 
 
 def head_bytes(a: Arch, args, rows: int, s: int) -> float:
-    chunk = args.chunk_size or _default_chunk(rows, a.V)
-    tile = 4 * rows * min(chunk, a.V)
-    vd = a.V * a.D * s
+    """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 8 with the compiled step, 16
+    eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
+    [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
+    chunk = min(args.chunk_size or _default_chunk(rows, a.V), a.V)
+    tile = 4 * rows * chunk
+    every = 4 * rows * a.V  # all tiles of one pass
+    compiled = bool(getattr(args, "compile", True))
     if a.head_trainable:
-        return 2 * vd + 0.25 * tile
-    return vd + HEAD_TILES * tile
+        return 2 * a.V * a.D * s + min((0.25 if compiled else 3.5) * tile, every)
+    return min((HEAD_TILES if compiled else 16) * tile, (2 if compiled else 5) * every)
 
 
 def _default_chunk(n_rows: int, vocab: int) -> int:
@@ -336,11 +356,13 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     W, T = a.weight_bytes, a.trainable_bytes
     accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     ckpt = bool(getattr(args, "gradient_checkpointing", False))
-    act = {c: activations(a, args, B, L, s, c) for c in (True, False)}
+    act = {c: activations(a, args, B, L, s, c, trainer) for c in (True, False)}
     out: list[Row] = [Row("weights", W, f"{_count(W // s)} parameters x {s} B")]
     n_train = T // s
-    out.append(Row("trainable state", 3 * T + (T if accum > 1 else 0),
-                   f"{_count(n_train)} trainable: grads{' x2 (accumulation)' if accum > 1 else ''} + AdamW m, v"))
+    other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
+    out.append(Row("trainable state", 2 * T + other + (T if accum > 1 else 0),
+                   f"{_count(n_train)} trainable: AdamW m, v + grads{' x2 (accumulation)' if accum > 1 else ''} "
+                   "(the decoder layers' grads are counted with the activations)"))
     ref = 0
     needs_ref = trainer == "dpo" or (trainer == "grpo" and getattr(args, "beta", 0.0) > 0)
     if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
@@ -363,7 +385,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         kv = 2 * a.layers * a.kv_heads * a.head_dim * s * prompts * (P + G * int(args.max_completion_length))
         out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) prefilled once + G={G} completions"))
     steady = W + 2 * T + ref
-    step = steady + T * (2 if accum > 1 else 1) + act[ckpt] + head + img
+    step = steady + other + (T if accum > 1 else 0) + act[ckpt] + head + img
     clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
     update = steady + T + clip + UPDATE_COPIES * a.largest_trainable
     # generation: the weights, the KV cache and the [G, V] float32 logits of one decoding step (x2 for sampling)

@@ -1,0 +1,103 @@
+"""Memory planner: predicted peak (from config.json alone) within 15% of the measured
+mx.get_peak_memory() of real SFT / DPO steps, on the embedded tiny Qwen3-VL and a small random Qwen3
+text config; a run that does not fit gets a suggestion that, applied, fits (measured); the CLI."""
+
+import json
+
+import pytest
+
+import mlxrl  # noqa: F401  (fast BLAS first)
+from mlxrl import plan
+from mlxrl.trainers.config import SFTConfig
+from mlxrl.trainers.dpo import DPOConfig
+
+# a small random text model whose activations matter next to its weights (vocab 1024 keeps it fast)
+SMALL = {"model_type": "qwen3", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "tie_word_embeddings": False}
+TOL = 0.15
+
+SFT_CASES = [
+    ("default", dict(max_length=32, per_device_train_batch_size=2, gradient_checkpointing=False)),
+    ("default", dict(max_length=32, per_device_train_batch_size=1, use_peft=True)),
+    ("small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False)),
+    ("small", dict(max_length=128, per_device_train_batch_size=4, gradient_checkpointing=True)),
+    ("small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False, use_peft=True)),
+    ("small", dict(max_length=64, per_device_train_batch_size=4, gradient_checkpointing=True, use_peft=True,
+                   lora_r=32)),
+]
+DPO_CASES = [
+    ("default", dict(max_length=32, per_device_train_batch_size=1, use_peft=True)),
+    ("small", dict(max_length=64, per_device_train_batch_size=2, gradient_checkpointing=False)),
+    ("small", dict(max_length=128, per_device_train_batch_size=1, gradient_checkpointing=True)),
+    ("small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False, use_peft=True)),
+]
+
+
+def _config(name):
+    return plan.load_config(None) if name == "default" else dict(SMALL)
+
+
+def _check(trainer, cls, name, kw):
+    cfg, args = _config(name), cls(**kw)
+    predicted = plan.predict(cfg, args, trainer, suggest=False).total
+    measured = plan.measure(cfg, args, trainer, steps=2)
+    err = (predicted - measured) / measured
+    assert abs(err) <= TOL, f"{trainer} {name} {kw}: predicted {predicted / 1e6:.1f} MB, measured " \
+                            f"{measured / 1e6:.1f} MB ({err:+.1%})"
+
+
+@pytest.mark.parametrize("name,kw", SFT_CASES)
+def test_sft_prediction_within_15_percent(name, kw):
+    _check("sft", SFTConfig, name, kw)
+
+
+@pytest.mark.parametrize("name,kw", DPO_CASES)
+def test_dpo_prediction_within_15_percent(name, kw):
+    _check("dpo", DPOConfig, name, kw)
+
+
+def test_suggestion_fits_when_applied():
+    """Full fine-tuning without checkpointing under a limit 20% below its prediction: the planner's
+    least disruptive change (here: gradient checkpointing) is predicted to fit and, measured, does."""
+    args = SFTConfig(max_length=128, per_device_train_batch_size=4, gradient_checkpointing=False)
+    before = plan.predict(SMALL, args, "sft", suggest=False)
+    limit = int(before.total * 0.8)
+    p = plan.predict(SMALL, args, "sft", memory_limit=limit)
+    assert not p.fits and p.suggestion, p.table()
+    assert p.suggestion_total <= limit
+    fixed = plan.dataclasses.replace(args, **p.suggestion)
+    measured = plan.measure(SMALL, fixed, "sft", steps=2)
+    assert measured <= limit, (p.suggestion, measured, limit)
+
+
+def test_suggestions_ranked_least_disruptive_first():
+    args = SFTConfig(max_length=256, per_device_train_batch_size=8, gradient_checkpointing=False)
+    changes = list(plan._candidates(args, "sft"))
+    assert changes[0] == {"chunk_size": 1024}
+    assert changes.index({"gradient_checkpointing": True}) < changes.index({"use_peft": True})
+    # smaller micro-batches keep the effective batch (more accumulation)
+    assert {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2} in changes
+    assert changes.index({"use_peft": True}) < changes.index({"max_length": 128})
+
+
+def test_only_config_json_is_read(tmp_path):
+    """A folder with nothing but config.json plans fine (no weights are read); LoRA shrinks the trainable
+    state; checkpointing shrinks activations; the table names every component."""
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    full = plan.predict(str(tmp_path), SFTConfig(max_length=512, per_device_train_batch_size=4))
+    lora = plan.predict(str(tmp_path), SFTConfig(max_length=512, per_device_train_batch_size=4, use_peft=True))
+    assert lora.total < full.total
+    assert full.activations["checkpointing"] < full.activations["no checkpointing"]
+    text = full.table()
+    for word in ("weights", "trainable state", "activations", "streamed head", "MLX buffer cache", "PEAK"):
+        assert word in text
+
+
+def test_cli(capsys):
+    assert plan.main(["--max_length", "64", "--per_device_train_batch_size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "PEAK (predicted)" in out and "FITS" in out
+    assert plan.main(["--trainer", "dpo", "--max_length", "512", "--memory_limit", "150MB"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "smallest change that fits" in out
