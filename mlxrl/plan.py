@@ -448,17 +448,30 @@ def _candidates(args, trainer: str):
 
 
 def suggest_change(cfg: dict, args, trainer: str, limit: int | None, **kw) -> tuple[dict | None, int | None]:
-    """The first candidate change (least disruptive first) whose predicted peak is within `limit`."""
+    """The first candidate change (least disruptive first) whose predicted peak is within `limit`; when no
+    single change is enough, candidates are combined greedily in the same order (each kept if it helps)."""
     if limit is None:
         return None, None
-    for change in _candidates(args, trainer):
-        new = dataclasses.replace(args, **change)
+
+    def total(change):
         try:
-            p = predict(cfg, new, trainer, memory_limit=limit, suggest=False, **kw)
+            return predict(cfg, dataclasses.replace(args, **change), trainer, memory_limit=limit, suggest=False,
+                           **kw).total
         except ValueError:
-            continue
-        if p.total <= limit:
-            return change, p.total
+            return None
+
+    for change in _candidates(args, trainer):
+        t = total(change)
+        if t is not None and t <= limit:
+            return change, t
+    combined, best = {}, predict(cfg, args, trainer, memory_limit=limit, suggest=False, **kw).total
+    for change in _candidates(args, trainer):
+        trial = {**combined, **change}  # a later, stronger value of the same knob replaces the earlier one
+        t = total(trial)
+        if t is not None and t < best:
+            combined, best = trial, t
+            if best <= limit:
+                return combined, best
     return None, None
 
 
