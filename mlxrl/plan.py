@@ -173,6 +173,7 @@ class Plan:
     activations: dict = field(default_factory=dict)  # {"checkpointing": b, "no checkpointing": b}
     suggestion: dict | None = None
     suggestion_total: int | None = None
+    quantized_total: int | None = None  # the same run on a 4-bit (group 64) base, when it does not fit
 
     @property
     def fits(self) -> bool:
@@ -201,7 +202,11 @@ class Plan:
                 change = " ".join(f"--{k} {v}" for k, v in self.suggestion.items())
                 lines.append(f"smallest change that fits: {change}  (predicted {fmt(self.suggestion_total)})")
             else:
-                lines.append("no single change found that fits: combine use_peft, a shorter max_length and batch 1")
+                lines.append("no combination of chunk_size, checkpointing, batch, LoRA, max_length or num_generations "
+                             "fits")
+            if self.quantized_total is not None:
+                lines.append(f"with a 4-bit base (QLoRA; not supported by mlxrl's trainers yet): predicted "
+                             f"{fmt(self.quantized_total)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -398,6 +403,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     cache = int(min(transient, runtime._parse_bytes(cache_limit, machine))) if cache_limit else int(transient)
     plan = Plan(trainer, out, total, int(step), int(update), limit, source, machine, cache,
                 {"checkpointing": int(act[True]), "no checkpointing": int(act[False])})
+    if not plan.fits and W - T > T:
+        # 4 bits + a 16-bit scale and bias per 64 weights = 4.5 bits per frozen weight
+        frozen = W - T
+        plan.quantized_total = int(total - frozen + frozen * 4.5 / (8 * s))
     if suggest and not plan.fits:
         plan.suggestion, plan.suggestion_total = suggest_change(cfg, args, trainer, limit, images=images,
                                                                 image_size=image_size)
