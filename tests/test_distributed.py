@@ -116,3 +116,28 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error(tiny_checkpoint, tmp_
     assert state["global_step"] == 2 and state["world_size"] == 2
     assert mx.load(str(ckpt / "trainable.safetensors")) and mx.load(str(ckpt / "optimizer.safetensors"))
     assert not list(out.glob(".checkpoint-*"))  # no half-written checkpoint left behind
+
+
+def test_dpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("qwen3")
+    data = tmp_path / "pairs.jsonl"
+    rng = np.random.default_rng(1)
+    with open(data, "w") as fh:
+        for i in range(12):
+            good, bad = (" ".join(rng.choice(WORDS, size=int(rng.integers(2, 8)))) for _ in range(2))
+            fh.write(json.dumps({"prompt": f"Question {i}:", "chosen": " " + good, "rejected": " " + bad}) + "\n")
+
+    def args(out, batch):
+        return ["-m", "mlxrl.dpo", "--model", str(folder), "--dataset", str(data), "--output_dir", str(out),
+                "--per_device_train_batch_size", str(batch), "--max_steps", "3", "--learning_rate", "1e-3",
+                "--compile", "false", "--gradient_checkpointing", "false", "--disable_tqdm", "true",
+                "--logging_steps", "1", "--save_steps", "0", "--max_length", "64"]
+
+    one = subprocess.run([sys.executable, *args(tmp_path / "one", 4)], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch(2, args(tmp_path / "two", 2))
+    assert "2 data-parallel ranks" in two.stdout, two.stdout[-2000:] + two.stderr[-2000:]
+    metrics = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-4, abs=1e-6)

@@ -265,8 +265,11 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
 def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: int, *, max_length: int | None,
                             pad_token_id: int, seq_buckets: Sequence[int] | None = None,
                             padding_free: bool = False, shuffle: bool = True, seed: int = 0, epoch: int = 0,
-                            ld_alpha: float | None = None, bucket_rows: bool = True) -> list[dict]:
-    """One epoch of pair batches (the same for the same seed and epoch); the last may hold fewer pairs."""
+                            ld_alpha: float | None = None, bucket_rows: bool = True, num_shards: int = 1,
+                            shard: int = 0) -> list[dict]:
+    """One epoch of pair batches (the same for the same seed and epoch); the last may hold fewer pairs.
+    num_shards / shard: data-parallel ranks get their slice of each global batch of
+    ``batch_size * num_shards`` pairs (as `mlxrl.data.make_batches`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     longest = max((len(e) for e in examples), default=1)
@@ -276,6 +279,10 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
     buckets = sorted(int(x) for x in seq_buckets)
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
-    return [preference_batch([examples[i] for i in order[k:k + batch_size]], pad_token_id=pad_token_id,
-                             buckets=buckets, padding_free=padding_free, ld_alpha=ld_alpha, bucket_rows=bucket_rows)
-            for k in range(0, len(order), batch_size)]
+    size = batch_size * num_shards
+    groups = [order[k:k + size] for k in range(0, len(order), size)]
+    if num_shards > 1:
+        groups = [np.array_split(g, num_shards)[shard] for g in groups if len(g) >= num_shards]
+    return [preference_batch([examples[i] for i in g], pad_token_id=pad_token_id, buckets=buckets,
+                             padding_free=padding_free, ld_alpha=ld_alpha, bucket_rows=bucket_rows)
+            for g in groups]

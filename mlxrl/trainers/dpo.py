@@ -239,17 +239,18 @@ class DPOTrainer(Trainer):
             raise ValueError(f"{name} dataset: no pair left (every prompt fills max_length={a.max_length})")
         return kept
 
-    def _batches_of(self, examples, epoch, shuffle, batch_size):
+    def _batches_of(self, examples, epoch, shuffle, batch_size, shard=False):
         from ..data.preference import make_preference_batches
 
         a = self.args
         return make_preference_batches(examples, batch_size, max_length=a.max_length,
                                        pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
                                        padding_free=a.padding_free, shuffle=shuffle, seed=a.seed, epoch=epoch,
-                                       ld_alpha=a.ld_alpha, bucket_rows=a.compile)
+                                       ld_alpha=a.ld_alpha, bucket_rows=a.compile,
+                                       num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0)
 
     def make_batches(self, epoch):
-        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size)
+        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, shard=True)
 
     def batch_tokens(self, batch):
         """(real tokens of the 2B sequences, pairs): the engine's normaliser is the pair count."""
