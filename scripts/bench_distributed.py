@@ -7,8 +7,9 @@ Both runs train the same random tiny Qwen3 (the embedded default's text model, 2
 which 19M are the tied embedding: the all-reduce sends every trainable parameter each step) on
 the same global batch: 1 process x `batch` rows vs N ranks x `batch / N` rows. The first two
 steps are skipped (warm-up). tokens/s is the global figure that metrics.jsonl reports; the
-all-reduce time is measured inside each rank by timing `Trainer.all_sum_tree` (with an mx.eval),
-averaged over ranks. On a machine whose ranks share the same cores the speed-up is not the point:
+all-reduce time is measured inside each rank by timing `Trainer.all_sum_tree` (with an mx.eval)
+after a one-float barrier (so it is the transfer, not the wait for the slower rank), averaged over
+ranks. On a machine whose ranks share the same cores the speed-up is not the point:
 the communication overhead is.
 """
 
@@ -31,6 +32,8 @@ timings = []
 reduce = engine.Trainer.all_sum_tree
 def timed(self, grads, *a, **k):
     mx.eval(grads)
+    if self.world_size > 1:  # wait for the slower rank first, so the time is the transfer alone
+        mx.eval(mx.distributed.all_sum(mx.zeros(1)))
     t0 = time.perf_counter(); out = reduce(self, grads, *a, **k); mx.eval(out)
     timings.append(time.perf_counter() - t0)
     return out
