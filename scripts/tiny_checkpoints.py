@@ -2,12 +2,17 @@
 
     python scripts/tiny_checkpoints.py --arch qwen3_vl --out /tmp/tiny   # -> /tmp/tiny/qwen3_vl
     python scripts/tiny_checkpoints.py --out /tmp/tiny                   # every arch
+    python scripts/tiny_checkpoints.py --arch qwen3_vl --size small --out /tmp/ck   # -> /tmp/ck/qwen3_vl-small
 
 Each folder holds a float32 model (real vocab 151936, 2 text layers, hidden 64, 4 heads / 2 kv
 heads of 16, M-RoPE sections [2, 3, 3] for VL, a 2-block vision tower), our tokenizer files and
 chat template, and for VL a preprocessor_config.json with small min/max pixels so tests are fast.
 Weights are re-drawn with a larger std than transformers' 0.02 so that logits are far from
 uniform and parity tests can fail. The same seed gives the same weights.
+
+`--size small` (qwen3_vl only, for benchmarks): a ~285M-parameter Qwen3-VL (hidden 1024, 8 text
+layers, 16 heads / 8 kv heads of 128, MLP 3072, tied 151936 vocab; a 4-block vision tower of width
+256), drawn with std 0.02 so activations stay in a realistic range; saved to OUT/qwen3_vl-small.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ VL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_t
 TEXT = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
             rms_norm_eps=1e-6, **TOKEN_IDS)
+SMALL_STD = 0.02
+SMALL_TEXT = dict(TEXT, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128)
+SMALL_VISION = dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=1024,
+                    patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
+                    deepstack_visual_indexes=[1, 3], hidden_act="gelu_pytorch_tanh", in_channels=3)
 TIED = {"qwen2": True, "qwen3": False, "qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": True}
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -43,11 +54,19 @@ PREPROCESSOR = {
 }
 
 
-def _config(arch: str):
+def _config(arch: str, size: str = "tiny"):
     import transformers as tf
 
     tied = TIED[arch]
     mrope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
+    if size == "small":
+        if arch != "qwen3_vl":
+            raise ValueError("--size small is only defined for qwen3_vl")
+        text = {**SMALL_TEXT, "tie_word_embeddings": tied,
+                "rope_parameters": {**mrope, "mrope_section": [24, 20, 20], "mrope_interleaved": True}}
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=SMALL_VISION, tie_word_embeddings=tied,
+                               **VL_TOKEN_IDS, **TOKEN_IDS)
+        return cfg, tf.Qwen3VLForConditionalGeneration
     if arch == "qwen2":
         return tf.Qwen2Config(**TEXT, tie_word_embeddings=tied, rope_parameters={
             "rope_type": "default", "rope_theta": 1_000_000.0}), tf.Qwen2ForCausalLM
@@ -92,8 +111,9 @@ def _reinit(model, seed: int, std: float) -> None:
             p.copy_(1.0 + noise if is_norm and name.endswith("weight") else noise)
 
 
-def build(arch: str, out_dir, seed: int = SEED) -> Path:
-    """Build ``out_dir/<arch>`` (model, tokenizer, chat template, VL preprocessor config); returns it."""
+def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
+    """Build ``out_dir/<arch>`` (``out_dir/<arch>-small`` for size "small"): model, tokenizer, chat
+    template, VL preprocessor config; returns the folder."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,14 +127,14 @@ def build(arch: str, out_dir, seed: int = SEED) -> Path:
         build_qwen_tokenizer,
     )
 
-    config, model_cls = _config(arch)
+    config, model_cls = _config(arch, size)
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    _reinit(model, seed, INIT_STD)
+    _reinit(model, seed, SMALL_STD if size == "small" else INIT_STD)
     if TIED[arch]:
         model.tie_weights()
-    out = Path(out_dir) / arch
+    out = Path(out_dir) / (arch if size == "tiny" else f"{arch}-{size}")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
 
@@ -130,9 +150,10 @@ def main(argv=None) -> None:
     ap.add_argument("--arch", choices=[*ARCHS, "all"], default="all")
     ap.add_argument("--out", required=True, help="parent folder; each arch goes to OUT/<arch>")
     ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--size", choices=["tiny", "small"], default="tiny", help="small: qwen3_vl only")
     args = ap.parse_args(argv)
     for arch in ARCHS if args.arch == "all" else (args.arch,):
-        print(build(arch, args.out, args.seed))
+        print(build(arch, args.out, args.seed, args.size))
 
 
 if __name__ == "__main__":
