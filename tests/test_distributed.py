@@ -141,3 +141,40 @@ def test_dpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-4, abs=1e-6)
+
+
+REWARD = """
+def letters(completions, **kwargs):
+    return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+"""
+
+
+def test_grpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
+    """Each rank generates for its own prompts (sampling seeded by the prompt's place in the global
+    round), rewards are gathered for the advantages: same losses, rewards and weights as one process."""
+    folder = tiny_checkpoint("qwen3")
+    data = tmp_path / "prompts.jsonl"
+    with open(data, "w") as fh:
+        for i in range(8):
+            fh.write(json.dumps({"prompt": f"Write word number {i}:"}) + "\n")
+    (tmp_path / "reward.py").write_text(REWARD)
+
+    def args(out, accum):
+        return ["-m", "mlxrl.grpo", "--model", str(folder), "--dataset", str(data), "--output_dir", str(out),
+                "--reward_funcs", f"{tmp_path / 'reward.py'}:letters", "--num_generations", "4",
+                "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", str(accum),
+                "--max_completion_length", "6", "--max_steps", "2", "--learning_rate", "1e-3",
+                "--compile", "false", "--gradient_checkpointing", "false", "--disable_tqdm", "true",
+                "--logging_steps", "1", "--save_steps", "0", "--scale_rewards", "batch", "--seed", "5"]
+
+    one = subprocess.run([sys.executable, *args(tmp_path / "one", 4)], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch(2, args(tmp_path / "two", 2))
+    assert "2 data-parallel ranks" in two.stdout, two.stdout[-2000:] + two.stderr[-2000:]
+    metrics = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    a, b = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)

@@ -335,9 +335,9 @@ class GRPOTrainer(Trainer):
         self.G = args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_batching(args)
         self.prompts_per_round = self.generation_batch_size // self.G
-        if self.prompts_per_round > len(self.rows):
-            raise ValueError(f"a generation round needs {self.prompts_per_round} prompts "
-                             f"(generation_batch_size / num_generations) but the dataset has {len(self.rows)}")
+        if self.prompts_per_round * self.world_size > len(self.rows):
+            raise ValueError(f"a generation round needs {self.prompts_per_round * self.world_size} prompts "
+                             f"(generation_batch_size / num_generations x ranks) but the dataset has {len(self.rows)}")
         # TRL computes old log-probs only when generation is not aligned with the optimizer step
         generate_every = self.steps_per_generation * args.num_iterations
         self.needs_old_logps = args.gradient_accumulation_steps % generate_every != 0
@@ -375,13 +375,22 @@ class GRPOTrainer(Trainer):
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True, **kw)
         return text, ordered, messages
 
-    def _round_indices(self, round_index: int) -> tuple[list[int], int]:
+    def _round_indices(self, round_index: int) -> tuple[list[int], int, int]:
+        """(this rank's prompts of the round, epoch, global position of its first prompt). A round
+        holds prompts_per_round prompts per rank; rank r takes the r-th slice of the global round."""
         n, k = len(self.rows), self.prompts_per_round
-        per_epoch = n // k
+        per_epoch = n // (k * self.world_size)
         epoch, pos = divmod(round_index, per_epoch)
         order = (np.random.default_rng((self.args.seed, epoch)).permutation(n) if self.args.shuffle_dataset
                  else np.arange(n))
-        return order[pos * k:(pos + 1) * k].tolist(), epoch
+        first = (pos * self.world_size + self.rank) * k
+        return order[first:first + k].tolist(), epoch, self.rank * k
+
+    def _gather(self, x: np.ndarray) -> np.ndarray:
+        """Concatenate an [N, ...] float array over the ranks in rank order (identity with one)."""
+        if self.world_size == 1:
+            return x
+        return np.array(mx.distributed.all_gather(mx.array(x.astype(np.float32)), group=self.world))
 
     # ------------------------------------------------------------------ rewards
     def _log_metric(self, name, value):
@@ -433,7 +442,7 @@ class GRPOTrainer(Trainer):
 
         a, G = self.args, self.G
         t0 = time.perf_counter()
-        indices, self.epoch = self._round_indices(round_index)
+        indices, self.epoch, offset = self._round_indices(round_index)
         rows = [self.rows[i] for i in indices]
         rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
         b = a.per_device_train_batch_size
@@ -454,7 +463,7 @@ class GRPOTrainer(Trainer):
                                num_generations=G, max_tokens=a.max_completion_length, temperature=a.temperature,
                                top_p=a.top_p, top_k=a.top_k, min_p=a.min_p or 0.0,
                                stop_token_ids=self.stop_token_ids, pad_token_id=self.processor.pad_token_id,
-                               seed=(a.seed * 1_000_003 + round_index * 7919 + start) % (2**31 - 1),
+                               seed=(a.seed * 1_000_003 + round_index * 7919 + offset + start) % (2**31 - 1),
                                shared_prefill=a.shared_prefill)
                 chunks.append((enc, gen))
         finally:
@@ -481,16 +490,21 @@ class GRPOTrainer(Trainer):
             truncated.extend(np.array(gen.truncated).tolist())
             prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1), G).tolist())
         rewards = self.score(prompts, completions, completion_ids, columns)
+        # data parallel: advantages and reward statistics over the whole round (every rank's groups)
+        n_local = len(rewards)
+        rewards = self._gather(rewards)
         advantages, metrics = compute_advantages(mx.array(rewards), G, reward_weights=a.reward_weights,
                                                  scale_rewards=a.scale_rewards,
                                                  multi_objective_aggregation=a.multi_objective_aggregation,
                                                  reward_names=self.reward_func_names)
         metrics = {k: v.item() for k, v in metrics.items()}
-        advantages = np.array(advantages)
+        advantages = np.array(advantages)[self.rank * n_local:(self.rank + 1) * n_local]
+        all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
+        all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
         lengths, truncated = np.array(lengths, dtype=np.float64), np.array(truncated, dtype=bool)
-        term = lengths[~truncated] if (~truncated).any() else np.zeros(1)
-        metrics.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-                        "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
+        term = all_lengths[~all_truncated] if (~all_truncated).any() else np.zeros(1)
+        metrics.update({"completions/mean_length": all_lengths.mean(), "completions/min_length": all_lengths.min(),
+                        "completions/max_length": all_lengths.max(), "completions/clipped_ratio": all_truncated.mean(),
                         "completions/mean_terminated_length": term.mean(),
                         "completions/min_terminated_length": term.min(),
                         "completions/max_terminated_length": term.max()})
@@ -596,7 +610,7 @@ class GRPOTrainer(Trainer):
     # ------------------------------------------------------------------ the loop (generation on this thread)
     def _plan(self):
         a = self.args
-        rounds_per_epoch = len(self.rows) // self.prompts_per_round
+        rounds_per_epoch = len(self.rows) // (self.prompts_per_round * self.world_size)
         micro_per_epoch = rounds_per_epoch * self.steps_per_generation * a.num_iterations
         self._epoch_batches = micro_per_epoch
         per_epoch = max(1, micro_per_epoch // a.gradient_accumulation_steps)
