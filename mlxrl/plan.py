@@ -46,6 +46,7 @@ from . import runtime
 GB = 1 << 30
 MB = 1 << 20
 TILE_BYTES = 16 << 20  # mlxrl.losses.head.TILE_BYTES (kept here so planning imports no trainer)
+ROW_TILE_BYTES = 160 << 20  # mlxrl.losses.head.ROW_TILE_BYTES: the fused head's row chunk
 
 # measured coefficients (see the module docstring)
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
@@ -261,6 +262,12 @@ def head_bytes(a: Arch, args, rows: int, s: int) -> float:
     """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 8 with the compiled step, 16
     eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
     [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
+    if getattr(args, "head_mode", "differentiable") in ("fused", "two_phase"):
+        # row chunks x the full vocabulary; measured (CPU, fp32): one [V, D] (the weight-gradient
+        # accumulator, kept even for a frozen head) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5
+        chunk_rows = min(rows, max(8, ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
+        chunks = -(-rows // chunk_rows)
+        return 4 * a.V * a.D + min(3 + 2.2 * (chunks - 1), 6.5) * 4 * chunk_rows * a.V
     chunk = min(args.chunk_size or _default_chunk(rows, a.V), a.V)
     tile = 4 * rows * chunk
     every = 4 * rows * a.V  # all tiles of one pass

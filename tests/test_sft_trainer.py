@@ -195,16 +195,21 @@ def test_all_ignored_batch_names_rows(tiny_checkpoint, tmp_path):
         SFTTrainer(model, processor, config(tmp_path, max_length=16), train_dataset=rows).train()
 
 
-def test_two_phase_step_equals_differentiable(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("mode", ["fused", "two_phase"])
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_head_modes_give_the_same_step(mode, loss_type, tiny_checkpoint, tmp_path):
+    """The fused head (default) and the two-phase step equal the general vocab-tiled head."""
     model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
-    a = SFTTrainer(model, processor, config(tmp_path), train_dataset=TEXT_ROWS)
-    b = SFTTrainer(model, processor, config(tmp_path, head_mode="two_phase"), train_dataset=TEXT_ROWS)
+    a = SFTTrainer(model, processor, config(tmp_path, head_mode="differentiable", loss_type=loss_type),
+                   train_dataset=TEXT_ROWS)
+    b = SFTTrainer(model, processor, config(tmp_path, head_mode=mode, loss_type=loss_type), train_dataset=TEXT_ROWS)
     batch = a._batches_of(a.train_examples, 0, False, 4)[0]
     n = mx.array(batch["num_items"], dtype=mx.float32)
     loss_a, metrics_a, grads_a = a._grad_fn()(a.to_device(batch), n)
     loss_b, metrics_b, grads_b = b._grad_fn()(b.to_device(batch), n)
     assert abs(loss_a.item() - loss_b.item()) <= 1e-5 * max(1, abs(loss_a.item()))
     assert abs(metrics_a["mean_token_accuracy"].item() - metrics_b["mean_token_accuracy"].item()) < 1e-6
+    assert abs(metrics_a["entropy"].item() - metrics_b["entropy"].item()) <= 1e-5 * max(1, metrics_a["entropy"].item())
     ga, gb = dict(tree_flatten(grads_a)), dict(tree_flatten(grads_b))
     assert ga.keys() == gb.keys()
     for k in ga:

@@ -62,7 +62,8 @@ class TrainConfig:
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")
     # memory and speed (mlxrl)
     chunk_size: int | None = _f(None, "(mlxrl) vocab columns per streamed LM-head tile (default: 16 MB tiles)")
-    head_mode: str = _f("differentiable", "(mlxrl) differentiable | two_phase: how the streamed head is driven")
+    head_mode: str = _f("fused", "(mlxrl) fused | two_phase | differentiable: how the streamed LM head runs "
+                                 "(see README, Losses)")
     seq_buckets: list[int] | None = _f(None, "(mlxrl) padded lengths (default: powers of two up to max_length)")
     compile: bool = _f(True, "(mlxrl) mx.compile the step per shape bucket")
     patch_buckets: bool = _f(True, "(mlxrl) with compile: pad each batch's image patches to one of four sizes per "

@@ -58,6 +58,8 @@ class DPOConfig(TrainConfig):
     raise a ValueError when set to anything but their default (see `check_dpo_config`)."""
 
     learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's DPO default)")
+    head_mode: str = _f("differentiable", "(mlxrl) DPO drives the streamed head differentiably (its per-token "
+                                          "gradients depend on whole sequences)")
     # model
     model_init_kwargs: str | None = _f(None, "not supported: load the model with mlxrl.load")
     trust_remote_code: bool = _f(False, "not supported (mlxrl runs no remote code)")
@@ -185,6 +187,7 @@ def _hidden_rows(model, batch):
 # --------------------------------------------------------------------------------------- trainer
 
 class DPOTrainer(Trainer):
+    planner_kind = "dpo"
     metric_names = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy",
                     "mean_token_accuracy", "num_tokens")

@@ -188,6 +188,7 @@ class Trainer:
         self.print(runtime.startup_line())
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
                    f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
+        self.memory_plan = self._memory_plan()
         bar = None
         if not args.disable_tqdm and self.is_main:
             from tqdm.auto import tqdm
@@ -219,6 +220,22 @@ class Trainer:
         self.save_final()
         self.reporter.close()
         return self.log_history
+
+    planner_kind = "sft"
+
+    def _memory_plan(self):
+        """The planner's prediction for this run (printed at start-up, logged next to the measured
+        peak); None where it cannot model the run."""
+        from ..plan import predict
+
+        try:
+            plan = predict(dict(self.model.config), self.args, self.planner_kind, suggest=False)
+        except (ValueError, KeyError, NotImplementedError) as e:
+            self.print(f"memory plan: not available for this run ({e})")
+            return None
+        self.print(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with every row at max_length "
+                   "(python -m mlxrl.plan for the breakdown)")
+        return plan
 
     def print(self, *args):
         if self.is_main:
@@ -353,6 +370,8 @@ class Trainer:
         entry.update({k: float(np.mean([m[k] for m in window["metrics"] if k in m])) for k in sorted(keys)})
         entry["tokens_per_second"] = window["tokens"] / dt
         entry["peak_memory_gb"] = mx.get_peak_memory() / 1e9
+        if getattr(self, "memory_plan", None) is not None:
+            entry["predicted_peak_memory_gb"] = self.memory_plan.total / 1e9
         self._record(entry)
 
     def _log_eval(self):

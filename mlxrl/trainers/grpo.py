@@ -66,6 +66,8 @@ class GRPOConfig(TrainConfig):
     ValueError when set to anything but their default (see `check_grpo_config`)."""
 
     learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's GRPO default)")
+    head_mode: str = _f("differentiable", "(mlxrl) GRPO drives the streamed head differentiably (its per-token "
+                                          "gradients depend on whole sequences)")
     per_device_train_batch_size: int = _f(8, "completions per micro-batch (TRL counts completions, not prompts)")
     # model
     model_init_kwargs: str | None = _f(None, "not supported: load the model with mlxrl.load")
@@ -295,6 +297,7 @@ def _bucket(n: int, limit: int) -> int:
 # --------------------------------------------------------------------------------------- trainer
 
 class GRPOTrainer(Trainer):
+    planner_kind = "grpo"
     metric_names = ("loss", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                     "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl",
                     "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens")

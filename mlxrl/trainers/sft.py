@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..losses.head import IGNORE_INDEX, head_logprobs, streamed_value_and_grad
+from ..losses.head import IGNORE_INDEX, fused_head_loss, fused_value_and_grad, head_logprobs
 from ..losses.sft import check_has_labels, sft_loss
 from .config import SFTConfig
 from .engine import Trainer
@@ -54,6 +54,14 @@ def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndar
     return t
 
 
+def _token_metrics(targets, entropy, argmax) -> dict:
+    """TRL's entropy and mean_token_accuracy over this batch's trained tokens."""
+    mask = (targets != IGNORE_INDEX).astype(mx.float32)
+    n = mx.maximum(mask.sum(), 1.0)
+    return {"entropy": mx.stop_gradient((entropy * mask).sum() / n),
+            "mean_token_accuracy": ((argmax == targets).astype(mx.float32) * mask).sum() / n}
+
+
 class SFTTrainer(Trainer):
     metric_names = ("loss", "mean_token_accuracy", "entropy", "num_tokens")
 
@@ -62,8 +70,8 @@ class SFTTrainer(Trainer):
         super().__init__(model, processor, args)
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
-        if args.head_mode not in ("differentiable", "two_phase"):
-            raise ValueError(f"head_mode {args.head_mode!r}: use differentiable or two_phase")
+        if args.head_mode not in ("fused", "two_phase", "differentiable"):
+            raise ValueError(f"head_mode {args.head_mode!r}: use fused, two_phase or differentiable")
         self._head_trainable = self.head_trainable
         self.train_examples = self._tokenize(train_dataset)
         self.eval_examples = self._tokenize(eval_dataset) if eval_dataset is not None else None
@@ -140,11 +148,17 @@ class SFTTrainer(Trainer):
 
     def loss(self, model, batch, num_items):
         h = self.hidden_rows(model, batch)
-        logp, ent, argmax = head_logprobs(h, model.lm_head_weight(), batch["targets"], chunk_size=self.args.chunk_size,
-                                          return_entropy=True, return_argmax=True, skip_ignored=False,
-                                          weight_grad=self._head_trainable)
-        return sft_loss(logp, batch["targets"], loss_type=self.args.loss_type, num_items=num_items,
-                        entropy=ent, argmax=argmax)
+        t = batch["targets"]
+        if self.args.head_mode == "differentiable":  # the general vocab-tiled head (4 matmuls)
+            logp, ent, argmax = head_logprobs(h, model.lm_head_weight(), t, chunk_size=self.args.chunk_size,
+                                              return_entropy=True, return_argmax=True, skip_ignored=False,
+                                              weight_grad=self._head_trainable)
+            return sft_loss(logp, t, loss_type=self.args.loss_type, num_items=num_items, entropy=ent, argmax=argmax)
+        # fused: loss, d_hidden and d_weight in one pass over row chunks (3 matmuls, as naive)
+        loss, _, ent, argmax = fused_head_loss(h, model.lm_head_weight(), t, loss_type=self.args.loss_type,
+                                               num_items=num_items, skip_ignored=False,
+                                               weight_grad=self._head_trainable)
+        return loss, _token_metrics(t, ent, argmax)
 
     def _grad_fn(self):
         if self.args.head_mode != "two_phase":
@@ -162,16 +176,10 @@ class SFTTrainer(Trainer):
                 model.update(p)
                 return model.lm_head_weight()
 
-            def loss_fn(logp, ent):
-                return sft_loss(logp, batch["targets"], loss_type=args.loss_type, num_items=num_items, entropy=ent)
-
-            loss, metrics, grads, (_, _, argmax) = streamed_value_and_grad(
-                trunk, params, batch["targets"], loss_fn, head_weight=head_weight, chunk_size=args.chunk_size,
-                with_entropy=True)
-            t = batch["targets"]
-            mask = (t != IGNORE_INDEX).astype(mx.float32)
-            metrics["mean_token_accuracy"] = ((argmax == t) * mask).sum() / mx.maximum(mask.sum(), 1)
-            return loss, metrics, grads
+            loss, grads, (_, ent, argmax) = fused_value_and_grad(
+                trunk, params, batch["targets"], head_weight=head_weight, loss_type=args.loss_type,
+                num_items=num_items, weight_grad=self._head_trainable)
+            return loss, _token_metrics(batch["targets"], ent, argmax), grads
 
         return step
 
