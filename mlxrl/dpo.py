@@ -17,10 +17,10 @@ exact match before and after DPO.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
+from .cli import apply_overrides, briefly_sft_default, load_model_and_rows, run
 from .trainers.config import build_parser, config_from_args
 from .trainers.dpo import DPOConfig, check_dpo_config
 
@@ -72,32 +72,15 @@ def run_demo(args: DPOConfig, explicit: set, model_path: str | None = None, sft_
              n_test: int = DEMO_TEST, n_pairs: int | None = None, overrides: dict | None = None) -> dict:
     """The embedded default. n_pairs: distinct pairs (default one per trained example, so every batch is
     new); overrides: demo settings replacing DEMO_OVERRIDES (tests use a shorter run)."""
-    import mlxrl
     from mlxrl.data.synthetic import make_vqa
     from mlxrl.evaluate import exact_match
 
-    from .trainers.config import SFTConfig
     from .trainers.dpo import DPOTrainer
-    from .trainers.sft import SFTTrainer
 
-    for k, v in {**DEMO_OVERRIDES, **(overrides or {})}.items():
-        if k not in explicit:
-            setattr(args, k, v)
+    apply_overrides(args, explicit, {**DEMO_OVERRIDES, **(overrides or {})})
     t0 = time.perf_counter()
     test = make_vqa(n_test, seed=args.seed + 1, split="test")
-    if model_path is None:
-        model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
-        if sft_steps > 0:
-            print(f"embedded default: tiny Qwen3-VL, brief SFT ({sft_steps} steps) on synthetic colour questions",
-                  flush=True)
-            sft_args = SFTConfig(**{**DEMO_SFT, "max_steps": sft_steps, "seed": args.seed,
-                                    "logging_steps": max(1, sft_steps // 2),
-                                    "output_dir": os.path.join(args.output_dir, "sft")})
-            SFTTrainer(model, processor, sft_args,
-                       train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
-            model.unfreeze()  # the DPO trainer sets up its own trainable parameters
-    else:
-        model, processor = mlxrl.load(model_path, dtype=args.dtype)
+    model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path)
     n_pairs = n_pairs or args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
     pairs = preference_pairs(make_vqa(n_pairs, seed=args.seed + 7, split="train"), seed=args.seed)
     before = exact_match(model, processor, test)
@@ -118,43 +101,25 @@ def run_demo(args: DPOConfig, explicit: set, model_path: str | None = None, sft_
 def main(argv=None) -> int:
     parser = build_parser(DPOConfig, "python -m mlxrl.dpo", __doc__.splitlines()[0], extra=_extra)
     ns = parser.parse_args(argv)
+    return run(lambda: _main(ns))
+
+
+def _main(ns) -> None:
     from .hub import MlxrlError
+    from .trainers.dpo import DPOTrainer
 
-    try:
-        args = config_from_args(DPOConfig, ns)
-        check_dpo_config(args)  # before any model is loaded or trained
-        extra = ("model", "dataset", "dataset_split", "eval_dataset", "config", "sft_steps")
-        explicit = {k for k in vars(ns) if k not in extra}
-        if ns.dataset is None:
-            if ns.model is not None and ns.sft_steps != DEMO_SFT_STEPS:
-                raise MlxrlError("--sft_steps applies to the embedded default without --model")
-            run_demo(args, explicit, ns.model, ns.sft_steps)
-            return 0
-        if ns.model is None:
-            raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
-        import mlxrl
-        from mlxrl.data import load_rows
-
-        from .trainers.dpo import DPOTrainer
-
-        model, processor = mlxrl.load(ns.model, dtype=args.dtype)
-        train = load_rows(ns.dataset, split=ns.dataset_split)
-        evaluation = load_rows(ns.eval_dataset) if ns.eval_dataset else None
-        if evaluation is None and args.eval_split > 0:
-            cut = int(len(train) * (1 - args.eval_split))
-            train, evaluation = train[:cut], train[cut:]
-        trainer = DPOTrainer(model=model, processor=processor, args=args, train_dataset=train,
-                             eval_dataset=evaluation)
-        trainer.train()
-        print(f"saved to {args.output_dir}", flush=True)
-    except KeyboardInterrupt:
-        return 130
-    except (MlxrlError, ValueError, FileNotFoundError, NotImplementedError) as e:
-        if os.environ.get("MLXRL_DEBUG"):
-            raise
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
-    return 0
+    args = config_from_args(DPOConfig, ns)
+    check_dpo_config(args)  # before any model is loaded or trained
+    extra = ("model", "dataset", "dataset_split", "eval_dataset", "config", "sft_steps")
+    explicit = {k for k in vars(ns) if k not in extra}
+    if ns.dataset is None:
+        if ns.model is not None and ns.sft_steps != DEMO_SFT_STEPS:
+            raise MlxrlError("--sft_steps applies to the embedded default without --model")
+        run_demo(args, explicit, ns.model, ns.sft_steps)
+        return
+    model, processor, train, evaluation = load_model_and_rows(ns, args)
+    DPOTrainer(model=model, processor=processor, args=args, train_dataset=train, eval_dataset=evaluation).train()
+    print(f"saved to {args.output_dir}", flush=True)
 
 
 if __name__ == "__main__":

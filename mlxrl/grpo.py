@@ -18,10 +18,10 @@ It prints the mean reward of every step's completions, and held-out exact match 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
+from .cli import apply_overrides, briefly_sft_default, load_model_and_rows, run
 from .trainers.config import build_parser, config_from_args
 from .trainers.grpo import GRPOConfig, check_grpo_config
 
@@ -72,34 +72,17 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
     """The embedded default; overrides replace DEMO_OVERRIDES (tests use a shorter run)."""
     import numpy as np
 
-    import mlxrl
     from mlxrl.data.synthetic import make_vqa
     from mlxrl.evaluate import exact_match
 
     from .dpo import DEMO_SFT
-    from .trainers.config import SFTConfig
     from .trainers.grpo import GRPOTrainer
-    from .trainers.sft import SFTTrainer
 
-    for k, v in {**DEMO_OVERRIDES, **(overrides or {})}.items():
-        if k not in explicit:
-            setattr(args, k, v)
+    apply_overrides(args, explicit, {**DEMO_OVERRIDES, **(overrides or {})})
     check_grpo_config(args)
     t0 = time.perf_counter()
     test = make_vqa(n_test, seed=args.seed + 1, split="test")
-    if model_path is None:
-        model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
-        if sft_steps > 0:
-            print(f"embedded default: tiny Qwen3-VL, brief SFT ({sft_steps} steps) on synthetic colour questions",
-                  flush=True)
-            sft_args = SFTConfig(**{**DEMO_SFT, "max_steps": sft_steps, "seed": args.seed,
-                                    "logging_steps": max(1, sft_steps // 2),
-                                    "output_dir": os.path.join(args.output_dir, "sft")})
-            SFTTrainer(model, processor, sft_args,
-                       train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
-            model.unfreeze()  # the GRPO trainer sets up its own trainable parameters
-    else:
-        model, processor = mlxrl.load(model_path, dtype=args.dtype)
+    model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path)
     prompts_needed = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
     n_prompts = max(prompts_needed // args.num_generations, 8)
     rows = prompt_rows(make_vqa(n_prompts, seed=args.seed + 7, split="train"))
@@ -125,43 +108,30 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
 def main(argv=None) -> int:
     parser = build_parser(GRPOConfig, "python -m mlxrl.grpo", __doc__.splitlines()[0], extra=_extra)
     ns = parser.parse_args(argv)
+    return run(lambda: _main(ns))
+
+
+def _main(ns) -> None:
     from .hub import MlxrlError
+    from .trainers.grpo import GRPOTrainer, load_reward_func
 
-    try:
-        args = config_from_args(GRPOConfig, ns)
-        check_grpo_config(args)  # before any model is loaded or trained
-        from .trainers.grpo import load_reward_func
-
-        funcs = [load_reward_func(s) for s in ns.reward_funcs] if ns.reward_funcs else None
-        extra = ("model", "dataset", "dataset_split", "config", "sft_steps", "reward_funcs")
-        explicit = {k for k in vars(ns) if k not in extra}
-        if ns.dataset is None:
-            if ns.model is not None and ns.sft_steps != DEMO_SFT_STEPS:
-                raise MlxrlError("--sft_steps applies to the embedded default without --model")
-            run_demo(args, explicit, ns.model, ns.sft_steps, reward_funcs=funcs)
-            return 0
-        if ns.model is None:
-            raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
-        if not funcs:
-            raise MlxrlError("--reward_funcs is required with --dataset (module:function ...)")
-        import mlxrl
-        from mlxrl.data import load_rows
-
-        from .trainers.grpo import GRPOTrainer
-
-        model, processor = mlxrl.load(ns.model, dtype=args.dtype)
-        train = load_rows(ns.dataset, split=ns.dataset_split)
-        trainer = GRPOTrainer(model=model, processor=processor, args=args, train_dataset=train, reward_funcs=funcs)
-        trainer.train()
-        print(f"saved to {args.output_dir}", flush=True)
-    except KeyboardInterrupt:
-        return 130
-    except (MlxrlError, ValueError, FileNotFoundError, NotImplementedError) as e:
-        if os.environ.get("MLXRL_DEBUG"):
-            raise
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
-    return 0
+    args = config_from_args(GRPOConfig, ns)
+    check_grpo_config(args)  # before any model is loaded or trained
+    funcs = [load_reward_func(s) for s in ns.reward_funcs] if ns.reward_funcs else None
+    extra = ("model", "dataset", "dataset_split", "config", "sft_steps", "reward_funcs")
+    explicit = {k for k in vars(ns) if k not in extra}
+    if ns.dataset is None:
+        if ns.model is not None and ns.sft_steps != DEMO_SFT_STEPS:
+            raise MlxrlError("--sft_steps applies to the embedded default without --model")
+        run_demo(args, explicit, ns.model, ns.sft_steps, reward_funcs=funcs)
+        return
+    if ns.model is None:
+        raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
+    if not funcs:
+        raise MlxrlError("--reward_funcs is required with --dataset (module:function ...)")
+    model, processor, train, _ = load_model_and_rows(ns, args, with_eval=False)
+    GRPOTrainer(model=model, processor=processor, args=args, train_dataset=train, reward_funcs=funcs).train()
+    print(f"saved to {args.output_dir}", flush=True)
 
 
 if __name__ == "__main__":

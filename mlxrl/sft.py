@@ -11,10 +11,10 @@ Every SFTConfig field is a flag (`--help` lists them). Errors print one line and
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
+from .cli import apply_overrides, load_model_and_rows, run
 from .trainers.config import SFTConfig, build_parser, config_from_args
 
 # The embedded default's settings (used only for fields the user did not set).
@@ -40,9 +40,7 @@ def run_demo(args: SFTConfig, explicit: set) -> dict:
 
     from .trainers.sft import SFTTrainer
 
-    for k, v in DEMO_OVERRIDES.items():
-        if k not in explicit:
-            setattr(args, k, v)
+    apply_overrides(args, explicit, DEMO_OVERRIDES)
     t0 = time.perf_counter()
     model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
     train = make_vqa(DEMO_TRAIN, seed=args.seed, split="train")
@@ -65,41 +63,23 @@ def run_demo(args: SFTConfig, explicit: set) -> dict:
 def main(argv=None) -> int:
     parser = build_parser(SFTConfig, "python -m mlxrl.sft", __doc__.splitlines()[0], extra=_extra)
     ns = parser.parse_args(argv)
+    return run(lambda: _main(ns))
+
+
+def _main(ns) -> None:
     from .hub import MlxrlError
+    from .trainers.sft import SFTTrainer
 
-    try:
-        args = config_from_args(SFTConfig, ns)
-        explicit = {k for k in vars(ns) if k not in ("model", "dataset", "dataset_split", "eval_dataset", "config")}
-        if ns.model is None and ns.dataset is None:
-            run_demo(args, explicit)
-            return 0
-        if ns.dataset is None:
-            raise MlxrlError("--dataset is required with --model (a local .jsonl/.json/.parquet file or a Hub dataset)")
-        if ns.model is None:
-            raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
-        import mlxrl
-        from mlxrl.data import load_rows
-
-        from .trainers.sft import SFTTrainer
-
-        model, processor = mlxrl.load(ns.model, dtype=args.dtype)
-        train = load_rows(ns.dataset, split=ns.dataset_split)
-        evaluation = load_rows(ns.eval_dataset) if ns.eval_dataset else None
-        if evaluation is None and args.eval_split > 0:
-            cut = int(len(train) * (1 - args.eval_split))
-            train, evaluation = train[:cut], train[cut:]
-        trainer = SFTTrainer(model=model, processor=processor, args=args, train_dataset=train,
-                             eval_dataset=evaluation)
-        trainer.train()
-        print(f"saved to {args.output_dir}", flush=True)
-    except KeyboardInterrupt:
-        return 130
-    except (MlxrlError, ValueError, FileNotFoundError, NotImplementedError) as e:
-        if os.environ.get("MLXRL_DEBUG"):
-            raise
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
-    return 0
+    args = config_from_args(SFTConfig, ns)
+    explicit = {k for k in vars(ns) if k not in ("model", "dataset", "dataset_split", "eval_dataset", "config")}
+    if ns.model is None and ns.dataset is None:
+        run_demo(args, explicit)
+        return
+    if ns.dataset is None:
+        raise MlxrlError("--dataset is required with --model (a local .jsonl/.json/.parquet file or a Hub dataset)")
+    model, processor, train, evaluation = load_model_and_rows(ns, args)
+    SFTTrainer(model=model, processor=processor, args=args, train_dataset=train, eval_dataset=evaluation).train()
+    print(f"saved to {args.output_dir}", flush=True)
 
 
 if __name__ == "__main__":
