@@ -275,6 +275,24 @@ def streamed_value_and_grad(trunk, params, targets, loss_fn, *, head_weight, tem
     is the price of never holding a [N, V] tile together with the trunk's graph.
     Returns (loss, aux, grads, (logp, entropy, argmax)).
     """
+    def head(hidden, weight):
+        logp, ent, lse, argmax = streamed_logprobs(hidden, weight, targets, temperature=temperature,
+                                                   chunk_size=chunk_size, with_entropy=with_entropy)
+        (loss, aux), (g_logp, g_ent) = mx.value_and_grad(loss_fn, argnums=(0, 1))(logp, ent)
+        mx.eval(loss, aux, g_logp, g_ent)
+        d_hidden, d_weight = streamed_head_backward(hidden, weight, targets, lse, ent, g_logp,
+                                                    g_ent if with_entropy else None,
+                                                    temperature=temperature, chunk_size=chunk_size)
+        return (loss, aux, (logp, ent, argmax)), d_hidden, d_weight
+
+    (loss, aux, metrics), grads = _two_phase(trunk, head_weight, params, head)
+    return loss, aux, grads, metrics
+
+
+def _two_phase(trunk, head_weight, params, head):
+    """Trunk forward to `hidden` (evaluated), `head(hidden, weight) -> (out, d_hidden, d_weight)`
+    streamed eagerly, then one `mx.vjp` of trunk and head weight with those cotangents (the trunk
+    runs again inside it). Returns (out, grads w.r.t. params)."""
     from mlx.utils import tree_flatten, tree_unflatten
 
     keys, leaves = zip(*tree_flatten(params), strict=True)
@@ -285,13 +303,7 @@ def streamed_value_and_grad(trunk, params, targets, loss_fn, *, head_weight, tem
     hidden = trunk(params)
     weight = head_weight(params)
     mx.eval(hidden, weight)
-    logp, ent, lse, argmax = streamed_logprobs(hidden, weight, targets, temperature=temperature,
-                                               chunk_size=chunk_size, with_entropy=with_entropy)
-    (loss, aux), (g_logp, g_ent) = mx.value_and_grad(loss_fn, argnums=(0, 1))(logp, ent)
-    mx.eval(loss, aux, g_logp, g_ent)
-    d_hidden, d_weight = streamed_head_backward(hidden, weight, targets, lse, ent, g_logp,
-                                                g_ent if with_entropy else None,
-                                                temperature=temperature, chunk_size=chunk_size)
+    out, d_hidden, d_weight = head(hidden, weight)
     del hidden
 
     def trunk_and_head(*xs):  # one VJP: the trunk gets d_hidden, the head weight d_weight
@@ -299,7 +311,7 @@ def streamed_value_and_grad(trunk, params, targets, loss_fn, *, head_weight, tem
         return trunk(p), head_weight(p)
 
     _, grads = mx.vjp(trunk_and_head, list(leaves), [d_hidden, d_weight])
-    return loss, aux, rebuild(grads), (logp, ent, argmax)
+    return out, rebuild(grads)
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,25 +520,12 @@ def fused_value_and_grad(trunk, params, targets, *, head_weight, loss_type="nll"
     `streamed_value_and_grad`, but the loss is token-separable (see `fused_head_loss`) and the head
     costs 3 matmuls instead of 4 (2 with weight_grad=False, for a frozen head).
     Returns (loss, grads, (logp, entropy, argmax))."""
-    from mlx.utils import tree_flatten, tree_unflatten
+    def head(hidden, weight):
+        loss, metrics, d_hidden, d_weight = fused_head_grads(
+            hidden, weight, targets, loss_type=loss_type, num_items=num_items, token_weights=token_weights,
+            token_args=token_args, temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy,
+            weight_grad=weight_grad)
+        return (loss, metrics), d_hidden, d_weight
 
-    keys, leaves = zip(*tree_flatten(params), strict=True)
-
-    def rebuild(xs):
-        return tree_unflatten(list(zip(keys, xs, strict=True)))
-
-    hidden = trunk(params)
-    weight = head_weight(params)
-    mx.eval(hidden, weight)
-    loss, metrics, d_hidden, d_weight = fused_head_grads(
-        hidden, weight, targets, loss_type=loss_type, num_items=num_items, token_weights=token_weights,
-        token_args=token_args, temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy,
-        weight_grad=weight_grad)
-    del hidden
-
-    def trunk_and_head(*xs):
-        p = rebuild(xs)
-        return trunk(p), head_weight(p)
-
-    _, grads = mx.vjp(trunk_and_head, list(leaves), [d_hidden, d_weight])
-    return loss, rebuild(grads), metrics
+    (loss, metrics), grads = _two_phase(trunk, head_weight, params, head)
+    return loss, grads, metrics
