@@ -305,30 +305,6 @@ def image_tokens(a: Arch, images: int, image_size: int | None) -> int:
     return images * (image_size // v["patch"]) ** 2 // (v["merge"] ** 2)
 
 
-def machine_memory() -> int | None:
-    """Memory the default device can use: mx.device_info, else psutil / /proc/meminfo."""
-    try:
-        info = mx.device_info()
-        for key in ("max_recommended_working_set_size", "memory_size"):
-            if info.get(key):
-                return int(info[key])
-    except Exception:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return runtime.device_memory_bytes()
-
-
 def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, str]:
     value = memory_limit if memory_limit is not None else getattr(args, "memory_limit", None)
     if value is not None:
@@ -403,7 +379,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     # generation: the weights, the KV cache and the [G, V] float32 logits of one decoding step (x2 for sampling)
     gen = steady + kv + 2 * 4 * B * a.V if kv else 0
     total = int(max(step, update, gen))
-    machine = machine_memory()
+    machine = runtime.device_memory_bytes()
     limit, source = _limit(args, machine, memory_limit)
     cache_limit = getattr(args, "cache_limit", None)
     transient = total - steady
