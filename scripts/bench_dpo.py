@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import resource
 import subprocess
 import sys
@@ -52,12 +53,11 @@ def vision_rows(n: int, seed: int = 0) -> list[dict]:
     return preference_pairs(make_vqa(n, seed=seed), seed=seed)
 
 
-def run_ours(ckpt: str, arch: str, steps: int, batch: int, out: str) -> dict:
+def run_ours(ckpt: str, arch: str, steps: int, batch: int, out: str, rows: list[dict]) -> dict:
     sys.path.insert(0, str(ROOT))
     import mlxrl
     from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
 
-    rows = text_rows(steps * batch) if arch == "qwen3" else vision_rows(steps * batch)
     base = rss_gb()
     model, processor = mlxrl.load(ckpt)
     stamps = []
@@ -80,7 +80,7 @@ def run_ours(ckpt: str, arch: str, steps: int, batch: int, out: str) -> dict:
             "loss": trainer.log_history[-1]["loss"]}
 
 
-def run_trl(ckpt: str, arch: str, steps: int, batch: int, out: str) -> dict:
+def run_trl(ckpt: str, arch: str, steps: int, batch: int, out: str, rows: list[dict]) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
     import transformers
@@ -89,17 +89,16 @@ def run_trl(ckpt: str, arch: str, steps: int, batch: int, out: str) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     torch.set_num_threads(2)
-    rows = text_rows(steps * batch) if arch == "qwen3" else vision_rows(steps * batch)
     base = rss_gb()
     if arch == "qwen3":
         model = transformers.Qwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         processing = transformers.AutoTokenizer.from_pretrained(ckpt)
     else:
         model = transformers.Qwen2VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32)
-        sys.path.insert(0, str(ROOT / "tests"))
-        from test_dpo_trainer import _hf_processor
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from tiny_checkpoints import hf_processor
 
-        processing = _hf_processor(Path(ckpt))
+        processing = hf_processor(ckpt)
     stamps = []
 
     class Stamp(TrainerCallback):
@@ -126,11 +125,13 @@ def main(argv=None):
     ap.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     total = a.steps + a.warmup
     if a.side:  # a child process: one side, one arch
         fn = run_ours if a.side == "ours" else run_trl
-        print("RESULT " + json.dumps(fn(a.ckpt, a.arch[0], total, a.batch, a.out)), flush=True)
+        rows = pickle.loads(Path(a.rows).read_bytes())  # drawn by the parent: the TRL child never imports mlxrl
+        print("RESULT " + json.dumps(fn(a.ckpt, a.arch[0], total, a.batch, a.out, rows)), flush=True)
         return
     sys.path.insert(0, str(ROOT / "scripts"))
     import statistics
@@ -141,11 +142,14 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for arch in a.arch:
             ckpt = build(arch, tmp)
+            rows_path = Path(tmp) / f"{arch}-rows.pkl"
+            rows_path.write_bytes(pickle.dumps(text_rows(total * a.batch) if arch == "qwen3"
+                                               else vision_rows(total * a.batch)))
             res = {}
             for side in ("ours", "trl"):
                 cmd = [sys.executable, __file__, "--side", side, "--arch", arch, "--ckpt", str(ckpt),
                        "--out", str(Path(tmp) / f"{arch}-{side}"), "--steps", str(a.steps), "--warmup",
-                       str(a.warmup), "--batch", str(a.batch)]
+                       str(a.warmup), "--batch", str(a.batch), "--rows", str(rows_path)]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 line = [s for s in proc.stdout.splitlines() if s.startswith("RESULT ")]
                 if proc.returncode or not line:

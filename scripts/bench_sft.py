@@ -90,12 +90,11 @@ def model_flops(config: dict, batch: int, seq: int, trained: int, checkpointing:
 
 
 # ---------------------------------------------------------------------------------------------- children
-def run_peak(n: int, reps: int) -> dict:
-    """Best fp32 n x n matmul GFLOP/s of MLX (with mlxrl's BLAS) and of torch (2 threads, as TRL runs)."""
-    sys.path.insert(0, str(ROOT))
-    import mlxrl.runtime as rt  # noqa: I001  (the fast BLAS is loaded before mlx.core)
-    import mlx.core as mx
-    import torch
+def run_peak(n: int, reps: int, lib: str) -> dict:
+    """Best fp32 n x n matmul GFLOP/s of MLX (with mlxrl's BLAS) or of torch (2 threads, as TRL runs).
+
+    One library per process: mlxrl loads OpenBLAS with RTLD_GLOBAL, and a torch imported after it
+    in the same process resolves its BLAS calls there too (measured ~60 vs ~270 GFLOP/s)."""
 
     def best(matmul, a, b, sync):
         sync(matmul(a, b))
@@ -106,10 +105,21 @@ def run_peak(n: int, reps: int) -> dict:
             top = max(top, 2 * n**3 / (time.perf_counter() - t) / 1e9)
         return top
 
-    out = {"mlx": best(mx.matmul, mx.random.normal((n, n)), mx.random.normal((n, n)), mx.eval), "blas": rt.BLAS_IN_USE}
-    torch.set_num_threads(2)
-    out["torch"] = best(torch.matmul, torch.randn(n, n), torch.randn(n, n), lambda x: x)
-    return out
+    if lib == "torch":
+        import torch
+
+        torch.set_num_threads(2)
+        return {"torch": best(torch.matmul, torch.randn(n, n), torch.randn(n, n), lambda x: x)}
+    sys.path.insert(0, str(ROOT))
+    import mlxrl.runtime as rt  # noqa: I001  (the fast BLAS is loaded before mlx.core)
+    import mlx.core as mx
+
+    return {"mlx": best(mx.matmul, mx.random.normal((n, n)), mx.random.normal((n, n)), mx.eval), "blas": rt.BLAS_IN_USE}
+
+
+def _peaks(n: int) -> dict:
+    return {**_child(["--side", "peak", "--lib", "mlx", "--peak_n", str(n)]),
+            **_child(["--side", "peak", "--lib", "torch", "--peak_n", str(n)])}
 
 
 def _timed_trainer(base_cls, stamps):
@@ -294,11 +304,12 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="also time the parts of our step (small model)")
     ap.add_argument("--ckpt_dir", help="reuse/keep checkpoints here (default: a temporary folder)")
     ap.add_argument("--side", choices=["ours", "trl", "peak"], help=argparse.SUPPRESS)
+    ap.add_argument("--lib", choices=["mlx", "torch"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.side:  # a child process
-        fn = {"ours": run_ours, "trl": run_trl, "peak": lambda a: run_peak(a.peak_n, 5)}[a.side]
+        fn = {"ours": run_ours, "trl": run_trl, "peak": lambda a: run_peak(a.peak_n, 5, a.lib)}[a.side]
         print("RESULT " + json.dumps(fn(a)), flush=True)
         return
 
@@ -310,7 +321,7 @@ def main(argv=None):
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt_root = Path(a.ckpt_dir or tmp)
-        peaks = [_child(["--side", "peak", "--peak_n", str(a.peak_n)])]
+        peaks = [_peaks(a.peak_n)]
         print(f"fp32 matmul {a.peak_n}x{a.peak_n}, best of 5: MLX ({peaks[0]['blas']}) {peaks[0]['mlx']:.1f}, "
               f"torch {peaks[0]['torch']:.1f} GFLOP/s", flush=True)
         for size in a.models:
@@ -334,7 +345,7 @@ def main(argv=None):
             trained = res["ours"]["trained_per_step"]
             flops = model_flops(config, a.batch, a.max_length, trained, a.gradient_checkpointing)
             results.append((size, config, flops, res))
-        peaks.append(_child(["--side", "peak", "--peak_n", str(a.peak_n)]))
+        peaks.append(_peaks(a.peak_n))
     # the machine's peak: the best rate either library reached, before or after the models ran
     peak_gflops = max(max(p["mlx"], p["torch"]) for p in peaks)
     print(f"fp32 matmul {a.peak_n}x{a.peak_n} after the runs: MLX {peaks[1]['mlx']:.1f}, torch "

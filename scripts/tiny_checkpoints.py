@@ -145,6 +145,28 @@ def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
     return out
 
 
+def hf_processor(folder):
+    """transformers' Qwen2-VL processor for a tiny VL checkpoint folder (PIL image processor, no video
+    processor: that one needs torchvision). Imports transformers only, so a torch process that uses it
+    keeps torch's own BLAS (mlxrl loads OpenBLAS globally)."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class NoVideoProcessor(Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, arg)
+
+    folder = Path(folder)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    cfg = json.loads((folder / "preprocessor_config.json").read_text())
+    keys = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+    return NoVideoProcessor(image_processor=Qwen2VLImageProcessorPil(**{k: cfg[k] for k in keys}), tokenizer=tok,
+                            video_processor=None, chat_template=(folder / "chat_template.jinja").read_text())
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=[*ARCHS, "all"], default="all")

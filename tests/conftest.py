@@ -10,7 +10,7 @@ import mlxrl  # noqa: F401  (loads the fast BLAS before any test module imports 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tiny_checkpoints_module():
+def tiny_checkpoints_module():
     spec = importlib.util.spec_from_file_location("tiny_checkpoints", ROOT / "scripts" / "tiny_checkpoints.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -24,7 +24,7 @@ def tiny_checkpoint(tmp_path_factory):
     Each arch is built on first use and shared by the whole session; treat the folder as read-only
     (copy it to modify it).
     """
-    builder = _tiny_checkpoints_module()
+    builder = tiny_checkpoints_module()
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     built: dict[str, Path] = {}
 

@@ -8,13 +8,13 @@ above 0.5; CLI errors.
     python -m pytest -x -q tests/test_dpo_trainer.py
 """
 
-import json
 import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import tiny_checkpoints_module
 from mlx.utils import tree_flatten
 
 import mlxrl
@@ -23,6 +23,8 @@ from mlxrl.dpo import main as dpo_main
 from mlxrl.dpo import preference_pairs, run_demo
 from mlxrl.models.lora import lora_layers
 from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
+
+hf_processor = tiny_checkpoints_module().hf_processor
 
 TEXT_ROWS = [
     {"prompt": "The sky is", "chosen": " blue.", "rejected": " green today."},
@@ -80,22 +82,6 @@ def ref_checkpoint(tiny_checkpoint, tmp_path_factory):
 
 # ------------------------------------------------------------------------------------- TRL parity
 
-def _hf_processor(folder):
-    from transformers import AutoTokenizer, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    class NoVideoProcessor(Qwen2VLProcessor):  # transformers wants a torchvision video processor: skip it
-        def check_argument_for_proper_class(self, name, arg):
-            if name != "video_processor":
-                return super().check_argument_for_proper_class(name, arg)
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    cfg = json.loads((folder / "preprocessor_config.json").read_text())
-    keys = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
-    return NoVideoProcessor(image_processor=Qwen2VLImageProcessorPil(**{k: cfg[k] for k in keys}), tokenizer=tok,
-                            video_processor=None, chat_template=(folder / "chat_template.jinja").read_text())
-
-
 def trl_step0(arch, folder, ref_folder, rows, tmp_path):
     """TRL's loss and logged metrics for each of LOSSES on the whole `rows` as one batch."""
     import torch
@@ -107,7 +93,7 @@ def trl_step0(arch, folder, ref_folder, rows, tmp_path):
     cls = transformers.Qwen3ForCausalLM if arch == "qwen3" else transformers.Qwen2VLForConditionalGeneration
     policy = cls.from_pretrained(str(folder), dtype=torch.float32)
     ref = cls.from_pretrained(str(ref_folder), dtype=torch.float32)
-    processing = transformers.AutoTokenizer.from_pretrained(str(folder)) if arch == "qwen3" else _hf_processor(folder)
+    processing = transformers.AutoTokenizer.from_pretrained(str(folder)) if arch == "qwen3" else hf_processor(folder)
     args = TRLConfig(output_dir=str(tmp_path / "trl"), bf16=False, gradient_checkpointing=False, report_to="none",
                      use_cpu=True, max_length=256, per_device_train_batch_size=len(rows))
     trainer = TRLTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),

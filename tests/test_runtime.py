@@ -45,3 +45,22 @@ def test_memory_limits_map_to_mlx():
         assert mx.set_cache_limit(before) == 256 << 20  # what we set is what MLX holds
     finally:
         mx.set_memory_limit(before_mem)
+
+
+@pytest.mark.parametrize("flags,core", [({"avx512_bf16", "avx512f", "avx512vl", "avx2", "fma"}, "Cooperlake"),
+                                         ({"avx512f", "avx512vl", "avx2", "fma"}, "SkylakeX"),
+                                         ({"avx2", "fma"}, "Haswell"), ({"sse4_2"}, None)])
+def test_openblas_coretype_follows_cpu_flags(flags, core):
+    assert runtime._openblas_coretype(flags) == core
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not runtime._bundled_reference_blas(),
+                    reason="only Linux wheels bundle a reference BLAS")
+def test_openblas_coretype_is_set_unless_given():
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    child = "import os, mlxrl.runtime; print(os.environ.get('OPENBLAS_CORETYPE'))"
+    run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
+    assert run == str(runtime._openblas_coretype(runtime._cpu_flags()))
+    env["OPENBLAS_CORETYPE"] = "Haswell"
+    run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
+    assert run == "Haswell"
