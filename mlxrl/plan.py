@@ -53,9 +53,12 @@ SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
 SCORE_COPIES = 1.25
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
-HEAD_TILES = 8.4            # live [rows, chunk] fp32 tiles of the streamed head (compiled step)
+HEAD_TILES = 7.0            # live [rows, chunk] fp32 tiles of the streamed head (compiled step)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
+KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
+GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
+DEFAULT_PROMPT_LENGTH = 512  # GRPO prompt tokens when --prompt_length is not given
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -220,11 +223,24 @@ def fmt(b: int | float | None) -> str:
     return f"{b / GB:.2f} GB" if b >= GB else f"{b / MB:.1f} MB"
 
 
-def _layer_saved(a: Arch, B: int, L: int, s: int) -> float:
+@dataclass
+class Shape:
+    """One micro-batch's forward: `tokens` run through the decoder, `scores` attention score elements per
+    head ([B, L, L] for B rows of L; GRPO's shared forward: the prompts' [n_p, P, P] plus each completion's
+    [C, P + C]), `rows` positions scored by the head. (The shared prompt's K/V repeated for each
+    completion measured as no extra peak: they live one layer at a time, inside the backward temporaries.)"""
+
+    tokens: int
+    scores: int
+    rows: int
+    label: str = ""
+
+
+def _layer_saved(a: Arch, sh: Shape, s: int) -> float:
     """Bytes one decoder layer keeps for backward (no checkpointing)."""
     k = SAVED_PER_TOKEN
     per_token = k["D"] * a.D + k["I"] * a.I + k["Q"] * a.heads * a.head_dim + k["KV"] * a.kv_heads * a.head_dim
-    return s * B * L * per_token + s * SCORE_COPIES * B * a.heads * L * L
+    return s * sh.tokens * per_token + s * SCORE_COPIES * a.heads * sh.scores
 
 
 def lora_dropout(args, trainer: str = "sft") -> float:
@@ -234,32 +250,31 @@ def lora_dropout(args, trainer: str = "sft") -> float:
     return float(getattr(args, "lora_dropout", 0.0) or 0.0)
 
 
-def _lora_extra(a: Arch, args, B: int, L: int, s: int, trainer: str = "sft") -> float:
-    """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([N, r]) per adapter."""
+def _lora_extra(a: Arch, args, n: int, s: int, trainer: str = "sft") -> float:
+    """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([n, r]) per adapter."""
     if not getattr(args, "use_peft", False):
         return 0.0
-    n = B * L
     inputs = 0.0
     if lora_dropout(args, trainer) > 0:
         inputs = 5 * a.D + a.heads * a.head_dim + a.I  # q, k, v, gate, up see D; o sees H*hd; down sees I
     return s * n * (inputs + 7 * 2 * args.lora_r)
 
 
-def activations(a: Arch, args, B: int, L: int, s: int, checkpointing: bool, trainer: str = "sft") -> float:
+def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: str = "sft") -> float:
     """Activation bytes of the decoder during backward, INCLUDING the decoder layers' gradients:
     measured, a layer's weight gradients appear as its saved tensors are released, so the layers cost
     max(saved tensors, their gradients) rather than the sum."""
-    layer = _layer_saved(a, B, L, s) + _lora_extra(a, args, B, L, s, trainer)
+    layer = _layer_saved(a, sh, s) + _lora_extra(a, args, sh.tokens, s, trainer)
     if getattr(args, "use_peft", False):
         layer *= LORA_SAVED
-    edges = 3 * s * B * L * a.D  # embeddings, final norm, gathered rows
-    kept = a.layers * (s * B * L * a.D if checkpointing else layer)
+    edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
+    kept = a.layers * (s * sh.tokens * a.D if checkpointing else layer)
     extra = (CKPT_LAYERS if checkpointing else BACKWARD_LAYERS) * layer
     return max(kept, a.layer_trainable_bytes) + extra + edges
 
 
 def head_bytes(a: Arch, args, rows: int, s: int) -> float:
-    """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 8 with the compiled step, 16
+    """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 7 with the compiled step, 16
     eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
     [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
     if getattr(args, "head_mode", "differentiable") in ("fused", "two_phase"):
@@ -314,37 +329,48 @@ def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, st
     return None, "unknown"
 
 
-def _shape(args, trainer: str) -> tuple[int, int, int]:
-    """(sequences per micro-batch, padded length, rows scored by the head)."""
-    L = int(getattr(args, "max_length", None) or 1024)
+def _grpo_prompt_length(args, prompt_length: int | None = None) -> int:
+    """Prompt tokens of a GRPO run (TRL 1.x has no max_prompt_length; --prompt_length, default 512),
+    left-padded to the trainer's multiple of 32."""
+    P = int(prompt_length or getattr(args, "max_prompt_length", None) or DEFAULT_PROMPT_LENGTH)
+    return -(-P // 32) * 32
+
+
+def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None = None) -> Shape:
+    """The forward of one micro-batch (extra_tokens: image tokens per sequence)."""
+    L = int(getattr(args, "max_length", None) or 1024) + extra_tokens
     B = int(args.per_device_train_batch_size)
     if trainer == "dpo":
-        return 2 * B, L, 2 * B * L
-    if trainer == "grpo":
-        P = int(getattr(args, "max_prompt_length", None) or getattr(args, "max_length", None) or 512)
-        C = int(getattr(args, "max_completion_length", 512))
-        return B, P + C, B * C
-    return B, L, B * L
+        return Shape(2 * B * L, 2 * B * L * L, 2 * B * L, label=f"B={2 * B} (chosen + rejected) L={L}")
+    if trainer == "grpo":  # b completions; whole groups when b >= G, else a slice of one prompt's group
+        P = _grpo_prompt_length(args, prompt_length) + extra_tokens
+        C = int(args.max_completion_length)
+        n_p = max(1, B // int(args.num_generations))
+        return Shape(n_p * P + B * C, n_p * P * P + B * C * (P + C), B * C,
+                     label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)"
+                     if getattr(args, "shared_prompt", True) else f"B={B} L={P + C}")
+    return Shape(B * L, B * L * L, B * L, label=f"B={B} L={L}")
 
 
 def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
-            image_size: int | None = None, suggest: bool = True, _arch: Arch | None = None) -> Plan:
+            image_size: int | None = None, prompt_length: int | None = None, suggest: bool = True,
+            _arch: Arch | None = None) -> Plan:
     """Predicted peak memory of training with `args` (an SFTConfig / DPOConfig / GRPOConfig) on the model
     of `config` (a parsed config.json, a model id / folder, or None for the embedded default).
 
     images / image_size: images per example and their side in pixels (VL models).
+    prompt_length: GRPO prompt tokens (default 512).
     memory_limit: overrides args.memory_limit ('8GB', bytes or a fraction of memory).
     """
     cfg = config if isinstance(config, dict) else load_config(config)
     s = _dtype_bytes(args)
     a = _arch or arch_of(cfg, args, s)
-    B, L, rows = _shape(args, trainer)
     L_img = image_tokens(a, images, image_size)
-    L = L + L_img if trainer != "grpo" else L
+    sh = _shape(args, trainer, L_img, prompt_length)
     W, T = a.weight_bytes, a.trainable_bytes
     accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     ckpt = bool(getattr(args, "gradient_checkpointing", False))
-    act = {c: activations(a, args, B, L, s, c, trainer) for c in (True, False)}
+    act = {c: activations(a, args, sh, s, c, trainer) for c in (True, False)}
     out: list[Row] = [Row("weights", W, f"{_count(W // s)} parameters x {s} B")]
     n_train = T // s
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
@@ -356,28 +382,36 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
         ref = T
         out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
-    out.append(Row("activations", act[ckpt], f"B={B} L={L}, gradient_checkpointing={'on' if ckpt else 'off'} "
+    out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' if ckpt else 'off'} "
                                              f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
-    head = head_bytes(a, args, rows, s)
-    chunk = args.chunk_size or _default_chunk(rows, a.V)
-    out.append(Row("streamed head", head, f"{rows} rows x {min(chunk, a.V)}-column fp32 tiles"
+    head = head_bytes(a, args, sh.rows, s)
+    chunk = args.chunk_size or _default_chunk(sh.rows, a.V)
+    out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
                                           f"{', [V, D] weight grad' if a.head_trainable else ''}"))
-    img = vision_bytes(a, args, B, s, images, image_size, ckpt)
+    B = int(args.per_device_train_batch_size)
+    sequences = max(1, B // int(args.num_generations)) if trainer == "grpo" else (2 * B if trainer == "dpo" else B)
+    img = vision_bytes(a, args, sequences, s, images, image_size, ckpt)
     if img:
         out.append(Row("images", img, f"{images} image(s)/example of {image_size}px: {L_img} tokens (uncalibrated)"))
-    kv = 0
+    kv = gen_logits = 0
     if trainer == "grpo":
-        G = int(args.num_generations)
-        P = L - int(args.max_completion_length)
-        prompts = max(1, B // G)
-        kv = 2 * a.layers * a.kv_heads * a.head_dim * s * prompts * (P + G * int(args.max_completion_length))
-        out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) prefilled once + G={G} completions"))
+        G, C = int(args.num_generations), int(args.max_completion_length)
+        P = _grpo_prompt_length(args, prompt_length) + L_img
+        prompts = max(1, B // G)  # generated together: the micro-batch's prompts, G completions each
+
+        def cache_len(n):  # mlx-lm's KVCache grows in steps of 256 positions
+            return -(-n // KV_STEP) * KV_STEP
+
+        kv = 2 * a.layers * a.kv_heads * a.head_dim * s * prompts * (cache_len(P) + G * cache_len(C))
+        gen_logits = GEN_LOGIT_COPIES * 4 * prompts * G * a.V
+        out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) of {P} prefilled once + G={G} "
+                                       f"completions of {C} (+ {fmt(gen_logits)} of sampling logits)"))
     steady = W + 2 * T + ref
     step = steady + other + (T if accum > 1 else 0) + act[ckpt] + head + img
     clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
     update = steady + T + clip + UPDATE_COPIES * a.largest_trainable
-    # generation: the weights, the KV cache and the [G, V] float32 logits of one decoding step (x2 for sampling)
-    gen = steady + kv + 2 * 4 * B * a.V if kv else 0
+    # generation: the weights, the KV cache and the [G, V] float32 logits of a decoding step
+    gen = steady + kv + gen_logits if kv else 0
     total = int(max(step, update, gen))
     machine = runtime.device_memory_bytes()
     limit, source = _limit(args, machine, memory_limit)
@@ -392,7 +426,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         plan.quantized_total = int(total - frozen + frozen * 4.5 / (8 * s))
     if suggest and not plan.fits:
         plan.suggestion, plan.suggestion_total = suggest_change(cfg, args, trainer, limit, images=images,
-                                                                image_size=image_size)
+                                                                image_size=image_size, prompt_length=prompt_length)
     return plan
 
 
@@ -479,7 +513,15 @@ class CharTokenizer:
         self.vocab_size = vocab_size
 
     def __call__(self, text, add_special_tokens=False, **_):
-        return {"input_ids": [ord(c) % self.vocab_size for c in text]}
+        if isinstance(text, str):
+            return {"input_ids": [ord(c) % self.vocab_size for c in text]}
+        return {"input_ids": [self(t)["input_ids"] for t in text]}
+
+    def decode(self, ids, skip_special_tokens=False, **_):
+        return "".join(chr(int(i) + 32) for i in ids)
+
+    def batch_decode(self, rows, **kw):
+        return [self.decode(r, **kw) for r in rows]
 
     def convert_tokens_to_ids(self, _token):
         return -1
@@ -492,8 +534,10 @@ def _text(rng, n: int, vocab: int) -> str:
     return "".join(chr(int(c)) for c in rng.integers(2, max(3, min(vocab, 20000)), size=n))
 
 
-def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0) -> list[dict]:
-    """Rows that fill max_length exactly (SFT: text; DPO: prompt + chosen / rejected halves)."""
+def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0, prompt_length: int | None = None
+                   ) -> list[dict]:
+    """Rows that fill max_length exactly (SFT: text; DPO: prompt + chosen / rejected halves; GRPO: prompts
+    of max_prompt_length, or max_length minus max_completion_length)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -502,6 +546,9 @@ def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0) -> lis
         p = L // 2
         return [{"prompt": _text(rng, p, vocab), "chosen": _text(rng, L - p - 1, vocab),
                  "rejected": _text(rng, L - p - 1, vocab)} for _ in range(n)]
+    if trainer == "grpo":
+        P = _grpo_prompt_length(args, prompt_length)
+        return [{"prompt": _text(rng, P, vocab)} for _ in range(n)]
     return [{"text": _text(rng, L + 8, vocab)} for _ in range(n)]
 
 
@@ -517,9 +564,16 @@ def random_model(cfg: dict, dtype=None, seed: int = 0):
     return model
 
 
-def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 3) -> int:
+def _reward_length(prompts, completions, completion_ids, **_):
+    """A reward for measuring GRPO: varies within a group, so every advantage is not zero."""
+    return [float(len(set(ids))) for ids in completion_ids]
+
+
+def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 3,
+            prompt_length: int | None = None) -> int:
     """mx.get_peak_memory() over `steps` real optimizer steps (random weights, synthetic rows of
-    max_length tokens), minus what was allocated before the model was built."""
+    max_length tokens; GRPO: prompts of prompt_length, generation included), minus what was allocated
+    before the model was built."""
     import contextlib
     import gc
     import io
@@ -537,11 +591,15 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
     with tempfile.TemporaryDirectory() as tmp:
         args = dataclasses.replace(args, output_dir=tmp, max_steps=steps, save_strategy="no", logging_steps=10**6,
                                    disable_tqdm=True)
-        rows = synthetic_rows(trainer, args, args.per_device_train_batch_size * args.gradient_accumulation_steps
-                              * steps, vocab)
+        n = args.per_device_train_batch_size * args.gradient_accumulation_steps * steps
+        kw = {}
+        if trainer == "grpo":  # enough prompts for every round of `steps` steps
+            n = n // int(args.num_generations) + 4 * steps * args.gradient_accumulation_steps
+            kw["reward_funcs"] = [_reward_length]
+        rows = synthetic_rows(trainer, args, n, vocab, prompt_length=prompt_length)
         cls = _trainer_class(trainer)
         with contextlib.redirect_stdout(io.StringIO()):
-            t = cls(model, processor, args, train_dataset=rows)
+            t = cls(model, processor, args, train_dataset=rows, **kw)
             t.train()
         peak = mx.get_peak_memory()
         del t, model
@@ -579,16 +637,21 @@ def config_class(trainer: str):
     return SFTConfig
 
 
-def sweep(cfg: dict, args, trainer: str, lengths=None, ranks=None) -> list[tuple[str, int, int]]:
-    """(setting, predicted, measured) for a few max_length values and LoRA ranks."""
+def sweep(cfg: dict, args, trainer: str, lengths=None, ranks=None, prompt_length: int | None = None
+          ) -> list[tuple[str, int, int]]:
+    """(setting, predicted, measured) for a few sequence lengths (GRPO: max_completion_length) and LoRA ranks."""
     out = []
-    L = int(args.max_length or 256)
+    key = "max_completion_length" if trainer == "grpo" else "max_length"
+    L = int(getattr(args, key, None) or 256)
+    kw = {"prompt_length": prompt_length} if trainer == "grpo" else {}
+
+    def row(name, a):
+        out.append((name, predict(cfg, a, trainer, suggest=False, **kw).total, measure(cfg, a, trainer, **kw)))
+
     for length in lengths or (max(16, L // 2), L, 2 * L):
-        a = dataclasses.replace(args, max_length=length)
-        out.append((f"max_length={length}", predict(cfg, a, trainer, suggest=False).total, measure(cfg, a, trainer)))
+        row(f"{key}={length}", dataclasses.replace(args, **{key: length}))
     for r in ranks or (4, 16, 64):
-        a = dataclasses.replace(args, use_peft=True, lora_r=r, lora_alpha=2 * r)
-        out.append((f"use_peft lora_r={r}", predict(cfg, a, trainer, suggest=False).total, measure(cfg, a, trainer)))
+        row(f"use_peft lora_r={r}", dataclasses.replace(args, use_peft=True, lora_r=r, lora_alpha=2 * r))
     return out
 
 
@@ -600,6 +663,8 @@ def _extra(parser):
     parser.add_argument("--trainer", default="sft", choices=("sft", "dpo", "grpo"))
     parser.add_argument("--images", type=int, default=0, help="images per example (VL models)")
     parser.add_argument("--image_size", type=int, default=None, help="image side in pixels after resizing")
+    parser.add_argument("--prompt_length", type=int, default=None,
+                        help=f"GRPO: prompt tokens (default {DEFAULT_PROMPT_LENGTH})")
     parser.add_argument("--measure", action="store_true", help="run a few real steps on random weights and "
                                                                "print predicted vs measured peak memory")
     parser.add_argument("--sweep", action="store_true", help="with --measure: also max_length and LoRA rank")
@@ -607,7 +672,10 @@ def _extra(parser):
 
 
 # small settings for --measure on the embedded default when the user sets nothing
-MEASURE_DEFAULTS = {"max_length": 64, "per_device_train_batch_size": 2}
+MEASURE_DEFAULTS = {"sft": {"max_length": 64, "per_device_train_batch_size": 2},
+                    "dpo": {"max_length": 64, "per_device_train_batch_size": 2},
+                    "grpo": {"num_generations": 4, "per_device_train_batch_size": 4, "max_completion_length": 32,
+                             "prompt_length": 64}}
 
 
 def main(argv=None) -> int:
@@ -626,8 +694,8 @@ def main(argv=None) -> int:
                           extra=_extra)
     ns = parser.parse_args(argv)
     if ns.measure:
-        for k, v in MEASURE_DEFAULTS.items():
-            if not hasattr(ns, k):
+        for k, v in MEASURE_DEFAULTS[trainer].items():
+            if getattr(ns, k, None) is None:
                 setattr(ns, k, v)
     args = config_from_args(cls, ns)
     try:
@@ -635,15 +703,16 @@ def main(argv=None) -> int:
     except Exception as e:  # one line, like the trainers' CLIs
         print(f"mlxrl.plan: {e}", file=sys.stderr)
         return 2
-    plan = predict(cfg, args, trainer, images=ns.images, image_size=ns.image_size)
+    plan = predict(cfg, args, trainer, images=ns.images, image_size=ns.image_size, prompt_length=ns.prompt_length)
     print(plan.table())
     if ns.measure:
         print(f"\nmeasuring {ns.steps} steps on random weights ({runtime.compute_dtype(args.dtype)}) ...", flush=True)
-        got = measure(cfg, args, trainer, steps=ns.steps)
+        got = measure(cfg, args, trainer, steps=ns.steps,
+                      **({"prompt_length": ns.prompt_length} if trainer == "grpo" else {}))
         print(f"predicted {fmt(plan.total)}  measured {fmt(got)}  error {(plan.total - got) / got:+.1%}")
         if ns.sweep:
             print(f"\n{'setting':<24}{'predicted':>12}{'measured':>12}{'error':>9}")
-            for name, p, m in sweep(cfg, args, trainer):
+            for name, p, m in sweep(cfg, args, trainer, prompt_length=ns.prompt_length):
                 print(f"{name:<24}{fmt(p):>12}{fmt(m):>12}{(p - m) / m:>+9.1%}", flush=True)
     return 0 if plan.fits else 1
 

@@ -1,6 +1,7 @@
 """Memory planner: predicted peak (from config.json alone) within 15% of the measured
-mx.get_peak_memory() of real SFT / DPO steps, on the embedded tiny Qwen3-VL and a small random Qwen3
-text config; a run that does not fit gets a suggestion that, applied, fits (measured); the CLI."""
+mx.get_peak_memory() of real SFT / DPO / GRPO steps (GRPO: generation included), on the embedded tiny
+Qwen3-VL and a small random Qwen3 text config; a run that does not fit gets a suggestion that,
+applied, fits (measured); the CLI."""
 
 import json
 
@@ -10,6 +11,7 @@ import mlxrl  # noqa: F401  (fast BLAS first)
 from mlxrl import plan
 from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.dpo import DPOConfig
+from mlxrl.trainers.grpo import GRPOConfig
 
 # a small random text model whose activations matter next to its weights (vocab 1024 keeps it fast)
 SMALL = {"model_type": "qwen3", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
@@ -33,15 +35,27 @@ DPO_CASES = [
     ("small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False, use_peft=True)),
 ]
 
+# (config, GRPOConfig fields, prompt tokens): whole groups per micro-batch and a group split over two
+GRPO_CASES = [
+    ("default", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=32), 64),
+    ("small", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=64,
+                   gradient_checkpointing=False), 128),
+    ("small", dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=64), 256),
+    ("small", dict(num_generations=8, per_device_train_batch_size=8, max_completion_length=32, use_peft=True), 128),
+    ("small", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=64, beta=0.04), 128),
+    ("small", dict(num_generations=8, per_device_train_batch_size=4, max_completion_length=128,
+                   steps_per_generation=2), 256),
+]
+
 
 def _config(name):
     return plan.load_config(None) if name == "default" else dict(SMALL)
 
 
-def _check(trainer, cls, name, kw):
+def _check(trainer, cls, name, kw, **shape):
     cfg, args = _config(name), cls(**kw)
-    predicted = plan.predict(cfg, args, trainer, suggest=False).total
-    measured = plan.measure(cfg, args, trainer, steps=2)
+    predicted = plan.predict(cfg, args, trainer, suggest=False, **shape).total
+    measured = plan.measure(cfg, args, trainer, steps=2, **shape)
     err = (predicted - measured) / measured
     assert abs(err) <= TOL, f"{trainer} {name} {kw}: predicted {predicted / 1e6:.1f} MB, measured " \
                             f"{measured / 1e6:.1f} MB ({err:+.1%})"
@@ -55,6 +69,11 @@ def test_sft_prediction_within_15_percent(name, kw):
 @pytest.mark.parametrize("name,kw", DPO_CASES)
 def test_dpo_prediction_within_15_percent(name, kw):
     _check("dpo", DPOConfig, name, kw)
+
+
+@pytest.mark.parametrize("name,kw,prompt_length", GRPO_CASES)
+def test_grpo_prediction_within_15_percent(name, kw, prompt_length):
+    _check("grpo", GRPOConfig, name, kw, prompt_length=prompt_length)
 
 
 def test_suggestion_fits_when_applied():
@@ -101,3 +120,22 @@ def test_cli(capsys):
     assert plan.main(["--trainer", "dpo", "--max_length", "512", "--memory_limit", "150MB"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "smallest change that fits" in out
+
+
+def test_grpo_suggestion_fits_when_applied():
+    """GRPO under a limit 20% below its prediction: the suggested change, applied, measures within it."""
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=8, max_completion_length=64,
+                      gradient_checkpointing=False)
+    before = plan.predict(SMALL, args, "grpo", prompt_length=256, suggest=False)
+    limit = int(before.total * 0.8)
+    p = plan.predict(SMALL, args, "grpo", prompt_length=256, memory_limit=limit)
+    assert not p.fits and p.suggestion, p.table()
+    fixed = plan.dataclasses.replace(args, **p.suggestion)
+    measured = plan.measure(SMALL, fixed, "grpo", steps=2, prompt_length=256)
+    assert measured <= limit, (p.suggestion, measured, limit)
+
+
+def test_cli_grpo_measure(capsys):
+    assert plan.main(["--trainer", "grpo", "--measure", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache" in out and "prompt(s) of 64" in out and "measured" in out

@@ -229,13 +229,18 @@ class Trainer:
         from ..plan import predict
 
         try:
-            plan = predict(dict(self.model.config), self.args, self.planner_kind, suggest=False)
+            kw, shape = self._plan_shape()
+            plan = predict(dict(self.model.config), self.args, self.planner_kind, suggest=False, **kw)
         except (ValueError, KeyError, NotImplementedError) as e:
             self.print(f"memory plan: not available for this run ({e})")
             return None
-        self.print(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with every row at max_length "
+        self.print(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with {shape} "
                    "(python -m mlxrl.plan for the breakdown)")
         return plan
+
+    def _plan_shape(self) -> tuple[dict, str]:
+        """(extra planner arguments, the shape the prediction assumes, in words)."""
+        return {}, "every row at max_length"
 
     def print(self, *args):
         if self.is_main:

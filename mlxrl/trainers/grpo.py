@@ -359,6 +359,15 @@ class GRPOTrainer(Trainer):
         self._buffer = None
         self.generation_time = 0.0
 
+    def _plan_shape(self) -> tuple[dict, str]:
+        """The planner's prompt length: the longest of the first 64 prompts, rendered and tokenised
+        (an image counts as its one placeholder token: image tokens are not counted)."""
+        n = 0
+        for i, row in enumerate(self.rows[:64]):
+            text = self._render(row, i)[0]
+            n = max(n, len(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return {"prompt_length": n}, f"prompts of {n} tokens and every completion at max_completion_length"
+
     # ------------------------------------------------------------------ prompts
     def _render(self, row: dict, index: int) -> tuple[str, list, object]:
         """(prompt text, images, the prompt as reward functions see it)."""
