@@ -140,7 +140,9 @@ def test_dpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
     metrics = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-        assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-4, abs=1e-6)
+        # the margin is a difference of two ~1e-2 rewards: float32 summation order (all_sum vs one
+        # process) moves it by ~1e-6 absolute after a few Adam steps
+        assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-4, abs=1e-5)
 
 
 REWARD = """

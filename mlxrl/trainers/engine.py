@@ -60,6 +60,47 @@ def make_schedule(args, total_steps: int):
     return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), main], [warmup])
 
 
+def _adamw_kernel(wd: float, b1: float, b2: float, eps: float):
+    """One parameter's clipped AdamW step as one compiled kernel (MLX's AdamW(bias_correction=True)
+    arithmetic, torch.optim.AdamW's update), the hyper-parameters baked in: (g, w, m, v, scale, lr,
+    1 / (1 - b1^t), 1 / sqrt(1 - b2^t)) -> (w, m, v)."""
+
+    def step(g, w, m, v, scale, lr, c1, c2):
+        dt = g.dtype
+        g = g * scale.astype(dt)
+        lr = lr.astype(dt)
+        w = w * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * mx.square(g)
+        return w - (lr * c1.astype(dt)) * m / (mx.sqrt(v) * c2.astype(dt) + eps), m, v
+
+    return mx.compile(step)
+
+
+class FusedAdamW(optim.AdamW):
+    """AdamW (bias-corrected, as torch) whose per-parameter update is one compiled kernel, with the
+    gradient-clipping scale folded in (`grad_scale`, set before `update`): the clipped gradients are
+    never materialised. Measured on the 285M small model (CPU): clip + update 2.3 s vs 3.9 s eager. The
+    update stays a lazy graph over the old arrays, so MLX can reuse their buffers for the new ones (a
+    single mx.compile over the whole model and optimizer state would hold the old state alive: a
+    second copy of weights, m and v at the peak). Same state layout and checkpoints as optim.AdamW."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, bias_correction=True, **kw)
+        self.grad_scale = mx.array(1.0)
+        self._kernel = _adamw_kernel(float(self.weight_decay), float(self.betas[0]), float(self.betas[1]),
+                                     float(self.eps))
+
+    def apply_single(self, gradient, parameter, state):
+        b1, b2 = self.betas
+        step = self.step
+        c1 = 1 / (1 - b1**step)
+        c2 = mx.rsqrt(1 - b2**step)
+        w, state["m"], state["v"] = self._kernel(gradient, parameter, state["m"], state["v"], self.grad_scale,
+                                                 self.learning_rate, c1, c2)
+        return w
+
+
 def _atomic_dir(final: Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     return tmp
@@ -138,10 +179,11 @@ class Trainer:
         return self._compiled[key]
 
     def _update(self, grads):
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            grads, norm = optim.clip_grad_norm(grads, self.args.max_grad_norm)
-        else:
-            norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+        """Clip (global norm, folded into the fused AdamW kernel) and update; returns the norm."""
+        norm = mx.sqrt(sum(mx.square(g.astype(mx.float32)).sum() for _, g in tree_flatten(grads)))
+        clip = self.args.max_grad_norm
+        # torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
+        self.optimizer.grad_scale = mx.minimum(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else mx.array(1.0)
         self.optimizer.update(self.model, grads)
         return norm
 
@@ -178,9 +220,8 @@ class Trainer:
         args = self.args
         batches, steps_per_epoch, total = self._plan()
         self.total_steps = total
-        self.optimizer = optim.AdamW(learning_rate=make_schedule(args, total), betas=[args.adam_beta1, args.adam_beta2],
-                                     eps=args.adam_epsilon, weight_decay=args.weight_decay,
-                                     bias_correction=True)  # torch.optim.AdamW's update, as TRL trains
+        self.optimizer = FusedAdamW(learning_rate=make_schedule(args, total), betas=[args.adam_beta1, args.adam_beta2],
+                                    eps=args.adam_epsilon, weight_decay=args.weight_decay)
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
         trainable, total_params = lora_lib.trainable_count(self.model)
