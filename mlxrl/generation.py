@@ -47,6 +47,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from . import fastmath
 from .models.vl import QwenVLBase, mrope_positions
 
 IM_END, END_OF_TEXT = 151645, 151643
@@ -139,7 +140,7 @@ def top_p_filter(lp: mx.array, top_p: float, candidates: int = TOP_P_CANDIDATES)
         return apply_top_p(lp, top_p)
     top = mx.sort(mx.topk(lp, candidates, axis=-1), axis=-1)  # [B, K] ascending
     probs = mx.exp(top)
-    total = mx.exp(mx.logsumexp(lp, axis=-1, keepdims=True))  # rows may be unnormalised (after top_k)
+    total = mx.exp(fastmath.logsumexp(lp, axis=-1, keepdims=True))  # rows may be unnormalised (after top_k)
     above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
     dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)  # >= 1: the nucleus is inside
     if not (dropped >= 1).all().item():
@@ -157,7 +158,7 @@ def filter_logprobs(logits: mx.array, temperature: float = 1.0, top_k: int = 0, 
     z = logits.astype(mx.float32)
     if temperature != 1.0:
         z = z * (1.0 / temperature)
-    tempered = z - mx.logsumexp(z, axis=-1, keepdims=True)
+    tempered = z - fastmath.logsumexp(z, axis=-1, keepdims=True)
     lp = tempered
     if 0 < top_k < lp.shape[-1]:
         lp = apply_top_k(lp, int(top_k))
@@ -166,7 +167,7 @@ def filter_logprobs(logits: mx.array, temperature: float = 1.0, top_k: int = 0, 
     if min_p > 0.0:
         lp = apply_min_p(lp, float(min_p))
     if lp is not tempered:
-        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        lp = lp - fastmath.logsumexp(lp, axis=-1, keepdims=True)
     return lp, tempered
 
 
@@ -187,19 +188,19 @@ def sample_tokens(logits: mx.array, key: mx.array | None = None, *, temperature:
     tempered log-probs [B]); temperature 0 is argmax (both log-probs then at temperature 1)."""
     if temperature == 0:
         lp = logits.astype(mx.float32)
-        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        lp = lp - fastmath.logsumexp(lp, axis=-1, keepdims=True)
         tok = mx.argmax(lp, axis=-1).astype(mx.int32)
         chosen = mx.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
         return tok, chosen, chosen
     if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:  # no filter: one exp pass serves both
         z = logits.astype(mx.float32) * (1.0 / temperature)
         top = z.max(axis=-1, keepdims=True)
-        e = mx.exp(z - top)
+        e = fastmath.exp_shift(z, top)
         tok = _inverse_cdf(e, key)
         lp = (mx.take_along_axis(z, tok[:, None], -1) - top - mx.log(e.sum(axis=-1, keepdims=True)))[:, 0]
         return tok, lp, lp
     sampling, tempered = filter_logprobs(logits, temperature, top_k, top_p, min_p)
-    tok = _inverse_cdf(mx.exp(sampling), key)
+    tok = _inverse_cdf(fastmath.exp(sampling), key)
     pick = tok[:, None]
     return tok, mx.take_along_axis(sampling, pick, -1)[:, 0], mx.take_along_axis(tempered, pick, -1)[:, 0]
 

@@ -187,6 +187,23 @@ def device_memory_bytes() -> int | None:
         return None
 
 
+CPU_CACHE_LIMIT = 1 << 30  # bytes of freed buffers MLX keeps for reuse on CPU (its default is 32 MB)
+
+
+def default_cache_limit() -> None:
+    """On CPU, keep up to CPU_CACHE_LIMIT (1 GiB; env MLXRL_CACHE_LIMIT) of freed buffers for reuse.
+
+    MLX's CPU allocator keeps only 32 MB by default, so every larger temporary (a [1024, 151936]
+    logits tile is 622 MB; an attention score tensor at L=1024 is 64 MB) is returned to the OS and
+    the next one page-faults in again: measured, `z + 1` on that tile took 0.41 s with the default
+    and 0.12 s with the buffer reused. Raising the cache does not change `mx.get_peak_memory()`
+    (active memory); the process's resident size may be up to the cache limit above it."""
+    if default_device_kind() == "gpu":
+        return
+    value = os.environ.get("MLXRL_CACHE_LIMIT")
+    mx.set_cache_limit(_parse_bytes(value, device_memory_bytes()) if value else CPU_CACHE_LIMIT)
+
+
 def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> dict:
     """MLX's counterparts of PYTORCH_MPS_HIGH_WATERMARK_RATIO and friends.
 
@@ -214,3 +231,6 @@ def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> 
 def startup_line() -> str:
     dev = "gpu" if default_device_kind() == "gpu" else "cpu"
     return f"mlxrl: mlx {mx.__version__} on {dev}, BLAS {BLAS_IN_USE}, compute dtype {compute_dtype()}"
+
+
+default_cache_limit()

@@ -64,3 +64,15 @@ def test_openblas_coretype_is_set_unless_given():
     env["OPENBLAS_CORETYPE"] = "Haswell"
     run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
     assert run == "Haswell"
+
+
+def test_cpu_cache_limit_default_and_override():
+    env = {k: v for k, v in os.environ.items() if k != "MLXRL_CACHE_LIMIT"}
+    child = "import mlxrl, mlx.core as mx; print(mx.set_cache_limit(0))"
+    got = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
+    expect = runtime.CPU_CACHE_LIMIT if runtime.default_device_kind() == "cpu" else None
+    if expect is not None:
+        assert int(got) == expect
+        env["MLXRL_CACHE_LIMIT"] = "256MB"
+        got = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
+        assert int(got) == 256 << 20
