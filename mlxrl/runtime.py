@@ -187,11 +187,11 @@ def device_memory_bytes() -> int | None:
         return None
 
 
-CPU_CACHE_LIMIT = 1 << 30  # bytes of freed buffers MLX keeps for reuse on CPU (its default is 32 MB)
+CPU_CACHE_LIMIT = 256 << 20  # bytes of freed buffers MLX keeps for reuse on CPU (its default is 32 MB)
 
 
 def default_cache_limit() -> None:
-    """On CPU, keep up to CPU_CACHE_LIMIT (1 GiB; env MLXRL_CACHE_LIMIT) of freed buffers for reuse.
+    """On CPU, keep up to CPU_CACHE_LIMIT (256 MB; env MLXRL_CACHE_LIMIT) of freed buffers for reuse.
 
     MLX's CPU allocator keeps only 32 MB by default, so every larger temporary (a [1024, 151936]
     logits tile is 622 MB; an attention score tensor at L=1024 is 64 MB) is returned to the OS and
