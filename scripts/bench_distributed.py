@@ -26,6 +26,7 @@ from pathlib import Path
 
 CHILD = r"""
 import json, sys, time
+import mlxrl  # first: it loads the fast BLAS before mlx.core
 import mlx.core as mx
 from mlxrl.trainers import engine
 timings = []

@@ -83,9 +83,8 @@ def _args_common(a) -> dict:
 
 def run_ours(a, rows: list[dict], shared: bool) -> dict:
     sys.path.insert(0, str(ROOT))
+    import mlxrl  # noqa: I001  (first: it loads the fast BLAS before mlx.core)
     import mlx.core as mx
-
-    import mlxrl
     from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
 
     base = rss_gb()
