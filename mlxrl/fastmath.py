@@ -78,5 +78,5 @@ def logsumexp(x: mx.array, axis: int = -1, keepdims: bool = False) -> mx.array:
     """log(sum(exp(x))) along `axis` with the max shifted out; rows of all -inf give -inf."""
     m = mx.stop_gradient(x.max(axis=axis, keepdims=True))
     m = mx.where(mx.isfinite(m), m, 0.0)
-    out = m + mx.log(exp(x - m).sum(axis=axis, keepdims=True))
+    out = m + mx.log(exp_shift(x, m).sum(axis=axis, keepdims=True))
     return out if keepdims else out.squeeze(axis)

@@ -346,9 +346,10 @@ def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None 
         P = _grpo_prompt_length(args, prompt_length) + extra_tokens
         C = int(args.max_completion_length)
         n_p = max(1, B // int(args.num_generations))
+        if not getattr(args, "shared_prompt", True):  # every completion row carries its own prompt
+            return Shape(B * (P + C), B * (P + C) ** 2, B * C, label=f"B={B} L={P + C} (prompt not shared)")
         return Shape(n_p * P + B * C, n_p * P * P + B * C * (P + C), B * C,
-                     label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)"
-                     if getattr(args, "shared_prompt", True) else f"B={B} L={P + C}")
+                     label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)")
     return Shape(B * L, B * L * L, B * L, label=f"B={B} L={L}")
 
 
@@ -536,8 +537,8 @@ def _text(rng, n: int, vocab: int) -> str:
 
 def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0, prompt_length: int | None = None
                    ) -> list[dict]:
-    """Rows that fill max_length exactly (SFT: text; DPO: prompt + chosen / rejected halves; GRPO: prompts
-    of max_prompt_length, or max_length minus max_completion_length)."""
+    """Rows that fill max_length exactly (SFT: text; DPO: prompt + chosen / rejected halves); GRPO: prompts
+    of prompt_length tokens (default 512)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -643,10 +644,10 @@ def sweep(cfg: dict, args, trainer: str, lengths=None, ranks=None, prompt_length
     out = []
     key = "max_completion_length" if trainer == "grpo" else "max_length"
     L = int(getattr(args, key, None) or 256)
-    kw = {"prompt_length": prompt_length} if trainer == "grpo" else {}
 
     def row(name, a):
-        out.append((name, predict(cfg, a, trainer, suggest=False, **kw).total, measure(cfg, a, trainer, **kw)))
+        out.append((name, predict(cfg, a, trainer, suggest=False, prompt_length=prompt_length).total,
+                    measure(cfg, a, trainer, prompt_length=prompt_length)))
 
     for length in lengths or (max(16, L // 2), L, 2 * L):
         row(f"{key}={length}", dataclasses.replace(args, **{key: length}))
@@ -707,8 +708,7 @@ def main(argv=None) -> int:
     print(plan.table())
     if ns.measure:
         print(f"\nmeasuring {ns.steps} steps on random weights ({runtime.compute_dtype(args.dtype)}) ...", flush=True)
-        got = measure(cfg, args, trainer, steps=ns.steps,
-                      **({"prompt_length": ns.prompt_length} if trainer == "grpo" else {}))
+        got = measure(cfg, args, trainer, steps=ns.steps, prompt_length=ns.prompt_length)
         print(f"predicted {fmt(plan.total)}  measured {fmt(got)}  error {(plan.total - got) / got:+.1%}")
         if ns.sweep:
             print(f"\n{'setting':<24}{'predicted':>12}{'measured':>12}{'error':>9}")

@@ -33,6 +33,7 @@ OPENBLAS_PATHS = (
 )
 
 BLAS_IN_USE = "system"  # what the startup line reports
+REFERENCE_CHOICES = ("none", "off", "0", "reference")  # MLXRL_BLAS values that keep MLX's bundled BLAS
 
 
 def _bundled_reference_blas() -> bool:
@@ -104,14 +105,14 @@ def setup_blas() -> str:
         return BLAS_IN_USE
     if "mlx.core" in sys.modules:
         BLAS_IN_USE = "unchanged (mlx.core was imported before mlxrl)"
-        if choice not in ("none", "off", "0", "reference") and _bundled_reference_blas():
+        if choice not in REFERENCE_CHOICES and _bundled_reference_blas():
             # measured: loading OpenBLAS after mlx.core does not rebind MLX's sgemm (4.7 GFLOP/s)
             import warnings
 
             warnings.warn("mlx.core was imported before mlxrl, so MLX keeps the reference BLAS its Linux wheel "
                           "bundles (fp32 matmul ~50x slower); import mlxrl before mlx.core", stacklevel=3)
         return BLAS_IN_USE
-    if choice in ("none", "off", "0", "reference"):
+    if choice in REFERENCE_CHOICES:
         BLAS_IN_USE = "reference (MLXRL_BLAS=none)"
         return BLAS_IN_USE
     if not _bundled_reference_blas() and choice == "auto":

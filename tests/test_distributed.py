@@ -51,6 +51,18 @@ def launch(n, command, timeout=300):
                            sys.executable, *command], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def run_one_and_two(args, tmp_path, one, two):
+    """`python *args(out, one)` in one process and `*args(out, two)` on 2 ranks: their metrics.jsonl
+    rows, paired step by step."""
+    single = subprocess.run([sys.executable, *args(tmp_path / "one", one)], capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-2000:]
+    ranks = launch(2, args(tmp_path / "two", two))
+    assert "2 data-parallel ranks" in ranks.stdout, ranks.stdout[-2000:] + ranks.stderr[-2000:]
+    metrics = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    return list(zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True))
+
+
 def weights(folder):
     return {k: np.array(v) for f in sorted(folder.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
 
@@ -133,12 +145,7 @@ def test_dpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
                 "--compile", "false", "--gradient_checkpointing", "false", "--disable_tqdm", "true",
                 "--logging_steps", "1", "--save_steps", "0", "--max_length", "64"]
 
-    one = subprocess.run([sys.executable, *args(tmp_path / "one", 4)], capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = launch(2, args(tmp_path / "two", 2))
-    assert "2 data-parallel ranks" in two.stdout, two.stdout[-2000:] + two.stderr[-2000:]
-    metrics = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+    for a, b in run_one_and_two(args, tmp_path, 4, 2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         # the margin is a difference of two ~1e-2 rewards: float32 summation order (all_sum vs one
         # process) moves it by ~1e-6 absolute after a few Adam steps
@@ -169,12 +176,7 @@ def test_grpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
                 "--compile", "false", "--gradient_checkpointing", "false", "--disable_tqdm", "true",
                 "--logging_steps", "1", "--save_steps", "0", "--scale_rewards", "batch", "--seed", "5"]
 
-    one = subprocess.run([sys.executable, *args(tmp_path / "one", 4)], capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = launch(2, args(tmp_path / "two", 2))
-    assert "2 data-parallel ranks" in two.stdout, two.stdout[-2000:] + two.stderr[-2000:]
-    metrics = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+    for a, b in run_one_and_two(args, tmp_path, 4, 2):
         for key in ("loss", "reward", "reward_std", "completions/mean_length"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     a, b = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")

@@ -45,6 +45,8 @@ GRPO_CASES = [
     ("small", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=64, beta=0.04), 128),
     ("small", dict(num_generations=8, per_device_train_batch_size=4, max_completion_length=128,
                    steps_per_generation=2), 256),
+    ("small", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=64,
+                   gradient_checkpointing=False, shared_prompt=False), 256),  # every row forwards its prompt
 ]
 
 
