@@ -80,7 +80,8 @@ def _adamw_kernel(wd: float, b1: float, b2: float, eps: float):
 class FusedAdamW(optim.AdamW):
     """AdamW (bias-corrected, as torch) whose per-parameter update is one compiled kernel, with the
     gradient-clipping scale folded in (`grad_scale`, set before `update`): the clipped gradients are
-    never materialised. Measured on the 285M small model (CPU): clip + update 2.3 s vs 3.9 s eager. The
+    never materialised. `python scripts/bench_cpu_ops.py` (281M parameters, CPU, side by side): 2.36 s vs 5.04 s for
+    clip_grad_norm + optim.AdamW. The
     update stays a lazy graph over the old arrays, so MLX can reuse their buffers for the new ones (a
     single mx.compile over the whole model and optimizer state would hold the old state alive: a
     second copy of weights, m and v at the peak). Same state layout and checkpoints as optim.AdamW."""
