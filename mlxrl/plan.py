@@ -53,6 +53,7 @@ SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
 SCORE_COPIES = 1.25
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
+GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
 HEAD_TILES = 7.0            # live [rows, chunk] fp32 tiles of the streamed head (compiled step)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
@@ -269,7 +270,8 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
         layer *= LORA_SAVED
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
     kept = a.layers * (s * sh.tokens * a.D if checkpointing else layer)
-    extra = (CKPT_LAYERS if checkpointing else BACKWARD_LAYERS) * layer
+    ckpt = GRPO_CKPT_LAYERS if trainer == "grpo" else CKPT_LAYERS
+    extra = (ckpt if checkpointing else BACKWARD_LAYERS) * layer
     return max(kept, a.layer_trainable_bytes) + extra + edges
 
 
@@ -277,12 +279,16 @@ def head_bytes(a: Arch, args, rows: int, s: int) -> float:
     """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 7 with the compiled step, 16
     eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
     [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
-    if getattr(args, "head_mode", "differentiable") in ("fused", "two_phase"):
+    mode = getattr(args, "head_mode", "differentiable")
+    if mode == "auto":  # GRPO: fused at token-level importance sampling
+        mode = "fused" if getattr(args, "importance_sampling_level", "token") == "token" else "differentiable"
+    if mode in ("fused", "two_phase"):
         # row chunks x the full vocabulary; measured (CPU, fp32): one [V, D] (the weight-gradient
-        # accumulator, kept even for a frozen head) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5
+        # accumulator, none for a frozen head) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5
         chunk_rows = min(rows, max(8, ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
         chunks = -(-rows // chunk_rows)
-        return 4 * a.V * a.D + min(3 + 2.2 * (chunks - 1), 6.5) * 4 * chunk_rows * a.V
+        dw = 4 * a.V * a.D if a.head_trainable else 0  # a frozen head accumulates no d_weight
+        return dw + min(3 + 2.2 * (chunks - 1), 6.5) * 4 * chunk_rows * a.V
     chunk = min(args.chunk_size or _default_chunk(rows, a.V), a.V)
     tile = 4 * rows * chunk
     every = 4 * rows * a.V  # all tiles of one pass

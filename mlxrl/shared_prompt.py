@@ -190,6 +190,35 @@ def shared_prompt_logprobs(
                   skip_ignored)
 
 
+def repeated_hidden(
+    model,
+    prompt_ids: mx.array,
+    prompt_mask: mx.array,
+    completion_ids: mx.array,
+    completion_mask: mx.array,
+    *,
+    pixel_values: mx.array | None = None,
+    image_grid_thw: mx.array | None = None,
+) -> mx.array:
+    """`shared_prompt_hidden`'s hidden states [P*G, C, D] by forwarding each of the P*G rows
+    `prompt + completion` separately (each prompt and its images repeated G times). Eager (images
+    are regrouped in numpy)."""
+    P, Lp = prompt_ids.shape
+    n, C = completion_ids.shape
+    G = n // P
+    ids, mask, pv, grid = repeat_prompts(model, G, prompt_ids, prompt_mask.astype(mx.int32), pixel_values,
+                                         image_grid_thw)
+    ids = mx.concatenate([ids, completion_ids.astype(ids.dtype)], axis=1)
+    mask = mx.concatenate([mask, completion_mask.astype(mx.int32)], axis=1)
+    positions, _ = prompt_positions(model, ids, mask, grid)
+    kwargs = dict(pixel_values=pv, image_grid_thw=grid) if pv is not None else {}
+    h = model(ids, attention_mask=mask, position_ids=positions, return_hidden=True, **kwargs)  # [P*G, Lp+C, D]
+    # token t of the completion is predicted at the prompt's last real token (t = 0) or at Lp + t - 1
+    first = _last_real(mask[:, :Lp])[:, None]
+    rest = mx.broadcast_to(Lp + mx.arange(C - 1, dtype=mx.int32)[None], (n, C - 1))
+    return mx.take_along_axis(h, mx.concatenate([first, rest], axis=1)[..., None], axis=1)
+
+
 def repeated_logprobs(
     model,
     prompt_ids: mx.array,
@@ -205,21 +234,9 @@ def repeated_logprobs(
     skip_ignored: bool = True,
 ):
     """The same log-probs as `shared_prompt_logprobs` by forwarding each of the P*G rows
-    `prompt + completion` separately (each prompt and its images repeated G times): the
-    reference, and the baseline with prompt sharing off. Eager (images are regrouped in numpy)."""
-    P, Lp = prompt_ids.shape
-    n, C = completion_ids.shape
-    G = n // P
-    ids, mask, pv, grid = repeat_prompts(model, G, prompt_ids, prompt_mask.astype(mx.int32), pixel_values,
-                                         image_grid_thw)
-    ids = mx.concatenate([ids, completion_ids.astype(ids.dtype)], axis=1)
-    mask = mx.concatenate([mask, completion_mask.astype(mx.int32)], axis=1)
-    positions, _ = prompt_positions(model, ids, mask, grid)
-    kwargs = dict(pixel_values=pv, image_grid_thw=grid) if pv is not None else {}
-    h = model(ids, attention_mask=mask, position_ids=positions, return_hidden=True, **kwargs)  # [P*G, Lp+C, D]
-    # token t of the completion is predicted at the prompt's last real token (t = 0) or at Lp + t - 1
-    first = _last_real(mask[:, :Lp])[:, None]
-    rest = mx.broadcast_to(Lp + mx.arange(C - 1, dtype=mx.int32)[None], (n, C - 1))
-    hidden = mx.take_along_axis(h, mx.concatenate([first, rest], axis=1)[..., None], axis=1)
+    `prompt + completion` separately (`repeated_hidden`): the reference, and the baseline with
+    prompt sharing off."""
+    hidden = repeated_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                             pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     return _score(model, hidden, completion_ids, completion_mask, temperature, return_entropy, chunk_size,
                   skip_ignored)

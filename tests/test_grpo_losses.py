@@ -23,6 +23,8 @@ from mlxrl.losses.grpo import (
     compute_advantages,
     group_advantages,
     grpo_loss,
+    grpo_token_loss,
+    grpo_token_weights,
     k3_kl,
     rewards_to_array,
 )
@@ -163,6 +165,30 @@ def test_loss_metrics_and_grad_match_trl(loss_type, level, beta, delta):
         **common,
     )
     _assert_same(mine, theirs)
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+@pytest.mark.parametrize("beta,delta", [(0.0, None), (0.04, 1.5)])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_token_separable_form_matches_trl(loss_type, beta, delta, on_policy):
+    """What the fused head computes: sum(w * l(logp, old, ref, A)) with w = grpo_token_weights and l =
+    grpo_token_loss applied elementwise; loss and d loss / d logp against TRL's _compute_loss."""
+    x = _inputs(7)
+    kw = dict(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=_eps_high(loss_type), delta=delta)
+    normalizer = 37.0 if loss_type in TOKEN_SUM_LOSS_TYPES else None
+    extra = dict(num_items_in_batch=37) if normalizer else {}
+    t_loss, _, t_grad = trl_loss(x, level="token", on_policy=on_policy, **kw, **extra)
+    l_fn = grpo_token_loss(on_policy=on_policy, **kw)
+    w = grpo_token_weights(mx.array(x["mask"]), loss_type, max_completion_length=16, normalizer=normalizer)
+    adv = mx.broadcast_to(mx.array(x["adv"])[:, None], (B, T))
+    old = mx.zeros((B, T)) if on_policy else mx.array(x["old"])
+
+    def f(lp):
+        return (w * l_fn(lp, old, mx.array(x["ref"]), adv)).sum()
+
+    loss, grad = mx.value_and_grad(f)(mx.array(x["logps"]))
+    assert abs(loss.item() - t_loss) <= 1e-5 * max(1.0, abs(t_loss)), (loss.item(), t_loss)
+    np.testing.assert_allclose(np.array(grad), t_grad, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -165,6 +165,40 @@ def test_on_policy_shortcut_and_shared_prompt_off(text_setup):
     assert abs(loss.item() - loss2.item()) <= 1e-6
 
 
+@pytest.mark.parametrize("loss_type,shared", [("dapo", True), ("grpo", False), ("cispo", True), ("sapo", True)])
+def test_fused_head_gives_the_differentiable_heads_gradients(loss_type, shared, text_setup):
+    """head_mode fused (one pass over row chunks, token-level loss as a callable) against the vocab-tiled
+    differentiable head + grpo_loss: the same loss, metrics and parameter gradients, with old and reference
+    log-probs (beta 0.04)."""
+    folder, hf, model, processor, tmp = text_setup
+    a = config(tmp, loss_type=loss_type, beta=0.04, epsilon_high=1.2 if loss_type == "cispo" else 0.28,
+               per_device_train_batch_size=8, temperature=0.8, shared_prompt=shared, head_mode="differentiable")
+    trainer = GRPOTrainer(model, processor, a, train_dataset=TEXT_ROWS * 2, reward_funcs=length_reward)
+    batch, g = _fixed_batch(2)
+    mine = np.array(trainer.policy_logps(model, trainer.to_device(batch), return_entropy=False))
+    batch["old_logps"] = (mine + 0.3 * g.normal(size=mine.shape)).astype(np.float32) * batch["completion_mask"]
+    batch["ref_logps"] = (mine + 0.2 * g.normal(size=mine.shape)).astype(np.float32) * batch["completion_mask"]
+    arrays = trainer.to_device(batch)
+    num_items = mx.array(float(batch["completion_mask"].sum()) if loss_type in ("dapo", "cispo") else 1.0)
+    out = {}
+    for mode in ("differentiable", "fused"):
+        trainer.args.head_mode = mode
+
+        def f(params):
+            model.update(params)
+            return trainer.loss(model, arrays, num_items)
+
+        (loss, metrics), grads = mx.value_and_grad(f)(model.trainable_parameters())
+        out[mode] = loss.item(), {k: v.item() for k, v in metrics.items()}, dict(tree_flatten(grads))
+    (l1, m1, g1), (l2, m2, g2) = out["differentiable"], out["fused"]
+    assert abs(l1 - l2) <= 1e-5 * max(1.0, abs(l1)), (l1, l2)
+    assert m1.keys() == m2.keys()
+    for k in m1:
+        assert abs(m1[k] - m2[k]) <= 1e-5 * max(1.0, abs(m1[k])), (k, m1[k], m2[k])
+    for k in g1:
+        np.testing.assert_allclose(np.array(g2[k]), np.array(g1[k]), atol=1e-5, rtol=1e-4, err_msg=k)
+
+
 # --------------------------------------------------------------------------------------- rewards
 
 

@@ -318,6 +318,25 @@ _CLIP_METRICS = {"clip": _clip_metrics, "cispo": _cispo_metrics, None: lambda *a
 # --------------------------------------------------------------------------------------------------- the loss
 
 
+def _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg) -> dict:
+    return {"epsilon_low": epsilon, "epsilon_high": epsilon if epsilon_high is None else epsilon_high,
+            "delta": delta, "sapo_temperature_pos": sapo_temperature_pos,
+            "sapo_temperature_neg": sapo_temperature_neg}
+
+
+def _per_token(log_w, logps, ref_logps, advantages, surrogate, clip, beta, use_bias_correction_kl):
+    """Per-token loss (surrogate + beta * KL), the ratio for the clip metrics, and the KL (or None)."""
+    coef_1 = mx.exp(log_w)
+    per_token_loss, ratio = surrogate(coef_1, advantages, logps, **clip)
+    kl = None
+    if beta != 0.0:
+        kl = k3_kl(logps, ref_logps.astype(mx.float32))
+        if use_bias_correction_kl:
+            kl = kl * coef_1
+        per_token_loss = per_token_loss + beta * kl
+    return per_token_loss, ratio, kl
+
+
 def grpo_loss(
     logps: mx.array,
     old_logps: mx.array | None,
@@ -374,13 +393,7 @@ def grpo_loss(
     if beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps")
     surrogate, aggregate, metric_family = LOSS_TYPES[loss_type]
-    clip = {
-        "epsilon_low": epsilon,
-        "epsilon_high": epsilon if epsilon_high is None else epsilon_high,
-        "delta": delta,
-        "sapo_temperature_pos": sapo_temperature_pos,
-        "sapo_temperature_neg": sapo_temperature_neg,
-    }
+    clip = _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg)
 
     logps = logps.astype(mx.float32)
     mask = completion_mask.astype(mx.float32)
@@ -390,15 +403,11 @@ def grpo_loss(
         advantages = advantages[:, None]  # [B, 1]
 
     log_w = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](logps - old_logps, mask)  # [B, T] or [B, 1]
-    coef_1 = mx.exp(log_w)
-    per_token_loss, ratio = surrogate(coef_1, advantages, logps, **clip)
+    per_token_loss, ratio, kl = _per_token(log_w, logps, ref_logps, advantages, surrogate, clip, beta,
+                                           use_bias_correction_kl)
 
     metrics = {}
     if beta != 0.0:
-        kl = k3_kl(logps, ref_logps.astype(mx.float32))  # [B, T]
-        if use_bias_correction_kl:
-            kl = kl * coef_1
-        per_token_loss = per_token_loss + beta * kl
         metrics["kl"] = _global_masked_mean(kl, mask)
     if entropy is not None:
         metrics["entropy"] = _global_masked_mean(entropy.astype(mx.float32), mask)
@@ -406,3 +415,55 @@ def grpo_loss(
 
     loss = aggregate(per_token_loss, mask, max_completion_length=max_completion_length, normalizer=normalizer)
     return loss, metrics
+
+
+# ------------------------------------------------------------------- the token-separable form (fused LM head)
+
+
+def grpo_token_loss(
+    loss_type: str = "dapo",
+    *,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    on_policy: bool = False,
+    use_bias_correction_kl: bool = True,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+):
+    """Token-level GRPO's per-token loss as an elementwise callable `l(logp, old_logp, ref_logp, advantage)`,
+    for `fused_head_loss(..., loss_type=l, token_weights=grpo_token_weights(...), token_args=(old, ref, A))`.
+
+    With importance_sampling_level="token" every loss type is `sum_it w_it l(logp_it)` with weights that do
+    not depend on logp (`grpo_token_weights`): the gradient w.r.t. each token's logp is known from that token
+    alone, which is what lets the fused head do loss and gradients in one pass. on_policy: old = sg(logp)
+    (`old_logp` is then ignored); `ref_logp` is ignored when beta == 0. Equals `grpo_loss` (tested).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
+    surrogate = LOSS_TYPES[loss_type][0]
+    clip = _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg)
+
+    def token_loss(logp, old_logp, ref_logp, advantage):
+        old = mx.stop_gradient(logp) if on_policy else old_logp
+        return _per_token(logp - old, logp, ref_logp, advantage, surrogate, clip, beta, use_bias_correction_kl)[0]
+
+    return token_loss
+
+
+def grpo_token_weights(
+    completion_mask: mx.array,
+    loss_type: str = "dapo",
+    *,
+    max_completion_length: int | None = None,
+    normalizer: mx.array | float | None = None,
+) -> mx.array:
+    """Weights w [B, T] with `aggregate(l, mask) == sum(w * l)` for every per-token loss l: each loss type's
+    aggregation is linear in l, so w is its gradient (taken at l = 0, from the aggregation itself)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
+    aggregate = LOSS_TYPES[loss_type][1]
+    mask = completion_mask.astype(mx.float32)
+    return mx.grad(lambda lt: aggregate(lt, mask, max_completion_length=max_completion_length,
+                                        normalizer=normalizer))(mx.zeros_like(mask))

@@ -50,7 +50,16 @@ import mlx.core as mx
 import numpy as np
 
 from ..data.formats import _fill_images, _is_messages, _row_images
-from ..losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, TOKEN_SUM_LOSS_TYPES, compute_advantages, grpo_loss
+from ..losses.grpo import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    TOKEN_SUM_LOSS_TYPES,
+    compute_advantages,
+    grpo_loss,
+    grpo_token_loss,
+    grpo_token_weights,
+)
+from ..losses.head import IGNORE_INDEX, fused_head_loss
 from .config import TrainConfig, _f
 from .dpo import adapters_disabled, frozen_copy
 from .engine import Trainer
@@ -66,8 +75,10 @@ class GRPOConfig(TrainConfig):
     ValueError when set to anything but their default (see `check_grpo_config`)."""
 
     learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's GRPO default)")
-    head_mode: str = _f("differentiable", "(mlxrl) GRPO drives the streamed head differentiably (its per-token "
-                                          "gradients depend on whole sequences)")
+    head_mode: str = _f("auto", "(mlxrl) auto | fused | differentiable: how the streamed LM head runs in training. "
+                                "fused: row chunks, loss and gradients in one pass (3 matmuls and one exp per logit; "
+                                "token-level importance sampling only); differentiable: vocab tiles with a streamed "
+                                "VJP (4 matmuls, two exps; any loss); auto: fused at token level, else differentiable")
     per_device_train_batch_size: int = _f(8, "completions per micro-batch (TRL counts completions, not prompts)")
     # model
     model_init_kwargs: str | None = _f(None, "not supported: load the model with mlxrl.load")
@@ -263,8 +274,16 @@ def check_grpo_config(args: GRPOConfig) -> None:
                          "prompt")
     if args.beta < 0:
         raise ValueError(f"beta must be >= 0, got {args.beta}")
-    if args.head_mode != "differentiable":
-        raise ValueError(f"head_mode={args.head_mode!r}: GRPO supports only the differentiable streamed head")
+    if args.head_mode not in ("auto", "fused", "differentiable"):
+        raise ValueError(f"head_mode={args.head_mode!r}: use auto, fused or differentiable")
+    if args.head_mode == "fused" and args.importance_sampling_level != "token":
+        raise ValueError("head_mode=fused needs importance_sampling_level='token' (a sequence-level ratio couples "
+                         "the tokens of a sequence): use head_mode auto or differentiable")
+
+
+def uses_fused_head(args) -> bool:
+    """Whether GRPO training runs the fused row-chunked head (token-level importance sampling)."""
+    return args.head_mode == "fused" or (args.head_mode == "auto" and args.importance_sampling_level == "token")
 
 
 def load_reward_func(spec: str):
@@ -358,6 +377,7 @@ class GRPOTrainer(Trainer):
         self._pending_metrics: dict[str, list[float]] = {}
         self._buffer = None
         self.generation_time = 0.0
+        self._head_trainable = self.head_trainable
 
     def _plan_shape(self) -> tuple[dict, str]:
         """The planner's prompt length: the longest of the first 64 prompts, rendered and tokenised
@@ -602,20 +622,63 @@ class GRPOTrainer(Trainer):
                                  batch["completion_mask"], temperature=a.temperature, return_entropy=return_entropy,
                                  chunk_size=a.chunk_size, skip_ignored=not a.compile, **kw)
 
+    def _completion_hidden(self, model, batch):
+        from ..shared_prompt import repeated_hidden, shared_prompt_hidden
+
+        kw = self._model_kwargs(batch)
+        if self.args.shared_prompt:
+            return shared_prompt_hidden(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                        **kw)
+        kw.pop("vision_meta", None)
+        return repeated_hidden(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                               batch["completion_mask"], **kw)
+
+    def _loss_kwargs(self):
+        a = self.args
+        return dict(loss_type=a.loss_type, beta=a.beta, epsilon=a.epsilon, epsilon_high=a.epsilon_high, delta=a.delta,
+                    use_bias_correction_kl=a.use_bias_correction_kl, sapo_temperature_pos=a.sapo_temperature_pos,
+                    sapo_temperature_neg=a.sapo_temperature_neg)
+
+    def _fused_loss(self, model, batch, num_items):
+        """Token-level GRPO through the fused head: loss and its gradients in one pass over row chunks
+        (`fused_head_loss` with `grpo_token_loss` / `grpo_token_weights`); log-probs and entropy come out
+        of the same pass for the metrics."""
+        a = self.args
+        hidden = self._completion_hidden(model, batch)
+        n, C, D = hidden.shape
+        mask = batch["completion_mask"].astype(mx.float32)
+        targets = mx.where(mask > 0, batch["completion_ids"], IGNORE_INDEX).reshape(-1)
+        token_sum = a.loss_type in TOKEN_SUM_LOSS_TYPES
+        weights = grpo_token_weights(mask, a.loss_type, max_completion_length=a.max_completion_length,
+                                     normalizer=num_items if token_sum else None)
+        if not token_sum:
+            weights = weights / num_items  # TRL divides each micro-batch's mean by grad_accum
+        old, ref = batch.get("old_logps"), batch.get("ref_logps")
+        zeros = mx.zeros((n, C), mx.float32)
+        adv = mx.broadcast_to(batch["advantages"].astype(mx.float32).reshape(n, -1), (n, C))
+        token_args = [(zeros if x is None else x.astype(mx.float32)).reshape(-1) for x in (old, ref, adv)]
+        kw = self._loss_kwargs()
+        token_loss = grpo_token_loss(on_policy=old is None, **kw)
+        loss, logp, ent, _ = fused_head_loss(hidden.reshape(-1, D), model.lm_head_weight(), targets,
+                                             loss_type=token_loss, token_weights=weights.reshape(-1),
+                                             token_args=token_args, temperature=a.temperature,
+                                             skip_ignored=not a.compile, weight_grad=self._head_trainable)
+        logp = mx.stop_gradient(logp.reshape(n, C))
+        _, metrics = grpo_loss(logp, old, ref, batch["advantages"], mask, max_completion_length=a.max_completion_length,
+                               entropy=ent.reshape(n, C), **kw)
+        return loss, metrics
+
     def loss(self, model, batch, num_items):
         a = self.args
+        if uses_fused_head(a):
+            return self._fused_loss(model, batch, num_items)
         logps, entropy = self.policy_logps(model, batch)
         token_sum = a.loss_type in TOKEN_SUM_LOSS_TYPES
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
-                                  batch["completion_mask"], loss_type=a.loss_type, beta=a.beta, epsilon=a.epsilon,
-                                  epsilon_high=a.epsilon_high, delta=a.delta,
-                                  importance_sampling_level=a.importance_sampling_level,
+                                  batch["completion_mask"], importance_sampling_level=a.importance_sampling_level,
                                   max_completion_length=a.max_completion_length,
-                                  normalizer=num_items if token_sum else None,
-                                  use_bias_correction_kl=a.use_bias_correction_kl,
-                                  sapo_temperature_pos=a.sapo_temperature_pos,
-                                  sapo_temperature_neg=a.sapo_temperature_neg,
-                                  entropy=mx.stop_gradient(entropy))
+                                  normalizer=num_items if token_sum else None, entropy=mx.stop_gradient(entropy),
+                                  **self._loss_kwargs())
         # mean-type losses: TRL divides each micro-batch's mean by grad_accum (num_items sums 1 per micro-batch)
         return (loss if token_sum else loss / num_items), metrics
 
