@@ -16,9 +16,11 @@ How it runs:
   `mrope_positions`, and the next token of each row sits at its max position + 1 (the real length
   plus the row's rope delta), on all three axes. Padding keys are masked out at every step.
 * **sampling** follows transformers' order: logits / temperature -> top_k -> top_p -> min_p, then a
-  categorical draw by inverse CDF (`temperature=0`: argmax). The filters are mlx-lm's (`apply_top_k`,
-  `apply_top_p`, `apply_min_p`), applied to the *tempered* log-probs (mlx-lm's own `make_sampler`
-  filters before the temperature, which is not what transformers / vLLM / TRL do).
+  categorical draw by inverse CDF (`temperature=0`: argmax). The filters are transformers' warpers
+  (checked against them), applied to the *tempered* distribution (mlx-lm's own `make_sampler` filters
+  before the temperature, which is not what transformers / vLLM / TRL do), on its unnormalised
+  weights: one exp per logit and ~5 live [B, V] arrays (mlx-lm's `apply_top_k` / `apply_top_p` on
+  log-probs held ~14 at B=64, V=151936).
 * **stopping.** A row finishes at its first stop token (kept in the completion and in the mask, like
   TRL's completion mask); afterwards it emits `pad_token_id` with mask 0. The loop ends when every
   row has finished or after `max_tokens` tokens (those rows are `truncated`).
@@ -45,7 +47,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import fastmath
 from .models.vl import QwenVLBase, mrope_positions
@@ -130,45 +131,51 @@ def repeat_prompts(model, num_generations: int, input_ids, attention_mask, pixel
 TOP_P_CANDIDATES = 1024
 
 
-def top_p_filter(lp: mx.array, top_p: float, candidates: int = TOP_P_CANDIDATES) -> mx.array:
-    """mlx-lm's `apply_top_p` (keep a token while the mass strictly above it is < top_p), without
-    sorting the whole vocabulary when the nucleus lies inside the top `candidates` tokens of every
-    row: MLX's CPU sort of a [B, 151936] row block is ~10x slower than `topk`. Falls back to
-    `apply_top_p` otherwise (checked eagerly: generation is not compiled)."""
-    V = lp.shape[-1]
-    if candidates >= V:
-        return apply_top_p(lp, top_p)
-    top = mx.sort(mx.topk(lp, candidates, axis=-1), axis=-1)  # [B, K] ascending
-    probs = mx.exp(top)
-    total = mx.exp(fastmath.logsumexp(lp, axis=-1, keepdims=True))  # rows may be unnormalised (after top_k)
-    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-    dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)  # >= 1: the nucleus is inside
-    if not (dropped >= 1).all().item():
-        return apply_top_p(lp, top_p)
-    threshold = mx.take_along_axis(top, dropped, axis=-1)
-    return mx.where(lp < threshold, -mx.inf, lp)
+def _top_p_weights(w: mx.array, top_p: float, candidates: int = TOP_P_CANDIDATES) -> mx.array:
+    """transformers' top_p on unnormalised weights w [B, V]: keep a token while the mass strictly above
+    it is < top_p of the row's total (so the smallest set reaching top_p; ties with its last token
+    kept), 0 elsewhere. Sorts only the top `candidates` of each row when the nucleus lies inside them
+    (MLX's CPU sort of a [B, 151936] block is ~10x slower than `topk`); the whole row otherwise."""
+    V = w.shape[-1]
+    k = min(candidates, V)
+    top = mx.sort(mx.topk(w, k, axis=-1), axis=-1) if k < V else mx.sort(w, axis=-1)  # [B, k] ascending
+    above = mx.cumsum(top, axis=-1, reverse=True, inclusive=False)
+    dropped = (above >= top_p * w.sum(axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)
+    if k < V and not (dropped >= 1).all().item():  # the nucleus reaches past the candidates
+        return _top_p_weights(w, top_p, V)
+    return mx.where(w < mx.take_along_axis(top, dropped, axis=-1), 0.0, w)
+
+
+def filtered_weights(logits: mx.array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     min_p: float = 0.0):
+    """(z, zmax, e, w) for logits [B, V]: z = logits / temperature (float32), zmax its row max,
+    e = exp(z - zmax) (the tempered distribution, unnormalised) and w = e with filtered tokens set to 0,
+    in transformers' order: top_k (below the k-th largest z; ties kept), top_p (of what top_k left),
+    min_p (p < min_p * p_max, i.e. w < min_p: the top token has w = 1 and is never filtered).
+    Working on weights instead of log-probs keeps ~5 [B, V] arrays alive instead of ~14 (measured at
+    B=64, V=151936) and needs one exp per element."""
+    z = logits.astype(mx.float32)
+    if temperature != 1.0:
+        z = z * (1.0 / temperature)
+    zmax = z.max(axis=-1, keepdims=True)
+    e = w = fastmath.exp_shift(z, zmax)
+    if 0 < top_k < z.shape[-1]:
+        w = mx.where(z < mx.topk(z, int(top_k), axis=-1).min(axis=-1, keepdims=True), 0.0, w)
+    if 0 < top_p < 1.0:
+        w = _top_p_weights(w, float(top_p))
+    if min_p > 0.0:
+        w = mx.where(w < min_p, 0.0, w)
+    return z, zmax, e, w
 
 
 def filter_logprobs(logits: mx.array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                     min_p: float = 0.0) -> tuple[mx.array, mx.array]:
-    """(sampling log-probs, tempered log-probs), float32 [B, V].
-
-    tempered = log softmax(logits / temperature); sampling = tempered filtered by top_k, then top_p,
-    then min_p (transformers' order; filtered tokens -inf), renormalised."""
-    z = logits.astype(mx.float32)
-    if temperature != 1.0:
-        z = z * (1.0 / temperature)
-    tempered = z - fastmath.logsumexp(z, axis=-1, keepdims=True)
-    lp = tempered
-    if 0 < top_k < lp.shape[-1]:
-        lp = apply_top_k(lp, int(top_k))
-    if 0 < top_p < 1.0:
-        lp = top_p_filter(lp, float(top_p))
-    if min_p > 0.0:
-        lp = apply_min_p(lp, float(min_p))
-    if lp is not tempered:
-        lp = lp - fastmath.logsumexp(lp, axis=-1, keepdims=True)
-    return lp, tempered
+    """(sampling log-probs, tempered log-probs), float32 [B, V]: tempered = log softmax(logits /
+    temperature); sampling = tempered filtered by top_k, top_p, min_p (filtered tokens -inf) and
+    renormalised (vLLM's processed log-probs). From `filtered_weights`."""
+    z, zmax, e, w = filtered_weights(logits, temperature, top_k, top_p, min_p)
+    tempered = z - zmax - mx.log(e.sum(axis=-1, keepdims=True))
+    return mx.log(w) - mx.log(w.sum(axis=-1, keepdims=True)), tempered
 
 
 def _inverse_cdf(weights: mx.array, key: mx.array | None) -> mx.array:
@@ -192,17 +199,14 @@ def sample_tokens(logits: mx.array, key: mx.array | None = None, *, temperature:
         tok = mx.argmax(lp, axis=-1).astype(mx.int32)
         chosen = mx.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
         return tok, chosen, chosen
-    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:  # no filter: one exp pass serves both
-        z = logits.astype(mx.float32) * (1.0 / temperature)
-        top = z.max(axis=-1, keepdims=True)
-        e = fastmath.exp_shift(z, top)
-        tok = _inverse_cdf(e, key)
-        lp = (mx.take_along_axis(z, tok[:, None], -1) - top - mx.log(e.sum(axis=-1, keepdims=True)))[:, 0]
-        return tok, lp, lp
-    sampling, tempered = filter_logprobs(logits, temperature, top_k, top_p, min_p)
-    tok = _inverse_cdf(fastmath.exp(sampling), key)
+    z, zmax, e, w = filtered_weights(logits, temperature, top_k, top_p, min_p)
+    tok = _inverse_cdf(w, key)
     pick = tok[:, None]
-    return tok, mx.take_along_axis(sampling, pick, -1)[:, 0], mx.take_along_axis(tempered, pick, -1)[:, 0]
+    lp = (mx.take_along_axis(z, pick, -1) - zmax - mx.log(e.sum(axis=-1, keepdims=True)))[:, 0]
+    if w is e:  # no filter
+        return tok, lp, lp
+    slp = (mx.log(mx.take_along_axis(w, pick, -1)) - mx.log(w.sum(axis=-1, keepdims=True)))[:, 0]
+    return tok, slp, lp
 
 
 # ----------------------------------------------------------------------------------- generation

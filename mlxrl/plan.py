@@ -59,6 +59,7 @@ LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights nee
 UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
 KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
+GEN_FILTER_COPIES = 2.25    # more of them with top_k / top_p / min_p (a mask and the filtered weights)
 DEFAULT_PROMPT_LENGTH = 512  # GRPO prompt tokens when --prompt_length is not given
 
 
@@ -410,7 +411,9 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
             return -(-n // KV_STEP) * KV_STEP
 
         kv = 2 * a.layers * a.kv_heads * a.head_dim * s * prompts * (cache_len(P) + G * cache_len(C))
-        gen_logits = GEN_LOGIT_COPIES * 4 * prompts * G * a.V
+        filtered = (0 < (getattr(args, "top_k", 0) or 0) < a.V or (getattr(args, "top_p", 1.0) or 1.0) < 1.0
+                    or (getattr(args, "min_p", 0.0) or 0.0) > 0.0)
+        gen_logits = (GEN_LOGIT_COPIES + (GEN_FILTER_COPIES if filtered else 0.0)) * 4 * prompts * G * a.V
         out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) of {P} prefilled once + G={G} "
                                        f"completions of {C} (+ {fmt(gen_logits)} of sampling logits)"))
     steady = W + 2 * T + ref
