@@ -285,11 +285,10 @@ def head_bytes(a: Arch, args, rows: int, s: int) -> float:
         mode = "fused" if getattr(args, "importance_sampling_level", "token") == "token" else "differentiable"
     if mode in ("fused", "two_phase"):
         # row chunks x the full vocabulary; measured (CPU, fp32): one [V, D] (the weight-gradient
-        # accumulator, none for a frozen head) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5
+        # accumulator; a frozen head's zero cotangent is as large) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5
         chunk_rows = min(rows, max(8, ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
         chunks = -(-rows // chunk_rows)
-        dw = 4 * a.V * a.D if a.head_trainable else 0  # a frozen head accumulates no d_weight
-        return dw + min(3 + 2.2 * (chunks - 1), 6.5) * 4 * chunk_rows * a.V
+        return 4 * a.V * a.D + min(3 + 2.2 * (chunks - 1), 6.5) * 4 * chunk_rows * a.V
     chunk = min(args.chunk_size or _default_chunk(rows, a.V), a.V)
     tile = 4 * rows * chunk
     every = 4 * rows * a.V  # all tiles of one pass
