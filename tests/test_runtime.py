@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -76,3 +77,32 @@ def test_cpu_cache_limit_default_and_override():
         env["MLXRL_CACHE_LIMIT"] = "256MB"
         got = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
         assert int(got) == 256 << 20
+
+
+def test_huge_pages_env_sets_the_tunable_once():
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not sys.platform.startswith("linux") or not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages here")
+    env = runtime.huge_pages_env({"PATH": "/bin"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env["PATH"] == "/bin"
+    other = runtime.huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert other["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert runtime.huge_pages_env(env) is None  # already set: the re-executed process does not loop
+    assert runtime.huge_pages_env({"MLXRL_HUGE_PAGES": "0"}) is None
+
+
+def test_reexec_only_for_python_m_mlxrl():
+    """Importing mlxrl as `-m mlxrl...` re-executes the same command line with the tunable (the child here
+    is a `-c` that prints it); any other import leaves the process alone."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not sys.platform.startswith("linux") or not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages here")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MLXRL_HUGE_PAGES")}
+    show = "import os; print('tunables:', os.environ.get('GLIBC_TUNABLES'))"
+    as_cli = (f"import sys; sys.argv = ['-m']; sys.orig_argv = [sys.executable, '-c', {show!r}, '-m', 'mlxrl.sft']; "
+              "import mlxrl.runtime; print('not re-executed')")
+    out = subprocess.run([sys.executable, "-c", as_cli], capture_output=True, text=True, env=env, timeout=120)
+    assert "tunables: glibc.malloc.hugetlb=1" in out.stdout and "not re-executed" not in out.stdout, out
+    as_lib = "import mlxrl.runtime, os; print('tunables:', os.environ.get('GLIBC_TUNABLES'))"
+    out = subprocess.run([sys.executable, "-c", as_lib], capture_output=True, text=True, env=env, timeout=120)
+    assert "tunables: None" in out.stdout, out
