@@ -154,6 +154,9 @@ def filtered_weights(logits: mx.array, temperature: float = 1.0, top_k: int = 0,
     min_p (p < min_p * p_max, i.e. w < min_p: the top token has w = 1 and is never filtered).
     Working on weights instead of log-probs keeps ~5 [B, V] arrays alive instead of ~14 (measured at
     B=64, V=151936) and needs one exp per element."""
+    if not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or top_k < 0:
+        raise ValueError(f"sampling filters out of range: top_k={top_k} (>= 0), top_p={top_p} (in (0, 1]), "
+                         f"min_p={min_p} (in [0, 1])")
     z = logits.astype(mx.float32)
     if temperature != 1.0:
         z = z * (1.0 / temperature)

@@ -79,8 +79,9 @@ def reexec_with_huge_pages() -> None:
     env = huge_pages_env()
     if env is None:
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None when closed
+        if stream is not None:
+            stream.flush()
     os.execve(sys.executable, [sys.executable, *orig[1:]], env)
 
 

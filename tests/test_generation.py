@@ -155,6 +155,13 @@ def test_sampler_support_and_frequencies(kw, support):
     np.testing.assert_allclose(np.exp(np.array(lp)), PROBS[tok], rtol=1e-5)
 
 
+def test_filters_out_of_range_are_refused():
+    logits = mx.array(np.log(PROBS)[None], dtype=mx.float32)
+    for kw in (dict(min_p=1.5), dict(top_p=0.0), dict(top_k=-1)):
+        with pytest.raises(ValueError, match="sampling filters out of range"):
+            sample_tokens(logits, mx.random.key(0), **kw)
+
+
 def test_temperature_applies_before_filters():
     """top_p on the tempered distribution (transformers' order): at T=0.5 the top token alone
     holds 0.4^2 / sum(p^2) = 0.63 of the mass, so top_p=0.6 keeps only it."""

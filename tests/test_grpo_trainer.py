@@ -165,14 +165,17 @@ def test_on_policy_shortcut_and_shared_prompt_off(text_setup):
     assert abs(loss.item() - loss2.item()) <= 1e-6
 
 
-@pytest.mark.parametrize("loss_type,shared", [("dapo", True), ("grpo", False), ("cispo", True), ("sapo", True)])
-def test_fused_head_gives_the_differentiable_heads_gradients(loss_type, shared, text_setup):
+@pytest.mark.parametrize("loss_type,shared,compiled,temperature", [
+    ("dapo", True, False, 0.8), ("grpo", False, False, 0.8), ("cispo", True, False, 0.8), ("sapo", True, False, 0.8),
+    ("dapo", True, True, 0.05)])  # compiled: padding is scored too (token 0, logp far below -88 at T=0.05)
+def test_fused_head_gives_the_differentiable_heads_gradients(loss_type, shared, compiled, temperature, text_setup):
     """head_mode fused (one pass over row chunks, token-level loss as a callable) against the vocab-tiled
     differentiable head + grpo_loss: the same loss, metrics and parameter gradients, with old and reference
     log-probs (beta 0.04)."""
     folder, hf, model, processor, tmp = text_setup
     a = config(tmp, loss_type=loss_type, beta=0.04, epsilon_high=1.2 if loss_type == "cispo" else 0.28,
-               per_device_train_batch_size=8, temperature=0.8, shared_prompt=shared, head_mode="differentiable")
+               per_device_train_batch_size=8, temperature=temperature, shared_prompt=shared,
+               head_mode="differentiable", compile=compiled)
     trainer = GRPOTrainer(model, processor, a, train_dataset=TEXT_ROWS * 2, reward_funcs=length_reward)
     batch, g = _fixed_batch(2)
     mine = np.array(trainer.policy_logps(model, trainer.to_device(batch), return_entropy=False))
@@ -191,12 +194,14 @@ def test_fused_head_gives_the_differentiable_heads_gradients(loss_type, shared, 
         (loss, metrics), grads = mx.value_and_grad(f)(model.trainable_parameters())
         out[mode] = loss.item(), {k: v.item() for k, v in metrics.items()}, dict(tree_flatten(grads))
     (l1, m1, g1), (l2, m2, g2) = out["differentiable"], out["fused"]
+    assert np.isfinite(l2) and all(np.isfinite(np.array(v)).all() for v in g2.values())
     assert abs(l1 - l2) <= 1e-5 * max(1.0, abs(l1)), (l1, l2)
     assert m1.keys() == m2.keys()
     for k in m1:
         assert abs(m1[k] - m2[k]) <= 1e-5 * max(1.0, abs(m1[k])), (k, m1[k], m2[k])
     for k in g1:
-        np.testing.assert_allclose(np.array(g2[k]), np.array(g1[k]), atol=1e-5, rtol=1e-4, err_msg=k)
+        tol = 1e-5 if temperature > 0.5 else 1e-3  # logits x 20 at T=0.05: float32 rounding x 20
+        np.testing.assert_allclose(np.array(g2[k]), np.array(g1[k]), atol=tol, rtol=10 * tol, err_msg=k)
 
 
 # --------------------------------------------------------------------------------------- rewards
@@ -337,6 +342,8 @@ def test_demo_reward_rises(tmp_path):
     (["--reward_funcs", "justaname"], "expected module:function"),
     (["--dataset", "x.jsonl"], "--model is required with --dataset"),
     (["--model", "m", "--dataset", "x.jsonl"], "--reward_funcs is required with --dataset"),
+    (["--min_p", "1.5"], "min_p must be in [0, 1], got 1.5"),
+    (["--top_p", "0"], "top_p must be in (0, 1], got 0.0"),
 ])
 def test_cli_one_line_errors(argv, message, capsys):
     assert grpo_main(argv) == 2

@@ -342,7 +342,10 @@ _TOKEN_LOSSES = {"nll": _nll_grad, "dft": _dft_grad}
 
 def _callable_grad(token_loss):
     def f(logp, w, *args):
-        losses, vjp = mx.vjp(lambda lp: token_loss(lp, *args), [logp], [w])
+        # weight-0 rows (padding scored under mx.compile) are evaluated at logp 0: a real but very
+        # unlikely logp there can overflow the loss (GRPO's exp(ref - logp)), and 0 * inf is NaN
+        safe = mx.where(w != 0, logp, 0.0)
+        losses, vjp = mx.vjp(lambda lp: token_loss(lp, *args), [safe], [w])
         return w * losses[0], vjp[0]
 
     return f

@@ -274,6 +274,12 @@ def check_grpo_config(args: GRPOConfig) -> None:
                          "prompt")
     if args.beta < 0:
         raise ValueError(f"beta must be >= 0, got {args.beta}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {args.top_p}")
+    if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {args.min_p}")
+    if args.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: off), got {args.top_k}")
     if args.head_mode not in ("auto", "fused", "differentiable"):
         raise ValueError(f"head_mode={args.head_mode!r}: use auto, fused or differentiable")
     if args.head_mode == "fused" and args.importance_sampling_level != "token":
