@@ -381,8 +381,11 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     out: list[Row] = [Row("weights", W, f"{_count(W // s)} parameters x {s} B")]
     n_train = T // s
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
-    out.append(Row("trainable state", 2 * T + other + (T if accum > 1 else 0),
-                   f"{_count(n_train)} trainable: AdamW m, v + grads{' x2 (accumulation)' if accum > 1 else ''} "
+    adafactor = getattr(args, "optim", "adamw_torch") == "adafactor"
+    moments = 0 if adafactor else 2 * T  # Adafactor: a row and a column per matrix, no first moment (~0)
+    out.append(Row("trainable state", moments + other + (T if accum > 1 else 0),
+                   f"{_count(n_train)} trainable: {'Adafactor factored v' if adafactor else 'AdamW m, v'} + grads"
+                   f"{' x2 (accumulation)' if accum > 1 else ''} "
                    "(the decoder layers' grads are counted with the activations)"))
     ref = 0
     needs_ref = trainer == "dpo" or (trainer == "grpo" and getattr(args, "beta", 0.0) > 0)
@@ -415,7 +418,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         gen_logits = (GEN_LOGIT_COPIES + (GEN_FILTER_COPIES if filtered else 0.0)) * 4 * prompts * G * a.V
         out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) of {P} prefilled once + G={G} "
                                        f"completions of {C} (+ {fmt(gen_logits)} of sampling logits)"))
-    steady = W + 2 * T + ref
+    steady = W + moments + ref
     step = steady + other + (T if accum > 1 else 0) + act[ckpt] + head + img
     clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
     update = steady + T + clip + UPDATE_COPIES * a.largest_trainable

@@ -148,7 +148,7 @@ def run_ours(a) -> dict:
     stamps: list[float] = []
     args = SFTConfig(output_dir=a.out, max_steps=total, per_device_train_batch_size=a.batch, learning_rate=1e-5,
                      logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True, max_length=a.max_length,
-                     gradient_checkpointing=a.gradient_checkpointing, seed=42)
+                     gradient_checkpointing=a.gradient_checkpointing, seed=42, optim=a.optim)
     cls = SFTTrainer
     if a.head == "fused":  # experiment: the row-tiled fused head in place of the trainer's head_logprobs
         from mlxrl.losses.head import fused_head_loss
@@ -270,7 +270,7 @@ def run_trl(a) -> dict:
     args = SFTConfig(output_dir=a.out, max_steps=total, per_device_train_batch_size=a.batch, learning_rate=1e-5,
                      logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True,
                      gradient_checkpointing=a.gradient_checkpointing, max_length=a.max_length, disable_tqdm=True,
-                     seed=42, dataloader_num_workers=0)
+                     seed=42, dataloader_num_workers=0, optim=a.optim)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                          callbacks=[Stamp()])
     t0 = time.perf_counter()
@@ -297,6 +297,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps (compilation, first-touch costs)")
     ap.add_argument("--batch", type=int, default=1, help="rows per step (each max_length tokens)")
     ap.add_argument("--max_length", type=int, default=1024)
+    ap.add_argument("--optim", default="adamw_torch", choices=["adamw_torch", "adafactor"],
+                    help="optimizer on both sides (HF TrainingArguments' optim)")
     ap.add_argument("--gradient_checkpointing", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
     ap.add_argument("--peak_n", type=int, default=2048, help="matmul size for the fp32 peak (MLX and torch)")
     ap.add_argument("--head", choices=["trainer", "fused"], default="trainer",
@@ -317,7 +319,8 @@ def main(argv=None):
     from tiny_checkpoints import build
 
     common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--batch", str(a.batch), "--max_length",
-              str(a.max_length), "--gradient_checkpointing", str(a.gradient_checkpointing), "--head", a.head]
+              str(a.max_length), "--gradient_checkpointing", str(a.gradient_checkpointing), "--head", a.head,
+              "--optim", a.optim]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt_root = Path(a.ckpt_dir or tmp)
@@ -353,7 +356,7 @@ def main(argv=None):
 
     print()
     print(f"SFT step, Qwen3-VL random checkpoints, text rows of {a.max_length} tokens, batch {a.batch}, full "
-          f"fine-tuning, fp32, gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}; "
+          f"fine-tuning, {a.optim}, fp32, gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}; "
           f"median of {a.steps} steps after {a.warmup} warm-up step(s)")
     hdr = (f"{'model':6} {'side':6} {'s/step':>8} {'tokens/s':>9} {'x TRL':>6} {'peak RSS GB':>12} {'x TRL':>6} "
            f"{'above base':>11} {'x TRL':>6} {'MLX peak GB':>12} {'MFU':>6}")

@@ -27,6 +27,7 @@ SFT_CASES = [
     ("small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False, use_peft=True)),
     ("small", dict(max_length=64, per_device_train_batch_size=4, gradient_checkpointing=True, use_peft=True,
                    lora_r=32)),
+    ("small", dict(max_length=128, per_device_train_batch_size=2, optim="adafactor")),
 ]
 DPO_CASES = [
     ("default", dict(max_length=32, per_device_train_batch_size=1, use_peft=True)),

@@ -154,14 +154,42 @@ def test_patch_bucket_padding_changes_nothing(arch, tiny_checkpoint, tmp_path):
     assert len({patch_bucket(p) for p in range(4, 4096, 4)}) <= 4 * 12  # four sizes per doubling
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_checkpoint, tmp_path):
+def test_adafactor_matches_transformers():
+    """optim="adafactor": transformers' Adafactor as the HF Trainer builds it (scale_parameter=False,
+    relative_step=False), with weight decay and the clip scale applied to the gradients."""
+    from transformers.optimization import Adafactor
+
+    rng = np.random.default_rng(0)
+    w0 = {"w": rng.normal(size=(6, 5)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
+    tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in w0.items()}
+    theirs = Adafactor(list(tp.values()), lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.1)
+    ours = engine_lib.make_optimizer(SFTConfig(optim="adafactor", learning_rate=1e-2, weight_decay=0.1,
+                                               lr_scheduler_type="constant"), 10)
+    params = {k: mx.array(v) for k, v in w0.items()}
+    for step in range(4):
+        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in w0.items()}
+        scale = 0.5 if step % 2 else 1.0  # what clipping sets
+        for k in tp:
+            tp[k].grad = torch.tensor(g[k] * scale)
+        theirs.step()
+        ours.grad_scale = mx.array(scale)
+        params = ours.apply_gradients({k: mx.array(v) for k, v in g.items()}, params)
+    for k in tp:
+        np.testing.assert_allclose(np.array(params[k]), tp[k].detach().numpy(), atol=1e-6, err_msg=k)
+    assert "exp_avg_sq_row" in ours.state["w"] and "exp_avg" not in ours.state["w"]  # factored, no m
+    with pytest.raises(ValueError, match="optim 'adamw_8bit' is not supported"):
+        engine_lib.check_optim(SFTConfig(optim="adamw_8bit"))
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adafactor"])
+def test_resume_reproduces_the_uninterrupted_run(optim, tiny_checkpoint, tmp_path):
     rows = TEXT_ROWS * 4
     folder = tiny_checkpoint("qwen3")
 
     def run(out, **kw):
         model, processor = mlxrl.load(folder)
         args = config(tmp_path, output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_steps=6,
-                      use_peft=True, lora_dropout=0.1, learning_rate=1e-3, **kw)
+                      use_peft=True, lora_dropout=0.1, learning_rate=1e-3, optim=optim, **kw)
         return [e["loss"] for e in SFTTrainer(model, processor, args, train_dataset=rows).train() if "loss" in e]
 
     full = run("a", save_steps=3)

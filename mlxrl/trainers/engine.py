@@ -102,6 +102,40 @@ class FusedAdamW(optim.AdamW):
         return w
 
 
+class ClippedAdafactor(optim.Adafactor):
+    """transformers' Adafactor as the HF Trainer builds it for `optim="adafactor"` (scale_parameter=False,
+    relative_step=False, the learning rate from the schedule), with the engine's gradient-clipping scale
+    (`grad_scale`) applied to each gradient. State: a row and a column second moment per matrix and a
+    full one per vector, no first moment (MLX's `optim.Adafactor`, checked against transformers')."""
+
+    def __init__(self, learning_rate, weight_decay: float = 0.0):
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, scale_parameter=False,
+                         relative_step=False)
+        self.grad_scale = mx.array(1.0)
+
+    def apply_single(self, gradient, parameter, state):
+        return super().apply_single(gradient * self.grad_scale.astype(gradient.dtype), parameter, state)
+
+
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor")
+
+
+def check_optim(args) -> None:
+    if args.optim not in OPTIMIZERS:
+        raise ValueError(f"optim {args.optim!r} is not supported: use adamw_torch (the default; adamw_torch_fused "
+                         "is the same kernel here) or adafactor")
+
+
+def make_optimizer(args, total_steps: int):
+    """The optimizer `args.optim` names, on the learning-rate schedule of `args`."""
+    check_optim(args)
+    lr = make_schedule(args, total_steps)
+    if args.optim == "adafactor":
+        return ClippedAdafactor(lr, weight_decay=args.weight_decay)
+    return FusedAdamW(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
+                      weight_decay=args.weight_decay)
+
+
 def _atomic_dir(final: Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     return tmp
@@ -121,6 +155,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_optim(args)
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
@@ -180,7 +215,7 @@ class Trainer:
         return self._compiled[key]
 
     def _update(self, grads):
-        """Clip (global norm, folded into the fused AdamW kernel) and update; returns the norm."""
+        """Clip (global norm, folded into the optimizer's update) and update; returns the norm."""
         norm = mx.sqrt(sum(mx.square(g.astype(mx.float32)).sum() for _, g in tree_flatten(grads)))
         clip = self.args.max_grad_norm
         # torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
@@ -221,8 +256,7 @@ class Trainer:
         args = self.args
         batches, steps_per_epoch, total = self._plan()
         self.total_steps = total
-        self.optimizer = FusedAdamW(learning_rate=make_schedule(args, total), betas=[args.adam_beta1, args.adam_beta2],
-                                    eps=args.adam_epsilon, weight_decay=args.weight_decay)
+        self.optimizer = make_optimizer(args, total)
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
         trainable, total_params = lora_lib.trainable_count(self.model)
