@@ -154,7 +154,18 @@ def config_from_args(cls, ns: argparse.Namespace):
             raise ValueError(f"--config {ns.config}: unknown field(s) {', '.join(unknown)}")
         values.update(loaded)
     values.update({f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
-    return cls(**values)
+    cfg = cls(**values)
+    check_optim(cfg)  # before any model is loaded
+    return cfg
+
+
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor")
+
+
+def check_optim(args) -> None:
+    if args.optim not in OPTIMIZERS:
+        raise ValueError(f"optim {args.optim!r} is not supported: use adamw_torch (the default; adamw_torch_fused "
+                         "is the same kernel here) or adafactor")
 
 
 def parse_config(cls, argv=None, prog=None, description=""):

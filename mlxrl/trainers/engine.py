@@ -33,6 +33,7 @@ from .. import runtime
 from ..data.batches import Prefetcher
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
+from .config import check_optim
 from .reporting import Reporter
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -115,15 +116,6 @@ class ClippedAdafactor(optim.Adafactor):
 
     def apply_single(self, gradient, parameter, state):
         return super().apply_single(gradient * self.grad_scale.astype(gradient.dtype), parameter, state)
-
-
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor")
-
-
-def check_optim(args) -> None:
-    if args.optim not in OPTIMIZERS:
-        raise ValueError(f"optim {args.optim!r} is not supported: use adamw_torch (the default; adamw_torch_fused "
-                         "is the same kernel here) or adafactor")
 
 
 def make_optimizer(args, total_steps: int):
