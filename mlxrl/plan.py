@@ -281,8 +281,10 @@ def head_bytes(a: Arch, args, rows: int, s: int) -> float:
     eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
     [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
     mode = getattr(args, "head_mode", "differentiable")
-    if mode == "auto":  # GRPO: fused at token-level importance sampling
-        mode = "fused" if getattr(args, "importance_sampling_level", "token") == "token" else "differentiable"
+    if mode == "auto":  # GRPO's: the trainer's own rule
+        from .trainers.grpo import uses_fused_head
+
+        mode = "fused" if uses_fused_head(args) else "differentiable"
     if mode in ("fused", "two_phase"):
         # row chunks x the full vocabulary; measured (CPU, fp32): one [V, D] (the weight-gradient
         # accumulator; a frozen head's zero cotangent is as large) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5

@@ -149,7 +149,10 @@ def shared_prompt_hidden(
     return mx.concatenate([first, lm.norm(hc[:, :-1])], axis=1)
 
 
-def _score(model, hidden, completion_ids, completion_mask, temperature, return_entropy, chunk_size, skip_ignored):
+def completion_logprobs(model, hidden, completion_ids, completion_mask, *, temperature=1.0, return_entropy=False,
+                        chunk_size=None, skip_ignored=True):
+    """The streamed head over `shared_prompt_hidden` / `repeated_hidden` states [n, C, D]: per-token
+    log p(completion token) [n, C] (0 where completion_mask is 0), and the entropy with return_entropy."""
     n, C, D = hidden.shape
     valid = completion_mask.astype(mx.bool_)
     targets = mx.where(valid, completion_ids, IGNORE_INDEX).reshape(-1)
@@ -186,8 +189,8 @@ def shared_prompt_logprobs(
     """
     hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, pixel_values=pixel_values,
                                   image_grid_thw=image_grid_thw, vision_meta=vision_meta)
-    return _score(model, hidden, completion_ids, completion_mask, temperature, return_entropy, chunk_size,
-                  skip_ignored)
+    return completion_logprobs(model, hidden, completion_ids, completion_mask, temperature=temperature,
+                               return_entropy=return_entropy, chunk_size=chunk_size, skip_ignored=skip_ignored)
 
 
 def repeated_hidden(
@@ -238,5 +241,5 @@ def repeated_logprobs(
     prompt sharing off."""
     hidden = repeated_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                              pixel_values=pixel_values, image_grid_thw=image_grid_thw)
-    return _score(model, hidden, completion_ids, completion_mask, temperature, return_entropy, chunk_size,
-                  skip_ignored)
+    return completion_logprobs(model, hidden, completion_ids, completion_mask, temperature=temperature,
+                               return_entropy=return_entropy, chunk_size=chunk_size, skip_ignored=skip_ignored)

@@ -318,6 +318,13 @@ _CLIP_METRICS = {"clip": _clip_metrics, "cispo": _cispo_metrics, None: lambda *a
 # --------------------------------------------------------------------------------------------------- the loss
 
 
+def _loss_type(loss_type: str):
+    """(surrogate, aggregation, clip-metric family) of a loss type, or a ValueError naming the choices."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
+    return LOSS_TYPES[loss_type]
+
+
 def _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg) -> dict:
     return {"epsilon_low": epsilon, "epsilon_high": epsilon if epsilon_high is None else epsilon_high,
             "delta": delta, "sapo_temperature_pos": sapo_temperature_pos,
@@ -384,15 +391,13 @@ def grpo_loss(
     sequence-level ratios; low = r < 1 - eps_low with A < 0, high = r' > 1 + eps_high with A > 0 (r' is the
     delta-clamped ratio, as TRL).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
+    surrogate, aggregate, metric_family = _loss_type(loss_type)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     if normalizer is not None and loss_type not in TOKEN_SUM_LOSS_TYPES:
         raise ValueError(f"normalizer applies to {sorted(TOKEN_SUM_LOSS_TYPES)} only, not {loss_type!r}")
     if beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps")
-    surrogate, aggregate, metric_family = LOSS_TYPES[loss_type]
     clip = _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg)
 
     logps = logps.astype(mx.float32)
@@ -440,9 +445,7 @@ def grpo_token_loss(
     alone, which is what lets the fused head do loss and gradients in one pass. on_policy: old = sg(logp)
     (`old_logp` is then ignored); `ref_logp` is ignored when beta == 0. Equals `grpo_loss` (tested).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
-    surrogate = LOSS_TYPES[loss_type][0]
+    surrogate = _loss_type(loss_type)[0]
     clip = _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg)
 
     def token_loss(logp, old_logp, ref_logp, advantage):
@@ -461,9 +464,7 @@ def grpo_token_weights(
 ) -> mx.array:
     """Weights w [B, T] with `aggregate(l, mask) == sum(w * l)` for every per-token loss l: each loss type's
     aggregation is linear in l, so w is its gradient (taken at l = 0, from the aggregation itself)."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
-    aggregate = LOSS_TYPES[loss_type][1]
+    aggregate = _loss_type(loss_type)[1]
     mask = completion_mask.astype(mx.float32)
     return mx.grad(lambda lt: aggregate(lt, mask, max_completion_length=max_completion_length,
                                         normalizer=normalizer))(mx.zeros_like(mask))

@@ -614,19 +614,13 @@ class GRPOTrainer(Trainer):
         return int(batch["num_tokens"]), float(batch["num_items"])
 
     def policy_logps(self, model, batch, return_entropy=True):
-        from ..shared_prompt import repeated_logprobs, shared_prompt_logprobs
+        from ..shared_prompt import completion_logprobs
 
         a = self.args
-        kw = self._model_kwargs(batch)
-        if a.shared_prompt:
-            return shared_prompt_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                          batch["completion_mask"], temperature=a.temperature,
-                                          return_entropy=return_entropy, chunk_size=a.chunk_size,
-                                          skip_ignored=not a.compile, **kw)
-        kw.pop("vision_meta", None)
-        return repeated_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                 batch["completion_mask"], temperature=a.temperature, return_entropy=return_entropy,
-                                 chunk_size=a.chunk_size, skip_ignored=not a.compile, **kw)
+        return completion_logprobs(model, self._completion_hidden(model, batch), batch["completion_ids"],
+                                   batch["completion_mask"], temperature=a.temperature,
+                                   return_entropy=return_entropy, chunk_size=a.chunk_size,
+                                   skip_ignored=not a.compile)
 
     def _completion_hidden(self, model, batch):
         from ..shared_prompt import repeated_hidden, shared_prompt_hidden
