@@ -1,31 +1,28 @@
-"""exp for the sampler that is fast on MLX's CPU backend.
+"""Elementwise math that is fast on MLX's CPU backend: exp, sigmoid, SiLU, softmax.
 
-MLX's Linux CPU wheel evaluates `mx.exp` at ~0.05 G elements/s (measured in one run on 64M float32
-elements: 1.35 s, torch's exp on 2 threads 0.07 s). Its kernel is a scalar Cephes polynomial whose
-`fma` calls go through libm: the wheel is built for baseline x86-64. Sampling takes an exp per
-vocabulary entry per row and step, so on CPU that exp was most of a decoding step's time.
+MLX's Linux CPU wheel evaluates `mx.exp` at ~0.05 G elements/s, `mx.sigmoid` ~0.03 (a multiply runs
+at ~1.3): its kernels are scalar Cephes polynomials whose `fma` calls go through libm, the wheel
+being built for baseline x86-64. On float32 CPU arrays the functions here use mlxrl's native
+kernels (`mlxrl.native`, compiled on this machine: vectorised, one thread per core, MLX primitives
+with VJPs, so they differentiate and compile like MLX's ops). Measured once, 16M float32 elements,
+2 cores: exp 0.61 G elements/s, sigmoid 0.57; softmax over [16, 1024, 1024] 0.04 s against 0.47 s
+for `mx.softmax` (`python scripts/bench_cpu_ops.py` prints them side by side).
 
-`exp(x)` here is the same algorithm (2^t = 2^n * 2^f, n = round(t), the same degree-6 Cephes
-polynomial for 2^f on [-0.5, 0.5], 2^n from the exponent bits) written as MLX ops in two
-compiled kernels: round-to-nearest by adding 1.5 * 2^23 (no `floor` call), the polynomial in plain
-multiplies and adds, the exponent by integer shift and a bit view. `python scripts/bench_cpu_ops.py`
-(side by side, default 256 MB buffer cache): a [1024, 151936] tile 1.48 s vs 3.14 s for `mx.exp`;
-128 sampling steps over [8, 151936], inverse CDF on this exp vs Gumbel-max on `mx.exp`, 1.31 s vs
-5.38 s. Largest relative difference to `mx.exp` 1.2e-7 (both are ~4e-6 from a float64 reference: the
-same polynomial). Inputs are clamped to [-88.03, 88]:
-below, the result is exactly 0 (as `mx.exp` underflows; -inf gives 0), NaN stays NaN. On a GPU
-(Metal, CUDA) `mx.exp` is used as is.
-
-Not differentiable by MLX's autodiff on purpose. The streamed head keeps `mx.exp`: this exp's
-two kernels hold two more tile-sized arrays. With it in the head, tests/test_plan.py measured the
-default model's SFT / DPO peaks 77-152 MB above what they measure with `mx.exp` (the calibrated
-predictions), while a separate run with an 8 GB cache timed the head's forward + backward over
-1024 x 151936 logits at 4.5 s against 7.9 s; trading that is left for a fused kernel.
+Where the native module is not available (no compiler, not Linux, MLXRL_NATIVE=0), or on a GPU
+(Metal, CUDA), or for other dtypes, MLX's own ops are used, except `exp_shift` / `logsumexp` (the
+sampler's, not differentiated): there the fallback is the same exp algorithm written as MLX ops in
+two compiled kernels (round-to-nearest by adding 1.5 * 2^23, the degree-6 Cephes polynomial for 2^f
+on [-0.5, 0.5] in plain multiplies and adds, 2^n by an integer shift and a bit view): ~2x `mx.exp`,
+not differentiable, saturating at exp(88) above (the sampler's z - max is <= 0). Every exp here is
+~4e-6 relative from a float64 reference, as `mx.exp` is (the same polynomial); inputs below -88.03
+give exactly 0, above 88.72 +inf, NaN stays NaN.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from . import native
 
 LOG2E = 1.4426950408889634
 MAGIC = 12582912.0  # 1.5 * 2**23: t + MAGIC rounds t (|t| < 2**22) to an integer in the low mantissa bits
@@ -46,7 +43,6 @@ def _poly(x):
     return r, p
 
 
-_reduce = mx.compile(lambda x: _poly(x.astype(mx.float32)))
 _reduce_shift = mx.compile(lambda z, m: _poly(z.astype(mx.float32) - m))  # z - m inside the kernel
 
 
@@ -60,18 +56,48 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
+def _native(x: mx.array):
+    """The native kernel module when `x` is a float32 array on the CPU and the module is built."""
+    if x.dtype != mx.float32 or not on_cpu():
+        return None
+    return native.load()
+
+
 def exp(x: mx.array) -> mx.array:
-    """exp(x) in float32 (see the module docstring); `mx.exp` off the CPU."""
-    if not on_cpu():
-        return mx.exp(x.astype(mx.float32))
-    r, p = _reduce(x)
-    return _scale(r, p)
+    """exp(x), differentiable (see the module docstring)."""
+    k = _native(x)
+    return k.exp(x) if k is not None else mx.exp(x)
+
+
+def sigmoid(x: mx.array) -> mx.array:
+    k = _native(x)
+    return k.sigmoid(x) if k is not None else mx.sigmoid(x)
+
+
+def silu(x: mx.array) -> mx.array:
+    """x * sigmoid(x), as `mlx.nn.silu`."""
+    return x * sigmoid(x)
+
+
+def softmax(x: mx.array, axis: int = -1) -> mx.array:
+    """Softmax along `axis` in float32 (`mx.softmax(..., precise=True)` off the native path)."""
+    k = _native(x)
+    if k is None:
+        return mx.softmax(x, axis=axis, precise=True)
+    if axis in (-1, x.ndim - 1):
+        return k.softmax(x)
+    return mx.swapaxes(k.softmax(mx.swapaxes(x, axis, -1)), axis, -1)
 
 
 def exp_shift(z: mx.array, m: mx.array) -> mx.array:
-    """exp(z - m) (m broadcast, typically the row max), without a [.., V] temporary for z - m."""
+    """exp(z - m) in float32 (m broadcast, typically the row max), for sampling: not differentiable
+    off the native path."""
+    z = z.astype(mx.float32)
     if not on_cpu():
-        return mx.exp(z.astype(mx.float32) - m)
+        return mx.exp(z - m)
+    k = native.load()
+    if k is not None:
+        return k.exp(z - m)
     r, p = _reduce_shift(z, m)
     return _scale(r, p)
 

@@ -1,35 +1,109 @@
-"""mlxrl.fastmath: its exp is as accurate as mx.exp against a float64 reference (both ~4e-6 relative:
-the same Cephes polynomial) and equals mx.exp to 2.5e-7 over the whole range,
-underflows to exactly 0 where mx.exp does, and keeps NaN; exp_shift and logsumexp equal their naive
-forms, rows of all -inf included."""
+"""mlxrl.fastmath and the native CPU kernels (mlxrl.native).
+
+- exp, on both paths (native kernel; MLX ops where the module is absent), is as accurate as mx.exp
+  against a float64 reference (both ~4e-6 relative: the same Cephes polynomial), underflows to
+  exactly 0 where mx.exp does, overflows to inf, keeps NaN.
+- sigmoid, SiLU and softmax equal float64 references, including rows with -inf and non-contiguous
+  inputs; their gradients (VJP) and JVPs equal MLX's own ops', under mx.compile too.
+- exp_shift and logsumexp equal their naive forms, rows of all -inf included.
+- The native module builds here (g++ is part of the project's setup), and a failed build leaves a
+  warning and MLX's ops, not an error.
+"""
+
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
-from mlxrl import fastmath
+from mlxrl import fastmath, native
 
 
-def test_exp_matches_float64_reference():
+@pytest.fixture(params=["native", "mlx-ops"])
+def path(request, monkeypatch):
+    if request.param == "mlx-ops":
+        monkeypatch.setattr(native, "load", lambda: None)
+    return request.param
+
+
+def test_native_module_builds_here():
+    assert sys.platform.startswith("linux")
+    assert native.load() is not None, "the native kernels should build on the project's Linux setup"
+
+
+def test_exp_matches_float64_reference(path):
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.uniform(-87, 88, 200_000), rng.normal(0, 3, 100_000),
                         np.linspace(-0.5, 0.5, 1001), [0.0, 1.0, -1.0, 88.0, -87.0]]).astype(np.float32)
-    got = np.array(fastmath.exp(mx.array(x)))
     ref = np.exp(x.astype(np.float64))
-    mlx = np.array(mx.exp(mx.array(x)))
-    rel = np.abs(got - ref) / ref  # normal results only: below exp(-87.3) float32 is denormal (flushed)
-    assert rel.max() <= max(np.abs(mlx - ref) / ref) * 1.05 and rel.max() < 5e-6, rel.max()
-    assert (np.abs(got - mlx) / ref).max() < 2.5e-7
+    mlx_rel = (np.abs(np.array(mx.exp(mx.array(x))) - ref) / ref).max()
+    for fn in (fastmath.exp, lambda a: fastmath.exp_shift(a, mx.array(0.0))):
+        rel = (np.abs(np.array(fn(mx.array(x))) - ref) / ref).max()  # normal results only (no denormals)
+        assert rel <= mlx_rel * 1.05 and rel < 5e-6, (rel, mlx_rel)
 
 
-def test_exp_underflow_inf_and_nan():
-    x = mx.array([-88.5, -100.0, -np.inf, np.nan, -1e30], dtype=mx.float32)
-    got = np.array(fastmath.exp(x))
-    assert got[0] == got[1] == got[2] == got[4] == 0.0
-    assert np.isnan(got[3])
+def test_exp_underflow_inf_and_nan(path):
+    x = mx.array([-88.5, -100.0, -np.inf, np.nan, -1e30, 88.8, 1e30, np.inf], dtype=mx.float32)
+    for got in (np.array(fastmath.exp(x)), np.array(fastmath.exp_shift(x, mx.array(0.0)))):
+        assert got[[0, 1, 2, 4]].tolist() == [0.0] * 4 and np.isnan(got[3])
+    assert np.isposinf(np.array(fastmath.exp(x))[5:]).all()
+    if path == "native":  # the MLX-ops fallback of exp_shift saturates at exp(88): the sampler's z - max <= 0
+        assert np.isposinf(np.array(fastmath.exp_shift(x, mx.array(0.0)))[5:]).all()
     assert np.array(mx.exp(x))[[0, 1, 2, 4]].tolist() == [0.0] * 4  # what mx.exp gives there too
 
 
-def test_exp_shift_and_logsumexp_equal_naive():
+def test_sigmoid_silu_softmax_values(path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 6, (37, 1031)).astype(np.float32)
+    x[3, 5] = -np.inf
+    x[4, :] = np.linspace(-120, 120, 1031)
+    x64 = x.astype(np.float64)
+    finite = np.isfinite(x)
+    with np.errstate(invalid="ignore", over="ignore"):
+        sig = 1 / (1 + np.exp(-x64))
+    np.testing.assert_allclose(np.array(fastmath.sigmoid(mx.array(x))), sig, rtol=5e-6, atol=1e-37)
+    with np.errstate(invalid="ignore"):
+        silu = x64 * sig
+    np.testing.assert_allclose(np.array(fastmath.silu(mx.array(x)))[finite], silu[finite],
+                               rtol=5e-6, atol=1e-30)
+    e = np.exp(x64 - x64.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.array(fastmath.softmax(mx.array(x))), e / e.sum(-1, keepdims=True),
+                               rtol=1e-5, atol=1e-12)
+    # along another axis, and a non-contiguous (transposed) input
+    e0 = np.exp(x64 - x64.max(0, keepdims=True))
+    np.testing.assert_allclose(np.array(fastmath.softmax(mx.array(x), axis=0)), e0 / e0.sum(0, keepdims=True),
+                               rtol=1e-5, atol=1e-12)
+    xt = mx.array(x).T
+    np.testing.assert_allclose(np.array(fastmath.softmax(xt)), np.array(mx.softmax(xt, axis=-1, precise=True)),
+                               rtol=1e-5, atol=1e-12)
+    # an all -inf row gives NaN, as mx.softmax does
+    assert np.isnan(np.array(fastmath.softmax(mx.full((2, 5), -np.inf)))).all()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gradients_and_jvps_equal_mlx_ops(path, compiled):
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.normal(0, 3, (4, 6, 257)).astype(np.float32))
+    w = mx.array(rng.normal(0, 1, (4, 6, 257)).astype(np.float32))
+    pairs = [(fastmath.exp, mx.exp), (fastmath.sigmoid, mx.sigmoid),
+             (fastmath.silu, lambda a: a * mx.sigmoid(a)),
+             (fastmath.softmax, lambda a: mx.softmax(a, axis=-1, precise=True)),
+             (lambda a: fastmath.softmax(a, axis=1), lambda a: mx.softmax(a, axis=1, precise=True))]
+    for ours, theirs in pairs:
+        def loss(fn):
+            f = lambda a: (fn(a * 0.5) * w).sum()  # noqa: B023
+            return mx.compile(mx.value_and_grad(f)) if compiled else mx.value_and_grad(f)
+        (v1, g1), (v2, g2) = loss(ours)(x), loss(theirs)(x)
+        np.testing.assert_allclose(v1.item(), v2.item(), rtol=2e-5)
+        np.testing.assert_allclose(np.array(g1), np.array(g2), rtol=2e-5, atol=2e-6)
+        (_,), (t1,) = mx.jvp(ours, [x], [w])
+        (_,), (t2,) = mx.jvp(theirs, [x], [w])
+        np.testing.assert_allclose(np.array(t1), np.array(t2), rtol=2e-5, atol=2e-6)
+
+
+def test_exp_shift_and_logsumexp_equal_naive(path):
     rng = np.random.default_rng(1)
     z = rng.normal(0, 4, (6, 3001)).astype(np.float32)
     z[2, :] = -np.inf  # a fully masked row
@@ -42,3 +116,16 @@ def test_exp_shift_and_logsumexp_equal_naive():
     assert got[2] == -np.inf and ref[2] == -np.inf
     np.testing.assert_allclose(np.delete(got, 2), np.delete(ref, 2), rtol=1e-6)
     np.testing.assert_allclose(np.array(fastmath.logsumexp(mx.array(z), keepdims=True))[:, 0], got)
+
+
+def test_failed_build_warns_and_falls_back(tmp_path):
+    code = ("import warnings, mlx.core as mx\nfrom mlxrl import fastmath, native\n"
+            "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
+            "    assert native.load() is None\n    assert native.load() is None\n"
+            "print(len(w), str(w[0].message))\n"
+            "print(fastmath.softmax(mx.array([0.0, 0.0])).tolist())\n")
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), MLXRL_NATIVE_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    count, message = out.splitlines()[0].split(" ", 1)
+    assert count == "1" and "no C++ compiler" in message and "MLXRL_NATIVE=0" in message
+    assert out.splitlines()[1] == "[0.5, 0.5]"
