@@ -63,6 +63,11 @@ def _native(x: mx.array):
     return native.load()
 
 
+def uses_native(x: mx.array) -> bool:
+    """Whether the functions here run `x` through the native kernels."""
+    return _native(x) is not None
+
+
 def exp(x: mx.array) -> mx.array:
     """exp(x), differentiable (see the module docstring)."""
     k = _native(x)
@@ -108,3 +113,35 @@ def logsumexp(x: mx.array, axis: int = -1, keepdims: bool = False) -> mx.array:
     m = mx.where(mx.isfinite(m), m, 0.0)
     out = m + mx.log(exp_shift(x, m).sum(axis=axis, keepdims=True))
     return out if keepdims else out.squeeze(axis)
+
+
+def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` (q [B, Hq, L, D], k / v [B, Hkv, S, D], grouped-query
+    heads, mask None, "causal", boolean or additive, broadcastable to [B, Hq, L, S]).
+
+    On float32 CPU arrays with the native kernels, the same computation MLX's CPU path runs (it has
+    no fused CPU kernel: scores, mask, softmax, values) with the native softmax, whose forward is
+    ~10x MLX's there; elsewhere MLX's own."""
+    if not uses_native(q):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    q = q * scale
+    if rep > 1:  # [B, Hkv, rep, L, D] against [B, Hkv, 1, S, D]: no copies of k and v
+        q = q.reshape(B, Hkv, rep, L, D)
+        k, v = k[:, :, None], v[:, :, None]
+    scores = q @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an array, got {mask!r}")
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    if mask is not None:
+        if rep > 1 and mask.ndim == 4:  # [B, Hq | 1, L, S] -> [B, Hkv | 1, rep | 1, L, S]
+            mask = mask.reshape(mask.shape[0], Hkv, rep, L, S) if mask.shape[1] == Hq else mask[:, :, None]
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask.astype(scores.dtype)
+    out = softmax(scores) @ v
+    return out.reshape(B, Hq, L, D) if rep > 1 else out

@@ -5,7 +5,11 @@ in one process (MLX CPU, float32).
 
 1. `y + 1` on a [256, 151936] tile (156 MB), repeated: MLX's 32 MB CPU buffer cache vs mlxrl's 256 MB
    default (a 622 MB [1024, V] tile does not fit either cache and is page-faulted in each time).
-2. exp of that tile: `mx.exp` vs `mlxrl.fastmath.exp`.
+2. exp of that tile: `mx.exp` vs `mlxrl.fastmath.exp` (the native kernel, mlxrl.native), and the
+   MLX-ops polynomial (`fastmath.exp_shift` without the native module) vs the native kernel; sigmoid
+   of a [1024, 3072] MLP activation; softmax over [16, 1024, 1024] attention scores; attention forward
+   + backward (q [1, 16, 1024, 128], k / v 8 heads, causal), `mx.fast.scaled_dot_product_attention`
+   vs `fastmath.scaled_dot_product_attention`.
 3. 128 sampling steps over [8, 151936] logits: Gumbel-max `mx.random.categorical` on `mx.exp`
    log-probs (what generation did) vs `mlxrl.generation.sample_tokens` (inverse CDF on fastmath.exp).
 4. Clip (max norm 1) + AdamW over 285M parameters shaped like the bench_sft "small" model:
@@ -52,7 +56,26 @@ def main():
     row("y + 1, [256, V]: cache 32 MB vs 256 MB", *times)
     row("exp, [1024, V]: mx.exp vs fastmath.exp", best(lambda: mx.eval(mx.exp(z))),
         best(lambda: mx.eval(fastmath.exp(z))))
+    zero = mx.array(0.0)
+    polynomial = best(lambda: mx.eval(fastmath._scale(*fastmath._reduce_shift(z, zero))))
+    row("exp, [1024, V]: MLX-ops polynomial vs native", polynomial, best(lambda: mx.eval(fastmath.exp(z))))
     z = None  # free the tile
+    a = mx.random.normal((1024, 3072))
+    row("sigmoid, [1024, 3072]: mx.sigmoid vs fastmath", best(lambda: mx.eval(mx.sigmoid(a))),
+        best(lambda: mx.eval(fastmath.sigmoid(a))))
+    scores = mx.random.normal((16, 1024, 1024))
+    row("softmax, [16, 1024, 1024]: mx.softmax vs fastmath",
+        best(lambda: mx.eval(mx.softmax(scores, -1, precise=True))), best(lambda: mx.eval(fastmath.softmax(scores))))
+    scores = None
+    q = mx.random.normal((1, 16, 1024, 128))
+    k, v = mx.random.normal((1, 8, 1024, 128)), mx.random.normal((1, 8, 1024, 128))
+
+    def attention(fn):
+        step = mx.grad(lambda q, k, v: fn(q, k, v, scale=128**-0.5, mask="causal").sum(), argnums=(0, 1, 2))
+        return best(lambda: mx.eval(step(q, k, v)))
+
+    row("attention fwd+bwd: mx.fast sdpa vs fastmath", attention(mx.fast.scaled_dot_product_attention),
+        attention(fastmath.scaled_dot_product_attention))
     logits = mx.random.normal((8, V))
     keys = mx.random.split(mx.random.key(0), 128)
 

@@ -129,3 +129,29 @@ def test_failed_build_warns_and_falls_back(tmp_path):
     count, message = out.splitlines()[0].split(" ", 1)
     assert count == "1" and "no C++ compiler" in message and "MLXRL_NATIVE=0" in message
     assert out.splitlines()[1] == "[0.5, 0.5]"
+
+
+@pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "additive", "per-head"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_attention_equals_mlx_sdpa(path, mask_kind, heads):
+    """Values and gradients of q, k, v against mx.fast.scaled_dot_product_attention, grouped-query
+    heads, queries shorter than keys (a cache offset)."""
+    rng = np.random.default_rng(3)
+    (hq, hkv), B, L, S, D = heads, 2, 5, 9, 16
+    q, k, v = (mx.array(rng.normal(0, 1, shape).astype(np.float32))
+               for shape in [(B, hq, L, D), (B, hkv, S, D), (B, hkv, S, D)])
+    keep = rng.random((B, 1, L, S)) > 0.3
+    keep[..., -1] = True
+    mask = {None: None, "causal": "causal", "bool": mx.array(keep),
+            "additive": mx.array(np.where(keep, 0.0, -1e9).astype(np.float32)),
+            "per-head": mx.array(rng.random((B, hq, L, S)) > 0.2)}[mask_kind]
+    w = mx.array(rng.normal(0, 1, (B, hq, L, D)).astype(np.float32))
+
+    def run(fn):
+        f = lambda q, k, v: (fn(q, k, v, scale=D**-0.5, mask=mask) * w).sum()
+        return mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    (v1, g1), (v2, g2) = run(fastmath.scaled_dot_product_attention), run(mx.fast.scaled_dot_product_attention)
+    np.testing.assert_allclose(v1.item(), v2.item(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)

@@ -36,6 +36,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from .. import fastmath
+
 IGNORE_INDEX = -100
 TILE_BYTES = 16 << 20  # default budget for one float32 [rows, vocab_chunk] tile
 
@@ -57,11 +59,12 @@ def _target_logit(h, weight, t, inv_t):
     return zt * inv_t
 
 
-@mx.compile
-def _exp_shift(z, m):  # one fused pass, no [Nc, V] temporary for z - m
-    # (mlxrl.fastmath.exp_shift is faster on CPU but its two kernels keep two more tile-sized
-    # arrays alive: +77..152 MB peak on the default model in tests/test_plan.py, so the head keeps mx.exp)
-    return mx.exp(z - m)
+_fused_exp_shift = mx.compile(lambda z, m: mx.exp(z - m))  # one pass, no [Nc, V] temporary for z - m
+
+
+def _exp_shift(z, m):
+    # on the CPU the native exp (~12x mx.exp there) writes into z - m's buffer: the same two tiles
+    return fastmath.exp(z - m) if fastmath.uses_native(z) else _fused_exp_shift(z, m)
 
 
 def _online_stats(h, weight, s, e, inv_t, stats, with_entropy):

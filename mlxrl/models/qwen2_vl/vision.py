@@ -24,6 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ... import fastmath
+
 # Old config.json files (and transformers' attribute_map) use other names for these fields.
 _ALIASES = {"in_chans": "in_channels", "num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 
@@ -108,10 +110,10 @@ def frame_segment_ids(grid: np.ndarray) -> np.ndarray:
 
 
 def quick_gelu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(1.702 * x)
+    return x * fastmath.sigmoid(1.702 * x)
 
 
-ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}
+ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": fastmath.silu, "gelu_pytorch_tanh": nn.gelu_approx}
 
 
 def padded_segments(seg: np.ndarray, name: str) -> dict[str, np.ndarray]:
@@ -152,11 +154,11 @@ def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, layout) -> mx.ar
         gather, valid, scatter = layout
         q, k, v = (a[gather].transpose(0, 2, 1, 3) for a in (q, k, v))  # [S, H, L, D]
         # Every segment has a real first slot, so no query row is fully masked.
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=valid[:, None, None, :])
+        out = fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=valid[:, None, None, :])
         out = out.transpose(0, 2, 1, 3)  # [S, L, H, D]
         return out.reshape(-1, *out.shape[2:])[scatter]
     q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, H, N, D]
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=layout)
+    out = fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=layout)
     return out[0].transpose(1, 0, 2)
 
 

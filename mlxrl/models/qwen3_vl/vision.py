@@ -21,6 +21,8 @@ import mlx.core as mx  # mlxrl/__init__ (fast BLAS) has run by the time this pac
 import mlx.nn as nn
 import numpy as np
 
+from ... import fastmath
+
 
 @dataclass
 class VisionConfig:
@@ -57,13 +59,13 @@ class VisionConfig:
 
 
 def _quick_gelu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(1.702 * x)
+    return x * fastmath.sigmoid(1.702 * x)
 
 
 ACTIVATIONS = {
     "gelu_pytorch_tanh": nn.gelu_approx,  # tanh approximation, same formula as torch's
     "gelu": nn.gelu,
-    "silu": nn.silu,
+    "silu": fastmath.silu,
     "quick_gelu": _quick_gelu,
 }
 
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         q = (qf * cos + _rotate_half(qf) * sin).astype(v.dtype)
         k = (kf * cos + _rotate_half(kf) * sin).astype(v.dtype)
         q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, H, N, hd]
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.proj(out[0].transpose(1, 0, 2).reshape(n, -1))
 
 
