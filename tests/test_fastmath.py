@@ -153,5 +153,5 @@ def test_attention_equals_mlx_sdpa(path, mask_kind, heads):
 
     (v1, g1), (v2, g2) = run(fastmath.scaled_dot_product_attention), run(mx.fast.scaled_dot_product_attention)
     np.testing.assert_allclose(v1.item(), v2.item(), rtol=1e-5, atol=1e-5)
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)

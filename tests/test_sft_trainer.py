@@ -181,6 +181,38 @@ def test_adafactor_matches_transformers():
         engine_lib.check_optim(SFTConfig(optim="adamw_8bit"))
 
 
+@pytest.mark.parametrize("kernel", ["native", "compiled"])
+def test_adamw_matches_torch(kernel, monkeypatch):
+    """optim="adamw_torch" (FusedAdamW, both its native CPU kernel and its compiled MLX kernel) against
+    torch.optim.AdamW with weight decay, on a warm-up schedule, with the clip scale on the gradients."""
+    from mlxrl import native
+
+    if kernel == "compiled":
+        monkeypatch.setattr(native, "load", lambda: None)
+    else:
+        assert native.load() is not None
+    rng = np.random.default_rng(0)
+    w0 = {"w": rng.normal(size=(64, 300)).astype(np.float32), "b": rng.normal(size=(7,)).astype(np.float32)}
+    tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in w0.items()}
+    theirs = torch.optim.AdamW(list(tp.values()), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    ours = engine_lib.make_optimizer(SFTConfig(learning_rate=1e-2, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
+                                               weight_decay=0.1, lr_scheduler_type="constant"), 10)
+    params = {k: mx.array(v) for k, v in w0.items()}
+    for step in range(5):
+        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in w0.items()}
+        scale = 0.5 if step % 2 else 1.0  # what clipping sets
+        for k in tp:
+            tp[k].grad = torch.tensor(g[k] * scale)
+        theirs.step()
+        ours.grad_scale = mx.array(scale)
+        params = ours.apply_gradients({k: mx.array(v) for k, v in g.items()}, params)
+        mx.eval(params, ours.state)
+    for k in tp:
+        np.testing.assert_allclose(np.array(params[k]), tp[k].detach().numpy(), atol=2e-6, err_msg=k)
+        np.testing.assert_allclose(np.array(ours.state[k]["v"]), theirs.state[tp[k]]["exp_avg_sq"].numpy(),
+                                   rtol=1e-5, err_msg=k)
+
+
 @pytest.mark.parametrize("optim", ["adamw_torch", "adafactor"])
 def test_resume_reproduces_the_uninterrupted_run(optim, tiny_checkpoint, tmp_path):
     rows = TEXT_ROWS * 4

@@ -1,4 +1,4 @@
-// mlxrl's CPU kernels: exp, sigmoid, and softmax over the last axis, as MLX primitives.
+// mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, and the AdamW step, as MLX primitives.
 //
 // Why: MLX's Linux CPU wheel is built for baseline x86-64, so its exp / sigmoid / softmax are scalar
 // loops whose fma calls go through libm (~0.05 G elements/s, against ~1.3 for a multiply). These
@@ -10,7 +10,7 @@
 // [-87.3, 88.72] it gives what IEEE exp gives: 0 below (exactly 0 from -88.03 down), +inf above,
 // NaN stays NaN. Inputs must be float32 (the Python side falls back to MLX's ops otherwise).
 //
-// Each primitive has a VJP and a JVP built from MLX ops on its output, so they train under
+// Each elementwise primitive has a VJP and a JVP built from MLX ops on its output, so they train under
 // mx.grad and mx.compile like MLX's own ops.
 
 #include <sched.h>
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -258,6 +259,71 @@ class FastSoftmax : public Unary {
   }
 };
 
+// One parameter's AdamW step, torch.optim.AdamW's arithmetic (as the engine's compiled kernel):
+//   g *= scale;  w *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
+//   w -= lr c1 m / (sqrt(v) c2 + eps)      with c1 = 1 / (1 - b1^t), c2 = 1 / sqrt(1 - b2^t)
+// in one pass over w, g, m, v; the new w, m, v take the old ones' buffers when MLX allows it.
+class AdamWStep : public mx::Primitive {
+ public:
+  AdamWStep(mx::Stream s, float wd, float b1, float b2, float eps)
+      : mx::Primitive(s), wd_(wd), b1_(b1), b2_(b2), eps_(eps) {}
+  const char* name() const override { return "MlxrlAdamW"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (std::strcmp(name(), other.name()) != 0) return false;
+    auto& o = static_cast<const AdamWStep&>(other);
+    return wd_ == o.wd_ && b1_ == o.b1_ && b2_ == o.b2_ && eps_ == o.eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[1].shape(), inputs[1].shape(), inputs[1].shape()};
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("MlxrlAdamW is a CPU kernel.");
+  }
+  // inputs: g, w, m, v, hyper = [scale, lr, c1, c2]; outputs: w, m, v
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (int i = 0; i < 3; ++i) allocate_like(inputs[i + 1], outputs[i]);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    encoder.dispatch([g = inputs[0].data<float>(), w = inputs[1].data<float>(), m = inputs[2].data<float>(),
+                      v = inputs[3].data<float>(), hyper = inputs[4].data<float>(), wo = outputs[0].data<float>(),
+                      mo = outputs[1].data<float>(), vo = outputs[2].data<float>(), n = inputs[1].size(),
+                      wd = wd_, b1 = b1_, b2 = b2_, eps = eps_]() {
+      const float scale = hyper[0], lr = hyper[1], c1 = hyper[2], c2 = hyper[3];
+      const float decay = 1.0f - lr * wd, step = lr * c1;
+      parallel_for(n, kGrain, [=](size_t b, size_t e) {
+#pragma omp simd
+        for (size_t i = b; i < e; ++i) {
+          float gi = g[i] * scale;
+          float mi = b1 * m[i] + (1.0f - b1) * gi;
+          float vi = b2 * v[i] + (1.0f - b2) * (gi * gi);
+          wo[i] = w[i] * decay - step * mi / (std::sqrt(vi) * c2 + eps);
+          mo[i] = mi;
+          vo[i] = vi;
+        }
+      });
+    });
+  }
+
+ private:
+  float wd_, b1_, b2_, eps_;
+};
+
+std::vector<mx::array> adamw_step_op(const mx::array& g, const mx::array& w, const mx::array& m,
+                                     const mx::array& v, const mx::array& hyper, float wd, float b1, float b2,
+                                     float eps) {
+  auto stream = mx::to_stream({});
+  if (stream.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("mlxrl CPU kernels run on the CPU.");
+  for (auto* a : {&g, &w, &m, &v, &hyper})
+    if (a->dtype() != mx::float32) throw std::invalid_argument("mlxrl's AdamW kernel takes float32 arrays.");
+  if (g.shape() != w.shape() || m.shape() != w.shape() || v.shape() != w.shape() || hyper.size() != 4)
+    throw std::invalid_argument("adamw_step: g, w, m, v must share a shape and hyper hold 4 values.");
+  auto dense = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
+  return mx::array::make_arrays({w.shape(), w.shape(), w.shape()}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<AdamWStep>(stream, wd, b1, b2, eps),
+                                {dense(g), dense(w), dense(m), dense(v), dense(hyper)});
+}
+
 template <class P>
 mx::array make_unary(const mx::array& x, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("mlxrl CPU kernels take float32 arrays.");
@@ -281,5 +347,9 @@ NB_MODULE(_cpu_math, m) {
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
   m.def("softmax", [](const mx::array& x) { return fast_softmax_op(x); }, nb::arg("x"));
+  m.def("adamw_step", &adamw_step_op, nb::arg("g"), nb::arg("w"), nb::arg("m"), nb::arg("v"), nb::arg("hyper"),
+        nb::arg("weight_decay"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
+        "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
+        "Returns (w, m, v).");
   m.def("threads", &worker_count);
 }

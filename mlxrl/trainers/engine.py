@@ -29,7 +29,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .. import runtime
+from .. import fastmath, native, runtime
 from ..data.batches import Prefetcher
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
@@ -98,6 +98,12 @@ class FusedAdamW(optim.AdamW):
         step = self.step
         c1 = 1 / (1 - b1**step)
         c2 = mx.rsqrt(1 - b2**step)
+        if fastmath.uses_native(parameter) and gradient.dtype == mx.float32:
+            hyper = mx.stack([mx.array(x).astype(mx.float32) for x in (self.grad_scale, self.learning_rate, c1, c2)])
+            w, state["m"], state["v"] = native.load().adamw_step(
+                gradient, parameter, state["m"], state["v"], hyper, float(self.weight_decay), float(b1), float(b2),
+                float(self.eps))
+            return w
         w, state["m"], state["v"] = self._kernel(gradient, parameter, state["m"], state["v"], self.grad_scale,
                                                  self.learning_rate, c1, c2)
         return w
