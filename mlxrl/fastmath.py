@@ -94,6 +94,13 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
     return mx.swapaxes(k.softmax(mx.swapaxes(x, axis, -1)), axis, -1)
 
 
+def sum_squares(x: mx.array) -> mx.array:
+    """sum(x^2) in float32 (the gradient norm's square); native: one multi-threaded pass, accumulated
+    in double (MLX's `square(x).sum()` reduces on one core)."""
+    k = _native(x)
+    return k.sum_squares(x) if k is not None else mx.square(x.astype(mx.float32)).sum()
+
+
 def exp_shift(z: mx.array, m: mx.array) -> mx.array:
     """exp(z - m) in float32 (m broadcast, typically the row max), for sampling: not differentiable
     off the native path."""

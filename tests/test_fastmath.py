@@ -155,3 +155,15 @@ def test_attention_equals_mlx_sdpa(path, mask_kind, heads):
     np.testing.assert_allclose(v1.item(), v2.item(), rtol=1e-5, atol=1e-5)
     for a, b in zip(g1, g2, strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_sum_squares_equals_float64(path):
+    rtol = 2e-6 if path == "native" else 5e-5  # native accumulates in double; MLX's sum in float32
+    rng = np.random.default_rng(4)
+    for shape in [(0,), (3,), (1000, 37), (600_001,)]:
+        x = rng.normal(0, 2, shape).astype(np.float32)
+        got = fastmath.sum_squares(mx.array(x))
+        assert got.dtype == mx.float32 and got.shape == ()
+        np.testing.assert_allclose(got.item(), (x.astype(np.float64) ** 2).sum(), rtol=rtol)
+    x = mx.array(rng.normal(0, 1, (300, 400)).astype(np.float32)).T  # non-contiguous
+    np.testing.assert_allclose(fastmath.sum_squares(x).item(), (np.array(x).astype(np.float64) ** 2).sum(), rtol=rtol)

@@ -1,4 +1,5 @@
-// mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, and the AdamW step, as MLX primitives.
+// mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, sum of squares and the AdamW step,
+// as MLX primitives.
 //
 // Why: MLX's Linux CPU wheel is built for baseline x86-64, so its exp / sigmoid / softmax are scalar
 // loops whose fma calls go through libm (~0.05 G elements/s, against ~1.3 for a multiply). These
@@ -259,6 +260,53 @@ class FastSoftmax : public Unary {
   }
 };
 
+// sum(x^2) of a float32 array as a float32 scalar (the gradient norm's square), accumulated in
+// double: per worker a vectorised partial sum, then the partials in order (deterministic for a
+// given thread count).
+class SumSquares : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  const char* name() const override { return "MlxrlSumSquares"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return std::strcmp(name(), other.name()) == 0;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override { return {mx::Shape{}}; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("MlxrlSumSquares is a CPU kernel.");
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = inputs[0].data<float>(), dst = out.data<float>(), n = inputs[0].size()]() {
+      size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, n / kGrain));
+      std::vector<double> partial(parts, 0.0);
+      size_t step = (n + parts - 1) / parts;
+      parallel_for(parts, 1, [&](size_t pb, size_t pe) {
+        for (size_t p = pb; p < pe; ++p) {
+          size_t b = p * step, e = std::min(n, b + step);
+          double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+          for (size_t i = b; i < e; ++i) acc += double(x[i]) * double(x[i]);
+          partial[p] = acc;
+        }
+      });
+      double total = 0.0;
+      for (double v : partial) total += v;
+      *dst = static_cast<float>(total);
+    });
+  }
+};
+
+mx::array sum_squares_op(const mx::array& x) {
+  auto stream = mx::to_stream({});
+  if (stream.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("mlxrl CPU kernels run on the CPU.");
+  if (x.dtype() != mx::float32) throw std::invalid_argument("mlxrl CPU kernels take float32 arrays.");
+  return mx::array(mx::Shape{}, mx::float32, std::make_shared<SumSquares>(stream), {mx::contiguous(x, false, stream)});
+}
+
 // One parameter's AdamW step, torch.optim.AdamW's arithmetic (as the engine's compiled kernel):
 //   g *= scale;  w *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
 //   w -= lr c1 m / (sqrt(v) c2 + eps)      with c1 = 1 / (1 - b1^t), c2 = 1 / sqrt(1 - b2^t)
@@ -351,5 +399,6 @@ NB_MODULE(_cpu_math, m) {
         nb::arg("weight_decay"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
         "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
         "Returns (w, m, v).");
+  m.def("sum_squares", &sum_squares_op, nb::arg("x"), "sum(x^2) as a float32 scalar (accumulated in double).");
   m.def("threads", &worker_count);
 }

@@ -214,7 +214,7 @@ class Trainer:
 
     def _update(self, grads):
         """Clip (global norm, folded into the optimizer's update) and update; returns the norm."""
-        norm = mx.sqrt(sum(mx.square(g.astype(mx.float32)).sum() for _, g in tree_flatten(grads)))
+        norm = mx.sqrt(sum(fastmath.sum_squares(g) for _, g in tree_flatten(grads)))
         clip = self.args.max_grad_norm
         # torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1
         self.optimizer.grad_scale = mx.minimum(1.0, clip / (norm + 1e-6)) if clip and clip > 0 else mx.array(1.0)
