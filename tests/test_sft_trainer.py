@@ -154,6 +154,22 @@ def test_patch_bucket_padding_changes_nothing(arch, tiny_checkpoint, tmp_path):
     assert len({patch_bucket(p) for p in range(4, 4096, 4)}) <= 4 * 12  # four sizes per doubling
 
 
+def step_both(ours, theirs, tp, w0, rng, steps):
+    """`steps` optimizer steps on both sides with the same random gradients, the clip scale (what
+    clipping sets) alternating 1 / 0.5; returns our parameters."""
+    params = {k: mx.array(v) for k, v in w0.items()}
+    for step in range(steps):
+        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in w0.items()}
+        scale = 0.5 if step % 2 else 1.0
+        for k in tp:
+            tp[k].grad = torch.tensor(g[k] * scale)
+        theirs.step()
+        ours.grad_scale = mx.array(scale)
+        params = ours.apply_gradients({k: mx.array(v) for k, v in g.items()}, params)
+        mx.eval(params, ours.state)
+    return params
+
+
 def test_adafactor_matches_transformers():
     """optim="adafactor": transformers' Adafactor as the HF Trainer builds it (scale_parameter=False,
     relative_step=False), with weight decay and the clip scale applied to the gradients."""
@@ -165,15 +181,7 @@ def test_adafactor_matches_transformers():
     theirs = Adafactor(list(tp.values()), lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.1)
     ours = engine_lib.make_optimizer(SFTConfig(optim="adafactor", learning_rate=1e-2, weight_decay=0.1,
                                                lr_scheduler_type="constant"), 10)
-    params = {k: mx.array(v) for k, v in w0.items()}
-    for step in range(4):
-        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in w0.items()}
-        scale = 0.5 if step % 2 else 1.0  # what clipping sets
-        for k in tp:
-            tp[k].grad = torch.tensor(g[k] * scale)
-        theirs.step()
-        ours.grad_scale = mx.array(scale)
-        params = ours.apply_gradients({k: mx.array(v) for k, v in g.items()}, params)
+    params = step_both(ours, theirs, tp, w0, rng, 4)
     for k in tp:
         np.testing.assert_allclose(np.array(params[k]), tp[k].detach().numpy(), atol=1e-6, err_msg=k)
     assert "exp_avg_sq_row" in ours.state["w"] and "exp_avg" not in ours.state["w"]  # factored, no m
@@ -197,16 +205,7 @@ def test_adamw_matches_torch(kernel, monkeypatch):
     theirs = torch.optim.AdamW(list(tp.values()), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     ours = engine_lib.make_optimizer(SFTConfig(learning_rate=1e-2, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
                                                weight_decay=0.1, lr_scheduler_type="constant"), 10)
-    params = {k: mx.array(v) for k, v in w0.items()}
-    for step in range(5):
-        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in w0.items()}
-        scale = 0.5 if step % 2 else 1.0  # what clipping sets
-        for k in tp:
-            tp[k].grad = torch.tensor(g[k] * scale)
-        theirs.step()
-        ours.grad_scale = mx.array(scale)
-        params = ours.apply_gradients({k: mx.array(v) for k, v in g.items()}, params)
-        mx.eval(params, ours.state)
+    params = step_both(ours, theirs, tp, w0, rng, 5)
     for k in tp:
         np.testing.assert_allclose(np.array(params[k]), tp[k].detach().numpy(), atol=2e-6, err_msg=k)
         np.testing.assert_allclose(np.array(ours.state[k]["v"]), theirs.state[tp[k]]["exp_avg_sq"].numpy(),
