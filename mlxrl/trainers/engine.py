@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -271,8 +272,10 @@ class Trainer:
         interrupted = False
         previous = signal.getsignal(signal.SIGINT)
         previous_term = signal.getsignal(signal.SIGTERM)
+        watchdog = None
         if self.world_size > 1:  # mlx.launch terminates the other ranks when one dies
             signal.signal(signal.SIGTERM, self._terminated)
+            watchdog = self._start_term_watchdog()
         try:
             self._loop(batches, total, bar)
         except KeyboardInterrupt:
@@ -286,6 +289,7 @@ class Trainer:
                 bar.close()
             if self.world_size > 1:
                 signal.signal(signal.SIGTERM, previous_term)
+                signal.set_wakeup_fd(watchdog)
         if interrupted:
             path = self.save_checkpoint()
             self.print(f"interrupted: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
@@ -325,6 +329,31 @@ class Trainer:
         last = f"the last checkpoint {found[-1]} is intact" if found else "no checkpoint was saved yet"
         return (f"rank {self.rank} of {self.world_size}: lost another rank at step {self.global_step} ({why}); "
                 f"{last}: resume with --resume_from_checkpoint last, on any number of ranks")
+
+    def _start_term_watchdog(self, grace: float = 10.0) -> int:
+        """Python runs the SIGTERM handler only between bytecodes: a rank blocked inside a collective
+        whose peer died never would. The signal also lands on a wakeup pipe; a thread reading it
+        gives the main thread `grace` seconds to stop with PeerLostError, then prints the same error
+        and exits with 2 (the CLI's error code). Returns the previous wakeup fd."""
+        import threading
+
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd)
+
+        def watch():
+            while True:
+                data = os.read(read_fd, 64)
+                if not data:
+                    return
+                if signal.SIGTERM in data:
+                    time.sleep(grace)
+                    why = "terminated by the launcher after another rank exited; stuck in a collective"
+                    print(f"error: {self._peer_lost(why)}", file=sys.stderr, flush=True)
+                    os._exit(2)
+
+        threading.Thread(target=watch, daemon=True, name="mlxrl-term-watchdog").start()
+        return previous
 
     def _terminated(self, signum, frame):
         raise PeerLostError(self._peer_lost("terminated by the launcher after another rank exited"))
