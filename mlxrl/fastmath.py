@@ -56,8 +56,8 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def _native(x: mx.array):
-    """The native kernel module when `x` is a float32 array on the CPU and the module is built."""
+def kernels_for(x: mx.array):
+    """The native kernel module when `x` is a float32 array on the CPU and the module is built, else None."""
     if x.dtype != mx.float32 or not on_cpu():
         return None
     return native.load()
@@ -65,17 +65,17 @@ def _native(x: mx.array):
 
 def uses_native(x: mx.array) -> bool:
     """Whether the functions here run `x` through the native kernels."""
-    return _native(x) is not None
+    return kernels_for(x) is not None
 
 
 def exp(x: mx.array) -> mx.array:
     """exp(x), differentiable (see the module docstring)."""
-    k = _native(x)
+    k = kernels_for(x)
     return k.exp(x) if k is not None else mx.exp(x)
 
 
 def sigmoid(x: mx.array) -> mx.array:
-    k = _native(x)
+    k = kernels_for(x)
     return k.sigmoid(x) if k is not None else mx.sigmoid(x)
 
 
@@ -86,7 +86,7 @@ def silu(x: mx.array) -> mx.array:
 
 def softmax(x: mx.array, axis: int = -1) -> mx.array:
     """Softmax along `axis` in float32 (`mx.softmax(..., precise=True)` off the native path)."""
-    k = _native(x)
+    k = kernels_for(x)
     if k is None:
         return mx.softmax(x, axis=axis, precise=True)
     if axis in (-1, x.ndim - 1):
@@ -97,7 +97,7 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
 def sum_squares(x: mx.array) -> mx.array:
     """sum(x^2) in float32 (the gradient norm's square); native: one multi-threaded pass, accumulated
     in double (MLX's `square(x).sum()` reduces on one core)."""
-    k = _native(x)
+    k = kernels_for(x)
     return k.sum_squares(x) if k is not None else mx.square(x.astype(mx.float32)).sum()
 
 
@@ -105,11 +105,11 @@ def exp_shift(z: mx.array, m: mx.array) -> mx.array:
     """exp(z - m) in float32 (m broadcast, typically the row max), for sampling: not differentiable
     off the native path."""
     z = z.astype(mx.float32)
-    if not on_cpu():
-        return mx.exp(z - m)
-    k = native.load()
+    k = kernels_for(z)
     if k is not None:
         return k.exp(z - m)
+    if not on_cpu():
+        return mx.exp(z - m)
     r, p = _reduce_shift(z, m)
     return _scale(r, p)
 

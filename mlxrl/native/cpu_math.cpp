@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -126,12 +127,13 @@ int worker_count() {
   return count;
 }
 
-// Runs fn(begin, end) over [0, n) in contiguous parts, one per worker, each at least `grain` long.
+// Runs fn(part, begin, end) over [0, n) in contiguous parts (part < worker_count()), one per
+// worker, each at least `grain` long.
 template <class F>
 void parallel_for(size_t n, size_t grain, F fn) {
   size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, n / grain));
   if (parts <= 1) {
-    fn(size_t(0), n);
+    fn(size_t(0), size_t(0), n);
     return;
   }
   std::vector<std::thread> threads;
@@ -139,9 +141,9 @@ void parallel_for(size_t n, size_t grain, F fn) {
   size_t step = (n + parts - 1) / parts;
   for (size_t p = 1; p < parts; ++p) {
     size_t b = p * step, e = std::min(n, b + step);
-    if (b < e) threads.emplace_back([=] { fn(b, e); });
+    if (b < e) threads.emplace_back([=] { fn(p, b, e); });
   }
-  fn(size_t(0), std::min(n, step));
+  fn(size_t(0), size_t(0), std::min(n, step));
   for (auto& t : threads) t.join();
 }
 
@@ -166,23 +168,40 @@ void run_elementwise(mx::Stream stream, const mx::array& in, mx::array& out, Ran
   encoder.set_input_array(in);
   encoder.set_output_array(out);
   encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), n = in.size(), fn]() {
-    parallel_for(n, kGrain, [=](size_t b, size_t e) { fn(src + b, dst + b, e - b); });
+    parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) { fn(src + b, dst + b, e - b); });
   });
 }
 
-class Unary : public mx::Primitive {
+// What every primitive here shares: CPU only; equivalent to another of the same name (subclasses
+// with parameters compare those too).
+class CpuPrimitive : public mx::Primitive {
  public:
   using mx::Primitive::Primitive;
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error(std::string(name()) + " is a CPU kernel; use MLX's op on the GPU.");
   }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
   bool is_equivalent(const mx::Primitive& other) const override {
     return std::strcmp(name(), other.name()) == 0;
   }
 };
+
+class Unary : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+// The CPU stream for a kernel over `arrays`: float32 only (the Python side falls back to MLX's ops
+// otherwise).
+mx::Stream cpu_stream(std::initializer_list<const mx::array*> arrays, mx::StreamOrDevice s = {}) {
+  auto stream = mx::to_stream(s);
+  if (stream.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("mlxrl CPU kernels run on the CPU.");
+  for (auto* a : arrays)
+    if (a->dtype() != mx::float32) throw std::invalid_argument("mlxrl CPU kernels take float32 arrays.");
+  return stream;
+}
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s = {});
@@ -240,7 +259,7 @@ class FastSoftmax : public Unary {
     encoder.set_output_array(out);
     encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols]() {
       size_t grain_rows = std::max<size_t>(1, kGrain / std::max<size_t>(1, cols));
-      parallel_for(rows, grain_rows, [=](size_t b, size_t e) {
+      parallel_for(rows, grain_rows, [=](size_t, size_t b, size_t e) {
         softmax_rows(src + b * cols, dst + b * cols, e - b, cols);
       });
     });
@@ -263,17 +282,11 @@ class FastSoftmax : public Unary {
 // sum(x^2) of a float32 array as a float32 scalar (the gradient norm's square), accumulated in
 // double: per worker a vectorised partial sum, then the partials in order (deterministic for a
 // given thread count).
-class SumSquares : public mx::Primitive {
+class SumSquares : public CpuPrimitive {
  public:
-  using mx::Primitive::Primitive;
+  using CpuPrimitive::CpuPrimitive;
   const char* name() const override { return "MlxrlSumSquares"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return std::strcmp(name(), other.name()) == 0;
-  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override { return {mx::Shape{}}; }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("MlxrlSumSquares is a CPU kernel.");
-  }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -281,17 +294,12 @@ class SumSquares : public mx::Primitive {
     encoder.set_input_array(inputs[0]);
     encoder.set_output_array(out);
     encoder.dispatch([x = inputs[0].data<float>(), dst = out.data<float>(), n = inputs[0].size()]() {
-      size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, n / kGrain));
-      std::vector<double> partial(parts, 0.0);
-      size_t step = (n + parts - 1) / parts;
-      parallel_for(parts, 1, [&](size_t pb, size_t pe) {
-        for (size_t p = pb; p < pe; ++p) {
-          size_t b = p * step, e = std::min(n, b + step);
-          double acc = 0.0;
+      std::vector<double> partial(worker_count(), 0.0);
+      parallel_for(n, kGrain, [&](size_t part, size_t b, size_t e) {
+        double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
-          for (size_t i = b; i < e; ++i) acc += double(x[i]) * double(x[i]);
-          partial[p] = acc;
-        }
+        for (size_t i = b; i < e; ++i) acc += double(x[i]) * double(x[i]);
+        partial[part] = acc;
       });
       double total = 0.0;
       for (double v : partial) total += v;
@@ -301,9 +309,7 @@ class SumSquares : public mx::Primitive {
 };
 
 mx::array sum_squares_op(const mx::array& x) {
-  auto stream = mx::to_stream({});
-  if (stream.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("mlxrl CPU kernels run on the CPU.");
-  if (x.dtype() != mx::float32) throw std::invalid_argument("mlxrl CPU kernels take float32 arrays.");
+  auto stream = cpu_stream({&x});
   return mx::array(mx::Shape{}, mx::float32, std::make_shared<SumSquares>(stream), {mx::contiguous(x, false, stream)});
 }
 
@@ -311,21 +317,18 @@ mx::array sum_squares_op(const mx::array& x) {
 //   g *= scale;  w *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
 //   w -= lr c1 m / (sqrt(v) c2 + eps)      with c1 = 1 / (1 - b1^t), c2 = 1 / sqrt(1 - b2^t)
 // in one pass over w, g, m, v; the new w, m, v take the old ones' buffers when MLX allows it.
-class AdamWStep : public mx::Primitive {
+class AdamWStep : public CpuPrimitive {
  public:
   AdamWStep(mx::Stream s, float wd, float b1, float b2, float eps)
-      : mx::Primitive(s), wd_(wd), b1_(b1), b2_(b2), eps_(eps) {}
+      : CpuPrimitive(s), wd_(wd), b1_(b1), b2_(b2), eps_(eps) {}
   const char* name() const override { return "MlxrlAdamW"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    if (std::strcmp(name(), other.name()) != 0) return false;
+    if (!CpuPrimitive::is_equivalent(other)) return false;
     auto& o = static_cast<const AdamWStep&>(other);
     return wd_ == o.wd_ && b1_ == o.b1_ && b2_ == o.b2_ && eps_ == o.eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[1].shape(), inputs[1].shape(), inputs[1].shape()};
-  }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("MlxrlAdamW is a CPU kernel.");
   }
   // inputs: g, w, m, v, hyper = [scale, lr, c1, c2]; outputs: w, m, v
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -339,7 +342,7 @@ class AdamWStep : public mx::Primitive {
                       wd = wd_, b1 = b1_, b2 = b2_, eps = eps_]() {
       const float scale = hyper[0], lr = hyper[1], c1 = hyper[2], c2 = hyper[3];
       const float decay = 1.0f - lr * wd, step = lr * c1;
-      parallel_for(n, kGrain, [=](size_t b, size_t e) {
+      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
 #pragma omp simd
         for (size_t i = b; i < e; ++i) {
           float gi = g[i] * scale;
@@ -360,10 +363,7 @@ class AdamWStep : public mx::Primitive {
 std::vector<mx::array> adamw_step_op(const mx::array& g, const mx::array& w, const mx::array& m,
                                      const mx::array& v, const mx::array& hyper, float wd, float b1, float b2,
                                      float eps) {
-  auto stream = mx::to_stream({});
-  if (stream.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("mlxrl CPU kernels run on the CPU.");
-  for (auto* a : {&g, &w, &m, &v, &hyper})
-    if (a->dtype() != mx::float32) throw std::invalid_argument("mlxrl's AdamW kernel takes float32 arrays.");
+  auto stream = cpu_stream({&g, &w, &m, &v, &hyper});
   if (g.shape() != w.shape() || m.shape() != w.shape() || v.shape() != w.shape() || hyper.size() != 4)
     throw std::invalid_argument("adamw_step: g, w, m, v must share a shape and hyper hold 4 values.");
   auto dense = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
@@ -374,9 +374,7 @@ std::vector<mx::array> adamw_step_op(const mx::array& g, const mx::array& w, con
 
 template <class P>
 mx::array make_unary(const mx::array& x, mx::StreamOrDevice s) {
-  if (x.dtype() != mx::float32) throw std::invalid_argument("mlxrl CPU kernels take float32 arrays.");
-  auto stream = mx::to_stream(s);
-  if (stream.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("mlxrl CPU kernels run on the CPU.");
+  auto stream = cpu_stream({&x}, s);
   auto dense = mx::contiguous(x, false, stream);
   return mx::array(dense.shape(), mx::float32, std::make_shared<P>(stream), {dense});
 }
@@ -391,7 +389,8 @@ mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s) {
 }  // namespace
 
 NB_MODULE(_cpu_math, m) {
-  m.doc() = "mlxrl's vectorised, multi-threaded CPU kernels (float32): exp, sigmoid, softmax (last axis).";
+  m.doc() = "mlxrl's vectorised, multi-threaded CPU kernels (float32): exp, sigmoid, softmax (last axis), "
+            "sum of squares, the AdamW step.";
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
   m.def("softmax", [](const mx::array& x) { return fast_softmax_op(x); }, nb::arg("x"));
