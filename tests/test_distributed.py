@@ -182,3 +182,36 @@ def test_grpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
     a, b = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")
     for k in a:
         np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+
+
+WATCHDOG = """
+import os, signal, sys, time
+from mlxrl.trainers.engine import Trainer
+
+class Rank:
+    def _peer_lost(self, why):
+        return "lost another rank (" + why + ")"
+
+signal.signal(signal.SIGTERM, lambda *a: None)  # the main thread's handler ran: it is not stuck
+stop = Trainer._start_term_watchdog(Rank(), grace=0.5)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.1)
+if sys.argv[1] == "left-the-loop":
+    stop()
+time.sleep(1.5)
+print("still running")
+"""
+
+
+@pytest.mark.parametrize("case", ["left-the-loop", "stuck"])
+def test_term_watchdog_exits_only_a_rank_still_in_the_loop(case, tmp_path):
+    """SIGTERM while the main thread cannot raise (stuck in a collective): the watchdog prints the
+    peer-lost error and exits 2 after its grace; once the loop has been left (stop()), it never does."""
+    script = tmp_path / "watchdog.py"
+    script.write_text(WATCHDOG)
+    res = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=60)
+    if case == "left-the-loop":
+        assert res.returncode == 0 and "still running" in res.stdout, res.stderr[-2000:]
+    else:
+        assert res.returncode == 2 and "still running" not in res.stdout, res.stderr[-2000:]
+        assert res.stderr.strip().startswith("error: lost another rank (terminated by the launcher")
