@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlxrl import fastmath
+from mlxrl.losses import head
 from mlxrl.losses.head import (
     fused_head_grads,
     fused_head_loss,
@@ -183,9 +185,20 @@ def _naive_loss(loss_type, t, num_items, temp, extra):
     return f
 
 
+@pytest.fixture(params=["native", "mlx-ops"])
+def head_path(request, monkeypatch):
+    """The fused head on both paths: the native CPU kernel (nll / dft on float32 CPU arrays) and
+    the MLX graph of row chunks (everywhere else, and every callable loss)."""
+    if request.param == "mlx-ops":
+        monkeypatch.setattr(head, "_NATIVE_MODES", {})
+    else:
+        assert fastmath.kernels_for(mx.zeros((1,))) is not None, "the native kernels should build here"
+    return request.param
+
+
 @pytest.mark.parametrize("loss_type", ["nll", "dft", "grpo"])
 @pytest.mark.parametrize("n,d,v,rows,temp,ignored", FUSED_CASES)
-def test_fused_matches_naive(n, d, v, rows, temp, ignored, loss_type):
+def test_fused_matches_naive(n, d, v, rows, temp, ignored, loss_type, head_path):
     h, w, t, g, e = make(n, d, v, ignored, seed=2)
     num_items = 50 if loss_type == "nll" else None
     kw = dict(temperature=temp, chunk_rows=rows)
@@ -220,7 +233,7 @@ def test_fused_matches_naive(n, d, v, rows, temp, ignored, loss_type):
     np.testing.assert_array_equal(np.array(am), np.array(ref_am))
 
 
-def test_fused_ignored_rows_are_not_scored():
+def test_fused_ignored_rows_are_not_scored(head_path):
     h, w, t, *_ = make(16, 8, 300, "some")
     h_poisoned = mx.where((t == -100)[:, None], mx.nan, h)
     loss, lp, _, _ = fused_head_loss(h_poisoned, w, t)
@@ -228,7 +241,7 @@ def test_fused_ignored_rows_are_not_scored():
     assert np.isfinite(fused_head_grads(h_poisoned, w, t)[0].item())
 
 
-def test_fused_step_with_tied_weights_matches_full_gradient():
+def test_fused_step_with_tied_weights_matches_full_gradient(head_path):
     mx.random.seed(4)
     v, d, n = 400, 16, 29
     model = TiedLM(v, d)
@@ -258,7 +271,7 @@ def test_fused_step_with_tied_weights_matches_full_gradient():
         close(ours[k], ref[k])
 
 
-def test_fused_under_compile_with_unselected_rows():
+def test_fused_under_compile_with_unselected_rows(head_path):
     """The trainers' path: mx.compile (targets not concrete), skip_ignored=False, num_items an array."""
     h, w, t, *_ = make(20, 8, 50, "some", seed=5)
 
@@ -271,3 +284,29 @@ def test_fused_under_compile_with_unselected_rows():
     close(v1, v2)
     close(gh1, gh2)
     close(gw1, gw2)
+
+
+def test_native_fused_head_keeps_one_weight_gradient():
+    """The native kernel accumulates d_weight in place in one buffer with one reused tile: its peak
+    above the inputs stays near d_weight + one tile, where the MLX graph's holds a d_weight per chunk."""
+    if fastmath.kernels_for(mx.zeros((1,))) is None:
+        pytest.skip("no native kernels")
+    n, d, v, rows = 256, 256, 16384, 32  # d_weight 16 MB, tile 2 MB, 8 chunks
+    h, w, t, *_ = make(n, d, v, "some", seed=7)
+    peaks = {}
+    for name, modes in (("native", head._NATIVE_MODES), ("mlx-ops", {})):
+        old = head._NATIVE_MODES
+        head._NATIVE_MODES = modes
+        try:  # a compiled function per path (a compiled graph is traced once)
+            f = mx.compile(mx.value_and_grad(lambda hh, ww: fused_head_loss(hh, ww, t, chunk_rows=rows,  # noqa: B023
+                                                                             skip_ignored=False)[0], argnums=(0, 1)))
+            mx.eval(f(h, w))  # compile and warm up
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            mx.eval(f(h, w))
+            peaks[name] = mx.get_peak_memory() - base
+        finally:
+            head._NATIVE_MODES = old
+    dw = v * d * 4
+    assert peaks["native"] < 1.6 * dw, peaks
+    assert peaks["mlx-ops"] > 2.5 * dw, peaks  # the reference: if MLX ever donates here, revisit the kernel

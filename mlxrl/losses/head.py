@@ -29,6 +29,13 @@ with 3 matmuls per chunk and a single exp over the tile:
   gradients and whose VJP scales them by the loss's cotangent); chunks chained with `mx.depends`.
 * `fused_head_grads(...)` / `fused_value_and_grad(...)`: the eager twin (an `mx.eval` per chunk)
   and the two-phase step built on it.
+
+On float32 CPU arrays with nll / dft, both run the whole chunk loop as ONE native kernel
+(`mlxrl.native`'s fused head: one tile buffer reused for every chunk, d_weight accumulated in place
+by the BLAS). The MLX graph cannot do that: the `mx.depends` that orders its chunks keeps each old
+d_weight alive, so every chunk allocated a new one. Measured (`/tmp` snippet, N 1023, D 1024, V 151936,
+compiled value_and_grad, one process): peak above the inputs 0.80 GB native vs 4.37 GB graph, 5.9 s
+vs 9.7 s. Callable token losses (GRPO's) keep the graph.
 """
 
 from __future__ import annotations
@@ -384,8 +391,32 @@ def _fused_chunk(h, weight, t, inv_t, w, args, grad_fn, with_entropy, dw):
     return loss.sum(), logp, ent, arg, dh, dw
 
 
+_NATIVE_MODES = {_nll_grad: 0, _dft_grad: 1}  # the token losses mlxrl's native fused head computes
+
+
+def _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad):
+    """The whole row-chunk loop as one native CPU kernel (float32 CPU arrays, nll / dft), or None:
+    one tile buffer for every chunk and d_weight accumulated in place, where the MLX graph below
+    holds a new d_weight per chunk (the `mx.depends` that orders the chunks keeps the old one alive)."""
+    mode = _NATIVE_MODES.get(grad_fn)
+    kernels = fastmath.kernels_for(hidden)
+    if mode is None or kernels is None or not hasattr(kernels, "fused_head") or weight.dtype != mx.float32 \
+            or hidden.dtype != mx.float32 or not fastmath.uses_native(weight):
+        return None
+    loss, logp, ent, arg, dh, dw = kernels.fused_head(
+        hidden, weight, targets, w.astype(mx.float32), float(inv_t), mode,
+        int(chunk_rows or default_chunk_rows(weight.shape[0])), bool(with_entropy), bool(weight_grad))
+    return loss, logp, ent, arg, dh, dw if weight_grad else mx.zeros_like(weight)
+
+
 def _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, eager):
     """All row chunks; eager: an mx.eval per chunk; lazy: chunks chained with mx.depends."""
+    native = None if args else _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_entropy,
+                                             weight_grad)
+    if native is not None:
+        if eager:
+            mx.eval(*native)
+        return native
     n, v = hidden.shape[0], weight.shape[0]
     dw = mx.zeros(weight.shape, mx.float32) if weight_grad else None
     loss = mx.zeros((), mx.float32)

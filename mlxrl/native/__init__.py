@@ -4,7 +4,9 @@ MLX's Linux CPU wheel is built for baseline x86-64: `mx.exp`, `mx.sigmoid` and `
 scalar loops whose fma calls go through libm, ~0.05 G elements/s against ~1.3 for a multiply. A
 training step spends most of its non-matmul time there (the attention softmax, SiLU, the LM head's
 exp). `cpu_math.cpp` holds vectorised, multi-threaded exp / sigmoid / softmax (last axis) as MLX
-primitives with VJPs and JVPs; `mlxrl.fastmath` routes float32 CPU arrays to them.
+primitives with VJPs and JVPs; `mlxrl.fastmath` routes float32 CPU arrays to them. It also holds the
+AdamW step (updating in place: no second copy of weights and moments) and the fused LM head
+(`mlxrl.losses.head`: one reused tile, the weight gradient accumulated in place by the BLAS).
 
 The module is built with the system's `g++` against the installed MLX's headers and library and
 nanobind (in MLX's nanobind domain, so `mx.array` crosses unchanged), with `-O3 -march=native`,

@@ -1,5 +1,6 @@
-// mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, sum of squares and the AdamW step,
-// as MLX primitives.
+// mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, sum of squares, the AdamW step and
+// the fused LM head (loss + gradients over row chunks, its matmuls through the BLAS MLX uses), as
+// MLX primitives.
 //
 // Why: MLX's Linux CPU wheel is built for baseline x86-64, so its exp / sigmoid / softmax are scalar
 // loops whose fma calls go through libm (~0.05 G elements/s, against ~1.3 for a multiply). These
@@ -39,6 +40,11 @@
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
+
+// The BLAS MLX itself calls (mlxrl's preloaded OpenBLAS / MKL when there is one, else the one
+// libmlx links): resolved when the module is loaded, nothing extra to link.
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                            int lda, const float* b, int ldb, float beta, float* c, int ldc);
 
 namespace {
 
@@ -203,6 +209,13 @@ mx::Stream cpu_stream(std::initializer_list<const mx::array*> arrays, mx::Stream
   return stream;
 }
 
+// `a` as a row-contiguous array: itself when it is already evaluated that way (a contiguous() node
+// would share its buffer and so keep MLX from donating it to the kernel's output), else a copy.
+mx::array dense(const mx::array& a, mx::Stream s) {
+  if (a.is_available() && a.flags().row_contiguous && a.data_size() == a.size()) return a;
+  return mx::contiguous(a, false, s);
+}
+
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s = {});
@@ -310,54 +323,83 @@ class SumSquares : public CpuPrimitive {
 
 mx::array sum_squares_op(const mx::array& x) {
   auto stream = cpu_stream({&x});
-  return mx::array(mx::Shape{}, mx::float32, std::make_shared<SumSquares>(stream), {mx::contiguous(x, false, stream)});
+  return mx::array(mx::Shape{}, mx::float32, std::make_shared<SumSquares>(stream), {dense(x, stream)});
 }
 
-// One parameter's AdamW step, torch.optim.AdamW's arithmetic (as the engine's compiled kernel):
-//   g *= scale;  w *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
-//   w -= lr c1 m / (sqrt(v) c2 + eps)      with c1 = 1 / (1 - b1^t), c2 = 1 / sqrt(1 - b2^t)
-// in one pass over w, g, m, v; the new w, m, v take the old ones' buffers when MLX allows it.
-class AdamWStep : public CpuPrimitive {
+// One AdamW step (torch.optim.AdamW's arithmetic), hyper = [grad scale, lr, c1, c2]:
+//   g *= scale;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
+//   w = w (1 - lr wd) - lr c1 m / (sqrt(v) c2 + eps)      with c1 = 1 / (1 - b1^t), c2 = 1 / sqrt(1 - b2^t)
+// as three single-output primitives (m, v, then w from the new m and v), so that each new array can
+// take its old one's buffer: MLX donates a buffer only when the array is used once, and every output
+// of a multi-output primitive holds its own reference to the inputs (measured: one 3-output kernel
+// allocated new w, m and v every step, 3.5 GB at 291M parameters; these three allocate nothing).
+class AdamWMoment : public CpuPrimitive {
  public:
-  AdamWStep(mx::Stream s, float wd, float b1, float b2, float eps)
-      : CpuPrimitive(s), wd_(wd), b1_(b1), b2_(b2), eps_(eps) {}
-  const char* name() const override { return "MlxrlAdamW"; }
+  AdamWMoment(mx::Stream s, float beta, bool squared) : CpuPrimitive(s), beta_(beta), squared_(squared) {}
+  const char* name() const override { return squared_ ? "MlxrlAdamWSecondMoment" : "MlxrlAdamWFirstMoment"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    if (!CpuPrimitive::is_equivalent(other)) return false;
-    auto& o = static_cast<const AdamWStep&>(other);
-    return wd_ == o.wd_ && b1_ == o.b1_ && b2_ == o.b2_ && eps_ == o.eps_;
+    return CpuPrimitive::is_equivalent(other) && static_cast<const AdamWMoment&>(other).beta_ == beta_;
   }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[1].shape(), inputs[1].shape(), inputs[1].shape()};
-  }
-  // inputs: g, w, m, v, hyper = [scale, lr, c1, c2]; outputs: w, m, v
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[1].shape()}; }
+  // inputs: g, moment, hyper
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (int i = 0; i < 3; ++i) allocate_like(inputs[i + 1], outputs[i]);
+    allocate_like(inputs[1], outputs[0]);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    encoder.dispatch([g = inputs[0].data<float>(), w = inputs[1].data<float>(), m = inputs[2].data<float>(),
-                      v = inputs[3].data<float>(), hyper = inputs[4].data<float>(), wo = outputs[0].data<float>(),
-                      mo = outputs[1].data<float>(), vo = outputs[2].data<float>(), n = inputs[1].size(),
-                      wd = wd_, b1 = b1_, b2 = b2_, eps = eps_]() {
-      const float scale = hyper[0], lr = hyper[1], c1 = hyper[2], c2 = hyper[3];
-      const float decay = 1.0f - lr * wd, step = lr * c1;
+    encoder.set_output_array(outputs[0]);
+    encoder.dispatch([g = inputs[0].data<float>(), x = inputs[1].data<float>(), hyper = inputs[2].data<float>(),
+                      out = outputs[0].data<float>(), n = inputs[1].size(), beta = beta_, squared = squared_]() {
+      const float scale = hyper[0];
       parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+        if (squared) {
 #pragma omp simd
-        for (size_t i = b; i < e; ++i) {
-          float gi = g[i] * scale;
-          float mi = b1 * m[i] + (1.0f - b1) * gi;
-          float vi = b2 * v[i] + (1.0f - b2) * (gi * gi);
-          wo[i] = w[i] * decay - step * mi / (std::sqrt(vi) * c2 + eps);
-          mo[i] = mi;
-          vo[i] = vi;
+          for (size_t i = b; i < e; ++i) {
+            float gi = g[i] * scale;
+            out[i] = beta * x[i] + (1.0f - beta) * (gi * gi);
+          }
+        } else {
+#pragma omp simd
+          for (size_t i = b; i < e; ++i) out[i] = beta * x[i] + (1.0f - beta) * (g[i] * scale);
         }
       });
     });
   }
 
  private:
-  float wd_, b1_, b2_, eps_;
+  float beta_;
+  bool squared_;
+};
+
+class AdamWWeight : public CpuPrimitive {
+ public:
+  AdamWWeight(mx::Stream s, float wd, float eps) : CpuPrimitive(s), wd_(wd), eps_(eps) {}
+  const char* name() const override { return "MlxrlAdamWWeight"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (!CpuPrimitive::is_equivalent(other)) return false;
+    auto& o = static_cast<const AdamWWeight&>(other);
+    return wd_ == o.wd_ && eps_ == o.eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  // inputs: w, new m, new v, hyper
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    allocate_like(inputs[0], outputs[0]);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(outputs[0]);
+    encoder.dispatch([w = inputs[0].data<float>(), m = inputs[1].data<float>(), v = inputs[2].data<float>(),
+                      hyper = inputs[3].data<float>(), out = outputs[0].data<float>(), n = inputs[0].size(),
+                      wd = wd_, eps = eps_]() {
+      const float lr = hyper[1], c1 = hyper[2], c2 = hyper[3];
+      const float decay = 1.0f - lr * wd, step = lr * c1;
+      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+        for (size_t i = b; i < e; ++i) out[i] = w[i] * decay - step * m[i] / (std::sqrt(v[i]) * c2 + eps);
+      });
+    });
+  }
+
+ private:
+  float wd_, eps_;
 };
 
 std::vector<mx::array> adamw_step_op(const mx::array& g, const mx::array& w, const mx::array& m,
@@ -366,17 +408,143 @@ std::vector<mx::array> adamw_step_op(const mx::array& g, const mx::array& w, con
   auto stream = cpu_stream({&g, &w, &m, &v, &hyper});
   if (g.shape() != w.shape() || m.shape() != w.shape() || v.shape() != w.shape() || hyper.size() != 4)
     throw std::invalid_argument("adamw_step: g, w, m, v must share a shape and hyper hold 4 values.");
-  auto dense = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
-  return mx::array::make_arrays({w.shape(), w.shape(), w.shape()}, {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<AdamWStep>(stream, wd, b1, b2, eps),
-                                {dense(g), dense(w), dense(m), dense(v), dense(hyper)});
+  auto dg = dense(g, stream), dh = dense(hyper, stream);
+  auto m_new = mx::array(w.shape(), mx::float32, std::make_shared<AdamWMoment>(stream, b1, false),
+                         {dg, dense(m, stream), dh});
+  auto v_new = mx::array(w.shape(), mx::float32, std::make_shared<AdamWMoment>(stream, b2, true),
+                         {dg, dense(v, stream), dh});
+  auto w_new = mx::array(w.shape(), mx::float32, std::make_shared<AdamWWeight>(stream, wd, eps),
+                         {dense(w, stream), m_new, v_new, dh});
+  return {w_new, m_new, v_new};
+}
+
+// ------------------------------------------------------------------------- the fused LM head
+//
+// Loss, logp, entropy, argmax, d_hidden and d_weight of a token-separable loss over the LM head,
+// in one pass over row chunks with ONE [rows, vocab] tile buffer reused for every chunk and d_weight
+// accumulated in place by the BLAS (beta = 1): per chunk 3 sgemms, one vectorised pass over the tile.
+//     z = h W^T / T,  ez = exp(z - max),  s = sum ez,  lse = max + log s,  logp = z_t - lse,
+//     entropy = lse - sum(ez z) / s,  g = d loss / d logp,  a = -g / s,  ez' = ez - s onehot(t)
+//     dh = (a / T) (ez' W),  dW += ez'^T (a h / T)
+// loss modes: 0 nll (l = -w logp, g = -w), 1 dft (l = -w p logp, g = -w p, p = exp(logp) detached).
+class FusedHead : public CpuPrimitive {
+ public:
+  FusedHead(mx::Stream s, float inv_t, int mode, int chunk_rows, bool with_entropy, bool weight_grad)
+      : CpuPrimitive(s), inv_t_(inv_t), mode_(mode), chunk_(chunk_rows), ent_(with_entropy), dw_(weight_grad) {}
+  const char* name() const override { return "MlxrlFusedHead"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (!CpuPrimitive::is_equivalent(other)) return false;
+    auto& o = static_cast<const FusedHead&>(other);
+    return inv_t_ == o.inv_t_ && mode_ == o.mode_ && chunk_ == o.chunk_ && ent_ == o.ent_ && dw_ == o.dw_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape n{inputs[0].shape(0)};
+    return {mx::Shape{}, n, n, n, inputs[0].shape(), dw_ ? inputs[1].shape() : mx::Shape{0}};
+  }
+  // inputs: h [N, D], W [V, D], t [N] int32, w [N]; outputs: loss [], logp, ent [N], argmax [N] int32,
+  // dh [N, D], dW [V, D] ([0] without the weight gradient)
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    const int n = inputs[0].shape(0), d = inputs[0].shape(1), v = inputs[1].shape(0);
+    encoder.dispatch([h = inputs[0].data<float>(), W = inputs[1].data<float>(), t = inputs[2].data<int32_t>(),
+                      w = inputs[3].data<float>(), loss = outputs[0].data<float>(), logp = outputs[1].data<float>(),
+                      ent = outputs[2].data<float>(), arg = outputs[3].data<int32_t>(),
+                      dh = outputs[4].data<float>(), dw = dw_ ? outputs[5].data<float>() : nullptr, n, d, v,
+                      inv_t = inv_t_, mode = mode_, chunk = std::max(1, chunk_), with_ent = ent_]() {
+      const int rows_max = std::min(chunk, std::max(n, 1));
+      // scratch from MLX's allocator (its buffer cache: the next step reuses the pages), freed on return
+      auto tile_buf = mx::allocator::malloc(sizeof(float) * size_t(rows_max) * v);
+      auto scaled_buf = mx::allocator::malloc(sizeof(float) * size_t(rows_max) * d);
+      float* tile = static_cast<float*>(tile_buf.buffer().raw_ptr());
+      float* scaled = static_cast<float*>(scaled_buf.buffer().raw_ptr());
+      std::vector<double> row_loss(n, 0.0);
+      std::vector<float> row_a(rows_max);
+      for (int r0 = 0; r0 < n; r0 += chunk) {
+        const int nc = std::min(chunk, n - r0);
+        cblas_sgemm(101, 111, 112, nc, v, d, inv_t, h + size_t(r0) * d, d, W, d, 0.0f, tile, v);  // z
+        parallel_for(nc, 1, [&](size_t, size_t b, size_t e) {
+          for (size_t i = b; i < e; ++i) {
+            const size_t r = r0 + i;
+            float* z = tile + i * size_t(v);
+            float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+            for (int j = 0; j < v; ++j) m = std::max(m, z[j]);
+            int top = 0;
+            while (top < v - 1 && !(z[top] == m)) ++top;
+            const int ti = t[r];
+            const float zt = z[ti];
+            float s = 0.0f, sz = 0.0f;
+#pragma omp simd reduction(+ : s, sz)
+            for (int j = 0; j < v; ++j) {
+              float e_ = fast_exp(z[j] - m);
+              if (with_ent) sz += e_ * z[j];
+              z[j] = e_;
+              s += e_;
+            }
+            const float lse = m + std::log(s);
+            const float lp = zt - lse;
+            float g = -w[r];
+            if (mode == 1) g *= std::exp(lp);
+            row_loss[r] = double(g) * double(lp);  // -w logp (nll) or -w p logp (dft)
+            logp[r] = lp;
+            ent[r] = with_ent ? lse - sz / s : 0.0f;
+            arg[r] = top;
+            const float a = -g / s;
+            z[ti] = std::exp(zt - m) - s;  // ez - s onehot(t)
+            row_a[i] = a;
+            const float ha = a * inv_t;
+            for (int k = 0; k < d; ++k) scaled[i * size_t(d) + k] = ha * h[r * size_t(d) + k];
+          }
+        });
+        cblas_sgemm(101, 111, 111, nc, d, v, 1.0f, tile, v, W, d, 0.0f, dh + size_t(r0) * d, d);  // ez' W
+        for (int i = 0; i < nc; ++i) {
+          const float ha = row_a[i] * inv_t;
+          float* row = dh + size_t(r0 + i) * d;
+#pragma omp simd
+          for (int k = 0; k < d; ++k) row[k] *= ha;
+        }
+        if (dw != nullptr)  // dW (+)= ez'^T (a h / T), in place
+          cblas_sgemm(101, 112, 111, v, d, nc, 1.0f, tile, v, scaled, d, r0 == 0 ? 0.0f : 1.0f, dw, d);
+      }
+      if (dw != nullptr && n == 0) std::fill(dw, dw + size_t(v) * d, 0.0f);
+      double total = 0.0;
+      for (double x : row_loss) total += x;
+      *loss = static_cast<float>(total);
+    });
+  }
+
+ private:
+  float inv_t_;
+  int mode_, chunk_;
+  bool ent_, dw_;
+};
+
+std::vector<mx::array> fused_head_op(const mx::array& h, const mx::array& weight, const mx::array& targets,
+                                     const mx::array& w, float inv_t, int mode, int chunk_rows, bool with_entropy,
+                                     bool weight_grad) {
+  auto stream = cpu_stream({&h, &weight, &w});
+  if (h.ndim() != 2 || weight.ndim() != 2 || h.shape(1) != weight.shape(1) || targets.ndim() != 1 ||
+      targets.shape(0) != h.shape(0) || w.shape() != targets.shape())
+    throw std::invalid_argument("fused_head: h [N, D], weight [V, D], targets [N] and w [N] expected.");
+  if (mode != 0 && mode != 1) throw std::invalid_argument("fused_head: mode is 0 (nll) or 1 (dft).");
+  auto dense = [&](const mx::array& a) { return ::dense(a, stream); };
+  auto t = mx::clip(mx::astype(targets, mx::int32, stream), mx::array(0), mx::array(weight.shape(0) - 1), stream);
+  mx::Shape n{h.shape(0)};
+  return mx::array::make_arrays(
+      {mx::Shape{}, n, n, n, h.shape(), weight_grad ? weight.shape() : mx::Shape{0}},
+      {mx::float32, mx::float32, mx::float32, mx::int32, mx::float32, mx::float32},
+      std::make_shared<FusedHead>(stream, inv_t, mode, chunk_rows, with_entropy, weight_grad),
+      {dense(h), dense(weight), dense(t), dense(w)});
 }
 
 template <class P>
 mx::array make_unary(const mx::array& x, mx::StreamOrDevice s) {
   auto stream = cpu_stream({&x}, s);
-  auto dense = mx::contiguous(x, false, stream);
-  return mx::array(dense.shape(), mx::float32, std::make_shared<P>(stream), {dense});
+  auto in = dense(x, stream);
+  return mx::array(in.shape(), mx::float32, std::make_shared<P>(stream), {in});
 }
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s) { return make_unary<FastExp>(x, s); }
@@ -399,5 +567,9 @@ NB_MODULE(_cpu_math, m) {
         "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
         "Returns (w, m, v).");
   m.def("sum_squares", &sum_squares_op, nb::arg("x"), "sum(x^2) as a float32 scalar (accumulated in double).");
+  m.def("fused_head", &fused_head_op, nb::arg("h"), nb::arg("weight"), nb::arg("targets"), nb::arg("w"),
+        nb::arg("inv_t"), nb::arg("mode"), nb::arg("chunk_rows"), nb::arg("with_entropy"), nb::arg("weight_grad"),
+        "The LM head and a token-separable loss (mode 0 nll, 1 dft) over row chunks: (loss, logp, entropy, "
+        "argmax, d_hidden, d_weight), the gradients of loss = sum w_i l_i.");
   m.def("threads", &worker_count);
 }

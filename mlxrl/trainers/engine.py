@@ -87,7 +87,10 @@ class FusedAdamW(optim.AdamW):
     1.82 s (native) vs 6.16 s for clip_grad_norm + optim.AdamW. The update stays a lazy graph over
     the old arrays, so MLX can reuse their buffers for the new ones (a single mx.compile over the
     whole model and optimizer state would hold the old state alive: a second copy of weights, m and
-    v at the peak). Same state layout and checkpoints as optim.AdamW."""
+    v at the peak). The native step is three single-output primitives so that MLX does donate
+    (it never donates to a multi-output one): on the SFT benchmark's small model (291M) the update's
+    peak above weights + m + v + gradients went from 2.16 GB to 0.14 GB, and its time from 2.85 to
+    2.37 s (one run each, the same `/tmp` snippet). Same state layout and checkpoints as optim.AdamW."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, bias_correction=True, **kw)
