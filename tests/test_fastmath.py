@@ -133,9 +133,12 @@ def test_failed_build_warns_and_falls_back(tmp_path):
 
 @pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "additive", "per-head"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
-def test_attention_equals_mlx_sdpa(path, mask_kind, heads):
+@pytest.mark.parametrize("block", [256, 2])
+def test_attention_equals_mlx_sdpa(path, mask_kind, heads, block, monkeypatch):
     """Values and gradients of q, k, v against mx.fast.scaled_dot_product_attention, grouped-query
-    heads, queries shorter than keys (a cache offset)."""
+    heads, queries shorter than keys (a cache offset); causal attention in one block and in blocks
+    of 2 query rows (each scoring only the keys it sees)."""
+    monkeypatch.setattr(fastmath, "CAUSAL_BLOCK", block)
     rng = np.random.default_rng(3)
     (hq, hkv), B, L, S, D = heads, 2, 5, 9, 16
     q, k, v = (mx.array(rng.normal(0, 1, shape).astype(np.float32))
@@ -155,6 +158,36 @@ def test_attention_equals_mlx_sdpa(path, mask_kind, heads):
     np.testing.assert_allclose(v1.item(), v2.item(), rtol=1e-5, atol=1e-5)
     for a, b in zip(g1, g2, strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_causal_softmax_equals_masked_softmax():
+    """The native causal softmax (query i of L sees keys j <= i + S - L) against MLX's softmax of
+    the masked scores: values, VJP, JVP, and the second-order VJP of its VJP."""
+    k = native.load()
+    assert k is not None
+    rng = np.random.default_rng(5)
+    for L, S in [(7, 7), (4, 9), (1, 5)]:
+        x = mx.array(rng.normal(0, 3, (2, 3, L, S)).astype(np.float32))
+        g = mx.array(rng.normal(0, 1, (2, 3, L, S)).astype(np.float32))
+        keep = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+
+        def ref(x, keep=keep):
+            return mx.softmax(mx.where(keep, x, -mx.inf), axis=-1, precise=True)
+
+        def ours(x):
+            return k.softmax(x, causal=True)
+
+        np.testing.assert_allclose(np.array(ours(x)), np.array(ref(x)), rtol=1e-5, atol=1e-7)
+        for f in (mx.vjp, mx.jvp):
+            a, b = f(ours, [x], [g])[1][0], f(ref, [x], [g])[1][0]
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-6)
+
+        def second(fn, x=x, g=g):  # d/dx of <vjp(fn)(x, g), g>: the VJP of the softmax's VJP
+            return mx.grad(lambda y: (mx.vjp(fn, [y], [g])[1][0] * g).sum())(x)
+
+        np.testing.assert_allclose(np.array(second(ours)), np.array(second(ref)), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="L <= S"):
+        k.softmax(mx.zeros((3, 2)), causal=True)
 
 
 def test_sum_squares_equals_float64(path):

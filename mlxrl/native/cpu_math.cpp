@@ -97,24 +97,47 @@ void sigmoid_range(const float* in, float* out, size_t n) {
 }
 
 // Softmax of `rows` rows of `cols`: max, exp(x - max) summed, scaled by 1 / sum (as mx.softmax:
-// a row of all -inf gives NaN).
-void softmax_rows(const float* in, float* out, size_t rows, size_t cols) {
+// a row of all -inf gives NaN). Causal (causal_len > 0, the rows being [..., causal_len, cols]
+// blocks): row r sees the columns j <= r % causal_len + cols - causal_len and the others are 0, as
+// a masked softmax gives (the masked columns are never read, and their exp is not computed).
+void softmax_rows(const float* in, float* out, size_t first_row, size_t rows, size_t cols, size_t causal_len) {
   for (size_t r = 0; r < rows; ++r) {
     const float* x = in + r * cols;
     float* y = out + r * cols;
+    size_t n = cols;
+    if (causal_len > 0) n = std::min(cols, (first_row + r) % causal_len + cols - causal_len + 1);
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
-    for (size_t i = 0; i < cols; ++i) m = std::max(m, x[i]);
+    for (size_t i = 0; i < n; ++i) m = std::max(m, x[i]);
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (size_t i = 0; i < cols; ++i) {
+    for (size_t i = 0; i < n; ++i) {
       float e = fast_exp(x[i] - m);
       y[i] = e;
       s += e;
     }
     float inv = 1.0f / s;
 #pragma omp simd
-    for (size_t i = 0; i < cols; ++i) y[i] *= inv;
+    for (size_t i = 0; i < n; ++i) y[i] *= inv;
+    std::fill(y + n, y + cols, 0.0f);
+  }
+}
+
+// The softmax's VJP per row: dx = y (g - sum(g y)); causal rows as above (dx is 0 where y is).
+void softmax_grad_rows(const float* y, const float* g, float* out, size_t first_row, size_t rows, size_t cols,
+                       size_t causal_len) {
+  for (size_t r = 0; r < rows; ++r) {
+    const float* yr = y + r * cols;
+    const float* gr = g + r * cols;
+    float* o = out + r * cols;
+    size_t n = cols;
+    if (causal_len > 0) n = std::min(cols, (first_row + r) % causal_len + cols - causal_len + 1);
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (size_t i = 0; i < n; ++i) dot += gr[i] * yr[i];
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) o[i] = yr[i] * (gr[i] - dot);
+    std::fill(o + n, o + cols, 0.0f);
   }
 }
 
@@ -218,7 +241,8 @@ mx::array dense(const mx::array& a, mx::Stream s) {
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s = {});
-mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s = {});
+mx::array fast_softmax_op(const mx::array& x, bool causal = false, mx::StreamOrDevice s = {});
+mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, mx::StreamOrDevice s = {});
 
 class FastExp : public Unary {
  public:
@@ -259,37 +283,95 @@ class FastSigmoid : public Unary {
 
 class FastSoftmax : public Unary {
  public:
-  using Unary::Unary;
-  const char* name() const override { return "MlxrlSoftmax"; }
+  FastSoftmax(mx::Stream s, bool causal) : Unary(s), causal_(causal) {}
+  const char* name() const override { return causal_ ? "MlxrlCausalSoftmax" : "MlxrlSoftmax"; }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& in = inputs[0];
     auto& out = outputs[0];
     allocate_like(in, out);
     size_t cols = in.shape().back();
     size_t rows = cols == 0 ? 0 : in.size() / cols;
+    size_t causal_len = causal_ ? in.shape(-2) : 0;
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(in);
     encoder.set_output_array(out);
-    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols]() {
+    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
       size_t grain_rows = std::max<size_t>(1, kGrain / std::max<size_t>(1, cols));
       parallel_for(rows, grain_rows, [=](size_t, size_t b, size_t e) {
-        softmax_rows(src + b * cols, dst + b * cols, e - b, cols);
+        softmax_rows(src + b * cols, dst + b * cols, b, e - b, cols, causal_len);
       });
     });
   }
-  // d softmax: y * (g - sum(g * y, -1))
-  static mx::array pullback(const mx::array& y, const mx::array& g, mx::Stream s) {
-    auto gy = mx::sum(mx::multiply(g, y, s), -1, true, s);
-    return mx::multiply(y, mx::subtract(g, gy, s), s);
-  }
   std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>& cotangents,
                              const std::vector<int>&, const std::vector<mx::array>& outputs) override {
-    return {pullback(outputs[0], cotangents[0], stream())};
+    return {softmax_grad_op(outputs[0], cotangents[0], causal_, stream())};
   }
   std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
                              const std::vector<int>&) override {
-    return {pullback(fast_softmax_op(primals[0], stream()), tangents[0], stream())};
+    return {softmax_grad_op(fast_softmax_op(primals[0], causal_, stream()), tangents[0], causal_, stream())};
   }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return Unary::is_equivalent(other);  // the name carries the flag
+  }
+
+ private:
+  bool causal_;
+};
+
+// y (g - sum(g y, -1)): the softmax's VJP (and JVP) in one pass per row; y, g [..., L, S].
+class SoftmaxGrad : public CpuPrimitive {
+ public:
+  SoftmaxGrad(mx::Stream s, bool causal) : CpuPrimitive(s), causal_(causal) {}
+  const char* name() const override { return causal_ ? "MlxrlCausalSoftmaxGrad" : "MlxrlSoftmaxGrad"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& y = inputs[0];
+    const auto& g = inputs[1];
+    auto& out = outputs[0];
+    if (g.is_donatable() && g.flags().row_contiguous && g.data_size() == g.size()) {
+      out.copy_shared_buffer(g);
+    } else {
+      allocate_like(y, out);
+    }
+    size_t cols = y.shape().back();
+    size_t rows = cols == 0 ? 0 : y.size() / cols;
+    size_t causal_len = causal_ ? y.shape(-2) : 0;
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(y);
+    encoder.set_input_array(g);
+    encoder.set_output_array(out);
+    encoder.dispatch([yp = y.data<float>(), gp = g.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
+      size_t grain_rows = std::max<size_t>(1, kGrain / std::max<size_t>(1, cols));
+      parallel_for(rows, grain_rows, [=](size_t, size_t b, size_t e) {
+        softmax_grad_rows(yp + b * cols, gp + b * cols, dst + b * cols, b, e - b, cols, causal_len);
+      });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    // linear in g: d/dg = y (c - sum(c y)); d/dy (not needed for first-order training) through MLX ops
+    std::vector<mx::array> out;
+    const auto& y = primals[0];
+    const auto& g = primals[1];
+    const auto& c = cotangents[0];
+    auto s = stream();
+    for (int a : argnums) {
+      if (a == 1) {
+        out.push_back(softmax_grad_op(y, c, causal_, s));
+      } else {  // d/dy of y (g - sum(g y)) . c = c (g - sum(g y)) - g sum(c y)
+        auto gy = mx::sum(mx::multiply(g, y, s), -1, true, s);
+        auto cy = mx::sum(mx::multiply(c, y, s), -1, true, s);
+        out.push_back(mx::subtract(mx::multiply(c, mx::subtract(g, gy, s), s), mx::multiply(g, cy, s), s));
+      }
+    }
+    return out;
+  }
+  bool is_equivalent(const mx::Primitive& other) const override { return CpuPrimitive::is_equivalent(other); }
+
+ private:
+  bool causal_;
 };
 
 // sum(x^2) of a float32 array as a float32 scalar (the gradient norm's square), accumulated in
@@ -549,9 +631,20 @@ mx::array make_unary(const mx::array& x, mx::StreamOrDevice s) {
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s) { return make_unary<FastExp>(x, s); }
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s) { return make_unary<FastSigmoid>(x, s); }
-mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s) {
+mx::array fast_softmax_op(const mx::array& x, bool causal, mx::StreamOrDevice s) {
   if (x.ndim() == 0) throw std::invalid_argument("softmax needs at least one axis.");
-  return make_unary<FastSoftmax>(x, s);
+  if (causal && (x.ndim() < 2 || x.shape(-2) > x.shape(-1)))
+    throw std::invalid_argument("causal softmax needs [..., L, S] scores with L <= S.");
+  auto stream = cpu_stream({&x}, s);
+  auto in = dense(x, stream);
+  return mx::array(in.shape(), mx::float32, std::make_shared<FastSoftmax>(stream, causal), {in});
+}
+
+mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, mx::StreamOrDevice s) {
+  auto stream = cpu_stream({&y, &g}, s);
+  auto gb = mx::broadcast_to(mx::astype(g, mx::float32, stream), y.shape(), stream);
+  return mx::array(y.shape(), mx::float32, std::make_shared<SoftmaxGrad>(stream, causal),
+                   {dense(y, stream), dense(gb, stream)});
 }
 
 }  // namespace
@@ -561,7 +654,9 @@ NB_MODULE(_cpu_math, m) {
             "sum of squares, the AdamW step.";
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
-  m.def("softmax", [](const mx::array& x) { return fast_softmax_op(x); }, nb::arg("x"));
+  m.def("softmax", [](const mx::array& x, bool causal) { return fast_softmax_op(x, causal); }, nb::arg("x"),
+        nb::arg("causal") = false,
+        "Softmax over the last axis; causal: x is [..., L, S] scores and query i sees keys j <= i + S - L.");
   m.def("adamw_step", &adamw_step_op, nb::arg("g"), nb::arg("w"), nb::arg("m"), nb::arg("v"), nb::arg("hyper"),
         nb::arg("weight_decay"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
         "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
