@@ -15,7 +15,8 @@ The model of one optimizer step (all sizes in bytes; s = bytes per element of th
   with beta > 0 the frozen reference's copy of the trainable weights (T, once the policy moved);
 * forward + backward: the gradients (T; 2T with gradient accumulation), activations, the streamed head;
 * the optimizer update: gradients + clipped gradients (2T) + about two copies of the largest trained
-  array while AdamW writes its new m, v and weights.
+  array while AdamW writes its new m, v and weights; with mlxrl's native CPU kernels (float32 on the
+  CPU) only the gradients (T): the clip scale is folded into the step, which updates in place.
 The peak is the larger of the two phases. Activations per decoder layer, measured on MLX 0.32 (CPU):
 saved tensors of ~(4D + 5I + 4 H*hd + 3 KV*hd) elements per token (norm inputs/outputs, q/k/v before
 and after q/k-norm and rotary, attention output, gate/up/silu/product) plus ~1.25 [B, H, L, L] score
@@ -23,7 +24,8 @@ tensors (MLX's unfused attention with a mask keeps the probabilities); without c
 of them live at once plus ~1.1 layer of backward temporaries, with checkpointing one [B, L, D] input
 per layer plus ~2.9 layers (the recompute and its backward). The streamed head keeps a few
 [rows, chunk] float32 tiles; a trained LM head adds ~2 [V, D] arrays (the tile gradients and their
-concatenation), a frozen one a [V, D] zero gradient (what its VJP returns).
+concatenation), a frozen one a [V, D] zero gradient (what its VJP returns). SFT's fused head on the
+native kernel: one [V, D] weight gradient (none when frozen) and one [chunk rows, V] tile.
 
 `predict(config, args, trainer)` is what the trainers call at start-up; `measure(...)` runs real steps.
 Tests: pytest tests/test_plan.py
@@ -57,6 +59,7 @@ GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured w
 HEAD_TILES = 7.0            # live [rows, chunk] fp32 tiles of the streamed head (compiled step)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
+NATIVE_UPDATE = 0.0         # the same with the native in-place AdamW step
 KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
 GEN_FILTER_COPIES = 2.25    # more of them with top_k / top_p / min_p (a mask and the filtered weights)
@@ -276,7 +279,17 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     return max(kept, a.layer_trainable_bytes) + extra + edges
 
 
-def head_bytes(a: Arch, args, rows: int, s: int) -> float:
+def native_cpu(args) -> bool:
+    """Whether mlxrl's native CPU kernels run this configuration's math (float32 on the CPU, the
+    kernels built): its AdamW step updates in place and SFT's fused head is one kernel."""
+    if runtime.default_device_kind() == "gpu" or _dtype_bytes(args) != 4:
+        return False
+    from . import native
+
+    return native.load() is not None
+
+
+def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 7 with the compiled step, 16
     eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
     [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
@@ -285,10 +298,14 @@ def head_bytes(a: Arch, args, rows: int, s: int) -> float:
         from .trainers.grpo import uses_fused_head
 
         mode = "fused" if uses_fused_head(args) else "differentiable"
+    chunk_rows = min(rows, max(8, ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
+    if mode in ("fused", "two_phase") and trainer == "sft" and native_cpu(args):
+        # SFT's nll / dft on the native kernel: the [V, D] weight gradient (when trained), one reused
+        # tile, the chunk's scaled rows and d_hidden
+        return (4 * a.V * a.D if a.head_trainable else 0) + 4 * chunk_rows * (a.V + a.D) + 8 * rows * a.D
     if mode in ("fused", "two_phase"):
         # row chunks x the full vocabulary; measured (CPU, fp32): one [V, D] (the weight-gradient
         # accumulator; a frozen head's zero cotangent is as large) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5
-        chunk_rows = min(rows, max(8, ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
         chunks = -(-rows // chunk_rows)
         return 4 * a.V * a.D + min(3 + 2.2 * (chunks - 1), 6.5) * 4 * chunk_rows * a.V
     chunk = min(args.chunk_size or _default_chunk(rows, a.V), a.V)
@@ -396,7 +413,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
     out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' if ckpt else 'off'} "
                                              f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
-    head = head_bytes(a, args, sh.rows, s)
+    head = head_bytes(a, args, sh.rows, s, trainer)
     chunk = args.chunk_size or _default_chunk(sh.rows, a.V)
     out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
                                           f"{', [V, D] weight grad' if a.head_trainable else ''}"))
@@ -423,7 +440,12 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     steady = W + moments + ref
     step = steady + other + (T if accum > 1 else 0) + act[ckpt] + head + img
     clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
-    update = steady + T + clip + UPDATE_COPIES * a.largest_trainable
+    if not adafactor and native_cpu(args):
+        # the native AdamW step writes the new weights and moments into the old ones' buffers and the
+        # clipping scale is folded into it: the gradients and the next step's inputs only
+        update = steady + T + NATIVE_UPDATE * a.largest_trainable
+    else:
+        update = steady + T + clip + UPDATE_COPIES * a.largest_trainable
     # generation: the weights, the KV cache and the [G, V] float32 logits of a decoding step
     gen = steady + kv + gen_logits if kv else 0
     total = int(max(step, update, gen))

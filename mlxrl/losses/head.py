@@ -477,14 +477,15 @@ def _make_fused(grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, n_args):
     def fn(hidden, weight, targets, w, *args):
         loss, logp, ent, arg, dh, dw = _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t, chunk_rows,
                                                   with_entropy, weight_grad, eager=False)
-        return loss, logp, ent, arg, dh, dw
+        # a frozen head's zero gradient is made in the VJP, not kept as an output (outputs are evaluated)
+        return loss, logp, ent, arg, dh, dw if weight_grad else mx.zeros((), weight.dtype)
 
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
         hidden, weight, targets, w, *args = primals
         c = cotangents[0]  # only the loss is differentiable; logp / entropy / argmax are metrics
         dh, dw = outputs[4], outputs[5]
-        return (c * dh, c * dw if weight_grad else dw, mx.zeros_like(targets), mx.zeros_like(w),
+        return (c * dh, c * dw if weight_grad else mx.zeros_like(weight), mx.zeros_like(targets), mx.zeros_like(w),
                 *(mx.zeros_like(a) for a in args))
 
     return fn
