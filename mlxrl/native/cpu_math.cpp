@@ -281,6 +281,22 @@ class FastSigmoid : public Unary {
   }
 };
 
+// Rows, columns and (causal) query-block length of softmax scores x [..., L, cols].
+struct RowShape {
+  size_t rows, cols, causal_len;
+};
+RowShape row_shape(const mx::array& x, bool causal) {
+  size_t cols = x.shape().back();
+  return {cols == 0 ? 0 : x.size() / cols, cols, causal ? static_cast<size_t>(x.shape(-2)) : 0};
+}
+
+// fn(first_row, n_rows) over [0, rows) in parallel parts of at least kGrain elements.
+template <class F>
+void over_rows(size_t rows, size_t cols, F fn) {
+  parallel_for(rows, std::max<size_t>(1, kGrain / std::max<size_t>(1, cols)),
+               [=](size_t, size_t b, size_t e) { fn(b, e - b); });
+}
+
 class FastSoftmax : public Unary {
  public:
   FastSoftmax(mx::Stream s, bool causal) : Unary(s), causal_(causal) {}
@@ -289,16 +305,13 @@ class FastSoftmax : public Unary {
     const auto& in = inputs[0];
     auto& out = outputs[0];
     allocate_like(in, out);
-    size_t cols = in.shape().back();
-    size_t rows = cols == 0 ? 0 : in.size() / cols;
-    size_t causal_len = causal_ ? in.shape(-2) : 0;
+    auto [rows, cols, causal_len] = row_shape(in, causal_);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(in);
     encoder.set_output_array(out);
     encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
-      size_t grain_rows = std::max<size_t>(1, kGrain / std::max<size_t>(1, cols));
-      parallel_for(rows, grain_rows, [=](size_t, size_t b, size_t e) {
-        softmax_rows(src + b * cols, dst + b * cols, b, e - b, cols, causal_len);
+      over_rows(rows, cols, [=](size_t b, size_t n) {
+        softmax_rows(src + b * cols, dst + b * cols, b, n, cols, causal_len);
       });
     });
   }
@@ -335,17 +348,14 @@ class SoftmaxGrad : public CpuPrimitive {
     } else {
       allocate_like(y, out);
     }
-    size_t cols = y.shape().back();
-    size_t rows = cols == 0 ? 0 : y.size() / cols;
-    size_t causal_len = causal_ ? y.shape(-2) : 0;
+    auto [rows, cols, causal_len] = row_shape(y, causal_);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(y);
     encoder.set_input_array(g);
     encoder.set_output_array(out);
     encoder.dispatch([yp = y.data<float>(), gp = g.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
-      size_t grain_rows = std::max<size_t>(1, kGrain / std::max<size_t>(1, cols));
-      parallel_for(rows, grain_rows, [=](size_t, size_t b, size_t e) {
-        softmax_grad_rows(yp + b * cols, gp + b * cols, dst + b * cols, b, e - b, cols, causal_len);
+      over_rows(rows, cols, [=](size_t b, size_t n) {
+        softmax_grad_rows(yp + b * cols, gp + b * cols, dst + b * cols, b, n, cols, causal_len);
       });
     });
   }
