@@ -17,6 +17,7 @@ from mlxrl.data.synthetic import make_vqa
 from mlxrl.models.lora import lora_layers
 from mlxrl.sft import main as sft_main
 from mlxrl.trainers import engine as engine_lib
+from mlxrl.trainers import optim as optim_lib
 from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.sft import SFTTrainer, patch_bucket
 
@@ -179,7 +180,7 @@ def test_adafactor_matches_transformers():
     w0 = {"w": rng.normal(size=(6, 5)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
     tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in w0.items()}
     theirs = Adafactor(list(tp.values()), lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.1)
-    ours = engine_lib.make_optimizer(SFTConfig(optim="adafactor", learning_rate=1e-2, weight_decay=0.1,
+    ours = optim_lib.make_optimizer(SFTConfig(optim="adafactor", learning_rate=1e-2, weight_decay=0.1,
                                                lr_scheduler_type="constant"), 10)
     params = step_both(ours, theirs, tp, w0, rng, 4)
     for k in tp:
@@ -203,7 +204,7 @@ def test_adamw_matches_torch(kernel, monkeypatch):
     w0 = {"w": rng.normal(size=(64, 300)).astype(np.float32), "b": rng.normal(size=(7,)).astype(np.float32)}
     tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in w0.items()}
     theirs = torch.optim.AdamW(list(tp.values()), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    ours = engine_lib.make_optimizer(SFTConfig(learning_rate=1e-2, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
+    ours = optim_lib.make_optimizer(SFTConfig(learning_rate=1e-2, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
                                                weight_decay=0.1, lr_scheduler_type="constant"), 10)
     params = step_both(ours, theirs, tp, w0, rng, 5)
     for k in tp:
@@ -235,7 +236,7 @@ def test_native_adamw_updates_in_place():
             mx.eval(params, opt.state)
         return mx.get_peak_memory() - base
 
-    ours = peak_of_second_step(engine_lib.FusedAdamW(learning_rate=1e-3))
+    ours = peak_of_second_step(optim_lib.FusedAdamW(learning_rate=1e-3))
     theirs = peak_of_second_step(optim.AdamW(learning_rate=1e-3))
     assert ours < 0.1 * n * 4, ours
     assert theirs > 2 * n * 4, theirs  # MLX's update allocates: the measurement can tell the difference
@@ -244,7 +245,7 @@ def test_native_adamw_updates_in_place():
     g = mx.random.normal((n,))
     mx.eval(w, g)
     before = np.array(w)
-    opt = engine_lib.FusedAdamW(learning_rate=1e-1)
+    opt = optim_lib.FusedAdamW(learning_rate=1e-1)
     new = opt.apply_gradients({"w": g}, {"w": w})
     mx.eval(new, opt.state)
     np.testing.assert_array_equal(np.array(w), before)  # still held here: not donated, not overwritten

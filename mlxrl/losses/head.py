@@ -56,7 +56,9 @@ def default_chunk_size(n_rows: int, vocab_size: int, tile_bytes: int = TILE_BYTE
 
 
 def _tile(h, weight, inv_t):
-    z = (h @ weight.T).astype(mx.float32)
+    # float32 operands: a bf16 matmul would round every logit to bf16 (steps of 0.03-0.06 at |z| 4-8)
+    # before the float32 statistics; the cast is [C, D] per tile against the [N, C, D] matmul
+    z = h.astype(mx.float32) @ weight.astype(mx.float32).T
     return z * inv_t if inv_t != 1.0 else z
 
 
@@ -131,8 +133,9 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool, weight_g
     def fn(hidden, weight, targets):
         n, v = hidden.shape[0], weight.shape[0]
         stats = _init_stats(n)
+        h32 = hidden.astype(mx.float32)
         for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
-            h = mx.depends(hidden, list(stats))  # run tiles in order: each waits for the previous stats
+            h = mx.depends(h32, list(stats))  # run tiles in order: each waits for the previous stats
             stats = _online_stats(h, weight, s, e, inv_t, stats, with_entropy)
         logp, ent, lse = _finish(stats, _target_logit(hidden, weight, targets, inv_t), with_entropy)
         return logp, ent, lse, stats[3]
@@ -148,7 +151,7 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool, weight_g
         dws = []
         for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
             # the next tile waits for everything the previous one produced, so its [N, C] tiles die first
-            h = mx.depends(hidden, [dh] + dws[-1:])  # noqa: B023
+            h = mx.depends(h32, [dh] + dws[-1:])  # noqa: B023
             dz = _tile_dz(h, weight, s, e, targets, lse, ent, g_logp, g_ent if with_entropy else None, inv_t)
             dh = dh + dz @ weight[s:e].astype(mx.float32)
             if weight_grad:
@@ -241,7 +244,7 @@ def streamed_logprobs(hidden, weight, targets, *, temperature=1.0, chunk_size=No
     n, v = hidden.shape[0], weight.shape[0]
     rows_np, rows, t = _rows(targets)
     inv_t = 1.0 / temperature
-    h = hidden[rows]
+    h = hidden[rows].astype(mx.float32)
     stats = _init_stats(rows_np.size)
     for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v)):
         stats = _online_stats(h, weight, s, e, inv_t, stats, with_entropy)
@@ -485,7 +488,10 @@ def _make_fused(grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, n_args):
         hidden, weight, targets, w, *args = primals
         c = cotangents[0]  # only the loss is differentiable; logp / entropy / argmax are metrics
         dh, dw = outputs[4], outputs[5]
-        return (c * dh, c * dw if weight_grad else mx.zeros_like(weight), mx.zeros_like(targets), mx.zeros_like(w),
+        # gradients in their primal's dtype (a float32 `c` would promote a bf16 weight's gradient)
+        dh = dh * c.astype(dh.dtype)
+        dw = dw * c.astype(dw.dtype) if weight_grad else mx.zeros_like(weight)
+        return (dh, dw, mx.zeros_like(targets), mx.zeros_like(w),
                 *(mx.zeros_like(a) for a in args))
 
     return fn

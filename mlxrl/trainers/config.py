@@ -52,7 +52,11 @@ class TrainConfig:
     run_name: str | None = _f(None, "run name for W&B")
     logging_dir: str | None = _f(None, "TensorBoard log folder (default: output_dir/runs)")
     gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward (less memory, more compute)")
-    dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU); float16 cannot train "
+                                 "(no loss scaling): use bfloat16")
+    master_weights: bool = _f(True, "(mlxrl) with a bf16 model: keep a float32 master copy of the trainable weights "
+                                    "(as torch AMP); false: update the bf16 weights with stochastic rounding instead "
+                                    "(4 bytes per trainable parameter less; see README, GPU and Apple Silicon)")
     # LoRA (TRL's ModelConfig names)
     use_peft: bool = _f(False, "train LoRA adapters instead of the full model")
     lora_r: int = _f(16, "LoRA rank")

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
@@ -35,6 +34,7 @@ from ..data.batches import Prefetcher
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from .config import check_optim
+from .optim import make_optimizer
 from .reporting import Reporter
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -44,100 +44,20 @@ class PeerLostError(MlxrlError):
     """Another data-parallel rank exited or was killed."""
 
 
-def make_schedule(args, total_steps: int):
-    warmup = args.warmup_steps or int(math.ceil(args.warmup_ratio * total_steps))
-    decay_steps = max(1, total_steps - warmup)
-    lr = args.learning_rate
-    kind = args.lr_scheduler_type
-    if kind == "linear":
-        main = optim.linear_schedule(lr, 0.0, decay_steps)
-    elif kind == "cosine":
-        main = optim.cosine_decay(lr, decay_steps, 0.0)
-    elif kind in ("constant", "constant_with_warmup"):
-        main = lambda step: mx.array(lr, dtype=mx.float32)  # noqa: E731
-    else:
-        raise ValueError(f"lr_scheduler_type {kind!r} is not supported: use linear, cosine or constant")
-    if warmup == 0:
-        return main
-    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), main], [warmup])
+def accumulate(total, grads):
+    """total + grads in float32 (a bf16 running sum of micro-batch gradients loses their low bits);
+    total is None for the first micro-batch."""
+    if total is None:
+        return tree_map(lambda g: g.astype(mx.float32), grads)
+    return tree_map(lambda t, g: t + g.astype(mx.float32), total, grads)
 
 
-def _adamw_kernel(wd: float, b1: float, b2: float, eps: float):
-    """One parameter's clipped AdamW step as one compiled kernel (MLX's AdamW(bias_correction=True)
-    arithmetic, torch.optim.AdamW's update), the hyper-parameters baked in: (g, w, m, v, scale, lr,
-    1 / (1 - b1^t), 1 / sqrt(1 - b2^t)) -> (w, m, v)."""
-
-    def step(g, w, m, v, scale, lr, c1, c2):
-        dt = g.dtype
-        g = g * scale.astype(dt)
-        lr = lr.astype(dt)
-        w = w * (1 - lr * wd)
-        m = b1 * m + (1 - b1) * g
-        v = b2 * v + (1 - b2) * mx.square(g)
-        return w - (lr * c1.astype(dt)) * m / (mx.sqrt(v) * c2.astype(dt) + eps), m, v
-
-    return mx.compile(step)
-
-
-class FusedAdamW(optim.AdamW):
-    """AdamW (bias-corrected, as torch) whose per-parameter update is one kernel (mlxrl's native CPU
-    AdamW step for float32 CPU parameters, else one compiled MLX kernel), with the gradient-clipping
-    scale folded in (`grad_scale`, set before `update`): the clipped gradients are never materialised.
-    `python scripts/bench_cpu_ops.py` (281M parameters, CPU, side by side, one run): clip + update
-    1.82 s (native) vs 6.16 s for clip_grad_norm + optim.AdamW. The update stays a lazy graph over
-    the old arrays, so MLX can reuse their buffers for the new ones (a single mx.compile over the
-    whole model and optimizer state would hold the old state alive: a second copy of weights, m and
-    v at the peak). The native step is three single-output primitives so that MLX does donate
-    (it never donates to a multi-output one): on the SFT benchmark's small model (291M) the update's
-    peak above weights + m + v + gradients went from 2.16 GB to 0.14 GB, and its time from 2.85 to
-    2.37 s (one run each, the same `/tmp` snippet). Same state layout and checkpoints as optim.AdamW."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, bias_correction=True, **kw)
-        self.grad_scale = mx.array(1.0)
-        self._kernel = _adamw_kernel(float(self.weight_decay), float(self.betas[0]), float(self.betas[1]),
-                                     float(self.eps))
-
-    def apply_single(self, gradient, parameter, state):
-        b1, b2 = self.betas
-        step = self.step
-        c1 = 1 / (1 - b1**step)
-        c2 = mx.rsqrt(1 - b2**step)
-        kernels = fastmath.kernels_for(parameter)
-        if kernels is not None and gradient.dtype == mx.float32:
-            hyper = mx.stack([mx.array(x).astype(mx.float32) for x in (self.grad_scale, self.learning_rate, c1, c2)])
-            w, state["m"], state["v"] = kernels.adamw_step(
-                gradient, parameter, state["m"], state["v"], hyper, float(self.weight_decay), float(b1), float(b2),
-                float(self.eps))
-            return w
-        w, state["m"], state["v"] = self._kernel(gradient, parameter, state["m"], state["v"], self.grad_scale,
-                                                 self.learning_rate, c1, c2)
-        return w
-
-
-class ClippedAdafactor(optim.Adafactor):
-    """transformers' Adafactor as the HF Trainer builds it for `optim="adafactor"` (scale_parameter=False,
-    relative_step=False, the learning rate from the schedule), with the engine's gradient-clipping scale
-    (`grad_scale`) applied to each gradient. State: a row and a column second moment per matrix and a
-    full one per vector, no first moment (MLX's `optim.Adafactor`, checked against transformers')."""
-
-    def __init__(self, learning_rate, weight_decay: float = 0.0):
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, scale_parameter=False,
-                         relative_step=False)
-        self.grad_scale = mx.array(1.0)
-
-    def apply_single(self, gradient, parameter, state):
-        return super().apply_single(gradient * self.grad_scale.astype(gradient.dtype), parameter, state)
-
-
-def make_optimizer(args, total_steps: int):
-    """The optimizer `args.optim` names, on the learning-rate schedule of `args`."""
-    check_optim(args)
-    lr = make_schedule(args, total_steps)
-    if args.optim == "adafactor":
-        return ClippedAdafactor(lr, weight_decay=args.weight_decay)
-    return FusedAdamW(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
-                      weight_decay=args.weight_decay)
+def check_trainable_dtypes(model) -> None:
+    """Refuse float16 training (it needs loss scaling, which the engine does not do: gradients below
+    6e-8 flush to zero and large activations overflow): a one-line error naming the fix."""
+    if any(v.dtype == mx.float16 for _, v in tree_flatten(model.parameters())):
+        raise MlxrlError("the model is in float16, which cannot train without loss scaling (small gradients flush "
+                         "to zero): load it in bfloat16 (--dtype bfloat16 or MLXRL_DTYPE=bfloat16) or float32")
 
 
 def _atomic_dir(final: Path):
@@ -160,6 +80,7 @@ class Trainer:
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         check_optim(args)
+        check_trainable_dtypes(model)
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
@@ -206,12 +127,17 @@ class Trainer:
 
         return step
 
+    @property
+    def compilable(self) -> bool:
+        """Whether the step can be traced by mx.compile (an eager step evaluates inside: it cannot)."""
+        return True
+
     def _step_for(self, batch):
         """A compiled step per batch shape (up to max_compiled_shapes, then eager)."""
         key = tuple(sorted((k, v.shape, v.dtype) for k, v in batch.items() if isinstance(v, mx.array)))
         if key not in self._compiled:
             fn = self._grad_fn()
-            if self.args.compile and self._n_compiled < self.args.max_compiled_shapes:
+            if self.args.compile and self.compilable and self._n_compiled < self.args.max_compiled_shapes:
                 state = [self.model.state, mx.random.state]
                 fn = mx.compile(fn, inputs=state, outputs=state)
                 self._n_compiled += 1
@@ -417,7 +343,7 @@ class Trainer:
             arrays = self.to_device(b)
             step = self._step_for(arrays)
             loss, metrics, grads = step(arrays, mx.array(num_items, dtype=mx.float32))
-            grads_sum = grads if grads_sum is None else tree_map(mx.add, grads_sum, grads)
+            grads_sum = grads if len(group) == 1 else accumulate(grads_sum, grads)
             mx.eval(loss, metrics, grads_sum)
             loss_sum += loss.item()
             metric_sums.append({k: v.item() for k, v in metrics.items()})
@@ -431,8 +357,12 @@ class Trainer:
             metric_sums = [{k: float(v) / self.world_size for k, v in zip(keys, total_[2:], strict=True)}]
         window["tokens"] += tokens
         self.num_tokens += tokens
+        dtypes = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())}
         norm = self._update(grads_sum)
         mx.eval(self.model.parameters(), self.optimizer.state, norm)
+        changed = [k for k, v in tree_flatten(self.model.trainable_parameters()) if v.dtype != dtypes[k]]
+        if changed:  # the optimizer re-casts from its float32 state: a change here is a bug, not a user error
+            raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
         self.batch_in_epoch += len(group)
         self.global_step += 1
         window["losses"].append(loss_sum)

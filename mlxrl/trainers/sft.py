@@ -160,6 +160,10 @@ class SFTTrainer(Trainer):
                                                weight_grad=self._head_trainable)
         return loss, _token_metrics(t, ent, argmax)
 
+    @property
+    def compilable(self) -> bool:
+        return self.args.head_mode != "two_phase"  # its head is evaluated chunk by chunk
+
     def _grad_fn(self):
         if self.args.head_mode != "two_phase":
             return super()._grad_fn()

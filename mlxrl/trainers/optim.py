@@ -1,0 +1,177 @@
+"""The engine's optimizers (AdamW, Adafactor), their learning-rate schedule, and mixed precision.
+
+Mixed precision (what torch AMP + an fp32 optimizer does, without fp32 compute weights): a trainable
+parameter whose dtype is not float32 (bf16 on a GPU) gets a float32 master copy in the optimizer's
+state (`state["master"]`) and float32 moments. Each step casts its gradient to float32, updates the
+master and the moments in float32 and re-casts the compute copy from the master, so updates far
+below bf16's resolution (lr 1e-6 on a weight of 0.01: bf16 steps there are 6e-5) accumulate in
+the master instead of rounding away. The parameter keeps its dtype. Checkpoints save the optimizer
+state, master included, so a resumed run continues from the same float32 weights.
+
+`master_weights=False` keeps no master copy (4 bytes per trainable parameter less): the float32
+update of the bf16 weight is rounded back to bf16 stochastically (round up with probability equal
+to the dropped fraction of the last bf16 step), so the weight is right on average and small
+updates still move it (torchao's bf16 stochastic-rounding AdamW, Zamirai et al. 2020). The moments
+stay float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx.utils import tree_map
+
+from .. import fastmath
+from .config import check_optim
+
+FLOAT32 = mx.float32
+
+
+def make_schedule(args, total_steps: int):
+    warmup = args.warmup_steps or int(math.ceil(args.warmup_ratio * total_steps))
+    decay_steps = max(1, total_steps - warmup)
+    lr = args.learning_rate
+    kind = args.lr_scheduler_type
+    if kind == "linear":
+        main = optim.linear_schedule(lr, 0.0, decay_steps)
+    elif kind == "cosine":
+        main = optim.cosine_decay(lr, decay_steps, 0.0)
+    elif kind in ("constant", "constant_with_warmup"):
+        main = lambda step: mx.array(lr, dtype=mx.float32)  # noqa: E731
+    else:
+        raise ValueError(f"lr_scheduler_type {kind!r} is not supported: use linear, cosine or constant")
+    if warmup == 0:
+        return main
+    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), main], [warmup])
+
+
+@mx.compile
+def _round_bf16(x, noise):
+    """float32 -> bfloat16 rounded stochastically: add 16 random low bits (uniform in [0, 2^16)) to
+    the float32 bits, then drop them. The result is x's upper bf16 neighbour with probability equal
+    to x's distance from the lower one (in units of the bf16 step), so E[round(x)] = x. Signs work
+    alike (the bits are a magnitude); inf stays inf; NaN stays NaN."""
+    bits = mx.view(x, mx.uint32)
+    bits = (bits + noise.astype(mx.uint32)) & mx.array(0xFFFF0000, mx.uint32)
+    return mx.view(bits, mx.float32).astype(mx.bfloat16)
+
+
+def stochastic_round(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """float32 `x` in `dtype`, rounded stochastically where dtype is bfloat16 (see `_round_bf16`); the
+    noise comes from MLX's global generator, which the engine reseeds every step."""
+    if dtype != mx.bfloat16:
+        return x.astype(dtype)
+    return _round_bf16(x.astype(mx.float32), mx.random.randint(0, 1 << 16, x.shape, dtype=mx.uint16))
+
+
+class MixedPrecision:
+    """Mixin over an MLX optimizer whose `_apply32(g, w, state)` updates float32 arrays: float32 master
+    weights and state for parameters of another dtype (see the module docstring)."""
+
+    master_weights: bool = True
+
+    def apply_gradients(self, gradients, parameters):
+        if not self._initialized:  # MLX would init from the gradients: the master copy needs the weights
+            self.init(tree_map(lambda _, p: p, gradients, parameters))
+        return super().apply_gradients(gradients, parameters)
+
+    def init_single(self, parameter, state):
+        if parameter.dtype == FLOAT32:
+            return super().init_single(parameter, state)
+        w32 = parameter.astype(FLOAT32)
+        if self.master_weights:
+            state["master"] = w32
+        super().init_single(w32, state)  # the moments take the float32 copy's dtype
+
+    def apply_single(self, gradient, parameter, state):
+        if parameter.dtype == FLOAT32:
+            return self._apply32(gradient.astype(FLOAT32), parameter, state)
+        master = state.get("master")
+        w32 = master if master is not None else parameter.astype(FLOAT32)
+        new = self._apply32(gradient.astype(FLOAT32), w32, state)
+        if master is not None:
+            state["master"] = new
+            return new.astype(parameter.dtype)
+        return stochastic_round(new, parameter.dtype)
+
+
+def _adamw_kernel(wd: float, b1: float, b2: float, eps: float):
+    """One parameter's clipped AdamW step as one compiled kernel (MLX's AdamW(bias_correction=True)
+    arithmetic, torch.optim.AdamW's update), the hyper-parameters baked in: (g, w, m, v, scale, lr,
+    1 / (1 - b1^t), 1 / sqrt(1 - b2^t)) -> (w, m, v), all float32."""
+
+    def step(g, w, m, v, scale, lr, c1, c2):
+        g = g * scale.astype(FLOAT32)
+        lr = lr.astype(FLOAT32)
+        w = w * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * mx.square(g)
+        return w - (lr * c1.astype(FLOAT32)) * m / (mx.sqrt(v) * c2.astype(FLOAT32) + eps), m, v
+
+    return mx.compile(step)
+
+
+class FusedAdamW(MixedPrecision, optim.AdamW):
+    """AdamW (bias-corrected, as torch) whose per-parameter update is one kernel (mlxrl's native CPU
+    AdamW step for float32 CPU arrays, else one compiled MLX kernel), with the gradient-clipping scale
+    folded in (`grad_scale`, set before `update`): the clipped gradients are never materialised. The
+    update stays a lazy graph over the old arrays, so MLX can reuse their buffers for the new ones (a
+    single mx.compile over the whole model and optimizer state would hold the old state alive: a
+    second copy of weights, m and v at the peak). The native step is three single-output primitives
+    so that MLX does donate (it never donates to a multi-output one). Float32 master weights and
+    moments for bf16 parameters (`MixedPrecision`). `python scripts/bench_cpu_ops.py` measures it
+    against clip_grad_norm + optim.AdamW. Same state layout and checkpoints as optim.AdamW (plus
+    "master" for non-float32 parameters)."""
+
+    def __init__(self, *args, master_weights: bool = True, **kw):
+        super().__init__(*args, bias_correction=True, **kw)
+        self.master_weights = master_weights
+        self.grad_scale = mx.array(1.0)
+        self._kernel = _adamw_kernel(float(self.weight_decay), float(self.betas[0]), float(self.betas[1]),
+                                     float(self.eps))
+
+    def _apply32(self, gradient, parameter, state):
+        b1, b2 = self.betas
+        step = self.step
+        c1 = 1 / (1 - b1**step)
+        c2 = mx.rsqrt(1 - b2**step)
+        kernels = fastmath.kernels_for(parameter)
+        if kernels is not None:
+            hyper = mx.stack([mx.array(x).astype(mx.float32) for x in (self.grad_scale, self.learning_rate, c1, c2)])
+            w, state["m"], state["v"] = kernels.adamw_step(
+                gradient, parameter, state["m"], state["v"], hyper, float(self.weight_decay), float(b1), float(b2),
+                float(self.eps))
+            return w
+        w, state["m"], state["v"] = self._kernel(gradient, parameter, state["m"], state["v"], self.grad_scale,
+                                                 self.learning_rate, c1, c2)
+        return w
+
+
+class ClippedAdafactor(MixedPrecision, optim.Adafactor):
+    """transformers' Adafactor as the HF Trainer builds it for `optim="adafactor"` (scale_parameter=False,
+    relative_step=False, the learning rate from the schedule), with the engine's gradient-clipping scale
+    (`grad_scale`) applied to each gradient. State: a row and a column second moment per matrix and a
+    full one per vector, no first moment (MLX's `optim.Adafactor`, checked against transformers');
+    float32 master weights and state for bf16 parameters (`MixedPrecision`)."""
+
+    def __init__(self, learning_rate, weight_decay: float = 0.0, master_weights: bool = True):
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, scale_parameter=False,
+                         relative_step=False)
+        self.master_weights = master_weights
+        self.grad_scale = mx.array(1.0)
+
+    def _apply32(self, gradient, parameter, state):
+        return optim.Adafactor.apply_single(self, gradient * self.grad_scale.astype(FLOAT32), parameter, state)
+
+
+def make_optimizer(args, total_steps: int):
+    """The optimizer `args.optim` names, on the learning-rate schedule of `args`."""
+    check_optim(args)
+    lr = make_schedule(args, total_steps)
+    master = bool(getattr(args, "master_weights", True))
+    if args.optim == "adafactor":
+        return ClippedAdafactor(lr, weight_decay=args.weight_decay, master_weights=master)
+    return FusedAdamW(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
+                      weight_decay=args.weight_decay, master_weights=master)
