@@ -28,7 +28,7 @@ from .trainers.grpo import GRPOConfig, check_grpo_config
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"learning_rate": 1e-3, "max_steps": 30, "per_device_train_batch_size": 64, "num_generations": 8,
                   "max_completion_length": 4, "temperature": 1.0, "top_k": 8, "use_peft": True, "lora_r": 16,
-                  "lora_alpha": 32, "compile": False, "lr_scheduler_type": "constant", "warmup_steps": 0,
+                  "lora_alpha": 32, "lr_scheduler_type": "constant", "warmup_steps": 0,
                   "logging_steps": 1, "save_steps": 0, "gradient_checkpointing": False, "output_dir": "out/grpo-demo",
                   "disable_tqdm": True}
 DEMO_SFT_STEPS, DEMO_TEST = 10, 96
@@ -101,7 +101,8 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
     r0, r1 = float(np.mean([e["reward"] for e in first])), float(np.mean([e["reward"] for e in last]))
     print(f"mean reward per logged step: {trend}", flush=True)
     print(f"mean reward: first quarter {r0:.3f} -> last quarter {r1:.3f}; held-out exact match after GRPO: "
-          f"{after:.1%} (before {before:.1%}); generation {trainer.generation_time:.0f}s, "
+          f"{after:.1%} (before {before:.1%}); {trainer.step_shapes} batch shapes, {trainer.compiled_shapes} compiled "
+          f"steps; generation {trainer.generation_time:.0f}s, "
           f"{time.perf_counter() - t0:.0f}s in all; saved to {args.output_dir}", flush=True)
     return {"before": before, "after": after, "history": logged, "reward_first": r0, "reward_last": r1,
             "model": model, "processor": processor}

@@ -106,6 +106,8 @@ class Arch:
     head_trainable: bool
     lora_params: int = 0
     vision: dict | None = None
+    trainable_params: int = 0  # elements
+    master_params: int = 0  # trainable elements held in a non-float32 dtype (they get a float32 master copy)
 
 
 def _text_config(cfg: dict) -> dict:
@@ -136,9 +138,14 @@ def arch_of(cfg: dict, args, dtype_bytes: int | None = None) -> Arch:
     head_trainable = any(v is head_w for _, v in trainable)
     fp = [v for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
     weight_bytes = sum(v.size for v in fp) * s
-    t_sizes = [v.size * s for _, v in trainable]
+    def nbytes(k, v):  # LoRA's A and B stay float32 whatever the compute dtype (DoRA's magnitude does not)
+        return v.size * (4 if "lora_" in k else s)
+
+    t_sizes = [nbytes(k, v) for k, v in trainable]
     lora_n = sum(v.size for k, v in trainable if "lora_" in k)
-    in_layers = sum(v.size * s for k, v in trainable if ".layers." in k and "visual" not in k)
+    in_layers = sum(nbytes(k, v) for k, v in trainable if ".layers." in k and "visual" not in k)
+    n_train = sum(v.size for _, v in trainable)
+    n_master = sum(v.size for k, v in trainable if nbytes(k, v) != 4 * v.size)
     t = _text_config(cfg)
     lm = model.language_model.config
     vision = None
@@ -153,7 +160,8 @@ def arch_of(cfg: dict, args, dtype_bytes: int | None = None) -> Arch:
                 tied=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
                 weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes),
                 layer_trainable_bytes=in_layers, largest_trainable=max(t_sizes, default=0),
-                head_trainable=head_trainable, lora_params=lora_n, vision=vision)
+                head_trainable=head_trainable, lora_params=lora_n, vision=vision, trainable_params=n_train,
+                master_params=n_master)
 
 
 # ---------------------------------------------------------------------------------------- the model
@@ -398,13 +406,19 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     ckpt = bool(getattr(args, "gradient_checkpointing", False))
     act = {c: activations(a, args, sh, s, c, trainer) for c in (True, False)}
     out: list[Row] = [Row("weights", W, f"{_count(W // s)} parameters x {s} B")]
-    n_train = T // s
+    n_train = a.trainable_params
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
     adafactor = getattr(args, "optim", "adamw_torch") == "adafactor"
-    moments = 0 if adafactor else 2 * T  # Adafactor: a row and a column per matrix, no first moment (~0)
-    out.append(Row("trainable state", moments + other + (T if accum > 1 else 0),
-                   f"{_count(n_train)} trainable: {'Adafactor factored v' if adafactor else 'AdamW m, v'} + grads"
-                   f"{' x2 (accumulation)' if accum > 1 else ''} "
+    # float32 moments whatever the dtype; Adafactor: a row and a column per matrix, no first moment (~0)
+    moments = 0 if adafactor else 2 * 4 * n_train
+    master = 4 * a.master_params if getattr(args, "master_weights", True) else 0
+    moments += master  # the float32 master copy of bf16 trainable weights (mixed precision)
+    accum_sum = 4 * n_train if accum > 1 else 0  # the float32 running sum of the micro-batches' gradients
+    what = "Adafactor factored v" if adafactor else "AdamW m, v (fp32)"
+    if master:
+        what += f" + fp32 master weights ({fmt(master)}; --master_weights false saves it)"
+    out.append(Row("trainable state", moments + other + accum_sum,
+                   f"{_count(n_train)} trainable: {what} + grads{' + fp32 sum (accumulation)' if accum > 1 else ''} "
                    "(the decoder layers' grads are counted with the activations)"))
     ref = 0
     needs_ref = trainer == "dpo" or (trainer == "grpo" and getattr(args, "beta", 0.0) > 0)
@@ -438,14 +452,15 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) of {P} prefilled once + G={G} "
                                        f"completions of {C} (+ {fmt(gen_logits)} of sampling logits)"))
     steady = W + moments + ref
-    step = steady + other + (T if accum > 1 else 0) + act[ckpt] + head + img
+    step = steady + other + accum_sum + act[ckpt] + head + img
     clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
     if not adafactor and native_cpu(args):
         # the native AdamW step writes the new weights and moments into the old ones' buffers and the
         # clipping scale is folded into it: the gradients and the next step's inputs only
         update = steady + T + NATIVE_UPDATE * a.largest_trainable
-    else:
-        update = steady + T + clip + UPDATE_COPIES * a.largest_trainable
+    else:  # (a bf16 parameter's update runs in float32: its copies are float32)
+        largest = a.largest_trainable * (4 // s if a.master_params else 1)
+        update = steady + T + clip + UPDATE_COPIES * largest
     # generation: the weights, the KV cache and the [G, V] float32 logits of a decoding step
     gen = steady + kv + gen_logits if kv else 0
     total = int(max(step, update, gen))
@@ -474,8 +489,9 @@ def _count(n: int) -> str:
 
 def _candidates(args, trainer: str):
     """Changes in the order of how little they change the run: same result (chunk size, checkpointing,
-    smaller micro-batches with more accumulation), then a smaller adapter, LoRA instead of full
-    fine-tuning, a shorter max_length, fewer generations, and last a quantised base."""
+    smaller micro-batches with more accumulation), then bf16 weights without a float32 master copy
+    (stochastic rounding), a smaller adapter, LoRA instead of full fine-tuning, a shorter max_length,
+    fewer generations, and last a quantised base."""
     yield {"chunk_size": 1024}
     yield {"chunk_size": 256}
     if not args.gradient_checkpointing:
@@ -489,6 +505,8 @@ def _candidates(args, trainer: str):
         yield same
         if not args.gradient_checkpointing:
             yield {**same, "gradient_checkpointing": True}
+    if _dtype_bytes(args) != 4 and not args.use_peft and getattr(args, "master_weights", True):
+        yield {"master_weights": False}
     if args.use_peft:
         r = int(args.lora_r)
         while r > 4:

@@ -291,9 +291,11 @@ def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> 
     return applied
 
 
-def startup_line() -> str:
+def startup_line(dtype: mx.Dtype | None = None, note: str = "") -> str:
+    """What runs where: MLX, the device, the BLAS, the compute dtype (the model's when given)."""
     dev = "gpu" if default_device_kind() == "gpu" else "cpu"
-    return f"mlxrl: mlx {mx.__version__} on {dev}, BLAS {BLAS_IN_USE}, compute dtype {compute_dtype()}"
+    name = str(dtype or compute_dtype()).split(".")[-1]
+    return f"mlxrl: mlx {mx.__version__} on {dev}, BLAS {BLAS_IN_USE}, compute dtype {name}{note}"
 
 
 default_cache_limit()

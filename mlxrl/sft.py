@@ -19,7 +19,7 @@ from .trainers.config import SFTConfig, build_parser, config_from_args
 
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"learning_rate": 2e-3, "num_train_epochs": 1.0, "per_device_train_batch_size": 8,
-                  "freeze_embeddings": True, "compile": False,
+                  "freeze_embeddings": True,
                   "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "logging_steps": 20, "save_steps": 0,
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/sft-demo",
                   "assistant_only_loss": True}

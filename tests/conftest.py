@@ -42,3 +42,15 @@ def tokenizer():
     from mlxrl.processing import build_qwen_tokenizer
 
     return build_qwen_tokenizer()
+
+
+@pytest.fixture(params=["native", "graph"])
+def kernel_path(request, monkeypatch):
+    """Run a test on both code paths: "native" (float32 CPU arrays through mlxrl.native's kernels) and
+    "graph" (MLX's own ops and mlxrl's MLX-graph head, attention and optimizer: what runs on Metal and
+    CUDA; the same as MLXRL_NATIVE=0)."""
+    if request.param == "graph":
+        from mlxrl import native
+
+        monkeypatch.setattr(native, "load", lambda: None)
+    return request.param

@@ -111,6 +111,7 @@ def trl_step0(arch, folder, ref_folder, rows, tmp_path):
     return out
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("arch,data", [("qwen3", "text"), ("qwen3", "conversational"), ("qwen2_vl", "vision")])
 def test_step0_loss_and_metrics_match_trl(arch, data, tiny_checkpoint, ref_checkpoint, tmp_path):
     folder, ref_folder = tiny_checkpoint(arch), ref_checkpoint(arch)
@@ -146,6 +147,7 @@ def test_extract_prompt_matches_trl():
 
 # ------------------------------------------------------------------------------------- reference
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("use_dora", [False, True])
 def test_lora_off_reference_equals_a_frozen_copy_without_a_second_copy(use_dora, tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("qwen3")
@@ -193,6 +195,7 @@ def test_precomputed_reference_equals_on_the_fly(tiny_checkpoint, tmp_path):
     np.testing.assert_allclose(b_pre["ref_rejected"], np.array(b_live["ref_rejected"]), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("data", ["text", "vision"])
 def test_padding_free_equals_padded(data, tiny_checkpoint, tmp_path):
     arch, rows = ("qwen3", TEXT_ROWS) if data == "text" else ("qwen2_vl", vision_rows())

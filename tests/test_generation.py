@@ -102,6 +102,7 @@ def test_greedy_cached_batched_equals_uncached(arch_model):
     assert np.array(out.prompt_index).tolist() == [r // G for r in range(ids.shape[0])]
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl"])
 def test_sampling_shared_prefill_matches_per_sample_and_training_logps(tiny_checkpoint, arch):
     """Shared prefill == per-sample prefill (same keys); seeded runs repeat; the returned logps
@@ -235,6 +236,7 @@ def shared_vs_repeated(model, processor, arch, G=3, C=5, seed=0):
     return s, r
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_shared_forward_equals_repeated_logps_and_grads(arch_model):
     arch, model, processor = arch_model
     (lp_s, ent_s, g_s), (lp_r, ent_r, g_r) = shared_vs_repeated(model, processor, arch)

@@ -104,6 +104,7 @@ CASES = [(t, "token") for t in LOSS_TYPES] + [("dapo", "sequence"), ("grpo", "se
                                                ("cispo", "sequence")]
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("loss_type,level", CASES)
 def test_loss_at_a_fixed_batch_equals_trl(loss_type, level, text_setup):
     """Old and reference log-probs given (num_iterations 2: TRL computes old log-probs), beta 0.04, gradient
@@ -168,6 +169,7 @@ def test_on_policy_shortcut_and_shared_prompt_off(text_setup):
 @pytest.mark.parametrize("loss_type,shared,compiled,temperature", [
     ("dapo", True, False, 0.8), ("grpo", False, False, 0.8), ("cispo", True, False, 0.8), ("sapo", True, False, 0.8),
     ("dapo", True, True, 0.05)])  # compiled: padding is scored too (token 0, logp far below -88 at T=0.05)
+@pytest.mark.usefixtures("kernel_path")
 def test_fused_head_gives_the_differentiable_heads_gradients(loss_type, shared, compiled, temperature, text_setup):
     """head_mode fused (one pass over row chunks, token-level loss as a callable) against the vocab-tiled
     differentiable head + grpo_loss: the same loss, metrics and parameter gradients, with old and reference

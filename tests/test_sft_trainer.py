@@ -13,13 +13,14 @@ import transformers
 from mlx.utils import tree_flatten
 
 import mlxrl
+from mlxrl.data.batches import patch_bucket
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.models.lora import lora_layers
 from mlxrl.sft import main as sft_main
 from mlxrl.trainers import engine as engine_lib
 from mlxrl.trainers import optim as optim_lib
 from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer, patch_bucket
+from mlxrl.trainers.sft import SFTTrainer
 
 TEXT_ROWS = [
     {"messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]},
@@ -44,6 +45,7 @@ def grads_and_loss(trainer, batch):
     return loss.item(), dict(tree_flatten(grads))
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl"])
 def test_step0_loss_matches_transformers(arch, tiny_checkpoint, tmp_path):
     """TRL's nll is sum(-log p) over trained tokens / their count: transformers' causal-LM loss
@@ -108,6 +110,7 @@ def test_lora_trains_only_adapters_and_merged_save_loads_in_transformers(tiny_ch
     np.testing.assert_allclose(np.array(model(input_ids=ids["input_ids"])), expected, atol=1e-4)
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("mode", ["packing", "padding_free"])
 @pytest.mark.parametrize("data", ["text", "vlm"])
 def test_packed_batches_equal_unpacked(mode, data, tiny_checkpoint, tmp_path):
@@ -140,7 +143,7 @@ def test_patch_bucket_padding_changes_nothing(arch, tiny_checkpoint, tmp_path):
     plain = SFTTrainer(model, processor, config(tmp_path), train_dataset=rows)
     bucketed = SFTTrainer(model, processor, config(tmp_path, compile=True), train_dataset=rows)
     b_plain = plain._batches_of(plain.train_examples, 0, False, 3)[0]
-    b_pad = bucketed._batches_of(bucketed.train_examples, 0, False, 3)[0]
+    b_pad = bucketed.bucket_images(bucketed._batches_of(bucketed.train_examples, 0, False, 3)[0])
     n = len(b_plain["pixel_values"])
     assert len(b_pad["pixel_values"]) == patch_bucket(n) > n and len(b_pad["image_grid_thw"]) == 4
     b_pad = {**b_pad, "rows": b_plain["rows"], "targets": b_plain["targets"]}  # same rows (no row bucket)
@@ -252,6 +255,7 @@ def test_native_adamw_updates_in_place():
     assert not np.allclose(np.array(new["w"]), before)
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("optim", ["adamw_torch", "adafactor"])
 def test_resume_reproduces_the_uninterrupted_run(optim, tiny_checkpoint, tmp_path):
     rows = TEXT_ROWS * 4
@@ -294,6 +298,7 @@ def test_all_ignored_batch_names_rows(tiny_checkpoint, tmp_path):
         SFTTrainer(model, processor, config(tmp_path, max_length=16), train_dataset=rows).train()
 
 
+@pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("mode", ["fused", "two_phase"])
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
 def test_head_modes_give_the_same_step(mode, loss_type, tiny_checkpoint, tmp_path):

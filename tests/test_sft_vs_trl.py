@@ -47,6 +47,7 @@ def trl_loss(hf, processing_class, rows, tmp_path, **kw):
     return loss, metrics
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_text_step0_equals_trl(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("qwen3")
     loss, metrics, processor = ours_loss(folder, TEXT_ROWS, tmp_path)
@@ -59,6 +60,7 @@ def test_text_step0_equals_trl(tiny_checkpoint, tmp_path):
     assert abs(metrics["entropy"] - want_metrics["entropy"]) <= 1e-4 * max(1.0, want_metrics["entropy"])
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_vlm_step0_equals_trl(tiny_checkpoint, tmp_path):
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

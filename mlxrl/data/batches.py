@@ -236,3 +236,26 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def quarter_octave(n: int, minimum: int = 16) -> int:
+    """The smallest of four sizes per doubling that holds n (>= minimum): at most ~25% padding,
+    and few distinct shapes for the compiled step."""
+    n = max(int(n), minimum)
+    step = max(1, 1 << max(0, int(np.floor(np.log2(n))) - 2))
+    return -(-n // step) * step
+
+
+def patch_bucket(n: int) -> int:
+    """Padded image-patch count of a batch with n patches: a quarter-octave size (a multiple of 4)
+    leaving room (>= 4 patches) for the dummy image that holds the padding."""
+    return quarter_octave(n + 4, minimum=16)
+
+
+def pad_image_patches(pixel_values: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Append a dummy image of zero pixels so the batch has `patch_bucket(P)` patches. Its grid
+    (1, 2, pad/2) comes after the real images, so no image placeholder refers to it: the vision
+    tower encodes it as its own image and its features are never gathered into the sequence."""
+    pad = patch_bucket(len(pixel_values)) - len(pixel_values)
+    pixels = np.concatenate([pixel_values, np.zeros((pad, pixel_values.shape[1]), pixel_values.dtype)])
+    return pixels, np.concatenate([grid, np.asarray([[1, 2, pad // 2]], grid.dtype)])

@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .. import fastmath, runtime
-from ..data.batches import Prefetcher
+from ..data.batches import Prefetcher, pad_image_patches
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from .config import check_optim
@@ -164,6 +164,16 @@ class Trainer:
         """np -> mx for the arrays the step uses (subclasses may add vision metadata)."""
         return {k: mx.array(v) for k, v in batch.items() if isinstance(v, np.ndarray)}
 
+    def bucket_images(self, batch: dict) -> dict:
+        """With a compiled step and patch_buckets: the batch's image patches padded to a bucket by a
+        dummy image (`data.batches.pad_image_patches`), so batches with differently sized images share
+        a compiled step; otherwise the batch unchanged."""
+        a = self.args
+        if "pixel_values" not in batch or not (a.compile and a.patch_buckets and self.compilable):
+            return batch
+        pixels, grid = pad_image_patches(np.asarray(batch["pixel_values"]), np.asarray(batch["image_grid_thw"]))
+        return {**batch, "pixel_values": pixels, "image_grid_thw": grid}
+
     def batch_tokens(self, batch: dict) -> tuple[int, int]:
         """(real tokens, trained tokens) of a prepared batch."""
         return int(batch["num_tokens"]), int(batch["num_items"])
@@ -191,7 +201,7 @@ class Trainer:
             self.load_checkpoint(args.resume_from_checkpoint)
         trainable, total_params = lora_lib.trainable_count(self.model)
         ranks = f"; {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
-        self.print(runtime.startup_line())
+        self.print(runtime.startup_line(*self._precision()))
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
                    f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
         self.memory_plan = self._memory_plan()
@@ -231,6 +241,14 @@ class Trainer:
         return self.log_history
 
     planner_kind = "sft"
+
+    def _precision(self) -> tuple[mx.Dtype, str]:
+        """The model's compute dtype and how its trainable weights are updated, for the start-up line."""
+        dtype = self.model.lm_head_weight().dtype
+        if any(v.dtype != mx.float32 for _, v in tree_flatten(self.model.trainable_parameters())):
+            how = "fp32 master weights" if self.args.master_weights else "bf16 weights, stochastic rounding"
+            return dtype, f" ({how}, fp32 optimizer state)"
+        return dtype, ""
 
     def _memory_plan(self):
         """The planner's prediction for this run (printed at start-up, logged next to the measured
@@ -340,7 +358,7 @@ class Trainer:
         num_items = self.all_sum(np.array([sum(self.batch_tokens(b)[1] for b in group)], np.float64))[0]
         grads_sum, loss_sum, metric_sums, tokens = None, 0.0, [], 0
         for b in group:
-            arrays = self.to_device(b)
+            arrays = self.to_device(self.bucket_images(b))
             step = self._step_for(arrays)
             loss, metrics, grads = step(arrays, mx.array(num_items, dtype=mx.float32))
             grads_sum = grads if len(group) == 1 else accumulate(grads_sum, grads)

@@ -13,33 +13,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..data.batches import quarter_octave
 from ..losses.head import IGNORE_INDEX, fused_head_loss, fused_value_and_grad, head_logprobs
 from ..losses.sft import check_has_labels, sft_loss
 from .config import SFTConfig
 from .engine import Trainer
-
-
-def quarter_octave(n: int, minimum: int = 16) -> int:
-    """The smallest of four sizes per doubling that holds n (>= minimum): at most ~25% padding,
-    and few distinct shapes for the compiled step."""
-    n = max(int(n), minimum)
-    step = max(1, 1 << max(0, int(np.floor(np.log2(n))) - 2))
-    return -(-n // step) * step
-
-
-def patch_bucket(n: int) -> int:
-    """Padded image-patch count of a batch with n patches: a quarter-octave size (a multiple of 4)
-    leaving room (>= 4 patches) for the dummy image that holds the padding."""
-    return quarter_octave(n + 4, minimum=16)
-
-
-def pad_image_patches(pixel_values: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Append a dummy image of zero pixels so the batch has `patch_bucket(P)` patches. Its grid
-    (1, 2, pad/2) comes after the real images, so no image placeholder refers to it: the vision
-    tower encodes it as its own image and its features are never gathered into the sequence."""
-    pad = patch_bucket(len(pixel_values)) - len(pixel_values)
-    pixels = np.concatenate([pixel_values, np.zeros((pad, pixel_values.shape[1]), pixel_values.dtype)])
-    return pixels, np.concatenate([grid, np.asarray([[1, 2, pad // 2]], grid.dtype)])
 
 
 def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndarray:
@@ -128,9 +106,6 @@ class SFTTrainer(Trainer):
         if batch.pixel_values is not None:
             out["pixel_values"] = np.asarray(batch.pixel_values, np.float32)
             out["image_grid_thw"] = np.asarray(batch.image_grid_thw, np.int32)
-            if self.args.compile and self.args.patch_buckets:
-                out["pixel_values"], out["image_grid_thw"] = pad_image_patches(out["pixel_values"],
-                                                                               out["image_grid_thw"])
         return out
 
     def to_device(self, batch):
