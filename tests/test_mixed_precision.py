@@ -86,10 +86,12 @@ def test_bf16_full_finetuning_tracks_fp32(graph_path, tmp_path, monkeypatch):
     rows = make_vqa(48, seed=1)
     start, _ = mlxrl.load_default(seed=0, dtype=BF16)
     w0 = as_f32(start)
-    f32, _, _ = train_default(tmp_path, "f32", mx.float32, rows, init=w0, max_steps=12)
+    f32, _, curve32 = train_default(tmp_path, "f32", mx.float32, rows, init=w0, max_steps=12)
     w32 = as_f32(f32)
-    master, trainer, _ = train_default(tmp_path, "bf16", BF16, rows, init=w0, max_steps=12)
+    master, trainer, curve = train_default(tmp_path, "bf16", BF16, rows, init=w0, max_steps=12)
     assert missed_share(as_f32(master), w32, w0) <= 0.3
+    gap = np.abs(np.array(curve) - np.array(curve32)).max()
+    assert gap <= 0.05 * max(curve32), gap  # measured 0.41 on losses of 10.6-12.6 (the 50-step bench: README)
     state = dict(tree_flatten(trainer.optimizer.state))
     key = "model.language_model.layers.0.mlp.up_proj.weight"
     assert state[f"{key}.master"].dtype == mx.float32 and state[f"{key}.v"].dtype == mx.float32
