@@ -57,7 +57,8 @@ def run_demo(args: SFTConfig, explicit: set) -> dict:
           f"{trainer.step_shapes} batch shapes, {trainer.compiled_shapes} compiled steps; "
           f"{time.perf_counter() - t0:.0f}s in all", flush=True)
     print(f"saved to {args.output_dir}", flush=True)
-    return {"before": before, "after": after}
+    return {"before": before, "after": after, "batch_shapes": trainer.step_shapes,
+            "compiled_steps": trainer.compiled_shapes}
 
 
 def main(argv=None) -> int:
