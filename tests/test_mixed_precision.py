@@ -105,11 +105,15 @@ def test_bf16_full_finetuning_tracks_fp32(graph_path, tmp_path, monkeypatch):
     assert missed_share(as_f32(nearest), w32, w0) > 0.6 and captured_share(as_f32(nearest), w32, w0) < 0.3
 
 
-def test_master_weights_resume_exactly(graph_path, tmp_path):
-    """A bf16 checkpoint keeps the master copy: the resumed run's losses equal the uninterrupted run's."""
+@pytest.mark.parametrize("optim", ["adamw_torch", "adafactor"])
+def test_master_weights_resume_exactly(graph_path, tmp_path, optim):
+    """A bf16 checkpoint keeps the master copy (AdamW's and Adafactor's): the resumed run's losses equal
+    the uninterrupted run's."""
     rows = make_vqa(24, seed=2)
-    _, _, full = train_default(tmp_path, "a", BF16, rows, max_steps=4, save_steps=2, learning_rate=1e-4)
-    _, _, resumed = train_default(tmp_path, "a", BF16, rows, max_steps=4, learning_rate=1e-4,
+    _, trainer, full = train_default(tmp_path, "a", BF16, rows, max_steps=4, save_steps=2, learning_rate=1e-4,
+                                     optim=optim)
+    assert any(k.endswith(".master") for k, _ in tree_flatten(trainer.optimizer.state))
+    _, _, resumed = train_default(tmp_path, "a", BF16, rows, max_steps=4, learning_rate=1e-4, optim=optim,
                                   resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     assert resumed[2:] == full[2:]
 
