@@ -145,7 +145,7 @@ def arch_of(cfg: dict, args, dtype_bytes: int | None = None) -> Arch:
     lora_n = sum(v.size for k, v in trainable if "lora_" in k)
     in_layers = sum(nbytes(k, v) for k, v in trainable if ".layers." in k and "visual" not in k)
     n_train = sum(v.size for _, v in trainable)
-    n_master = sum(v.size for k, v in trainable if nbytes(k, v) != 4 * v.size)
+    n_master = 0 if s == 4 else sum(v.size for k, v in trainable if "lora_" not in k)
     t = _text_config(cfg)
     lm = model.language_model.config
     vision = None

@@ -5,14 +5,19 @@ streamed step (`streamed_logprobs` + `streamed_head_backward`) vs the fused row-
 
     python scripts/bench_loss.py [--n 1024 4096 8192] [--d 1024] [--v 151936] [--repeats 2]
                                  [--methods naive differentiable two-phase fused fused-eager]
+                                 [--dtype float32|bfloat16] [--graph]
+
+--graph runs MLX's ops instead of mlxrl's native CPU kernels (MLXRL_NATIVE=0: the path of Metal and
+CUDA); --dtype bfloat16 casts hidden and weight (slow on the CPU: keep D and N small).
 
 Peak is `mx.get_peak_memory()` after `mx.reset_peak_memory()`, minus the inputs (hidden, weight,
-targets) which all three hold. float32 throughout. Each configuration runs in a fresh subprocess so
+targets) which all three hold. Each configuration runs in a fresh subprocess so
 one method's cache does not colour another's peak.
 """
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -23,9 +28,10 @@ import mlx.core as mx
 from mlxrl.losses.head import (fused_head_grads, fused_head_loss, head_logprobs, streamed_head_backward,
                                streamed_logprobs)
 method, n, d, v, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+dtype = getattr(mx, sys.argv[6])
 mx.random.seed(0)
-h = mx.random.normal((n, d)) * 0.5
-w = mx.random.normal((v, d)) * 0.02
+h = (mx.random.normal((n, d)) * 0.5).astype(dtype)
+w = (mx.random.normal((v, d)) * 0.02).astype(dtype)
 t = mx.random.randint(0, v, (n,))
 mx.eval(h, w, t)
 inputs = h.nbytes + w.nbytes + t.nbytes
@@ -70,9 +76,10 @@ print(json.dumps({"peak": peak, "time": min(times)}))
 METHODS = ("naive", "differentiable", "two-phase", "fused", "fused-eager")
 
 
-def measure(method, n, d, v, reps):
-    out = subprocess.run([sys.executable, "-c", CHILD, method, str(n), str(d), str(v), str(reps)],
-                         capture_output=True, text=True)
+def measure(method, n, d, v, reps, dtype="float32", graph=False):
+    env = {**os.environ, "MLXRL_NATIVE": "0"} if graph else None
+    out = subprocess.run([sys.executable, "-c", CHILD, method, str(n), str(d), str(v), str(reps), dtype],
+                         capture_output=True, text=True, env=env)
     if out.returncode:
         return {"error": (out.stderr.strip().splitlines() or ["killed"])[-1][:60]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,13 +93,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                     help="the first one is the baseline of the 'x naive' columns")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--graph", action="store_true", help="MLX's ops, not the native CPU kernels (MLXRL_NATIVE=0)")
     args = ap.parse_args()
-    print(f"LM head + NLL, loss and grads w.r.t. hidden and weight; D={args.d}, V={args.v}, float32")
+    path = "graph path" if args.graph else "native kernels where they apply"
+    print(f"LM head + NLL, loss and grads w.r.t. hidden and weight; D={args.d}, V={args.v}, {args.dtype}, {path}")
     print(f"{'N':>6} {'method':<15} {'peak GB':>8} {'x naive':>8} {'time s':>7} {'x naive':>8}")
     for n in args.n:
         base = None
         for method in args.methods:
-            r = measure(method, n, args.d, args.v, args.repeats)
+            r = measure(method, n, args.d, args.v, args.repeats, args.dtype, args.graph)
             if "error" in r:
                 print(f"{n:>6} {method:<15} failed: {r['error']}")
                 continue

@@ -93,6 +93,7 @@ class Trainer:
         self._compiled: dict = {}  # batch shape -> step function (compiled or eager)
         self._n_compiled = 0
         self._shapes_seen: set = set()
+        self._dtypes_checked = False  # whether an update has been checked to keep every parameter's dtype
         # W&B / TensorBoard when report_to asks (rank 0 only)
         self.reporter = Reporter(args if self.is_main else None, self.output_dir)
 
@@ -375,12 +376,15 @@ class Trainer:
             metric_sums = [{k: float(v) / self.world_size for k, v in zip(keys, total_[2:], strict=True)}]
         window["tokens"] += tokens
         self.num_tokens += tokens
-        dtypes = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())}
+        first = not self._dtypes_checked
+        dtypes = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())} if first else {}
         norm = self._update(grads_sum)
         mx.eval(self.model.parameters(), self.optimizer.state, norm)
-        changed = [k for k, v in tree_flatten(self.model.trainable_parameters()) if v.dtype != dtypes[k]]
-        if changed:  # the optimizer re-casts from its float32 state: a change here is a bug, not a user error
-            raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
+        if first:  # the optimizer re-casts from its float32 state: a change here is a bug, not a user error
+            changed = [k for k, v in tree_flatten(self.model.trainable_parameters()) if v.dtype != dtypes[k]]
+            if changed:
+                raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
+            self._dtypes_checked = True
         self.batch_in_epoch += len(group)
         self.global_step += 1
         window["losses"].append(loss_sum)
