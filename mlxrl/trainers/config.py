@@ -23,6 +23,8 @@ class TrainConfig:
     """What every trainer shares (the engine's knobs)."""
 
     output_dir: str = _f("out", "where checkpoints, metrics.jsonl and the final model go")
+    overwrite_output_dir: bool = _f(False, "Overwrite the content of the output directory. Use this to continue "
+                                           "training if output_dir points to a checkpoint directory.")
     learning_rate: float = _f(2e-5, "peak learning rate of AdamW")
     num_train_epochs: float = _f(3.0, "epochs over the training set (ignored when max_steps > 0)")
     max_steps: int = _f(-1, "optimizer steps to run; > 0 overrides num_train_epochs")
