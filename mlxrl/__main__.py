@@ -4,11 +4,16 @@ the next-token prediction, and optionally save the model as a Hugging Face folde
     python -m mlxrl                                  # embedded tiny Qwen3-VL, no network
     python -m mlxrl --model Qwen/Qwen3-VL-2B-Instruct --image cat.png --prompt "What is this?"
     python -m mlxrl --model ./my-model --save out/   # write an HF-layout copy
+    python -m mlxrl --save out/ --overwrite          # replace an earlier save of ours in out/
+
+--save never deletes what mlxrl did not write: a non-empty folder that is not an earlier save of ours
+(one with mlxrl_save.json listing every file in it) is refused, as is an existing file.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -30,7 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--image", default=None, help="image file (default: a drawn demo image; ignored by text models)")
     ap.add_argument("--prompt", default="What shapes are in the picture?")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
-    ap.add_argument("--save", default=None, help="write the model + processor here in Hugging Face layout")
+    ap.add_argument("--save", default=None, help="write the model + processor here in Hugging Face layout (a new or "
+                    "empty folder, or an earlier save of ours with --overwrite)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="with --save: replace an earlier mlxrl save in that folder")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -41,9 +49,15 @@ def main(argv=None) -> int:
 
     print(mlxrl.runtime.startup_line(), flush=True)
     try:
+        dtype = mlxrl.runtime.compute_dtype(args.dtype)  # a bad --dtype is refused before anything loads
+        if args.save:  # a folder we may not write is refused before the model loads
+            from pathlib import Path
+
+            from mlxrl.atomic import check_save_target
+
+            check_save_target(Path(args.save).expanduser().resolve(), args.overwrite, "--overwrite")
         t0 = time.perf_counter()
-        model, processor = mlxrl.load(args.model, dtype=args.dtype) if args.model else mlxrl.load_default(
-            dtype=args.dtype)
+        model, processor = mlxrl.load(args.model, dtype=dtype) if args.model else mlxrl.load_default(dtype=dtype)
         n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
         print(f"loaded {getattr(model, 'name_or_path', args.model)} ({model.config.get('model_type')}, "
               f"{n_params / 1e6:.1f}M parameters) in {time.perf_counter() - t0:.1f}s")
@@ -72,11 +86,15 @@ def main(argv=None) -> int:
         preds = ", ".join(f"{processor.decode([int(i)])!r} {float(probs[i]):.3f}" for i in top.tolist())
         print(f"next-token top-5: {preds}")
         if args.save:
-            out = mlxrl.save(model, processor, args.save)
+            out = mlxrl.save(model, processor, args.save, overwrite=args.overwrite)
             print(f"saved Hugging Face folder: {out}")
-    except MlxrlError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (MlxrlError, ValueError) as e:
+        if os.environ.get("MLXRL_DEBUG"):
+            raise
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Weights keep Hugging Face names and layouts, so loading is: read safetensors -> the model's
 `sanitize()` (the one conversion point, idempotent) -> strict `load_weights`. Saving writes the
-same names back, atomically (a crash mid-save leaves the previous folder intact).
+same names back, atomically through `mlxrl.atomic` (a crash or a full disk mid-save leaves the previous
+folder intact), and never over a folder that is not an earlier save of ours.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import runtime
+from .atomic import check_save_target, replace_dir_atomically, write_atomically  # noqa: F401 (re-exported)
 from .hub import MlxrlError, resolve_model_path, weight_files
 from .models import UnsupportedModelError, build_model
 
@@ -182,25 +183,20 @@ def write_weights(folder: Path, weights: dict[str, mx.array], max_shard_size: in
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def replace_dir_atomically(tmp: Path, final: Path) -> None:
-    """Move a fully written `tmp` folder to `final`; the old `final` is removed only after."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> Path:
+def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+         overwrite: bool = False) -> Path:
     """Write `model` and `processor` as a Hugging Face folder that transformers loads:
-    config.json, safetensors with HF names, tokenizer and processor files."""
+    config.json, safetensors with HF names, tokenizer and processor files, and `mlxrl_save.json`
+    (the list of what was written, by which a save of ours is recognised).
+
+    `out_dir` must be new, empty, or (with `overwrite=True`) an earlier save of ours holding nothing
+    else; anything else is refused in one line and left untouched. The folder is written aside and
+    renamed into place (`mlxrl.atomic`): a failure or a kill leaves the previous save loadable."""
     out = Path(out_dir).expanduser().resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_save_target(out, overwrite, "overwrite=True (--overwrite on the command line)")
     weights = dict(tree_flatten(model.parameters()))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         config = dict(model.config)
         dtypes = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
         if len(dtypes) == 1:
@@ -212,8 +208,5 @@ def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | 
             shutil.copy(src / "generation_config.json", tmp / "generation_config.json")
         if processor is not None:
             processor.save_pretrained(tmp)
-        replace_dir_atomically(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_atomically(out, write, what="the model", kind="model")

@@ -10,17 +10,24 @@ state; one `mx.eval` per micro-batch), evaluation, resumable checkpoints (traina
 optimizer state, step and data position; the RNG is reseeded from (seed, step) every step, so
 resuming reproduces the uninterrupted run), logging
 with TRL's metric names plus tokens/s and peak memory, a progress bar, metrics.jsonl.
+
+Nothing is lost (see `checkpoint` and `mlxrl.atomic`): every folder is written aside and renamed into
+place; an output_dir holding another run is refused; Ctrl-C and (in one process) SIGTERM stop at the
+end of the current update or save and leave a resumable checkpoint; an error inside the loop saves
+one of the finished steps before it is raised; Ctrl-C during the final save lets the save finish.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,18 +37,28 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .. import fastmath, runtime
+from ..atomic import write_atomically
 from ..data.batches import Prefetcher, pad_image_patches
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
+from . import checkpoint as checkpoint_lib
+from .checkpoint import CHECKPOINT_PREFIX
 from .config import check_optim
 from .optim import make_optimizer
 from .reporting import Reporter
 
-CHECKPOINT_PREFIX = "checkpoint-"
-
 
 class PeerLostError(MlxrlError):
     """Another data-parallel rank exited or was killed."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT), or SIGTERM in a single process: raised by `train()` once a resumable
+    checkpoint of the finished steps is saved (a KeyboardInterrupt, so callers treat both alike)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def accumulate(total, grads):
@@ -60,11 +77,6 @@ def check_trainable_dtypes(model) -> None:
                          "to zero): load it in bfloat16 (--dtype bfloat16 or MLXRL_DTYPE=bfloat16) or float32")
 
 
-def _atomic_dir(final: Path):
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    return tmp
-
-
 class Trainer:
     """Subclasses implement `make_batches(epoch)`, `loss(model, batch, num_items)` and may
     override `evaluate()` and `save_final()`."""
@@ -78,7 +90,11 @@ class Trainer:
         self.rank, self.world_size = self.world.rank(), self.world.size()
         self.is_main = self.rank == 0
         self.output_dir = Path(args.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint_lib.check_output_dir(self.output_dir)
+        if self.is_main:  # before any work: a folder holding another run, or files the final save would replace
+            checkpoint_lib.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
+                                         overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
+                                         merge=bool(args.merge))
         check_optim(args)
         check_trainable_dtypes(model)
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
@@ -94,6 +110,12 @@ class Trainer:
         self._n_compiled = 0
         self._shapes_seen: set = set()
         self._dtypes_checked = False  # whether an update has been checked to keep every parameter's dtype
+        self.run_id = secrets.token_hex(8)  # in every checkpoint: pruning touches this run's only
+        self._critical_depth = 0  # > 0 inside an update or a save: Ctrl-C / SIGTERM wait for its end
+        self._pending_signal = None
+        self._consistent = True  # False while an update is half applied (no checkpoint then)
+        self._saved_step = None  # the step of the last checkpoint written by this run
+        self._save_failed = False
         # W&B / TensorBoard when report_to asks (rank 0 only)
         self.reporter = Reporter(args if self.is_main else None, self.output_dir)
 
@@ -193,8 +215,26 @@ class Trainer:
             total = int(math.ceil(self.args.num_train_epochs * per_epoch))
         return batches0, per_epoch, total
 
+    @property
+    def overwrite_output_dir(self) -> bool:
+        """HF's overwrite_output_dir: start over in an output_dir holding another run (its checkpoints and
+        metrics.jsonl are deleted; nothing else)."""
+        return bool(getattr(self.args, "overwrite_output_dir", False))
+
+    @property
+    def has_eval_data(self) -> bool:
+        return bool(getattr(self, "eval_examples", None))
+
     def train(self):
         args = self.args
+        if args.eval_strategy in ("steps", "epoch") and not self.has_eval_data:
+            # the HF Trainer raises here too (it would otherwise be silently ignored)
+            raise ValueError(f"eval_strategy {args.eval_strategy!r} needs evaluation data: pass --eval_dataset (or "
+                             "--eval_split), or set --eval_strategy no")
+        if self.is_main:
+            checkpoint_lib.start_run(self.output_dir, resume=args.resume_from_checkpoint,
+                                     overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
+                                     merge=bool(args.merge))
         batches, steps_per_epoch, total = self._plan()
         self.total_steps = total
         self.optimizer = make_optimizer(args, total)
@@ -206,40 +246,144 @@ class Trainer:
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
                    f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
         self.memory_plan = self._memory_plan()
+        restore_signals = self._catch_signals()
+        try:
+            self._train_loop(batches, total)
+            self._final_save()
+        finally:
+            restore_signals()
+        self.reporter.close()
+        return self.log_history
+
+    def _train_loop(self, batches, total):
+        """The loop, with a resumable checkpoint saved when it stops early (Ctrl-C, SIGTERM, an error)."""
+        args = self.args
         bar = None
         if not args.disable_tqdm and self.is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=total, initial=self.global_step, desc="train", dynamic_ncols=True)
-        interrupted = False
-        previous = signal.getsignal(signal.SIGINT)
         previous_term = signal.getsignal(signal.SIGTERM)
         stop_watchdog = None
         if self.world_size > 1:  # mlx.launch terminates the other ranks when one dies
             signal.signal(signal.SIGTERM, self._terminated)
             stop_watchdog = self._start_term_watchdog()
+        failure = None
         try:
             self._loop(batches, total, bar)
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM in one process
+            failure = e
+        except PeerLostError:
+            raise
         except RuntimeError as e:
             if self.world_size > 1 and any(w in str(e) for w in ("peer", "connection", "[ring]", "[mpi]")):
                 raise PeerLostError(self._peer_lost(str(e).splitlines()[0])) from None
-            raise
+            failure = e
+        except Exception as e:  # e.g. an unreadable image in a batch: keep the finished steps
+            failure = e
         finally:
             if bar is not None:
                 bar.close()
             if self.world_size > 1:
                 signal.signal(signal.SIGTERM, previous_term)
                 stop_watchdog()
-        if interrupted:
-            path = self.save_checkpoint()
-            self.print(f"interrupted: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
-            signal.signal(signal.SIGINT, previous)
-            raise KeyboardInterrupt
-        self.save_final()
-        self.reporter.close()
-        return self.log_history
+        if failure is not None:
+            self._save_on_failure(failure)
+            raise failure
+
+    # ------------------------------------------------------------------ stopping safely
+    def _catch_signals(self):
+        """Ctrl-C (and SIGTERM in a single process: what schedulers and `timeout` send) raise
+        TrainingInterrupted, but not inside an update or a save: there the signal is held until it ends.
+        Returns the function that restores the previous handlers (main thread only; a no-op elsewhere)."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        wanted = [signal.SIGINT] + ([signal.SIGTERM] if self.world_size == 1 else [])
+        saved = {}
+        for sig in wanted:
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:  # e.g. a background job: the user chose to ignore it
+                continue
+            saved[sig] = signal.SIG_DFL if previous is None else previous
+            signal.signal(sig, self._on_signal)
+
+        def restore():
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+        return restore
+
+    def _on_signal(self, signum, frame):
+        if self._critical_depth > 0:
+            self._pending_signal = signum
+            return
+        raise TrainingInterrupted(signum)
+
+    @contextlib.contextmanager
+    def _critical(self, raise_pending: bool = True):
+        """Hold Ctrl-C / SIGTERM until the block ends; then (raise_pending) raise TrainingInterrupted."""
+        self._critical_depth += 1
+        try:
+            yield
+        finally:
+            self._critical_depth -= 1
+        if raise_pending and self._critical_depth == 0 and self._pending_signal is not None:
+            signum, self._pending_signal = self._pending_signal, None
+            raise TrainingInterrupted(signum)
+
+    @staticmethod
+    def _stop_words(failure) -> str:
+        if isinstance(failure, TrainingInterrupted) and failure.signum == signal.SIGTERM:
+            return "terminated (SIGTERM)"
+        if isinstance(failure, KeyboardInterrupt):
+            return "interrupted"
+        return f"stopped by an error at step {{step}} ({type(failure).__name__})"
+
+    def _save_on_failure(self, failure) -> None:
+        """A resumable checkpoint of the finished steps (rank 0), unless an update was half applied."""
+        words = self._stop_words(failure).format(step=self.global_step + 1)
+        if not self.is_main or not self._consistent or self._save_failed:
+            return
+        if self.global_step == 0:
+            self.print(f"{words} before the first optimizer step: nothing to save")
+            return
+        try:
+            with self._critical(raise_pending=False):
+                path = self._last_checkpoint() or self.save_checkpoint()
+        except MlxrlError as e:
+            if isinstance(failure, KeyboardInterrupt):
+                raise e from None  # why there is no checkpoint, in one line
+            self.print(f"{words}: could not save a checkpoint ({e})")
+            return
+        self.print(f"{words}: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
+
+    def _last_checkpoint(self) -> Path | None:
+        """This run's checkpoint of the current step, if it was already written."""
+        path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+        return path if self._saved_step == self.global_step and path.is_dir() else None
+
+    def _final_save(self) -> None:
+        """save_final with Ctrl-C / SIGTERM held until it completes (then raised); if the save fails, the
+        trained weights are kept as a resumable checkpoint before the error is raised."""
+        try:
+            with self._critical(raise_pending=False):
+                self.save_final()
+        except Exception:
+            if self.is_main and self.global_step > 0 and not self._save_failed:
+                try:
+                    with self._critical(raise_pending=False):
+                        path = self._last_checkpoint() or self.save_checkpoint()
+                    self.print(f"the final save failed: the trained weights are in the resumable checkpoint {path} "
+                               f"(resume with --resume_from_checkpoint {path} to save them)")
+                except MlxrlError as e:
+                    self.print(f"the final save failed and so did a checkpoint ({e})")
+            raise
+        if self._pending_signal is not None:
+            signum, self._pending_signal = self._pending_signal, None
+            self.print(f"{signal.Signals(signum).name} during the final save: the save completed "
+                       f"({self.output_dir}); stopping")
+            self.reporter.close()
+            raise TrainingInterrupted(signum)
 
     planner_kind = "sft"
 
@@ -374,25 +518,30 @@ class Trainer:
             total_ = self.all_sum(np.array(local, np.float64))
             loss_sum, tokens = float(total_[0]), int(total_[1])
             metric_sums = [{k: float(v) / self.world_size for k, v in zip(keys, total_[2:], strict=True)}]
-        window["tokens"] += tokens
-        self.num_tokens += tokens
-        first = not self._dtypes_checked
-        dtypes = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())} if first else {}
-        norm = self._update(grads_sum)
-        mx.eval(self.model.parameters(), self.optimizer.state, norm)
-        if first:  # the optimizer re-casts from its float32 state: a change here is a bug, not a user error
-            changed = [k for k, v in tree_flatten(self.model.trainable_parameters()) if v.dtype != dtypes[k]]
-            if changed:
-                raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
-            self._dtypes_checked = True
-        self.batch_in_epoch += len(group)
-        self.global_step += 1
-        window["losses"].append(loss_sum)
-        window["metrics"].extend(metric_sums)
-        window["grad_norm"] = norm.item()
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.4f}")
+        # the update and the counters change together: a signal here waits, an exception marks the state
+        # inconsistent (no checkpoint of it is saved)
+        with self._critical():
+            self._consistent = False
+            first = not self._dtypes_checked
+            dtypes = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())} if first else {}
+            norm = self._update(grads_sum)
+            mx.eval(self.model.parameters(), self.optimizer.state, norm)
+            if first:  # the optimizer re-casts from its float32 state: a change here is a bug, not a user error
+                changed = [k for k, v in tree_flatten(self.model.trainable_parameters()) if v.dtype != dtypes[k]]
+                if changed:
+                    raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
+                self._dtypes_checked = True
+            window["tokens"] += tokens
+            self.num_tokens += tokens
+            self.batch_in_epoch += len(group)
+            self.global_step += 1
+            self._consistent = True
+            window["losses"].append(loss_sum)
+            window["metrics"].extend(metric_sums)
+            window["grad_norm"] = norm.item()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_sum:.4f}")
 
     # ------------------------------------------------------------------ data parallel
     def all_sum(self, values: np.ndarray) -> np.ndarray:
@@ -479,61 +628,73 @@ class Trainer:
         return dict(tree_flatten(self.model.trainable_parameters()))
 
     def save_checkpoint(self) -> Path:
+        """checkpoint-<step>: trainable weights, optimizer state, trainer_state.json with what the
+        checkpoint belongs to (`checkpoint.run_record`); written aside and renamed into place."""
         final = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
         if not self.is_main:  # the ranks hold the same weights: rank 0 writes
             return final
-        tmp = _atomic_dir(final)
-        try:
-            mx.save_safetensors(str(tmp / "trainable.safetensors"), self.trainable_state())
-            opt = dict(tree_flatten(self.optimizer.state))
+        trainable = self.trainable_state()
+        opt = dict(tree_flatten(self.optimizer.state))
+        state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                 "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
+                 "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
+                 "mlxrl": checkpoint_lib.run_record(self)}
+
+        def write(tmp: Path) -> None:
+            mx.save_safetensors(str(tmp / "trainable.safetensors"), trainable)
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
-            state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                     "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
-                     "num_tokens": self.num_tokens, "log_history": self.log_history}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._rotate()
+
+        with self._critical():  # Ctrl-C waits for the checkpoint (then stops with it)
+            try:
+                write_atomically(final, write, what=f"checkpoint {final.name}")
+            except BaseException:
+                self._save_failed = True
+                raise
+            self._saved_step = self.global_step
+            self._rotate()
         return final
 
     def _checkpoints(self) -> list[Path]:
-        found = [p for p in self.output_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-        return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+        return checkpoint_lib.list_checkpoints(self.output_dir)
 
     def _rotate(self):
+        """save_total_limit: delete this run's oldest checkpoints (checkpoint-<int> folders whose
+        trainer_state.json carries this run's id and that hold only our files)."""
         limit = self.args.save_total_limit
         if limit:
-            for old in self._checkpoints()[:-limit]:
-                shutil.rmtree(old, ignore_errors=True)
+            for old in checkpoint_lib.list_checkpoints(self.output_dir, self.run_id)[:-limit]:
+                if checkpoint_lib.is_our_checkpoint(old):
+                    shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, path):
-        if str(path) == "last":
-            found = self._checkpoints()
-            if not found:
-                raise ValueError(f"--resume_from_checkpoint last: no checkpoint in {self.output_dir}")
-            path = found[-1]
-        path = Path(path)
-        if not (path / "trainer_state.json").exists():
-            raise ValueError(f"--resume_from_checkpoint {path}: not a checkpoint folder (no trainer_state.json)")
-        weights = mx.load(str(path / "trainable.safetensors"))
-        self.model.load_weights(list(weights.items()), strict=False)
-        opt = mx.load(str(path / "optimizer.safetensors"))
+        """Resume: the checkpoint is checked against this run (one line naming the first difference)
+        before anything is loaded; metrics.jsonl is cut back to the checkpoint's history."""
+        path = checkpoint_lib.resolve_checkpoint(self.output_dir, path)
+        state, weights, opt = checkpoint_lib.read_checkpoint(path)
+        here = checkpoint_lib.run_record(self)
+        if isinstance(state.get("mlxrl"), dict):
+            checkpoint_lib.check_compatible(state["mlxrl"], here, path)
+        checkpoint_lib.check_shapes({k: v.shape for k, v in weights.items()}, here["trainable"],
+                                     f"--resume_from_checkpoint {path}", "trains")
         self.optimizer.init(self.model.trainable_parameters())
+        checkpoint_lib.check_optimizer_state(opt, dict(tree_flatten(self.optimizer.state)), path)
+        self.model.load_weights(list(weights.items()), strict=False)
         self.optimizer.state = tree_unflatten(list(opt.items()))
-        state = json.loads((path / "trainer_state.json").read_text())
         self.global_step, self.epoch = state["global_step"], state["epoch"]
         self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]
         # the rows of the epoch already consumed, cut into this run's per-rank batches (a checkpoint
         # resumes on any number of ranks; keep the global batch the same to continue the same run)
-        here = self.world_size * self.args.per_device_train_batch_size
+        here_batch = self.world_size * self.args.per_device_train_batch_size
         saved_batch = int(state.get("per_device_batch", self.args.per_device_train_batch_size))
         saved = int(state.get("world_size", 1)) * saved_batch
-        self.batch_in_epoch = self.batch_in_epoch * saved // here
-        self.log_history = state["log_history"]
+        self.batch_in_epoch = self.batch_in_epoch * saved // here_batch
+        self.log_history = list(state.get("log_history", []))
+        self.run_id = state.get("run_id") or self.run_id
+        if path.resolve().parent == self.output_dir.resolve():
+            self._saved_step = self.global_step  # this checkpoint is this run's
+        if self.is_main:  # the steps after the checkpoint are trained again: do not repeat them
+            checkpoint_lib.rewrite_metrics(self.output_dir, self.log_history)
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.print(f"resumed from {path} at step {self.global_step}")
 
@@ -544,11 +705,16 @@ class Trainer:
         if not self.is_main:
             return
         if getattr(self.model, "lora_config", None):
-            lora_lib.save_adapter(self.model, self.output_dir, getattr(self.model, "name_or_path", None))
-            if self.processor is not None:
-                self.processor.save_pretrained(self.output_dir)
+            # the adapter and processor files are written aside, then renamed into output_dir (which also
+            # holds the checkpoints): a failure leaves the previous adapter loadable
+            def write(tmp: Path) -> None:
+                lora_lib.save_adapter(self.model, tmp, getattr(self.model, "name_or_path", None))
+                if self.processor is not None:
+                    self.processor.save_pretrained(tmp)
+
+            write_atomically(self.output_dir, write, what="the LoRA adapter", kind="adapter", into="adapter")
             if args.merge:
                 lora_lib.merge_lora(self.model)
-                save(self.model, self.processor, self.output_dir / "merged")
+                save(self.model, self.processor, self.output_dir / "merged", overwrite=True)
         else:
-            save(self.model, self.processor, self.output_dir / "model")
+            save(self.model, self.processor, self.output_dir / "model", overwrite=True)
