@@ -1,14 +1,24 @@
 """LoRA / DoRA on our models with mlx-lm's layers, saved in PEFT's layout.
 
 PEFT layout: `adapter_config.json` + `adapter_model.safetensors` with keys
-`base_model.model.<module path>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]
-(DoRA adds `.lora_magnitude_vector` [out]); the update is W + (alpha / r) * B A.
-mlx-lm stores lora_a [in, r] and lora_b [r, out] with `scale` = alpha / r.
+`base_model.model.<module name>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r]
+(DoRA adds `.lora_magnitude_vector` [out]); the update is W + (alpha / r) * B A
+(alpha / sqrt(r) with `use_rslora`). mlx-lm stores lora_a [in, r] and lora_b [r, out] with
+`scale` = alpha / r.
+
+PEFT finds the modules to wrap by transformers' module names, and a key that names no module
+is silently skipped, so the keys must be transformers' names, not the checkpoint's: Qwen2-VL and
+Qwen2.5-VL checkpoints keep `model.layers.*` / `visual.*` (our parameter paths) while
+transformers >= 4.52 nests the modules as `model.language_model.*` / `model.visual.*`. A model
+class declares that renaming as `hf_module_prefixes` ((ours, transformers'), ...); without it our
+paths are transformers' names. `load_adapter` reads both spellings.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,12 +27,34 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
+from ..hub import MlxrlError
+
 # PEFT's "all-linear" for a Qwen decoder (the LM head excluded)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel) .model
+SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector")
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 def _is_vision(path: str) -> bool:
     return path.startswith(("visual.", "model.visual."))
+
+
+def hf_module_name(model, path: str) -> str:
+    """transformers' name for the module at our parameter path `path`."""
+    for ours, theirs in getattr(model, "hf_module_prefixes", ()):
+        if path.startswith(ours):
+            return theirs + path[len(ours):]
+    return path
+
+
+def our_module_path(model, name: str) -> str:
+    """Our path for a module named `name` by transformers (or already in our layout, as adapters
+    saved before transformers renamed the modules are)."""
+    for ours, theirs in getattr(model, "hf_module_prefixes", ()):
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return name
 
 
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.05,
@@ -31,8 +63,6 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     targets = tuple(target_modules or DEFAULT_TARGETS)
     if targets == ("all-linear",):
         targets = DEFAULT_TARGETS
-    model.freeze()
-    cls = DoRALinear if use_dora else LoRALinear
     replaced = []
     for path, module in model.named_modules():
         if not isinstance(module, nn.Linear) or isinstance(module, (LoRALinear, DoRALinear)):
@@ -42,13 +72,19 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
         replaced.append(path)
     if not replaced:
         raise ValueError(f"lora_target_modules {list(targets)} match no Linear layer of this model")
-    updates = [(p, cls.from_base(_get(model, p), r=r, dropout=dropout, scale=alpha / r)) for p in replaced]
-    _set_modules(model, updates)
-    # a plain attribute (not a child of the module tree, which would treat the dict as parameters)
-    cfg = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "use_dora": use_dora,
-           "target_modules": sorted({p.split(".")[-1] for p in replaced}), "paths": replaced}
-    object.__setattr__(model, "lora_config", cfg)
+    _wrap(model, replaced, r=r, alpha=alpha, dropout=dropout, use_dora=use_dora)
     return replaced
+
+
+def _wrap(model, paths, *, r, alpha, dropout, use_dora, use_rslora=False):
+    model.freeze()
+    cls = DoRALinear if use_dora else LoRALinear
+    scale = alpha / (math.sqrt(r) if use_rslora else r)
+    _set_modules(model, [(p, cls.from_base(_get(model, p), r=r, dropout=dropout, scale=scale)) for p in paths])
+    # a plain attribute (not a child of the module tree, which would treat the dict as parameters)
+    cfg = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "use_dora": use_dora, "use_rslora": use_rslora,
+           "target_modules": sorted({p.split(".")[-1] for p in paths}), "paths": list(paths)}
+    object.__setattr__(model, "lora_config", cfg)
 
 
 def _get(model, path):
@@ -73,10 +109,10 @@ def lora_layers(model) -> list[tuple[str, nn.Module]]:
 
 
 def peft_state(model) -> dict[str, mx.array]:
-    """Adapter weights under PEFT's names and layouts."""
+    """Adapter weights under PEFT's keys (transformers' module names) and layouts."""
     out = {}
     for path, m in lora_layers(model):
-        key = f"base_model.model.{path}"
+        key = PREFIX + hf_module_name(model, path)
         out[f"{key}.lora_A.weight"] = m.lora_a.T
         out[f"{key}.lora_B.weight"] = m.lora_b.T
         if isinstance(m, DoRALinear):
@@ -84,40 +120,128 @@ def peft_state(model) -> dict[str, mx.array]:
     return out
 
 
+def _exclude_modules(model, cfg):
+    """What PEFT must not wrap although its name is a target (PEFT matches `target_modules` by the
+    last name component): the vision tower when it was not adapted (Qwen2.5-VL's vision MLP is also
+    gate/up/down_proj), and any other same-named module we left alone (a conv called `proj`)."""
+    targets, adapted = set(cfg["target_modules"]), set(cfg["paths"])
+    skipped = [p for p, m in model.named_modules()
+               if p.split(".")[-1] in targets and p not in adapted and not isinstance(m, (LoRALinear, DoRALinear))]
+    if not skipped:
+        return None
+    if all(_is_vision(p) for p in skipped) and not any(_is_vision(p) for p in adapted):
+        return r".*visual\..*"  # a regex (PEFT full-matches a string)
+    return sorted(hf_module_name(model, p) for p in skipped)  # a list: exact names
+
+
+def base_model_id(name: str | None) -> str | None:
+    """A Hub id for a folder in the Hugging Face cache (`.../models--Org--Name/snapshots/<sha>`), so
+    that `AutoPeftModelForCausalLM` finds the base model on another machine; other names unchanged."""
+    m = re.search(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$", str(name or ""))
+    return f"{m.group(1)}/{m.group(2)}" if m else name
+
+
 def save_adapter(model, out_dir, base_model_name: str | None = None) -> Path:
-    """adapter_config.json + adapter_model.safetensors (PEFT layout)."""
+    """adapter_config.json + adapter_model.safetensors, loadable with `PeftModel.from_pretrained` on
+    transformers' model of the same checkpoint."""
     cfg = model.lora_config
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "adapter_model.safetensors"), peft_state(model), metadata={"format": "pt"})
+    mx.save_safetensors(str(out / ADAPTER_WEIGHTS), peft_state(model), metadata={"format": "pt"})
     peft_cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg["r"], "lora_alpha": cfg["lora_alpha"],
-        "lora_dropout": cfg["lora_dropout"], "use_dora": cfg["use_dora"], "bias": "none",
-        "target_modules": cfg["target_modules"], "base_model_name_or_path": base_model_name,
-        "inference_mode": True, "fan_in_fan_out": False,
-        # vision layers are not adapted unless asked: keep PEFT from matching them on load
-        "exclude_modules": None if any(_is_vision(p) for p in cfg["paths"]) else r".*visual.*",
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_id(base_model_name),
+        "r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg["lora_dropout"],
+        "use_dora": cfg["use_dora"], "use_rslora": cfg.get("use_rslora", False), "bias": "none",
+        "target_modules": cfg["target_modules"], "exclude_modules": _exclude_modules(model, cfg),
+        "modules_to_save": None, "inference_mode": True, "fan_in_fan_out": False, "init_lora_weights": True,
     }
-    (out / "adapter_config.json").write_text(json.dumps(peft_cfg, indent=2))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(peft_cfg, indent=2))
     return out
 
 
-def load_adapter(model, adapter_dir) -> None:
-    """Apply a PEFT-layout adapter saved by `save_adapter` (or PEFT) to a fresh model."""
+# options of PEFT's LoraConfig this loader does not implement: (field, value that is fine)
+_UNSUPPORTED = (("modules_to_save", None), ("rank_pattern", None), ("alpha_pattern", None), ("lora_bias", False),
+                ("bias", "none"), ("fan_in_fan_out", False), ("target_parameters", None), ("layer_replication", None))
+
+
+def _read_adapter(adapter_dir: Path) -> tuple[dict, dict]:
+    try:
+        cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise MlxrlError(f"{adapter_dir}: not a PEFT adapter folder (no {ADAPTER_CONFIG})") from None
+    except (OSError, ValueError) as e:
+        raise MlxrlError(f"{adapter_dir / ADAPTER_CONFIG}: unreadable ({e})") from None
+    kind = cfg.get("peft_type") if isinstance(cfg, dict) else None
+    if kind != "LORA":
+        raise MlxrlError(f"{adapter_dir / ADAPTER_CONFIG}: peft_type {kind!r} is not supported "
+                         "(only LORA, with or without use_dora)")
+    for name, fine in _UNSUPPORTED:
+        value = cfg.get(name)
+        if value is not None and value != fine and not (fine is None and not value):
+            raise MlxrlError(f"{adapter_dir / ADAPTER_CONFIG}: {name}={cfg[name]!r} is not supported "
+                             f"(supported: {fine!r}); merge the adapter with PEFT instead")
+    weights_file = adapter_dir / ADAPTER_WEIGHTS
+    if not weights_file.exists():
+        hint = " (adapter_model.bin is a pickle we do not open: re-save it with safe_serialization=True)" \
+            if (adapter_dir / "adapter_model.bin").exists() else ""
+        raise MlxrlError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}{hint}")
+    try:
+        weights = mx.load(str(weights_file))
+    except Exception as e:  # a truncated or foreign file
+        raise MlxrlError(f"{weights_file}: unreadable ({e})") from None
+    return cfg, weights
+
+
+def load_adapter(model, adapter_dir) -> list[str]:
+    """Wrap `model` with the adapter in `adapter_dir` (written by `save_adapter` or by PEFT; keys by
+    transformers' module names or by our checkpoint's layout) and set its weights. Exactly the
+    modules that have weights are wrapped. Everything is checked before the model is touched.
+    Returns the adapted paths."""
     adapter_dir = Path(adapter_dir)
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    weights = mx.load(str(adapter_dir / "adapter_model.safetensors"))
-    paths = sorted({k[len("base_model.model."):].rsplit(".lora_", 1)[0] for k in weights})
-    include_vision = any(_is_vision(p) for p in paths)
-    apply_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg.get("lora_dropout", 0.0),
-               target_modules=cfg["target_modules"], use_dora=cfg.get("use_dora", False),
-               include_vision=include_vision)
-    for path, m in lora_layers(model):
-        key = f"base_model.model.{path}"
-        m.lora_a = weights[f"{key}.lora_A.weight"].T
-        m.lora_b = weights[f"{key}.lora_B.weight"].T
-        if isinstance(m, DoRALinear):
-            m.m = weights[f"{key}.lora_magnitude_vector"]
+    cfg, weights = _read_adapter(adapter_dir)
+    where = adapter_dir / ADAPTER_WEIGHTS
+    if lora_layers(model):
+        raise MlxrlError(f"{adapter_dir}: this model already has adapters; load the adapter into a fresh model")
+    modules: dict[str, dict[str, mx.array]] = {}
+    for key, value in weights.items():
+        suffix = next((s for s in SUFFIXES if key.endswith(s)), None)
+        if not key.startswith(PREFIX) or suffix is None:
+            raise MlxrlError(f"{where}: key {key!r} is not a LoRA weight (expected {PREFIX}<module>"
+                             f"{{{', '.join(SUFFIXES)}}})")
+        path = our_module_path(model, key[len(PREFIX):-len(suffix)])
+        modules.setdefault(path, {})[suffix] = value
+    if not modules:
+        raise MlxrlError(f"{where}: holds no LoRA weights")
+    r, use_dora = int(cfg.get("r", 8)), bool(cfg.get("use_dora", False))
+    for path, w in sorted(modules.items()):
+        try:
+            base = _get(model, path)
+        except (AttributeError, IndexError, KeyError, ValueError):
+            base = None
+        if not isinstance(base, nn.Linear):
+            arch = getattr(model, "config", {}).get("model_type", "")
+            raise MlxrlError(f"{where}: adapts {path!r}, which is not a Linear layer of this {arch} model "
+                             "(an adapter of another architecture?)")
+        out_f, in_f = base.weight.shape
+        want = {".lora_A.weight": (r, in_f), ".lora_B.weight": (out_f, r)}
+        if use_dora:
+            want[".lora_magnitude_vector"] = (out_f,)
+        for suffix, shape in want.items():
+            got = w.get(suffix)
+            if got is None or tuple(got.shape) != shape:
+                found = "missing" if got is None else f"shape {tuple(got.shape)}"
+                raise MlxrlError(f"{where}: {path}{suffix} is {found}; r={r} and this model imply {shape}")
+    paths = sorted(modules)
+    _wrap(model, paths, r=r, alpha=cfg.get("lora_alpha", 8), dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
+          use_dora=use_dora, use_rslora=bool(cfg.get("use_rslora", False)))
+    for path in paths:
+        m, w = _get(model, path), modules[path]
+        m.lora_a = w[".lora_A.weight"].astype(mx.float32).T
+        m.lora_b = w[".lora_B.weight"].astype(mx.float32).T
+        if use_dora:
+            m.m = w[".lora_magnitude_vector"].astype(mx.float32)
+    mx.eval(model.parameters())
+    return paths
 
 
 def merge_lora(model) -> None:

@@ -13,6 +13,9 @@ from .vision import VisionConfig, VisionModel
 class Model(QwenVLBase):
     vision_module = VisionModel
     vision_config_class = VisionConfig
+    # Checkpoints keep this (legacy) layout, but transformers >= 4.52 names the modules
+    # `model.language_model.*` and `model.visual.*`: what PEFT keys adapters by (see lora.py).
+    hf_module_prefixes = (("model.", "model.language_model."), ("visual.", "model.visual."))
 
     def __init__(self, config: dict):
         super().__init__()
