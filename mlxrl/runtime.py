@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import math
 import os
 import sys
 from pathlib import Path
@@ -214,21 +215,47 @@ def compute_dtype(override: str | None = None) -> mx.Dtype:
     return mx.bfloat16 if default_device_kind() == "gpu" else mx.float32
 
 
-def _parse_bytes(value: float | int | str | None, total: int | None) -> int | None:
-    """'8GB', '512MiB', 0.75 (fraction of total) or a byte count -> bytes."""
+_UNITS = (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1))
+
+
+def parse_size(value: float | int | str | None, total: int | None, name: str = "size") -> int | None:
+    """'8GB', '512MiB', 0.75 (a fraction of `total`) or a whole byte count -> bytes; None / '' -> None.
+
+    Anything else is a one-line ValueError naming `name` and the accepted forms."""
     if value is None or value == "":
         return None
+    usage = (f"{name} {value!r}: use a size like '12GB' or '512MiB', a whole number of bytes, or a fraction "
+             "in (0, 1] of the device's memory")
+    if isinstance(value, bool):
+        raise ValueError(usage)
+    mult = None
     if isinstance(value, str):
-        s = value.strip().upper().replace("IB", "B")
-        for unit, mult in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        s = value.strip().upper().replace("IB", "B").replace(" ", "")
+        for unit, m in _UNITS:
             if s.endswith(unit):
-                return int(float(s[: -len(unit)]) * mult)
-        value = float(s)
+                s, mult = s[: -len(unit)], m
+                break
+        try:
+            value = float(s)
+        except ValueError:
+            raise ValueError(usage) from None
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(usage)
+    if mult is not None:
+        return int(value * mult)
     if 0 < value <= 1.0:
         if total is None:
-            raise ValueError("a memory fraction needs the device's memory size, which is unknown here")
+            raise ValueError(f"{name} {value!r}: a fraction needs the device's memory size, which is unknown here; "
+                             "give a size like '12GB'")
         return int(value * total)
+    if not float(value).is_integer():
+        raise ValueError(usage)
     return int(value)
+
+
+def _parse_bytes(value: float | int | str | None, total: int | None, name: str = "size") -> int | None:
+    """'8GB', '512MiB', 0.75 (fraction of total) or a byte count -> bytes (see `parse_size`)."""
+    return parse_size(value, total, name)
 
 
 def device_memory_bytes() -> int | None:
@@ -275,16 +302,16 @@ def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> 
     """
     total = device_memory_bytes()
     applied = {}
-    mem = _parse_bytes(memory_limit, total)
+    mem = _parse_bytes(memory_limit, total, "memory_limit")
     if mem is not None:
         mx.set_memory_limit(mem)
         applied["memory_limit"] = mem
-    wired = _parse_bytes(wired_limit, total)
+    wired = _parse_bytes(wired_limit, total, "wired_limit")
     if wired is not None:
         if default_device_kind() == "gpu" and sys.platform == "darwin":
             mx.set_wired_limit(wired)
         applied["wired_limit"] = wired
-    cache = _parse_bytes(cache_limit, total)
+    cache = _parse_bytes(cache_limit, total, "cache_limit")
     if cache is not None:
         mx.set_cache_limit(cache)
         applied["cache_limit"] = cache

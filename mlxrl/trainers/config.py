@@ -2,16 +2,28 @@
 
 Field names and defaults are TRL's (and transformers' TrainingArguments') where they have them;
 our additions are marked "(mlxrl)". Precedence: CLI > YAML (`--config file.yaml`) > defaults.
+
+Every value is checked before any model loads (`check_config`), each failure one line naming the
+field and what it accepts: YAML values are coerced by the field's type (PyYAML reads `1e-4` as a
+string, `"2"` stays a string; a scalar where a list is expected becomes a one-item list) and a bad
+value or a YAML syntax error names the file and line; numeric ranges follow what transformers'
+TrainingArguments, torch's AdamW, PEFT and TRL refuse (or what would silently train nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
+import numbers
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..hub import MlxrlError
 
 
 def _f(default, help, **kw):
@@ -100,6 +112,10 @@ class SFTConfig(TrainConfig):
     eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
 
 
+class ConfigError(MlxrlError, ValueError):
+    """A bad config value or file: one line naming the field (or the file and line)."""
+
+
 def _parse_bool(s: str) -> bool:
     if s.lower() in ("1", "true", "yes", "y", "on"):
         return True
@@ -122,9 +138,21 @@ def _arg_type(tp):
     return base, None
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with whole flag names only (`--learning_rat` is an error, not `--learning_rate`) and
+    errors in one line that points at --help instead of the full usage."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(cls, prog: str, description: str, extra=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog=prog, description=description,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if extra:
         extra(parser)
     parser.add_argument("--config", default=None, help="YAML file of config fields (CLI flags override it)")
@@ -143,24 +171,279 @@ def build_parser(cls, prog: str, description: str, extra=None) -> argparse.Argum
     return parser
 
 
+# ------------------------------------------------------------------------------------------ YAML
+
+def _field_kind(tp) -> tuple[str, bool, type | None]:
+    """(kind, optional, item type) of an annotation: kind is list, bool, int, float or str."""
+    optional = False
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        optional = type(None) in args
+        inner = [a for a in args if a is not type(None)]
+        tp = inner[0] if inner else str
+    if typing.get_origin(tp) is list:
+        return "list", optional, (typing.get_args(tp) or (str,))[0]
+    for kind in (bool, int, float, str):
+        if tp is kind:
+            return kind.__name__, optional, None
+    return "str", optional, None
+
+
+class _BadValue(Exception):
+    pass
+
+
+def _scalar(kind: str, value):
+    """One value as `kind` (bool / int / float / str), or _BadValue saying what was expected."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str):
+            try:
+                return _parse_bool(value.strip())
+            except argparse.ArgumentTypeError:
+                pass
+        raise _BadValue(f"expected true or false, got {value!r}")
+    if kind in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            raise _BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}")
+        number = value
+        if isinstance(value, str):
+            try:
+                number = int(value.strip()) if kind == "int" else float(value.strip())
+            except ValueError:
+                try:
+                    number = float(value.strip())
+                except ValueError:
+                    raise _BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, "
+                                    f"got {value!r}") from None
+        if kind == "float":
+            return float(number)
+        if isinstance(number, numbers.Integral):
+            return int(number)
+        if math.isfinite(number) and float(number).is_integer():
+            return int(number)
+        raise _BadValue(f"expected an integer, got {value!r}")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise _BadValue(f"expected text, got {value!r} (YAML reads unquoted yes/no/on/off as true/false: "
+                        f"quote it, e.g. \"{'yes' if value else 'no'}\")")
+    if isinstance(value, numbers.Real):
+        return str(value)
+    raise _BadValue(f"expected text, got {type(value).__name__} {value!r}")
+
+
+def coerce_value(tp, value, name: str = ""):
+    """`value` (from YAML or an API call) as the field type `tp`: numbers from strings ("1e-4", "2"),
+    a list from a scalar, None only where the field is Optional. Raises _BadValue."""
+    kind, optional, item = _field_kind(tp)
+    if value is None:
+        if optional:
+            return None
+        raise _BadValue("a value is required (it cannot be empty or null)")
+    if kind == "list":
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        item_kind = _field_kind(item)[0]
+        return [_scalar(item_kind, v) for v in values]
+    if kind == "str" and name == "report_to" and isinstance(value, (list, tuple)):
+        return ",".join(_scalar("str", v) for v in value)  # transformers accepts a list of trackers
+    if isinstance(value, (list, tuple, dict)):
+        raise _BadValue(f"expected one value, got a {type(value).__name__}")
+    return _scalar(kind, value)
+
+
+def _yaml_problem(e) -> tuple[int | None, str]:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or (str(e).splitlines() or [""])[0]
+    return (mark.line + 1 if mark is not None else None), problem
+
+
+def read_yaml_config(path: str, cls) -> dict:
+    """{field: value} of a YAML config file, coerced by `cls`'s field types; one-line errors naming
+    the file and line for a syntax error, an unknown field or a bad value."""
+    import yaml
+
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read --config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a text (UTF-8) file") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        line, problem = _yaml_problem(e)
+        raise ConfigError(f"--config {path}{f' line {line}' if line else ''}: YAML syntax error: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of field: value lines, got a YAML "
+                          f"{type(data).__name__}")
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, _ in node.value:
+            lines.setdefault(str(key.value), key.start_mark.line + 1)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, value in data.items():
+        where = f"--config {path} line {lines.get(str(key), '?')}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (not a {cls.__name__} field; see --help)"
+            raise ConfigError(f"{where}: unknown field {key!r}{hint}")
+        if value is False and "no" in (_lookup(CHOICES, {}, cls, key) or ()):
+            value = "no"  # `eval_strategy: no` unquoted is a YAML boolean
+        try:
+            out[key] = coerce_value(hints[key], value, key)
+        except _BadValue as e:
+            raise ConfigError(f"{where}: {key}: {e}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------- value checks
+
+def _range(test, text):
+    return test, text
+
+
+_POSITIVE_INT = _range(lambda v: v >= 1, ">= 1")
+_NON_NEGATIVE = _range(lambda v: v >= 0, ">= 0")
+_POSITIVE = _range(lambda v: v > 0, "> 0")
+
+# field -> (test, allowed range); None always passes for Optional fields. What TrainingArguments, torch's
+# AdamW, PEFT and TRL refuse, plus values that would silently train nothing (warmup past the run, no epochs).
+RANGES = {
+    "learning_rate": _range(lambda v: v >= 0, ">= 0 (torch's AdamW refuses a negative learning rate)"),
+    "num_train_epochs": _range(lambda v: v > 0, "> 0 (or set max_steps >= 1)"),
+    "max_steps": _range(lambda v: v >= 1 or v == -1, ">= 1, or -1 (the default) to train num_train_epochs"),
+    "per_device_train_batch_size": _POSITIVE_INT,
+    "per_device_eval_batch_size": _POSITIVE_INT,
+    "gradient_accumulation_steps": _POSITIVE_INT,
+    "warmup_ratio": _range(lambda v: 0 <= v <= 1, "in [0, 1] (a fraction of the training steps)"),
+    "warmup_steps": _NON_NEGATIVE,
+    "weight_decay": _NON_NEGATIVE,
+    "adam_beta1": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_beta2": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_epsilon": _NON_NEGATIVE,
+    "max_grad_norm": _range(lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    "logging_steps": _POSITIVE_INT,
+    "eval_steps": _POSITIVE_INT,
+    "save_steps": _range(lambda v: v >= 0, ">= 0 (0: no periodic checkpoints)"),
+    "save_total_limit": _range(lambda v: v >= 1, ">= 1 (leave it unset to keep every checkpoint)"),
+    "seed": _range(lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "lora_r": _range(lambda v: v >= 1, ">= 1 (PEFT: r must be a positive integer)"),
+    "lora_alpha": _range(lambda v: v > 0, "> 0 (the adapters are scaled by lora_alpha / lora_r)"),
+    "lora_dropout": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
+    "chunk_size": _POSITIVE_INT,
+    "seq_buckets": _range(lambda v: v >= 1, ">= 1 each"),
+    "max_compiled_shapes": _NON_NEGATIVE,
+    "max_length": _range(lambda v: v >= 1, ">= 1 tokens (leave it unset for no truncation)"),
+    "eval_split": _range(lambda v: 0 <= v < 1, "in [0, 1) (a fraction of the training rows)"),
+    # DPO
+    "ld_alpha": _range(lambda v: 0 <= v <= 1, "in [0, 1] (TRL)"),
+    "label_smoothing": _range(lambda v: 0 <= v < 0.5, "in [0, 0.5) (TRL: cDPO / robust DPO)"),
+    "discopop_tau": _POSITIVE,
+    "precompute_ref_batch_size": _POSITIVE_INT,
+    "loss_weights": _range(lambda v: True, "finite"),
+    # GRPO (num_generations, max_completion_length, num_iterations, temperature, top_p, top_k, min_p and
+    # beta are checked by trainers.grpo.check_grpo_config, also before any model loads)
+    "generation_batch_size": _POSITIVE_INT,
+    "steps_per_generation": _POSITIVE_INT,
+    "epsilon": _range(lambda v: 0 <= v < 1, "in [0, 1) (the ratio is clipped below at 1 - epsilon)"),
+    "epsilon_high": _NON_NEGATIVE,
+    "delta": _range(lambda v: v > 1, "> 1 (a cap below 1 clips the on-policy ratio 1 and stops learning)"),
+    "sapo_temperature_neg": _POSITIVE,
+    "sapo_temperature_pos": _POSITIVE,
+    "reward_weights": _range(lambda v: True, "finite"),
+}
+# per trainer, where the same name means something else
+RANGES_BY_CONFIG = {
+    "DPOConfig": {"beta": _range(lambda v: v > 0, "> 0 (DPO's beta; IPO divides by it; beta <= 0 learns "
+                                                  "nothing or the opposite preference)")},
+}
+CHOICES = {
+    "lr_scheduler_type": ("linear", "cosine", "constant", "constant_with_warmup"),
+    "eval_strategy": ("no", "steps", "epoch"),
+    "save_strategy": ("no", "steps", "epoch"),
+    "truncation_mode": ("keep_start", "keep_end"),
+    "packing_strategy": ("bfd", "wrapped"),
+    "dtype": ("float32", "fp32", "bfloat16", "bf16"),
+}
+CHOICES_BY_CONFIG = {"SFTConfig": {"loss_type": ("nll", "dft"),
+                                   "head_mode": ("fused", "two_phase", "differentiable")}}
+
+
+def _lookup(table: dict, by_config: dict, args, name: str):
+    for klass in (args if isinstance(args, type) else type(args)).__mro__:
+        if name in by_config.get(klass.__name__, {}):
+            return by_config[klass.__name__][name]
+    return table.get(name)
+
+
+def check_config(args, flags: bool = False) -> None:
+    """Refuse, in one line naming the field and what it accepts, a value of the wrong type, out of
+    range or not one of the choices. `flags`: name them as command-line flags (--name)."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        name, value = f.name, getattr(args, f.name)
+        label = f"--{name}" if flags else name
+        kind, optional, item = _field_kind(hints[name])
+        if value is None:
+            if optional or kind == "str":
+                continue
+            raise ConfigError(f"{label} needs a value")
+        values = value if kind == "list" and isinstance(value, (list, tuple)) else [value]
+        numeric = (kind if kind in ("int", "float") else
+                   (_field_kind(item)[0] if kind == "list" and item in (int, float) else None))
+        if numeric:
+            for v in values:
+                ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+                if numeric == "int":
+                    ok = ok and (isinstance(v, numbers.Integral) or float(v).is_integer())
+                if not ok:
+                    what = "an integer" if numeric == "int" else "a number"
+                    raise ConfigError(f"{label}: expected {what}, got {v!r}")
+                if not math.isfinite(v):
+                    raise ConfigError(f"{label} {v}: must be a finite number")
+            rule = _lookup(RANGES, RANGES_BY_CONFIG, args, name)
+            if name == "num_train_epochs" and (getattr(args, "max_steps", -1) or -1) >= 1:
+                rule = None  # max_steps overrides the epochs
+            if rule is not None:
+                test, allowed = rule
+                for v in values:
+                    if not test(v):
+                        raise ConfigError(f"{label} {v:g}: must be {allowed}")
+        choices = _lookup(CHOICES, CHOICES_BY_CONFIG, args, name)
+        if choices is not None and value not in choices:
+            if name == "dtype" and str(value).lower() in ("float16", "fp16"):
+                raise ConfigError(f"{label} {value}: float16 cannot train (no loss scaling): use bfloat16")
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{label} {value!r}: must be one of {', '.join(choices)}{hint}")
+    for name in ("memory_limit", "cache_limit", "wired_limit"):
+        value = getattr(args, name, None)
+        if value is not None:
+            from ..runtime import parse_size
+
+            try:
+                parse_size(value, 1 << 40, name=name)  # the syntax only: any memory size will do
+            except ValueError as e:
+                raise ConfigError(f"{'--' if flags else ''}{e}") from None
+
+
 def config_from_args(cls, ns: argparse.Namespace):
-    """defaults < YAML (--config) < explicit CLI flags."""
+    """defaults < YAML (--config) < explicit CLI flags; every value checked before any model loads."""
     values = {}
     if getattr(ns, "config", None):
-        import yaml
-
-        try:
-            with open(ns.config) as fh:
-                loaded = yaml.safe_load(fh) or {}
-        except OSError as e:
-            raise ValueError(f"cannot read --config {ns.config}: {e.strerror}") from None
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(loaded) - names)
-        if unknown:
-            raise ValueError(f"--config {ns.config}: unknown field(s) {', '.join(unknown)}")
-        values.update(loaded)
+        values.update(read_yaml_config(ns.config, cls))
     values.update({f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
     cfg = cls(**values)
+    check_config(cfg, flags=True)
     check_optim(cfg)  # before any model is loaded
     return cfg
 
