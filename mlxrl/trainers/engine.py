@@ -542,6 +542,9 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_sum:.4f}")
+            if self._pending_signal is not None and (self.global_step % args.logging_steps == 0 or
+                                                     self.global_step == total):
+                self._log(window)  # the step's log entry goes into the checkpoint the signal is about to save
 
     # ------------------------------------------------------------------ data parallel
     def all_sum(self, values: np.ndarray) -> np.ndarray:
