@@ -33,13 +33,20 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..hub import MlxrlError
 from ..losses.head import IGNORE_INDEX
 from ..processing import _to_rgb
 
-__all__ = ["Example", "load_rows", "detect_format", "tokenize_example", "truncate_example", "FORMATS"]
+__all__ = ["Example", "DataError", "load_rows", "detect_format", "check_messages", "check_prompt_rows",
+           "tokenize_example", "truncate_example", "FORMATS", "ROLES"]
+
+
+class DataError(MlxrlError, ValueError):
+    """A bad dataset, file or row: one line naming the file and line, or the row."""
 
 FORMATS = ("language_modeling", "prompt_completion", "conversational")
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+ROLES = ("system", "user", "assistant", "tool")  # what the Qwen chat templates render (others vanish)
 _ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n?)", re.DOTALL)
 
 
@@ -68,10 +75,10 @@ class Example:
         if self.pixels is not None or not self.images:
             return self.pixels
         if self.image_processor is None:
-            raise ValueError(f"row {self.index}: has images but no image processor to turn them into pixels")
+            raise DataError(f"row {self.index}: has images but no image processor to turn them into pixels")
         pixel_values, grid = self.image_processor(_decode_images(self.images, self.index))
         if not np.array_equal(grid, self.image_grid_thw):
-            raise ValueError(f"row {self.index}: an image changed size since it was tokenised "
+            raise DataError(f"row {self.index}: an image changed size since it was tokenised "
                              f"(grid {grid.tolist()} != {self.image_grid_thw.tolist()})")
         return pixel_values.astype(np.float32)
 
@@ -86,44 +93,105 @@ class Example:
 
 # ------------------------------------------------------------------------------------------- loading
 
+def _json_error(path: Path, e: json.JSONDecodeError, line: int | None = None) -> DataError:
+    at = f"line {line if line is not None else e.lineno}" + ("" if line is not None else f" column {e.colno}")
+    return DataError(f"{path}: {at}: invalid JSON ({e.msg}); fix or remove that line")
+
+
 def _read_file(path: Path) -> list[dict]:
+    """The rows of one .json (a list of rows, or one row per line), .jsonl or .parquet file; errors name the
+    file and the line."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    text = path.read_text()
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        return list(json.loads(text))
-    # .jsonl, and .json written as one object per line (what datasets' to_json writes)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError, ...) say what is wrong on their first line
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise DataError(f"{path}: cannot read it as Parquet ({type(e).__name__}: {reason})") from None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if path.suffix == ".json" and text.lstrip().startswith(("[", "{")):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            if text.lstrip().startswith("["):
+                raise _json_error(path, e) from None
+            data = None  # maybe one object per line (what datasets' to_json writes)
+        if isinstance(data, list):
+            return data
+        if isinstance(data, dict) and "\n" not in text.strip():
+            return [data]
+    # .jsonl, and .json written as one object per line
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise _json_error(path, e, n) from None
+    return rows
 
 
-def load_rows(dataset: str | os.PathLike, split: str = "train") -> list[dict]:
+# Files in a dataset folder that belong to a training run or a saved model, never data: an output_dir
+# inside the dataset folder must not be read back as rows.
+_RUN_MARKERS = ("metrics.jsonl", "trainer_state.json", "mlxrl_save.json", "adapter_config.json", "config.json")
+
+
+def _data_files(folder: Path, exclude) -> list[Path]:
+    """Data files under `folder` in name order, skipping hidden entries, the run files themselves, the
+    `exclude` folders (the run's output_dir) and any subfolder that holds a run or a model (_RUN_MARKERS)."""
+    skip = {Path(e).expanduser().resolve() for e in exclude if e}
+    files = []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        if here.resolve() in skip or (here != folder and any((here / m).is_file() for m in _RUN_MARKERS)):
+            dirs[:] = []
+            continue
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [here / n for n in names
+                  if not n.startswith(".") and n not in _RUN_MARKERS and Path(n).suffix in _DATA_SUFFIXES]
+    return sorted(files)
+
+
+def load_rows(dataset: str | os.PathLike, split: str = "train", exclude=()) -> list[dict]:
     """Rows of a local .json / .jsonl / .parquet file, a folder of them (sorted by name), or a Hub
-    dataset (``datasets.load_dataset(name, split=split)``; images stay undecoded dicts)."""
-    path = Path(dataset)
+    dataset (``datasets.load_dataset(name, split=split)``; images stay undecoded dicts).
+
+    In a folder, the `exclude` folders (the run's output_dir) and folders that hold a training run or a
+    saved model are skipped. An empty dataset is an error."""
+    path = Path(dataset).expanduser()
     if path.is_file():
         if path.suffix not in _DATA_SUFFIXES:
-            raise ValueError(f"dataset {str(path)!r}: unsupported file type {path.suffix!r} "
-                             "(use .json, .jsonl or .parquet)")
-        return _read_file(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _DATA_SUFFIXES)
+            raise DataError(f"dataset {str(path)!r}: unsupported file type {path.suffix!r} "
+                            "(use .json, .jsonl or .parquet)")
+        rows = _read_file(path)
+    elif path.is_dir():
+        files = _data_files(path, exclude)
         if not files:
-            raise ValueError(f"dataset {str(path)!r}: folder has no .json, .jsonl or .parquet file")
-        return [row for f in files for row in _read_file(f)]
-    if path.suffix in _DATA_SUFFIXES or str(dataset).startswith((".", "/", "~")):
-        raise ValueError(f"dataset {str(dataset)!r}: no such file or folder")
-    try:
-        import datasets
+            raise DataError(f"dataset {str(path)!r}: folder has no .json, .jsonl or .parquet file")
+        rows = [row for f in files for row in _read_file(f)]
+    elif path.suffix in _DATA_SUFFIXES or str(dataset).startswith((".", "/", "~")):
+        raise DataError(f"dataset {str(dataset)!r}: no such file or folder")
+    else:
+        try:
+            import datasets
 
-        ds = datasets.load_dataset(str(dataset), split=split)
-        # to_list keeps Image columns as {"bytes", "path"} dicts: decoded later, one row at a time
-        return ds.to_list()
-    except Exception as e:  # the Hub's errors vary (offline, 404, gated): one line naming the dataset
-        reason = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"dataset {str(dataset)!r} (split {split!r}): not a local path and cannot be loaded "
-                         f"from the Hugging Face Hub ({type(e).__name__}: {reason})") from None
+            ds = datasets.load_dataset(str(dataset), split=split)
+            # to_list keeps Image columns as {"bytes", "path"} dicts: decoded later, one row at a time
+            rows = ds.to_list()
+        except Exception as e:  # the Hub's errors vary (offline, 404, gated): one line naming the dataset
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise DataError(f"dataset {str(dataset)!r} (split {split!r}): not a local path and cannot be loaded "
+                            f"from the Hugging Face Hub ({type(e).__name__}: {reason})") from None
+    if not rows:
+        raise DataError(f"dataset {str(dataset)!r} has no rows (an empty file or split)")
+    return rows
 
 
 # ------------------------------------------------------------------------------------------- formats
@@ -137,26 +205,28 @@ def detect_format(row: dict, index: int | None = None, dataset_text_field: str =
     """"conversational", "prompt_completion" or "language_modeling"; a one-line error otherwise."""
     where = f"row {index}" if index is not None else "row"
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a dict of columns, got {type(row).__name__}")
+        raise DataError(f"{where}: expected a dict of columns, got {type(row).__name__}")
     for key in ("messages", "conversations"):
         if key in row:
-            if not _is_messages(row[key]):
-                raise ValueError(f"{where}: {key!r} must be a non-empty list of {{'role', 'content'}} messages")
+            check_messages(_chatml(row[key]) if isinstance(row[key], list) else row[key], index, key)
             return "conversational"
     if "prompt" in row or "completion" in row:
         missing = [k for k in ("prompt", "completion") if k not in row]
         if missing:
-            raise ValueError(f"{where}: prompt-completion data is missing column(s) {', '.join(map(repr, missing))}")
-        kinds = {"messages" if _is_messages(row[k]) else type(row[k]).__name__ for k in ("prompt", "completion")}
+            raise DataError(f"{where}: prompt-completion data is missing column(s) {', '.join(map(repr, missing))}")
+        kinds = {"messages" if isinstance(row[k], list) else type(row[k]).__name__ for k in ("prompt", "completion")}
         if kinds not in ({"str"}, {"messages"}):
-            raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings or both be message "
-                             f"lists, got {' and '.join(sorted(kinds))}")
+            raise DataError(f"{where}: 'prompt' and 'completion' must both be strings or both be message "
+                            f"lists, got {' and '.join(sorted(kinds))}")
+        if kinds == {"messages"}:
+            for k in ("prompt", "completion"):
+                check_messages(_chatml(row[k]), index, k)
         return "prompt_completion"
     if dataset_text_field in row:
         if not isinstance(row[dataset_text_field], str):
-            raise ValueError(f"{where}: {dataset_text_field!r} must be a string")
+            raise DataError(f"{where}: {dataset_text_field!r} must be a string")
         return "language_modeling"
-    raise ValueError(f"{where}: no known columns (has {', '.join(map(repr, sorted(row))) or 'none'}); need "
+    raise DataError(f"{where}: no known columns (has {', '.join(map(repr, sorted(map(str, row)))) or 'none'}); need "
                      f"{dataset_text_field!r}, 'prompt' + 'completion', or 'messages'")
 
 
@@ -164,6 +234,9 @@ def _chatml(messages: list[dict]) -> list[dict]:
     """ShareGPT's from/value keys -> role/content (TRL's maybe_convert_to_chatml), without mutating."""
     out = []
     for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)  # check_messages names it
+            continue
         m = dict(m)
         if "from" in m:
             m["role"] = m.pop("from")
@@ -171,6 +244,90 @@ def _chatml(messages: list[dict]) -> list[dict]:
             m["content"] = m.pop("value")
         out.append(m)
     return out
+
+
+def _short(value, n: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def check_messages(messages, index, column: str = "messages") -> None:
+    """Refuse, naming the row, what a chat template would silently drop or crash on: a message that is
+    not a dict, a missing, unknown or non-string role, a missing or null content (an assistant turn with
+    ``tool_calls`` may have none), content that is neither text nor a list of text / image blocks."""
+    where = f"{f'row {index}' if index is not None else 'row'}: {column!r}"
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where} must be a non-empty list of {{'role', 'content'}} messages")
+    for k, m in enumerate(messages):
+        at = f"{where} message {k}"
+        if not isinstance(m, dict):
+            raise DataError(f"{at} is a {type(m).__name__}, not a {{'role', 'content'}} dict")
+        role = m.get("role")
+        if role is None:
+            raise DataError(f"{at} has no 'role' (use {', '.join(ROLES)})")
+        if not isinstance(role, str) or role not in ROLES:
+            hint = " (ShareGPT's human/gpt are user/assistant)" if role in ("human", "gpt") else ""
+            raise DataError(f"{at} has role {_short(role)}: use {', '.join(ROLES)}{hint}")
+        content = m.get("content")
+        if content is None:
+            if role == "assistant" and m.get("tool_calls"):
+                continue
+            state = "no 'content'" if "content" not in m else "content null"
+            raise DataError(f"{at} ({role}) has {state}: give it text (\"\" for an empty turn) or a list of blocks")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise DataError(f"{at} ({role}) has content {_short(content)} ({type(content).__name__}): use text "
+                            "or a list of {'type': 'text', 'text': ...} / {'type': 'image'} blocks")
+        for j, block in enumerate(content):
+            if not isinstance(block, dict):
+                raise DataError(f"{at} ({role}) content block {j} is {_short(block)}: use {{'type': 'text', "
+                                "'text': ...} or {'type': 'image'}")
+            if _is_image_block(block):
+                continue
+            kind = block.get("type", "text")
+            if kind != "text":
+                raise DataError(f"{at} ({role}) content block {j} has type {_short(kind)}: mlxrl reads text and "
+                                "image blocks")
+            if not isinstance(block.get("text"), str):
+                raise DataError(f"{at} ({role}) content block {j} has text {_short(block.get('text'))}: it must be "
+                                "a string")
+
+
+def check_prompt_rows(rows) -> None:
+    """GRPO's prompt rows (TRL's format), checked before training: a dict with a 'prompt' (non-empty text
+    or a message list), images only with a message-list prompt and as many as its image blocks, and the
+    same columns in every row (each column goes to the reward functions as a list)."""
+    if rows is None or len(rows) == 0:
+        raise DataError("the dataset has no rows: GRPO needs rows with a 'prompt' column")
+    first = None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"row {i}: expected a dict of columns, got {type(row).__name__}")
+        if "prompt" not in row:
+            raise DataError(f"row {i}: GRPO data needs a 'prompt' column (a string or a list of messages); has "
+                            f"{', '.join(map(repr, sorted(map(str, row)))) or 'none'}")
+        prompt, images = row["prompt"], _row_images(row)
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise DataError(f"row {i}: 'prompt' is empty")
+            if images:
+                raise DataError(f"row {i}: images need a conversational prompt (a list of messages), as in TRL")
+        elif isinstance(prompt, list):
+            check_messages(_chatml(prompt), i, "prompt")
+            _fill_images(_chatml(prompt), images, i)
+        else:
+            raise DataError(f"row {i}: 'prompt' is {_short(prompt)} ({type(prompt).__name__}): use a string or a "
+                            "list of messages")
+        keys = set(map(str, row))
+        if first is None:
+            first = keys
+        elif keys != first:
+            missing, extra = sorted(first - keys), sorted(keys - first)
+            what = (f"lacks column(s) {', '.join(map(repr, missing))}" if missing
+                    else f"has column(s) {', '.join(map(repr, extra))}")
+            raise DataError(f"row {i}: {what} that row 0 {'has' if missing else 'lacks'}: every row needs the same "
+                            "columns (each is passed to the reward functions)")
 
 
 # -------------------------------------------------------------------------------------------- images
@@ -210,7 +367,7 @@ def _decode_images(images: list, index) -> list[Image.Image]:
             out.append(Image.fromarray(_to_rgb(im)))  # the processor's RGB rule: alpha onto white
         except Exception as e:
             reason = (str(e).strip().splitlines() or [""])[0]
-            raise ValueError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
+            raise DataError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
                              f"{type(e).__name__}: {reason}") from None
     return out
 
@@ -226,7 +383,7 @@ def _image_sizes(images: list, index) -> list[tuple[int, int]]:
                 im.close()
         except Exception as e:
             reason = (str(e).strip().splitlines() or [""])[0]
-            raise ValueError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
+            raise DataError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
                              f"{type(e).__name__}: {reason}") from None
         sizes.append((height, width))
     return sizes
@@ -254,7 +411,7 @@ def _fill_images(messages: list[dict], images: list, index) -> tuple[list[dict],
     if images and not blocks:
         first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
         if first is None:
-            raise ValueError(f"row {index}: {len(images)} image(s) but no user message to put them in")
+            raise DataError(f"row {index}: {len(images)} image(s) but no user message to put them in")
         content = messages[first].get("content")
         content = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
         messages = [*messages[:first], {**messages[first], "content": [{"type": "image"} for _ in images] + content},
@@ -262,7 +419,7 @@ def _fill_images(messages: list[dict], images: list, index) -> tuple[list[dict],
     empty = sum(1 for m in messages if isinstance(m.get("content"), list)
                 for b in m["content"] if _is_image_block(b) and b.get("image") is None)
     if empty != len(images):
-        raise ValueError(f"row {index}: the messages have {empty} image block(s) to fill but the row has "
+        raise DataError(f"row {index}: the messages have {empty} image block(s) to fill but the row has "
                          f"{len(images)} image(s)")
     pending, ordered, out = iter(images), [], []
     for m in messages:
@@ -300,10 +457,28 @@ def _assistant_mask(text: str, offsets: np.ndarray) -> np.ndarray:
     return mask
 
 
-def _render(processor, messages, row: dict, **kwargs) -> str:
+def _render(processor, messages, row: dict, index=None, **kwargs) -> str:
+    """The chat template applied to `messages` with the row's ``tools`` and ``chat_template_kwargs``
+    columns; whatever goes wrong is one line naming the row."""
+    where = f"row {index}" if index is not None else "row"
     tools = row.get("tools")
-    tools = json.loads(tools) if isinstance(tools, str) else tools
-    return processor.apply_chat_template(messages, tools=tools, **(row.get("chat_template_kwargs") or {}), **kwargs)
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: 'tools' is not valid JSON ({e.msg} at column {e.colno})") from None
+    if tools is not None and not isinstance(tools, list):
+        raise DataError(f"{where}: 'tools' must be a list of tool schemas (or their JSON), got {type(tools).__name__}")
+    extra = row.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise DataError(f"{where}: 'chat_template_kwargs' must be a dict, got {type(extra).__name__}")
+    try:
+        return processor.apply_chat_template(messages, tools=tools, **extra, **kwargs)
+    except MlxrlError:
+        raise
+    except Exception as e:  # jinja's errors (TemplateError, TypeError, ...) for what the template cannot render
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise DataError(f"{where}: the chat template cannot render it ({type(e).__name__}: {reason})") from None
 
 
 def tokenize_example(row: dict, processor, *, index: int, max_length: int | None = 1024,
@@ -322,14 +497,14 @@ def tokenize_example(row: dict, processor, *, index: int, max_length: int | None
     if fmt == "conversational":
         messages = _chatml(row["messages"] if "messages" in row else row["conversations"])
         messages, images = _fill_images(messages, images, index)
-        text = _render(processor, messages, row)
+        text = _render(processor, messages, row, index)
     elif fmt == "prompt_completion" and not isinstance(row["prompt"], str):
         prompt, images = _fill_images(_chatml(row["prompt"]), images, index)
-        prompt_text = _render(processor, prompt, row, add_generation_prompt=True)
-        text = _render(processor, prompt + _chatml(row["completion"]), row)
+        prompt_text = _render(processor, prompt, row, index, add_generation_prompt=True)
+        text = _render(processor, prompt + _chatml(row["completion"]), row, index)
     else:
         if assistant_only_loss:
-            raise ValueError(f"row {index}: assistant_only_loss=True needs conversational rows ('messages' or "
+            raise DataError(f"row {index}: assistant_only_loss=True needs conversational rows ('messages' or "
                              f"message-list prompt/completion), this row is {fmt}")
         if fmt == "prompt_completion":
             prompt_text = row["prompt"]
@@ -357,10 +532,10 @@ def tokenize_example(row: dict, processor, *, index: int, max_length: int | None
 def _expand_images(ids: np.ndarray, keep: np.ndarray, images: list, processor, index) -> Example:
     """Repeat each <|image_pad|> to its image's token count; labels follow ``keep``."""
     if images and processor.image_processor is None:
-        raise ValueError(f"row {index}: has images but the processor has no image processor (a text-only model)")
+        raise DataError(f"row {index}: has images but the processor has no image processor (a text-only model)")
     at = np.flatnonzero(ids == processor.image_token_id)
     if len(at) != len(images):
-        raise ValueError(f"row {index}: the text has {len(at)} image placeholder(s) but the row has "
+        raise DataError(f"row {index}: the text has {len(at)} image placeholder(s) but the row has "
                          f"{len(images)} image(s)")
     labels = np.where(keep, ids, IGNORE_INDEX)
     if not images:
@@ -421,6 +596,6 @@ def truncate_example(example: Example, max_length: int, truncation_mode: str = "
     except _ImageCut as cut:
         s, e = (int(x) for x in example.image_spans[cut.image])
         need = e if truncation_mode == "keep_start" else n - s
-        raise ValueError(f"row {example.index}: truncating its {n} tokens to max_length={max_length} "
+        raise DataError(f"row {example.index}: truncating its {n} tokens to max_length={max_length} "
                          f"({truncation_mode}) would cut through image {cut.image} (tokens {s}..{e - 1}); "
                          f"use max_length >= {need} or smaller images") from None

@@ -36,7 +36,17 @@ import numpy as np
 
 from ..losses.head import IGNORE_INDEX
 from .batches import default_buckets
-from .formats import _chatml, _common_prefix, _expand_images, _fill_images, _is_messages, _render, _row_images
+from .formats import (
+    DataError,
+    _chatml,
+    _common_prefix,
+    _expand_images,
+    _fill_images,
+    _is_messages,
+    _render,
+    _row_images,
+    check_messages,
+)
 
 __all__ = ["PreferenceExample", "extract_prompt", "tokenize_preference", "make_preference_batches",
            "preference_batch"]
@@ -80,35 +90,46 @@ def extract_prompt(chosen, rejected) -> tuple:
 def _columns(row: dict, index: int):
     where = f"row {index}"
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a dict of columns, got {type(row).__name__}")
+        raise DataError(f"{where}: expected a dict of columns, got {type(row).__name__}")
     missing = [k for k in ("chosen", "rejected") if k not in row]
     if missing:
-        raise ValueError(f"{where}: preference data needs 'chosen' and 'rejected' columns (missing "
-                         f"{', '.join(map(repr, missing))}; has {', '.join(map(repr, sorted(row)))})")
+        raise DataError(f"{where}: preference data needs 'chosen' and 'rejected' columns (missing "
+                        f"{', '.join(map(repr, missing))}; has {', '.join(map(repr, sorted(map(str, row))))})")
     chosen, rejected = row["chosen"], row["rejected"]
-    conv = _is_messages(chosen)
-    if conv != _is_messages(rejected) or (not conv and not (isinstance(chosen, str) and isinstance(rejected, str))):
-        raise ValueError(f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists")
+    conv = isinstance(chosen, list)
+    if conv != isinstance(rejected, list) or (not conv and not (isinstance(chosen, str) and isinstance(rejected, str))):
+        raise DataError(f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists, got "
+                        f"{type(chosen).__name__} and {type(rejected).__name__}")
     prompt = row.get("prompt")
+    if conv:
+        chosen, rejected = _chatml(chosen), _chatml(rejected)
+        check_messages(chosen, index, "chosen")
+        check_messages(rejected, index, "rejected")
+        if isinstance(prompt, list):
+            prompt = _chatml(prompt)
+            check_messages(prompt, index, "prompt")
     # TRL keeps an explicit prompt only when it has the completions' kind (both conversations or both strings)
     if prompt is None or _is_messages(prompt) != conv:
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise DataError(f"{where}: 'prompt' is {type(prompt).__name__}: use a string or a list of messages")
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     elif not conv and not isinstance(prompt, str):
-        raise ValueError(f"{where}: 'prompt' must be a string like 'chosen' and 'rejected'")
-    if conv:
-        prompt, chosen, rejected = _chatml(prompt), _chatml(chosen), _chatml(rejected)
+        raise DataError(f"{where}: 'prompt' must be a string like 'chosen' and 'rejected'")
+    if conv and (not chosen or not rejected):
+        raise DataError(f"{where}: 'chosen' and 'rejected' must each add at least one message after the prompt "
+                        "they share")
     return prompt, chosen, rejected, conv
 
 
-def _render_prompt(processor, prompt: list[dict], row: dict) -> str:
+def _render_prompt(processor, prompt: list[dict], row: dict, index=None) -> str:
     if not prompt:
         return ""
     last = prompt[-1].get("role")
     if last == "assistant":  # the completion continues the assistant's message
-        return _render(processor, prompt, row, continue_final_message=True)
+        return _render(processor, prompt, row, index, continue_final_message=True)
     if last not in ("user", "tool", "system"):
-        raise ValueError(f"invalid role of the prompt's last message: {last!r}")
-    return _render(processor, prompt, row, add_generation_prompt=True)
+        raise DataError(f"row {index}: invalid role of the prompt's last message: {last!r}")
+    return _render(processor, prompt, row, index, add_generation_prompt=True)
 
 
 def _with_eos(text: str, eos: str | None) -> str:
@@ -129,9 +150,9 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
     if conv:
         if images:
             prompt, images = _fill_images(prompt, images, index)
-        p_text = _render_prompt(processor, prompt, row)
-        c_text = _render(processor, prompt + chosen, row)
-        r_text = _render(processor, prompt + rejected, row)
+        p_text = _render_prompt(processor, prompt, row, index)
+        c_text = _render(processor, prompt + chosen, row, index)
+        r_text = _render(processor, prompt + rejected, row, index)
     else:
         p_text = prompt
         c_text = prompt + _with_eos(chosen, tok.eos_token)
@@ -147,7 +168,7 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
     p_ids, c_ids, r_ids = p_ids[:n], c_ids[n:], r_ids[n:]
     image_id = processor.image_token_id if processor.image_processor is not None else None
     if image_id is not None and ((c_ids == image_id).any() or (r_ids == image_id).any()):
-        raise ValueError(f"row {index}: an image placeholder is in a completion; images belong to the prompt")
+        raise DataError(f"row {index}: an image placeholder is in a completion; images belong to the prompt")
     expanded = _expand_images(p_ids, np.zeros(len(p_ids), bool), images, processor, index)
     p_ids = expanded.input_ids.astype(np.int64)
 
@@ -155,7 +176,7 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
         return None
     if images and max_length is not None and truncation_mode == "keep_end" and len(p_ids) + max(
             len(c_ids), len(r_ids)) > max_length:
-        raise ValueError(f"row {index}: truncation_mode='keep_end' would cut this row's prompt and its images; "
+        raise DataError(f"row {index}: truncation_mode='keep_end' would cut this row's prompt and its images; "
                          "use keep_start (TRL refuses keep_end for vision data too) or a larger max_length")
 
     def side(completion):
