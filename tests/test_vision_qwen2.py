@@ -16,6 +16,7 @@ from mlxrl.models.qwen2_5_vl.vision import VisionConfig as Qwen25VisionConfig
 from mlxrl.models.qwen2_5_vl.vision import VisionModel as Qwen25VisionModel
 from mlxrl.models.qwen2_vl.vision import VisionConfig as Qwen2VisionConfig
 from mlxrl.models.qwen2_vl.vision import VisionModel as Qwen2VisionModel
+from mlxrl.models.qwen2_vl.vision import segment_groups, to_mx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -121,9 +122,10 @@ def test_qwen2_5_vl_parity(qwen25, grids):
     _check_parity(*qwen25, grids)
 
 
-def _dense(meta):
-    """The same metadata with only the dense-mask layout."""
-    return {k: v for k, v in meta.items() if not k.endswith(("_gather", "_valid", "_scatter"))}
+def _with_segments(meta, name, ids):
+    """The same metadata with segments ``name`` (and their attention layout) rebuilt from ``ids``."""
+    kept = {k: v for k, v in meta.items() if not k.startswith(f"{name}_")}
+    return {**kept, f"{name}_ids": mx.array(ids), **to_mx(segment_groups(np.asarray(ids), name))}
 
 
 def test_parity_checks_are_sensitive(qwen25):
@@ -131,26 +133,24 @@ def test_parity_checks_are_sensitive(qwen25):
     hf, ours = qwen25
     pixels, grid = _inputs(GRIDS["uneven_windows"])
     expected = _reference(hf, pixels, grid)
-    meta = _dense(ours.metadata(grid))
-    one_segment = {**meta, "segment_ids": mx.zeros_like(meta["segment_ids"])}
-    no_windows = {**meta, "window_segment_ids": meta["segment_ids"]}
+    meta = ours.metadata(grid)
+    one_segment = _with_segments(meta, "segment", np.zeros(len(pixels), np.int32))
+    no_windows = _with_segments(meta, "window_segment", np.array(meta["segment_ids"]))
     for wrong in (one_segment, no_windows):
         assert np.abs(np.array(ours(mx.array(pixels), wrong)) - expected).max() > 1e-2
 
 
-@pytest.mark.parametrize("which", ["qwen2", "qwen25"])
-def test_padded_and_dense_layouts_agree(which, request):
-    """Padded segments (picked when cheaper) and the dense mask: same features and gradients."""
-    _, ours = request.getfixturevalue(which)
-    pixels, grid = _inputs(GRIDS["mixed"])
-    meta = ours.metadata(grid)
-    assert "segment_gather" in meta  # 3 * 64**2 < 148**2: the padded layout was chosen
-    if which == "qwen25":
-        assert "window_segment_gather" in meta
-    loss = lambda pv, m: (ours(pv, m) ** 2).sum()
-    (padded, d_padded), (dense, d_dense) = (mx.value_and_grad(loss)(mx.array(pixels), m) for m in (meta, _dense(meta)))
-    assert abs(padded.item() - dense.item()) <= 1e-4 * abs(dense.item())
-    assert np.abs(np.array(d_padded) - np.array(d_dense)).max() <= 1e-5 * np.abs(np.array(d_dense)).max()
+def test_segment_layout_is_per_frame(qwen2):
+    """Frames of 24, 64 and 60 patches: one [1, L] group per length, in length order, and the scatter
+    that puts the tokens back (the dense-mask equivalence is in test_vision_memory.py)."""
+    _, ours = qwen2
+    meta = ours.metadata(np.array(GRIDS["mixed"]))
+    groups = [np.array(g) for g in meta["segment_groups"]]
+    assert [g.shape for g in groups] == [(1, 24), (1, 60), (1, 64)]
+    assert [g[0, 0] for g in groups] == [0, 24 + 64, 24]
+    order = np.concatenate([g.reshape(-1) for g in groups])
+    assert np.array_equal(order[np.array(meta["segment_scatter"])], np.arange(148))
+    assert not any(k.endswith(("_gather", "_valid", "_mask")) for k in meta)
 
 
 @pytest.mark.parametrize("which", ["qwen2", "qwen25"])

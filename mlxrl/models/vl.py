@@ -117,8 +117,10 @@ class QwenVLBase(CausalLMHead, nn.Module):
         return self.vision_tower.metadata(np.asarray(image_grid_thw))
 
     def image_features(self, pixel_values: mx.array, image_grid_thw, vision_meta=None):
+        """(merged features, deepstack features) of the vision tower. The tower follows the
+        model's gradient checkpointing (the flag the trainers set on `language_model`)."""
         meta = vision_meta if vision_meta is not None else self.vision_metadata(image_grid_thw)
-        out = self.vision_tower(pixel_values, meta)
+        out = self.vision_tower(pixel_values, meta, checkpoint=self.language_model.gradient_checkpointing)
         return out if isinstance(out, tuple) else (out, [])
 
     def __call__(

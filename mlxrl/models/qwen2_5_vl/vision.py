@@ -4,8 +4,8 @@ attention (full attention only in ``fullatt_block_indexes``).
 Window attention: merge units (``merge x merge`` patches) are grouped into windows of
 ``window_size // patch_size // merge`` units per side. The tokens are reordered so each window
 is contiguous (HF's ``window_index``), every block attends within a window or within a frame
-(see ``qwen2_vl.vision`` for the two attention layouts), and the merged features are put
-back in the processor's order at the end.
+(per-segment attention, no [N, N] mask: see ``qwen2_vl.vision``), and the merged features are
+put back in the processor's order at the end.
 All index arrays come from ``metadata`` (numpy); the forward is compile-friendly.
 
 Test: pytest tests/test_vision_qwen2.py
@@ -27,11 +27,13 @@ from ..qwen2_vl.vision import (
     as_grid,
     config_kwargs,
     frame_segment_ids,
-    padded_segments,
     position_ids,
     rotary_cos_sin,
+    run_block,
     sanitize_vision_weights,
+    segment_groups,
     segment_layout,
+    to_mx,
 )
 
 
@@ -120,10 +122,10 @@ class VisionModel(nn.Module):
             c.out_hidden_size, c.hidden_size, c.spatial_merge_size, nn.RMSNorm(c.hidden_size, eps=1e-6)
         )
 
-    def metadata(self, grid_thw) -> dict[str, mx.array]:
+    def metadata(self, grid_thw) -> dict:
         """Everything is in window order (the order the blocks see): cos/sin [N, head_dim]
         float32, segment_ids [N] (per frame, for full-attention blocks), window_segment_ids [N],
-        and the padded layouts of either when cheaper (segment_*, window_segment_*);
+        the attention layouts of both (segment_groups/_scatter, window_segment_groups/_scatter);
         window_index [N / unit] gathers merge units into window order, reverse_index undoes it."""
         c = self.config
         merge = c.spatial_merge_size
@@ -141,13 +143,14 @@ class VisionModel(nn.Module):
             "window_segment_ids": windows,
             "window_index": units.astype(np.int32),
             "reverse_index": np.argsort(units).astype(np.int32),
-            **padded_segments(frames, "segment"),
-            **padded_segments(windows, "window_segment"),
+            **segment_groups(frames, "segment"),
+            **segment_groups(windows, "window_segment"),
         }
-        return {k: mx.array(v) for k, v in meta.items()}
+        return to_mx(meta)
 
-    def __call__(self, pixel_values: mx.array, meta: dict[str, mx.array]) -> mx.array:
-        """pixel_values [N, C*T*P*P] -> merged features [N // merge**2, out_hidden_size]."""
+    def __call__(self, pixel_values: mx.array, meta: dict, checkpoint: bool = False) -> mx.array:
+        """pixel_values [N, C*T*P*P] -> merged features [N // merge**2, out_hidden_size]; with
+        ``checkpoint`` each block is recomputed in the backward."""
         unit = self.config.spatial_merge_size**2
         x = self.patch_embed(pixel_values)  # [N, E]
         n, dim = x.shape
@@ -157,7 +160,7 @@ class VisionModel(nn.Module):
         cos, sin = meta["cos"], meta["sin"]
         full = set(self.config.fullatt_block_indexes)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames if i in full else windows)
+            x = run_block(block, x, checkpoint, cos, sin, frames if i in full else windows)
         return self.merger(x)[meta["reverse_index"]]  # back to the processor's order
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

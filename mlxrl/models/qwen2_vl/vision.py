@@ -4,10 +4,11 @@ Parameter names are Hugging Face's, relative to ``visual.``. Everything that dep
 image grids (rotary cos/sin, per-frame segment ids) is computed in numpy by ``metadata``; the
 forward only does array math, so ``mx.compile`` traces it once per shape.
 
-Attention stays inside segments (a frame here; a window or a frame in Qwen2.5-VL). Two
-layouts give the same result: a dense [N, N] segment mask, quadratic in all patches of the
-batch; or segments padded to the longest one and attended as a batch ([S, L, L] with a key
-mask), which ``metadata`` picks when S * L**2 < N**2 (several images, Qwen2.5-VL windows).
+Attention stays inside segments (a frame here; a window or a frame in Qwen2.5-VL) and never
+builds a dense [N, N] mask over the batch's patches: segments of equal length are stacked into
+one [S, L] batch and attended without a mask, one attention call per distinct length, so the
+scores cost sum(L_i**2), not N**2 (``segment_groups``, ``attend``). Each block is recomputed in
+the backward when the tower is called with ``checkpoint=True`` (the trainers' gradient_checkpointing).
 
 The helpers here (grid parsing, position ids, rotary, segment layouts, patch embed, attention)
 are shared with the Qwen2.5-VL tower.
@@ -116,50 +117,65 @@ def quick_gelu(x: mx.array) -> mx.array:
 ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": fastmath.silu, "gelu_pytorch_tanh": nn.gelu_approx}
 
 
-def padded_segments(seg: np.ndarray, name: str) -> dict[str, np.ndarray]:
-    """Padded layout for ``seg`` [N] (each id one contiguous run), or {} when the dense mask
-    costs no more (S * L**2 >= N**2). ``{name}_gather`` [S, L]: token of each slot (pads repeat
-    the segment's first token), ``{name}_valid`` [S, L]: real slots, ``{name}_scatter`` [N]:
-    slot of each token in the flattened [S * L]."""
+def segment_groups(seg: np.ndarray, name: str) -> dict[str, object]:
+    """The attention layout of segments ``seg`` [N] (each id one contiguous run of tokens).
+
+    ``{name}_groups``: one int32 [S, L] array per distinct segment length L, the tokens of its S
+    segments; ``{name}_scatter`` [N] int32: the row of each token in the groups flattened and
+    concatenated, omitted when that is the identity (segments sorted by length, or all of one
+    length, the common case: the forward then slices and reshapes). Exact lengths, so no
+    padding and no key mask."""
     n = len(seg)
     starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    if len(starts) != len(np.unique(seg)):
+        raise ValueError(f"{name} ids must each form one contiguous run of tokens")
     lengths = np.diff(np.r_[starts, n])
-    width = int(lengths.max())
-    if len(starts) * width**2 >= n**2:
-        return {}
-    slots = np.arange(width)
-    valid = slots < lengths[:, None]
-    gather = starts[:, None] + np.where(valid, slots, 0)
-    owner = np.repeat(np.arange(len(starts)), lengths)
-    scatter = owner * width + np.arange(n) - starts[owner]
-    return {
-        f"{name}_gather": gather.astype(np.int32),
-        f"{name}_valid": valid,
-        f"{name}_scatter": scatter.astype(np.int32),
-    }
+    groups = [(starts[lengths == L][:, None] + np.arange(L)).astype(np.int32) for L in np.unique(lengths)]
+    out: dict[str, object] = {f"{name}_groups": groups}
+    order = np.concatenate([g.reshape(-1) for g in groups])
+    if not np.array_equal(order, np.arange(n)):
+        scatter = np.empty(n, np.int32)
+        scatter[order] = np.arange(n, dtype=np.int32)
+        out[f"{name}_scatter"] = scatter
+    return out
 
 
-def segment_layout(meta: dict[str, mx.array], name: str):
-    """What ``attend`` takes for segments ``name``: the padded triple when metadata chose it,
-    else the dense [N, N] bool mask built from ``{name}_ids``."""
-    if f"{name}_gather" in meta:
-        return meta[f"{name}_gather"], meta[f"{name}_valid"], meta[f"{name}_scatter"]
-    seg = meta[f"{name}_ids"]
-    return seg[:, None] == seg[None, :]
+def to_mx(meta: dict) -> dict:
+    """numpy metadata -> mx arrays (lists of arrays stay lists)."""
+    return {k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v) for k, v in meta.items()}
+
+
+def segment_layout(meta: dict, name: str) -> tuple[list[mx.array], mx.array | None]:
+    """What ``attend`` takes for segments ``name``: (groups, scatter or None)."""
+    return meta[f"{name}_groups"], meta.get(f"{name}_scatter")
 
 
 def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, layout) -> mx.array:
-    """Attention within segments; q, k, v and the result are [N, H, D]."""
-    if isinstance(layout, tuple):
-        gather, valid, scatter = layout
-        q, k, v = (a[gather].transpose(0, 2, 1, 3) for a in (q, k, v))  # [S, H, L, D]
-        # Every segment has a real first slot, so no query row is fully masked.
-        out = fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=valid[:, None, None, :])
-        out = out.transpose(0, 2, 1, 3)  # [S, L, H, D]
-        return out.reshape(-1, *out.shape[2:])[scatter]
-    q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, H, N, D]
-    out = fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=layout)
-    return out[0].transpose(1, 0, 2)
+    """Attention within segments; q, k, v and the result are [N, H, D]. Each group of equal-length
+    segments is one [S, H, L, D] attention without a mask (scores [S, H, L, L])."""
+    groups, scatter = layout
+    n, h, d = q.shape
+    outs, offset = [], 0
+    for rows in groups:
+        s, length = rows.shape
+        if scatter is None:  # the groups hold the tokens in order: a slice
+            take = lambda a, o=offset, m=s * length: a[o : o + m]  # noqa: E731
+        else:
+            take = lambda a, r=rows: a[r.reshape(-1)]  # noqa: E731
+        offset += s * length
+        qg, kg, vg = (take(a).reshape(s, length, h, d).transpose(0, 2, 1, 3) for a in (q, k, v))
+        out = fastmath.scaled_dot_product_attention(qg, kg, vg, scale=scale)  # [S, H, L, D]
+        outs.append(out.transpose(0, 2, 1, 3).reshape(-1, h, d))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+    return out if scatter is None else out[scatter]
+
+
+def run_block(block: nn.Module, x: mx.array, checkpoint: bool, *args) -> mx.array:
+    """``block(x, *args)``; with ``checkpoint`` its activations are recomputed in the backward
+    (``args``, the grid metadata, are constants of the graph)."""
+    if not checkpoint:
+        return block(x, *args)
+    return nn.utils.checkpoint(block, lambda h, _b=block: _b(h, *args))(x)
 
 
 def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -276,22 +292,22 @@ class VisionModel(nn.Module):
         self.blocks = [Block(c) for _ in range(c.depth)]
         self.merger = PatchMerger(c.hidden_size, c.embed_dim, c.spatial_merge_size, nn.LayerNorm(c.embed_dim, eps=1e-6))
 
-    def metadata(self, grid_thw) -> dict[str, mx.array]:
-        """cos/sin [N, head_dim] float32, segment_ids [N] (one per frame) and, when cheaper
-        than the dense mask, the padded segment layout (segment_gather/_valid/_scatter)."""
+    def metadata(self, grid_thw) -> dict:
+        """cos/sin [N, head_dim] float32, segment_ids [N] (one per frame) and their attention
+        layout (segment_groups, segment_scatter: ``segment_groups``)."""
         c = self.config
         grid = as_grid(grid_thw, c.spatial_merge_size)
         cos, sin = rotary_cos_sin(position_ids(grid, c.spatial_merge_size), c.head_dim, c.rope_theta)
         seg = frame_segment_ids(grid)
-        meta = {"cos": cos, "sin": sin, "segment_ids": seg, **padded_segments(seg, "segment")}
-        return {k: mx.array(v) for k, v in meta.items()}
+        return to_mx({"cos": cos, "sin": sin, "segment_ids": seg, **segment_groups(seg, "segment")})
 
-    def __call__(self, pixel_values: mx.array, meta: dict[str, mx.array]) -> mx.array:
-        """pixel_values [N, C*T*P*P] -> merged features [N // merge**2, hidden_size]."""
+    def __call__(self, pixel_values: mx.array, meta: dict, checkpoint: bool = False) -> mx.array:
+        """pixel_values [N, C*T*P*P] -> merged features [N // merge**2, hidden_size]; with
+        ``checkpoint`` each block is recomputed in the backward."""
         x = self.patch_embed(pixel_values)  # [N, E]
         layout = segment_layout(meta, "segment")
         for block in self.blocks:
-            x = block(x, meta["cos"], meta["sin"], layout)
+            x = run_block(block, x, checkpoint, meta["cos"], meta["sin"], layout)
         return self.merger(x)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

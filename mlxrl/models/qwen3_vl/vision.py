@@ -8,6 +8,11 @@ forward holds no data-dependent Python and can be wrapped in ``mx.compile``:
     meta = tower.metadata(grid_thw)                 # [n_images, 3] -> dict of mx arrays
     merged, deepstack = tower(pixel_values, meta)   # [N // merge**2, out_hidden], list of same
 
+Attention stays inside each frame without a dense [N, N] mask: frames of equal length are
+attended as one batch, one call per distinct length (``qwen2_vl.vision.attend``), so the scores
+cost sum(L_i**2) over the frames. ``tower(..., checkpoint=True)`` recomputes each block in the
+backward (the trainers' gradient_checkpointing).
+
 Parity with transformers: ``pytest tests/test_vision_qwen3.py``.
 """
 
@@ -22,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ... import fastmath
+from ..qwen2_vl.vision import attend, run_block, segment_groups, segment_layout, to_mx
 
 
 @dataclass
@@ -111,7 +117,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, layout) -> mx.array:
         n = x.shape[0]
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, -1)  # [N, 3, H, hd]
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
@@ -119,9 +125,7 @@ class Attention(nn.Module):
         qf, kf = q.astype(mx.float32), k.astype(mx.float32)
         q = (qf * cos + _rotate_half(qf) * sin).astype(v.dtype)
         k = (kf * cos + _rotate_half(kf) * sin).astype(v.dtype)
-        q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, H, N, hd]
-        out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.proj(out[0].transpose(1, 0, 2).reshape(n, -1))
+        return self.proj(attend(q, k, v, self.scale, layout).reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -143,8 +147,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = MLP(config)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array) -> mx.array:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, layout) -> mx.array:
+        x = x + self.attn(self.norm1(x), cos, sin, layout)
         return x + self.mlp(self.norm2(x))
 
 
@@ -192,7 +196,7 @@ class VisionModel(nn.Module):
 
     # ---- grid-dependent inputs (numpy, outside the compiled forward) ----
 
-    def metadata(self, grid_thw) -> dict[str, mx.array]:
+    def metadata(self, grid_thw) -> dict:
         """Per-patch arrays for ``grid_thw`` [n_images, 3] (t, h, w in patches).
 
         Patches come in the processor's order: per image, per frame, merge windows in raster
@@ -200,8 +204,9 @@ class VisionModel(nn.Module):
 
         Returns ``cos``/``sin`` [N, head_dim] f32 (2D rotary: row freqs then column freqs,
         repeated twice), ``pos_idx`` [N, 4] int32 / ``pos_w`` [N, 4] f32 (bilinear corners of the
-        learned side x side position grid, align_corners=True) and ``segment_ids`` [N] int32
-        (one id per frame: attention never crosses frames or images).
+        learned side x side position grid, align_corners=True), ``segment_ids`` [N] int32
+        (one id per frame: attention never crosses frames or images) and their attention layout
+        (``segment_groups`` / ``segment_scatter``, see ``qwen2_vl.vision.segment_groups``).
         """
         grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
         t, h, w = grid[:, 0], grid[:, 1], grid[:, 2]
@@ -231,30 +236,35 @@ class VisionModel(nn.Module):
         pos_idx = np.stack([r0 * side + c0, r0 * side + c1, r1 * side + c0, r1 * side + c1], axis=-1)
         pos_w = np.stack([(1 - wr) * (1 - wc), (1 - wr) * wc, wr * (1 - wc), wr * wc], axis=-1)
 
-        return {
-            "cos": mx.array(np.cos(emb)[:, None, :]),  # [N, 1, head_dim], broadcast over heads
-            "sin": mx.array(np.sin(emb)[:, None, :]),
-            "pos_idx": mx.array(pos_idx.astype(np.int32)),
-            "pos_w": mx.array(pos_w.astype(np.float32)),
-            "segment_ids": mx.array(segment.astype(np.int32)),
-        }
+        segment = segment.astype(np.int32)
+        return to_mx({
+            "cos": np.cos(emb)[:, None, :],  # [N, 1, head_dim], broadcast over heads
+            "sin": np.sin(emb)[:, None, :],
+            "pos_idx": pos_idx.astype(np.int32),
+            "pos_w": pos_w.astype(np.float32),
+            "segment_ids": segment,
+            **segment_groups(segment, "segment"),
+        })
 
     # ---- forward (compile-friendly: shapes only, no host round-trips) ----
 
-    def __call__(self, pixel_values: mx.array, meta: dict[str, mx.array]) -> tuple[mx.array, list[mx.array]]:
+    def __call__(
+        self, pixel_values: mx.array, meta: dict, checkpoint: bool = False
+    ) -> tuple[mx.array, list[mx.array]]:
+        """pixel_values [N, C*T*P*P] -> (merged [N // merge**2, out_hidden], deepstack features);
+        with ``checkpoint`` each block is recomputed in the backward."""
         x = self.patch_embed(pixel_values)  # [N, D]
         # interpolated learned positions: a gather of pos_embed.weight, so it gets gradients
         corners = mx.take(self.pos_embed.weight, meta["pos_idx"], axis=0)  # [N, 4, D]
         pos = (corners * meta["pos_w"][..., None]).sum(axis=1)
         x = x + pos.astype(x.dtype)
 
-        seg = meta["segment_ids"]
-        mask = seg[:, None] == seg[None, :]  # [N, N] block-diagonal over frames
+        layout = segment_layout(meta, "segment")
         cos, sin = meta["cos"], meta["sin"]
 
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask)
+            x = run_block(block, x, checkpoint, cos, sin, layout)
             if i in self.config.deepstack_visual_indexes:
                 j = self.config.deepstack_visual_indexes.index(i)
                 deepstack.append(self.deepstack_merger_list[j](x))
