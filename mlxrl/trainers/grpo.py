@@ -42,6 +42,8 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
+import os
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -49,7 +51,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from ..data.formats import _fill_images, _is_messages, _row_images
+from ..data.formats import _fill_images, _is_messages, _row_images, check_prompt_rows
+from ..hub import MlxrlError
 from ..losses.grpo import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
@@ -66,7 +69,8 @@ from .engine import Trainer
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "check_grpo_config", "load_reward_func"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "RewardError", "check_grpo_config", "check_reward_signature",
+           "load_reward_func", "reward_values"]
 
 
 @dataclass
@@ -292,13 +296,21 @@ def uses_fused_head(args) -> bool:
     return args.head_mode == "fused" or (args.head_mode == "auto" and args.importance_sampling_level == "token")
 
 
+class RewardError(MlxrlError, ValueError):
+    """A reward function that cannot be imported or called, or returns what is not a reward: one line
+    naming it (and the completion where one is at fault)."""
+
+
 def load_reward_func(spec: str):
-    """'module:function' (or 'path/to/file.py:function') -> the callable."""
+    """'module:function' (or 'path/to/file.py:function') -> the callable; a module that cannot be found or
+    fails while importing (a syntax error, an exception at its top level) is one line naming it."""
     if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"reward function {spec!r}: expected module:function")
+        raise RewardError(f"reward function {spec!r}: expected module:function")
     mod_name, _, fn_name = spec.rpartition(":")
     try:
         if mod_name.endswith(".py"):
+            if not os.path.isfile(mod_name):
+                raise RewardError(f"reward function {spec!r}: no such file {mod_name!r}")
             loader = importlib.util.spec_from_file_location(f"_reward_{abs(hash(mod_name))}", mod_name)
             if loader is None:
                 raise ImportError(mod_name)
@@ -306,12 +318,79 @@ def load_reward_func(spec: str):
             loader.loader.exec_module(module)
         else:
             module = importlib.import_module(mod_name)
-    except (ImportError, FileNotFoundError) as e:
-        raise ValueError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from None
+    except RewardError:
+        raise
+    except ImportError as e:
+        raise RewardError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from e
+    except SyntaxError as e:
+        raise RewardError(f"reward function {spec!r}: {e.filename or mod_name} line {e.lineno}: syntax error "
+                         f"({e.msg})") from e
+    except Exception as e:  # the module's own code failed while importing
+        raise RewardError(f"reward function {spec!r}: importing {mod_name!r} raised {type(e).__name__}: "
+                         f"{_first_line(e)}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
+        raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+REWARD_KWARGS = ("trainer_state", "log_metric", "log_extra")  # what TRL passes besides the dataset columns
+
+
+def check_reward_signature(fn, name: str, columns) -> None:
+    """Refuse, before training, a reward function that cannot take TRL's call: prompts, completions,
+    completion_ids, every dataset column and trainer_state / log_metric / log_extra as keywords."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and C callables: find out at the call
+    keys = ["prompts", "completions", "completion_ids", *columns, *REWARD_KWARGS]
+    try:
+        sig.bind(**dict.fromkeys(keys))
+    except TypeError as e:
+        raise RewardError(f"reward function {name!r} cannot be called as TRL calls it ({e}): give it the signature "
+                         "f(prompts, completions, completion_ids, **kwargs)") from None
+
+
+def reward_values(values, name: str, n: int) -> np.ndarray:
+    """A reward function's return value -> [n] float32 with NaN for None (TRL: the reward does not apply
+    to that completion). One line naming the function (and the completion) for anything else: not a list,
+    the wrong length, a value that is not a number, NaN or infinity."""
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy / mlx / torch arrays
+        if getattr(values, "ndim", 1) != 1:
+            raise RewardError(f"reward function {name!r} returned an array of shape {tuple(values.shape)}; expected "
+                             f"a list of {n} rewards, one per completion")
+        values = values.tolist()
+    if values is None or isinstance(values, (str, bytes, dict, numbers.Number)) or not hasattr(values, "__iter__"):
+        raise RewardError(f"reward function {name!r} returned {type(values).__name__} {_short(values)}; expected a "
+                         f"list of {n} rewards, one per completion (None where a reward does not apply)")
+    values = list(values)
+    if len(values) != n:
+        raise RewardError(f"reward function {name!r} returned {len(values)} rewards for {n} completions (one per "
+                         "completion expected)")
+    out = np.full(n, np.nan, dtype=np.float64)
+    for i, v in enumerate(values):
+        if v is None:
+            continue
+        if hasattr(v, "item") and getattr(v, "size", 1) == 1 and not isinstance(v, numbers.Number):
+            v = v.item()  # a 0-d array or one-element tensor
+        if not isinstance(v, numbers.Real):
+            raise RewardError(f"reward function {name!r} returned {type(v).__name__} {_short(v)} for completion {i}; "
+                             "rewards must be numbers (or None where a reward does not apply)")
+        if not math.isfinite(float(v)):
+            raise RewardError(f"reward function {name!r} returned {float(v)} for completion {i}; rewards must be "
+                             "finite (return None where a reward does not apply)")
+        out[i] = float(v)
+    return out.astype(np.float32)
+
+
+def _short(value, n: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -353,12 +432,14 @@ class GRPOTrainer(Trainer):
                              "off, full fine-tuning keeps a frozen copy)")
         if args.disable_dropout and args.use_peft and args.lora_dropout:
             args = dataclasses.replace(args, lora_dropout=0.0)
-        for i, row in enumerate(train_dataset):
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"row {i}: GRPO data needs a 'prompt' column (a string or a list of messages)")
+        check_prompt_rows(train_dataset)
+        names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
+        columns = [k for k in train_dataset[0] if k not in ("prompt", "completion", "completion_ids")]
+        for f, name in zip(funcs, names, strict=True):
+            check_reward_signature(f, name, columns)
         super().__init__(model, processor, args)
         self.reward_funcs = funcs
-        self.reward_func_names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
+        self.reward_func_names = names
         self.rows = list(train_dataset)
         self.G = args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_batching(args)
@@ -435,24 +516,31 @@ class GRPOTrainer(Trainer):
         self._pending_metrics.setdefault(name, []).append(float(value))
 
     def score(self, prompts, completions, completion_ids, columns: dict) -> np.ndarray:
-        """[N, F] rewards (NaN where a function returned None), TRL's calling convention."""
+        """[N, F] rewards (NaN where a function returned None), TRL's calling convention. A function that
+        raises or returns something that is not one number or None per completion stops training with one
+        line naming it (`reward_values`); so does a round where no function scored any completion."""
         state = SimpleNamespace(global_step=self.global_step, epoch=self.epoch,
                                 max_steps=getattr(self, "total_steps", None))
         out = np.zeros((len(prompts), len(self.reward_funcs)), dtype=np.float32)
         for k, (f, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
             kwargs = dict(columns, trainer_state=state, log_metric=self._log_metric, log_extra=lambda *a, **k: None)
-            values = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-            if inspect.isawaitable(values):
-                import asyncio
+            try:
+                values = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+                if inspect.isawaitable(values):
+                    import asyncio
 
-                values = asyncio.run(values)
-            values = list(values)
-            if len(values) != len(prompts):
-                raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(prompts)} "
-                                 "completions (one per completion expected)")
-            out[:, k] = [np.nan if v is None else float(v) for v in values]
-        if np.isnan(out).all(axis=1).any():
-            i = int(np.flatnonzero(np.isnan(out).all(axis=1))[0])
+                    values = asyncio.run(values)
+            except Exception as e:
+                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {_first_line(e)} (step "
+                                 f"{self.global_step + 1}; MLXRL_DEBUG=1 shows the traceback)") from e
+            out[:, k] = reward_values(values, name, len(prompts))
+        unscorable = np.isnan(out).all(axis=1)
+        if unscorable.all():
+            raise RewardError(f"every reward function ({', '.join(self.reward_func_names)}) returned None for every "
+                             "completion of a generation round: nothing to learn from; return a number where a "
+                             "reward applies")
+        if unscorable.any():
+            i = int(np.flatnonzero(unscorable)[0])
             print(f"warning: every reward function returned None for completion {i} ({completions[i]!r}); "
                   "it gets advantage 0", flush=True)
         return out
@@ -536,6 +624,7 @@ class GRPOTrainer(Trainer):
                                                  multi_objective_aggregation=a.multi_objective_aggregation,
                                                  reward_names=self.reward_func_names)
         metrics = {k: v.item() for k, v in metrics.items()}
+        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}  # a function that applied to no completion
         advantages = np.array(advantages)[self.rank * n_local:(self.rank + 1) * n_local]
         all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
         all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
