@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 # model_type -> module under mlxrl.models defining `Model`
 ARCHITECTURES = {
@@ -31,5 +32,19 @@ def model_class(config: dict):
 
 
 def build_model(config: dict):
-    """An uninitialised-weights model for `config` (a parsed config.json)."""
-    return model_class(config)(config)
+    """An uninitialised-weights model for `config` (a parsed config.json). A config whose model_type we
+    support but whose fields are missing or malformed is an UnsupportedModelError in one line."""
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"expected a JSON object, got {type(config).__name__}")
+    cls = model_class(config)
+    try:
+        return cls(config)
+    except Exception as e:  # the config's values flow into dataclasses, shapes and layer counts
+        text = (str(e).strip().splitlines() or [""])[0]
+        missing = re.findall(r"'(\w+)'", text) if "required" in text and "argument" in text else []
+        if missing:
+            why = f"is missing field(s) {', '.join(missing)}"
+        else:
+            why = f"has a field mlxrl cannot use ({type(e).__name__}: {text})"
+        raise UnsupportedModelError(f"model_type {config.get('model_type')!r} {why}: an incomplete or damaged "
+                                    "config.json; re-download the checkpoint") from None
