@@ -141,14 +141,15 @@ def test_parity_checks_are_sensitive(qwen25):
 
 
 def test_segment_layout_is_per_frame(qwen2):
-    """Frames of 24, 64 and 60 patches: one [1, L] group per length, in length order, and the scatter
-    that puts the tokens back (the dense-mask equivalence is in test_vision_memory.py)."""
+    """Frames of 24, 64 and 60 patches: one [1, L] group per length, in length order, the gather into
+    that order and the scatter back (the dense-mask equivalence is in test_vision_memory.py)."""
     _, ours = qwen2
     meta = ours.metadata(np.array(GRIDS["mixed"]))
     groups = [np.array(g) for g in meta["segment_groups"]]
     assert [g.shape for g in groups] == [(1, 24), (1, 60), (1, 64)]
     assert [g[0, 0] for g in groups] == [0, 24 + 64, 24]
     order = np.concatenate([g.reshape(-1) for g in groups])
+    assert np.array_equal(np.array(meta["segment_order"]), order)
     assert np.array_equal(order[np.array(meta["segment_scatter"])], np.arange(148))
     assert not any(k.endswith(("_gather", "_valid", "_mask")) for k in meta)
 

@@ -125,7 +125,7 @@ class VisionModel(nn.Module):
     def metadata(self, grid_thw) -> dict:
         """Everything is in window order (the order the blocks see): cos/sin [N, head_dim]
         float32, segment_ids [N] (per frame, for full-attention blocks), window_segment_ids [N],
-        the attention layouts of both (segment_groups/_scatter, window_segment_groups/_scatter);
+        the attention layouts of both (segment_groups/_order/_scatter, window_segment_*);
         window_index [N / unit] gathers merge units into window order, reverse_index undoes it."""
         c = self.config
         merge = c.spatial_merge_size

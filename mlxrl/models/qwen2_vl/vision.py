@@ -120,11 +120,12 @@ ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": fastmath.silu, "gelu_p
 def segment_groups(seg: np.ndarray, name: str) -> dict[str, object]:
     """The attention layout of segments ``seg`` [N] (each id one contiguous run of tokens).
 
-    ``{name}_groups``: one int32 [S, L] array per distinct segment length L, the tokens of its S
-    segments; ``{name}_scatter`` [N] int32: the row of each token in the groups flattened and
-    concatenated, omitted when that is the identity (segments sorted by length, or all of one
-    length, the common case: the forward then slices and reshapes). Exact lengths, so no
-    padding and no key mask."""
+    ``{name}_groups``: one int32 [S, L] array per distinct segment length L (ascending), the
+    tokens of its S segments. When the groups flattened and concatenated are not the tokens in
+    order: ``{name}_order`` [N] int32, that concatenation (a gather into group order), and
+    ``{name}_scatter`` [N] int32, its inverse (the row of each token). With one image size in a
+    batch, or sizes ascending, both are omitted and the forward only slices and reshapes. Exact
+    lengths: no padding, no key mask."""
     n = len(seg)
     starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
     if len(starts) != len(np.unique(seg)):
@@ -136,6 +137,7 @@ def segment_groups(seg: np.ndarray, name: str) -> dict[str, object]:
     if not np.array_equal(order, np.arange(n)):
         scatter = np.empty(n, np.int32)
         scatter[order] = np.arange(n, dtype=np.int32)
+        out[f"{name}_order"] = order
         out[f"{name}_scatter"] = scatter
     return out
 
@@ -145,25 +147,26 @@ def to_mx(meta: dict) -> dict:
     return {k: [mx.array(a) for a in v] if isinstance(v, list) else mx.array(v) for k, v in meta.items()}
 
 
-def segment_layout(meta: dict, name: str) -> tuple[list[mx.array], mx.array | None]:
-    """What ``attend`` takes for segments ``name``: (groups, scatter or None)."""
-    return meta[f"{name}_groups"], meta.get(f"{name}_scatter")
+def segment_layout(meta: dict, name: str) -> tuple:
+    """What ``attend`` takes for segments ``name``: (groups, order or None, scatter or None)."""
+    return meta[f"{name}_groups"], meta.get(f"{name}_order"), meta.get(f"{name}_scatter")
 
 
 def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, layout) -> mx.array:
-    """Attention within segments; q, k, v and the result are [N, H, D]. Each group of equal-length
-    segments is one [S, H, L, D] attention without a mask (scores [S, H, L, L])."""
-    groups, scatter = layout
+    """Attention within segments; q, k, v and the result are [N, H, D]. The tokens are put in
+    group order (one gather, when needed), each group of S equal-length segments is a slice
+    attended as [S, H, L, D] without a mask (scores [S, H, L, L]), and the result is put back."""
+    groups, order, scatter = layout
     n, h, d = q.shape
+    if order is not None:
+        q, k, v = q[order], k[order], v[order]
     outs, offset = [], 0
     for rows in groups:
         s, length = rows.shape
-        if scatter is None:  # the groups hold the tokens in order: a slice
-            take = lambda a, o=offset, m=s * length: a[o : o + m]  # noqa: E731
-        else:
-            take = lambda a, r=rows: a[r.reshape(-1)]  # noqa: E731
+        qg, kg, vg = (
+            a[offset : offset + s * length].reshape(s, length, h, d).transpose(0, 2, 1, 3) for a in (q, k, v)
+        )
         offset += s * length
-        qg, kg, vg = (take(a).reshape(s, length, h, d).transpose(0, 2, 1, 3) for a in (q, k, v))
         out = fastmath.scaled_dot_product_attention(qg, kg, vg, scale=scale)  # [S, H, L, D]
         outs.append(out.transpose(0, 2, 1, 3).reshape(-1, h, d))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
@@ -294,7 +297,7 @@ class VisionModel(nn.Module):
 
     def metadata(self, grid_thw) -> dict:
         """cos/sin [N, head_dim] float32, segment_ids [N] (one per frame) and their attention
-        layout (segment_groups, segment_scatter: ``segment_groups``)."""
+        layout (segment_groups and, when needed, segment_order/_scatter: ``segment_groups``)."""
         c = self.config
         grid = as_grid(grid_thw, c.spatial_merge_size)
         cos, sin = rotary_cos_sin(position_ids(grid, c.spatial_merge_size), c.head_dim, c.rope_theta)

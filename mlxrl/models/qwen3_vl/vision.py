@@ -206,7 +206,7 @@ class VisionModel(nn.Module):
         repeated twice), ``pos_idx`` [N, 4] int32 / ``pos_w`` [N, 4] f32 (bilinear corners of the
         learned side x side position grid, align_corners=True), ``segment_ids`` [N] int32
         (one id per frame: attention never crosses frames or images) and their attention layout
-        (``segment_groups`` / ``segment_scatter``, see ``qwen2_vl.vision.segment_groups``).
+        (``segment_groups``, ``segment_order`` / ``segment_scatter``: ``qwen2_vl.vision.segment_groups``).
         """
         grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
         t, h, w = grid[:, 0], grid[:, 1], grid[:, 2]
