@@ -31,7 +31,8 @@ def _looks_like_path(name: str) -> bool:
 
 
 def suggest_repo(repo_id: str) -> str | None:
-    """For `Qwen/Qwen3-VL-3B-Instruct`: 'Qwen3-VL comes in 2B/4B/8B/32B; nearest: Qwen/Qwen3-VL-4B-Instruct'."""
+    """For `Qwen/Qwen3-VL-3B-Instruct`: 'Qwen3-VL comes in 2B/4B/8B/32B; nearest: Qwen/Qwen3-VL-2B-Instruct or
+    Qwen/Qwen3-VL-4B-Instruct'."""
     name = repo_id.split("/", 1)[-1]
     for family in sorted(KNOWN_REPOS, key=len, reverse=True):
         m = re.match(rf"^{re.escape(family)}-([\d.]+)B(.*)$", name, re.IGNORECASE)
@@ -41,8 +42,10 @@ def suggest_repo(repo_id: str) -> str | None:
         size, tail = float(m.group(1)), m.group(2)
         if f"{m.group(1)}B" in sizes:
             return None  # the size exists; the suffix is what is wrong
-        nearest = min(sizes, key=lambda s: (abs(float(s[:-1]) - size), -float(s[:-1])))
-        return f"{family} comes in {'/'.join(sizes)}; nearest: Qwen/{family}-{nearest}{tail}"
+        gap = min(abs(float(s[:-1]) - size) for s in sizes)
+        nearest = [s for s in sizes if abs(float(s[:-1]) - size) == gap]  # both neighbours when equally near
+        return f"{family} comes in {'/'.join(sizes)}; nearest: " + " or ".join(
+            f"Qwen/{family}-{s}{tail}" for s in nearest)
     candidates = [f"Qwen/{f}-{s}-Instruct" for f, ss in KNOWN_REPOS.items() for s in ss]
     close = difflib.get_close_matches(repo_id, candidates, n=1, cutoff=0.6)
     return f"did you mean {close[0]}?" if close else None
@@ -68,10 +71,18 @@ def resolve_model_path(id_or_path: str | os.PathLike, revision: str | None = Non
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise MlxrlError(f"{name!r} is neither a local folder nor a valid Hub id (owner/name: letters, digits, "
+                         "'-', '_' and '.'; e.g. Qwen/Qwen3-VL-2B-Instruct)") from None
 
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=WEIGHT_PATTERNS, local_files_only=True))
