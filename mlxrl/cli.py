@@ -1,12 +1,13 @@
 """What the trainer CLIs (`python -m mlxrl.sft | dpo | grpo`) share: one-line errors with exit
-codes, loading a model with its data, the embedded demos' settings and brief SFT warm start."""
+codes, loading data then a model (the data is checked before the model loads), the embedded demos'
+settings and synthetic rows (a text variant for text-only models), and the brief SFT warm start."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from .hub import MlxrlError
+from .hub import MlxrlError, check_model_reference
 
 ERRORS = (MlxrlError, ValueError, FileNotFoundError, NotImplementedError)
 
@@ -32,23 +33,91 @@ def apply_overrides(args, explicit: set, overrides: dict) -> None:
             setattr(args, k, v)
 
 
-def load_model_and_rows(ns, args, *, with_eval: bool = True):
+def check_eval_data(ns, args) -> None:
+    """eval_strategy needs evaluation data: refused here, before any model loads (the HF Trainer raises too)."""
+    if getattr(args, "eval_strategy", "no") != "no" and not getattr(ns, "eval_dataset", None) and \
+            not getattr(args, "eval_split", 0):
+        raise MlxrlError(f"--eval_strategy {args.eval_strategy} needs evaluation data: pass --eval_dataset (or "
+                         "--eval_split), or set --eval_strategy no")
+
+
+def each_row(check):
+    """`check(row, index)` -> a check of a list of rows."""
+    def check_rows(rows):
+        for i, row in enumerate(rows):
+            check(row, i)
+    return check_rows
+
+
+def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
     """(model, processor, train rows, eval rows or None) from --model / --dataset / --eval_dataset,
-    holding out `eval_split` of the training rows when no eval set is given."""
+    holding out `eval_split` of the training rows when no eval set is given. The rows are read (and
+    passed to `check_rows(rows)`) before the model loads; a folder dataset never yields the run's own
+    output_dir."""
     import mlxrl
     from mlxrl.data import load_rows
 
     if ns.model is None:
         raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
+    check_model_reference(ns.model)  # a missing folder or a mistyped id, before reading the data
+    exclude = (args.output_dir,)
+    train = load_rows(ns.dataset, split=ns.dataset_split, exclude=exclude)
+    evaluation = None
+    if with_eval and getattr(ns, "eval_dataset", None):
+        evaluation = load_rows(ns.eval_dataset, exclude=exclude)
+    if check_rows is not None:
+        check_rows(train)
+        try:
+            check_rows(evaluation or [])
+        except MlxrlError as e:
+            raise MlxrlError(f"--eval_dataset {ns.eval_dataset}: {e}") from None
     model, processor = mlxrl.load(ns.model, dtype=args.dtype)
-    train = load_rows(ns.dataset, split=ns.dataset_split)
     if not with_eval:
         return model, processor, train, None
-    evaluation = load_rows(ns.eval_dataset) if getattr(ns, "eval_dataset", None) else None
     if evaluation is None and args.eval_split > 0:
         cut = int(len(train) * (1 - args.eval_split))
+        if cut < 1 or cut == len(train):
+            raise MlxrlError(f"--eval_split {args.eval_split} of {len(train)} rows leaves "
+                             f"{'no training' if cut < 1 else 'no evaluation'} rows")
         train, evaluation = train[:cut], train[cut:]
     return model, processor, train, evaluation
+
+
+# Objects and colours of the text variant of the synthetic task (for text-only models).
+_TEXT_SHAPES = ("circle", "square", "triangle", "star")
+
+
+def text_colour_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """The synthetic colour task in words, for text-only models: two coloured shapes are described and the
+    question asks the colour of one ("A red circle and a blue square. What color is the square?" -> blue);
+    one-word answers, rows shaped like `make_vqa`'s without images. Deterministic in (n, seed, split)."""
+    import numpy as np
+
+    from .data.synthetic import COLORS
+
+    colours = list(COLORS)
+    rng = np.random.default_rng([int(seed), {"train": 0, "test": 1}[split], 7])
+    rows = []
+    for _ in range(n):
+        shapes = rng.choice(len(_TEXT_SHAPES), 2, replace=False)
+        cols = rng.choice(len(colours), 2, replace=False)
+        a, b = (_TEXT_SHAPES[k] for k in shapes)
+        ca, cb = (colours[k] for k in cols)
+        asked = int(rng.integers(2))
+        question = f"A {ca} {a} and a {cb} {b}. What color is the {(a, b)[asked]}? Answer with one word."
+        rows.append({"messages": [{"role": "user", "content": [{"type": "text", "text": question}]},
+                                  {"role": "assistant", "content": [{"type": "text", "text": (ca, cb)[asked]}]}],
+                     "type": "color"})
+    return rows
+
+
+def demo_rows(processor, n: int, seed: int, split: str) -> list[dict]:
+    """The embedded task's rows: synthetic VQA for a vision-language model, its text variant otherwise."""
+    from .data.synthetic import make_vqa
+
+    if processor.image_processor is None:
+        return text_colour_rows(n, seed=seed, split=split)
+    return make_vqa(n, seed=seed, split=split)
 
 
 def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: str | None):

@@ -6,10 +6,12 @@
     python -m mlxrl.dpo --config dpo.yaml --beta 0.2       # CLI > YAML > defaults
 
 Every DPOConfig field is a flag (`--help` lists them). Errors print one line and exit with status 2
-(MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint.
+(MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint. Flags, the YAML file and
+the dataset's rows are checked before the model loads.
 
 The embedded default (no --model, no --dataset): the tiny default model gets a brief SFT on the
-synthetic colour questions (or start from --model), then DPO on pairs drawn from the same task
+synthetic colour questions (or start from --model; a text-only model gets the task's text variant), then
+DPO on pairs drawn from the same task
 (chosen = the right colour, rejected = a wrong one) with LoRA, so the reference is the same model
 with its adapters off. It prints rewards/accuracies and rewards/margins as they rise, and held-out
 exact match before and after DPO.
@@ -48,8 +50,8 @@ def _extra(parser):
 
 
 def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
-    """Synthetic VQA rows -> TRL vision preference rows: chosen = the right answer, rejected = another
-    answer of the same question type, drawn at random."""
+    """Synthetic VQA rows (or their text variant) -> TRL preference rows: chosen = the right answer,
+    rejected = another answer of the same question type, drawn at random."""
     import numpy as np
 
     from .data.synthetic import COLORS, COUNTS, SHAPES, SIDES
@@ -62,9 +64,12 @@ def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
         prompt, answer = split_row(row)
         wrong = [a for a in answers[row.get("type", "color")] if a != answer]
         other = wrong[int(rng.integers(len(wrong)))]
-        out.append({"prompt": prompt, "images": row["images"],
-                    "chosen": [{"role": "assistant", "content": [{"type": "text", "text": answer}]}],
-                    "rejected": [{"role": "assistant", "content": [{"type": "text", "text": other}]}]})
+        pair = {"prompt": prompt,
+                "chosen": [{"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+                "rejected": [{"role": "assistant", "content": [{"type": "text", "text": other}]}]}
+        if row.get("images"):
+            pair["images"] = row["images"]
+        out.append(pair)
     return out
 
 
@@ -72,17 +77,17 @@ def run_demo(args: DPOConfig, explicit: set, model_path: str | None = None, sft_
              n_test: int = DEMO_TEST, n_pairs: int | None = None, overrides: dict | None = None) -> dict:
     """The embedded default. n_pairs: distinct pairs (default one per trained example, so every batch is
     new); overrides: demo settings replacing DEMO_OVERRIDES (tests use a shorter run)."""
-    from mlxrl.data.synthetic import make_vqa
     from mlxrl.evaluate import exact_match
 
+    from .cli import demo_rows
     from .trainers.dpo import DPOTrainer
 
     apply_overrides(args, explicit, {**DEMO_OVERRIDES, **(overrides or {})})
     t0 = time.perf_counter()
-    test = make_vqa(n_test, seed=args.seed + 1, split="test")
     model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path)
+    test = demo_rows(processor, n_test, seed=args.seed + 1, split="test")
     n_pairs = n_pairs or args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
-    pairs = preference_pairs(make_vqa(n_pairs, seed=args.seed + 7, split="train"), seed=args.seed)
+    pairs = preference_pairs(demo_rows(processor, n_pairs, seed=args.seed + 7, split="train"), seed=args.seed)
     before = exact_match(model, processor, test)
     print(f"DPO on {len(pairs)} synthetic preference pairs (chosen = right colour, rejected = a wrong one); "
           f"held-out exact match before DPO: {before:.1%}", flush=True)
@@ -106,19 +111,25 @@ def main(argv=None) -> int:
 
 
 def _main(ns) -> None:
+    from .cli import check_eval_data, each_row
+    from .data.preference import check_preference_row
     from .hub import MlxrlError
     from .trainers.dpo import DPOTrainer
 
     args = config_from_args(DPOConfig, ns)
     check_dpo_config(args)  # before any model is loaded or trained
-    extra = ("model", "dataset", "dataset_split", "eval_dataset", "config", "sft_steps")
-    explicit = {k for k in vars(ns) if k not in extra}
+    check_eval_data(ns, args)
+    if ns.sft_steps < 0:
+        raise MlxrlError(f"--sft_steps {ns.sft_steps}: must be >= 0")
+    explicit = ns.explicit_fields
     if ns.dataset is None:
         if ns.model is not None and ns.sft_steps != DEMO_SFT_STEPS:
             raise MlxrlError("--sft_steps applies to the embedded default without --model")
+        if ns.eval_dataset:
+            raise MlxrlError("--eval_dataset needs --dataset (the embedded task brings its own held-out rows)")
         run_demo(args, explicit, ns.model, ns.sft_steps)
         return
-    model, processor, train, evaluation = load_model_and_rows(ns, args)
+    model, processor, train, evaluation = load_model_and_rows(ns, args, check_rows=each_row(check_preference_row))
     DPOTrainer(model=model, processor=processor, args=args, train_dataset=train, eval_dataset=evaluation).train()
     print(f"saved to {args.output_dir}", flush=True)
 

@@ -49,13 +49,14 @@ def colour_reward(prompts, completions, completion_ids, answer, **kwargs):
 
 
 def prompt_rows(rows: list[dict]) -> list[dict]:
-    """Synthetic VQA rows -> TRL vision prompt rows: {"prompt": messages, "images": [...], "answer": str}."""
+    """Synthetic VQA rows (or their text variant) -> TRL prompt rows: {"prompt": messages, "answer": str}
+    plus "images" when the row has them."""
     from .evaluate import split_row
 
     out = []
     for row in rows:
         prompt, answer = split_row(row)
-        out.append({"prompt": prompt, "images": row["images"], "answer": answer})
+        out.append({"prompt": prompt, **({"images": row["images"]} if row.get("images") else {}), "answer": answer})
     return out
 
 
@@ -74,20 +75,20 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
     """The embedded default; overrides replace DEMO_OVERRIDES (tests use a shorter run)."""
     import numpy as np
 
-    from mlxrl.data.synthetic import make_vqa
     from mlxrl.evaluate import exact_match
 
+    from .cli import demo_rows
     from .dpo import DEMO_SFT
     from .trainers.grpo import GRPOTrainer
 
     apply_overrides(args, explicit, {**DEMO_OVERRIDES, **(overrides or {})})
     check_grpo_config(args)
     t0 = time.perf_counter()
-    test = make_vqa(n_test, seed=args.seed + 1, split="test")
     model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path)
+    test = demo_rows(processor, n_test, seed=args.seed + 1, split="test")
     prompts_needed = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
     n_prompts = max(prompts_needed // args.num_generations, 8)
-    rows = prompt_rows(make_vqa(n_prompts, seed=args.seed + 7, split="train"))
+    rows = prompt_rows(demo_rows(processor, n_prompts, seed=args.seed + 7, split="train"))
     before = exact_match(model, processor, test)
     print(f"GRPO on {len(rows)} synthetic colour questions, {args.num_generations} completions each, reward 1 for "
           f"the right colour word; held-out exact match before GRPO: {before:.1%}", flush=True)
@@ -115,14 +116,16 @@ def main(argv=None) -> int:
 
 
 def _main(ns) -> None:
+    from .data.formats import check_prompt_rows
     from .hub import MlxrlError
     from .trainers.grpo import GRPOTrainer, load_reward_func
 
     args = config_from_args(GRPOConfig, ns)
     check_grpo_config(args)  # before any model is loaded or trained
+    if ns.sft_steps < 0:
+        raise MlxrlError(f"--sft_steps {ns.sft_steps}: must be >= 0")
     funcs = [load_reward_func(s) for s in ns.reward_funcs] if ns.reward_funcs else None
-    extra = ("model", "dataset", "dataset_split", "config", "sft_steps", "reward_funcs")
-    explicit = {k for k in vars(ns) if k not in extra}
+    explicit = ns.explicit_fields
     if ns.dataset is None:
         if ns.model is not None and ns.sft_steps != DEMO_SFT_STEPS:
             raise MlxrlError("--sft_steps applies to the embedded default without --model")
@@ -132,7 +135,8 @@ def _main(ns) -> None:
         raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
     if not funcs:
         raise MlxrlError("--reward_funcs is required with --dataset (module:function ...)")
-    model, processor, train, _ = load_model_and_rows(ns, args, with_eval=False)
+    model, processor, train, _ = load_model_and_rows(ns, args, with_eval=False,
+                                                     check_rows=check_prompt_rows)
     GRPOTrainer(model=model, processor=processor, args=args, train_dataset=train, reward_funcs=funcs).train()
     print(f"saved to {args.output_dir}", flush=True)
 

@@ -51,31 +51,20 @@ def suggest_repo(repo_id: str) -> str | None:
     return f"did you mean {close[0]}?" if close else None
 
 
-def resolve_model_path(id_or_path: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder holding config.json and weights for `id_or_path`.
-
-    Local folders are used as they are. A Hub id is looked up in the Hugging Face cache first
-    (no network), then downloaded when the Hub is reachable and HF_HUB_OFFLINE is not set.
-    """
+def check_model_reference(id_or_path: str | os.PathLike) -> None:
+    """What can be said about a model reference without reading it or the network: a path must exist
+    and be a folder, a Hub id must be well formed and not a size the family was never published in."""
     name = str(id_or_path)
     path = Path(name).expanduser()
     if path.is_dir():
-        return path
+        return
     if path.exists():
         raise MlxrlError(f"{name} is a file; pass the folder that holds config.json and *.safetensors")
     if _looks_like_path(name):
         raise MlxrlError(
             f"no such local path: {name} (pass an existing folder or a Hub id like Qwen/Qwen3-VL-2B-Instruct)"
         )
-
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     try:
@@ -83,14 +72,39 @@ def resolve_model_path(id_or_path: str | os.PathLike, revision: str | None = Non
     except HFValidationError:
         raise MlxrlError(f"{name!r} is neither a local folder nor a valid Hub id (owner/name: letters, digits, "
                          "'-', '_' and '.'; e.g. Qwen/Qwen3-VL-2B-Instruct)") from None
+    hint = suggest_repo(name)
+    if hint and " comes in " in hint and not _cached(name):  # a size this family was never published in
+        raise MlxrlError(f"no model {name} on the Hugging Face Hub: {hint}")
+
+
+def _cached(name: str, revision: str | None = None) -> Path | None:
+    from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(name, revision=revision, allow_patterns=WEIGHT_PATTERNS, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
-        pass
+    except Exception:  # not cached (LocalEntryNotFoundError, OSError, ...)
+        return None
+
+
+def resolve_model_path(id_or_path: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder holding config.json and weights for `id_or_path`.
+
+    Local folders are used as they are. A Hub id is looked up in the Hugging Face cache first
+    (no network), then downloaded when the Hub is reachable and HF_HUB_OFFLINE is not set.
+    """
+    name = str(id_or_path)
+    check_model_reference(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    cached = _cached(name, revision)
+    if cached is not None:
+        return cached
     hint = suggest_repo(name)
-    if hint and " comes in " in hint:  # a size this family was never published in
-        raise MlxrlError(f"no model {name} on the Hugging Face Hub: {hint}")
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     if offline:
         raise MlxrlError(

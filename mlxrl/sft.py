@@ -1,12 +1,18 @@
 """`python -m mlxrl.sft`: supervised fine-tuning of a Qwen / Qwen-VL model (TRL's SFTTrainer flags).
 
     python -m mlxrl.sft                                    # embedded default: tiny Qwen3-VL learns a synthetic VQA task
+    python -m mlxrl.sft --model Qwen/Qwen3-VL-2B-Instruct  # smoke test of a real model: LoRA on the same task
     python -m mlxrl.sft --model Qwen/Qwen3-VL-2B-Instruct --dataset data.jsonl --use_peft --output_dir out
     python -m mlxrl.sft --config sft.yaml --learning_rate 1e-4   # CLI > YAML > defaults
 
 Every SFTConfig field is a flag (`--help` lists them). Errors print one line and exit with status 2
 (MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint (resume with
---resume_from_checkpoint last).
+--resume_from_checkpoint last). Flags, the YAML file and the dataset's rows are checked before the
+model loads.
+
+With --model and no --dataset, that model is fine-tuned (LoRA, a short run) on the embedded task:
+synthetic VQA for a vision-language model, its text variant (two coloured shapes described in words)
+for a text-only one; held-out exact match is printed before and after.
 """
 
 from __future__ import annotations
@@ -24,6 +30,12 @@ DEMO_OVERRIDES = {"learning_rate": 2e-3, "num_train_epochs": 1.0, "per_device_tr
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/sft-demo",
                   "assistant_only_loss": True}
 DEMO_TRAIN, DEMO_TEST = 1200, 200
+# With --model (a real checkpoint) and no --dataset: a short LoRA run on the same task, a smoke test
+# of the model on the user's machine (full fine-tuning at the tiny demo's learning rate would wreck it).
+MODEL_OVERRIDES = {"use_peft": True, "learning_rate": 2e-4, "max_steps": 30, "per_device_train_batch_size": 4,
+                   "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "logging_steps": 5, "save_steps": 0,
+                   "max_length": 512, "output_dir": "out/sft-smoke", "assistant_only_loss": True}
+MODEL_TRAIN, MODEL_TEST = 120, 48
 
 
 def _extra(parser):
@@ -33,21 +45,34 @@ def _extra(parser):
     parser.add_argument("--eval_dataset", default=None, help="evaluation data (same formats as --dataset)")
 
 
-def run_demo(args: SFTConfig, explicit: set) -> dict:
+def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None) -> dict:
+    """The embedded default (model_path None: the tiny Qwen3-VL), or a short LoRA run of `model_path` on
+    the same task (its text variant for a text-only model)."""
     import mlxrl
-    from mlxrl.data.synthetic import make_vqa
     from mlxrl.evaluate import exact_match, text_only_baseline
 
+    from .cli import demo_rows
     from .trainers.sft import SFTTrainer
 
-    apply_overrides(args, explicit, DEMO_OVERRIDES)
     t0 = time.perf_counter()
-    model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
-    train = make_vqa(DEMO_TRAIN, seed=args.seed, split="train")
-    test = make_vqa(DEMO_TEST, seed=args.seed + 1, split="test")
-    print(f"embedded default: tiny Qwen3-VL ({model.config['model_type']}), synthetic VQA "
-          f"{len(train)} train / {len(test)} held-out; a text-only model can reach "
-          f"{text_only_baseline(test):.0%}", flush=True)
+    if model_path is None:
+        apply_overrides(args, explicit, DEMO_OVERRIDES)
+        model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
+        n_train, n_test, name = DEMO_TRAIN, DEMO_TEST, "embedded default: tiny Qwen3-VL"
+    else:
+        model, processor = mlxrl.load(model_path, dtype=args.dtype)  # the model is checked first
+        apply_overrides(args, explicit, MODEL_OVERRIDES)
+        n_train = MODEL_TRAIN if args.max_steps < 1 else max(
+            8, args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps)
+        n_test, name = MODEL_TEST, f"{model_path}"
+    train = demo_rows(processor, n_train, seed=args.seed, split="train")
+    test = demo_rows(processor, n_test, seed=args.seed + 1, split="test")
+    if processor.image_processor is not None:
+        task = (f"synthetic VQA {len(train)} train / {len(test)} held-out; a text-only model can reach "
+                f"{text_only_baseline(test):.0%}")
+    else:
+        task = f"a text-only model: the synthetic colour task in words, {len(train)} train / {len(test)} held-out"
+    print(f"{name} ({model.config['model_type']}), {task}", flush=True)
     before = exact_match(model, processor, test)
     print(f"held-out exact match before training: {before:.1%}", flush=True)
     trainer = SFTTrainer(model=model, processor=processor, args=args, train_dataset=train)
@@ -68,17 +93,21 @@ def main(argv=None) -> int:
 
 
 def _main(ns) -> None:
+    from .cli import check_eval_data, each_row
+    from .data.formats import detect_format
     from .hub import MlxrlError
     from .trainers.sft import SFTTrainer
 
     args = config_from_args(SFTConfig, ns)
-    explicit = {k for k in vars(ns) if k not in ("model", "dataset", "dataset_split", "eval_dataset", "config")}
-    if ns.model is None and ns.dataset is None:
-        run_demo(args, explicit)
-        return
+    check_eval_data(ns, args)
+    explicit = ns.explicit_fields
     if ns.dataset is None:
-        raise MlxrlError("--dataset is required with --model (a local .jsonl/.json/.parquet file or a Hub dataset)")
-    model, processor, train, evaluation = load_model_and_rows(ns, args)
+        if ns.eval_dataset:
+            raise MlxrlError("--eval_dataset needs --dataset (the embedded task brings its own held-out rows)")
+        run_demo(args, explicit, ns.model)
+        return
+    model, processor, train, evaluation = load_model_and_rows(
+        ns, args, check_rows=each_row(lambda row, i: detect_format(row, i, args.dataset_text_field)))
     SFTTrainer(model=model, processor=processor, args=args, train_dataset=train, eval_dataset=evaluation).train()
     print(f"saved to {args.output_dir}", flush=True)
 

@@ -287,8 +287,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     code = sft_main(["--model", str(tmp_path / "nope"), "--dataset", str(tmp_path / "d.jsonl")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "no such local path" in err[0]
-    code = sft_main(["--model", "x/y"])
-    assert code == 2 and "--dataset is required" in capsys.readouterr().err
+    # --model without --dataset: the model is checked first (then trained on the embedded task)
+    code = sft_main(["--model", str(tmp_path / "nope")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no such local path" in err[0]
 
 
 def test_all_ignored_batch_names_rows(tiny_checkpoint, tmp_path):

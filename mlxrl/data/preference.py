@@ -48,8 +48,8 @@ from .formats import (
     check_messages,
 )
 
-__all__ = ["PreferenceExample", "extract_prompt", "tokenize_preference", "make_preference_batches",
-           "preference_batch"]
+__all__ = ["PreferenceExample", "check_preference_row", "extract_prompt", "tokenize_preference",
+           "make_preference_batches", "preference_batch"]
 
 
 @dataclass
@@ -119,6 +119,12 @@ def _columns(row: dict, index: int):
         raise DataError(f"{where}: 'chosen' and 'rejected' must each add at least one message after the prompt "
                         "they share")
     return prompt, chosen, rejected, conv
+
+
+def check_preference_row(row: dict, index: int) -> None:
+    """The row's columns and messages, checked without a tokenizer (before a model loads): a
+    one-line DataError naming the row, as `tokenize_preference` would raise."""
+    _columns(row, index)
 
 
 def _render_prompt(processor, prompt: list[dict], row: dict, index=None) -> str:

@@ -442,6 +442,7 @@ def config_from_args(cls, ns: argparse.Namespace):
     if getattr(ns, "config", None):
         values.update(read_yaml_config(ns.config, cls))
     values.update({f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+    ns.explicit_fields = set(values)  # what the user set (YAML or flags): demo settings must not replace them
     cfg = cls(**values)
     check_config(cfg, flags=True)
     check_optim(cfg)  # before any model is loaded
