@@ -294,14 +294,14 @@ def check_messages(messages, index, column: str = "messages") -> None:
                                 "a string")
 
 
-def check_prompt_rows(rows) -> None:
+def check_prompt_rows(rows, first_index: int = 0) -> None:
     """GRPO's prompt rows (TRL's format), checked before training: a dict with a 'prompt' (non-empty text
     or a message list), images only with a message-list prompt and as many as its image blocks, and the
     same columns in every row (each column goes to the reward functions as a list)."""
     if rows is None or len(rows) == 0:
         raise DataError("the dataset has no rows: GRPO needs rows with a 'prompt' column")
     first = None
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, first_index):
         if not isinstance(row, dict):
             raise DataError(f"row {i}: expected a dict of columns, got {type(row).__name__}")
         if "prompt" not in row:
@@ -316,6 +316,7 @@ def check_prompt_rows(rows) -> None:
         elif isinstance(prompt, list):
             check_messages(_chatml(prompt), i, "prompt")
             _fill_images(_chatml(prompt), images, i)
+            template_kwargs(row, i)
         else:
             raise DataError(f"row {i}: 'prompt' is {_short(prompt)} ({type(prompt).__name__}): use a string or a "
                             "list of messages")
@@ -326,8 +327,8 @@ def check_prompt_rows(rows) -> None:
             missing, extra = sorted(first - keys), sorted(keys - first)
             what = (f"lacks column(s) {', '.join(map(repr, missing))}" if missing
                     else f"has column(s) {', '.join(map(repr, extra))}")
-            raise DataError(f"row {i}: {what} that row 0 {'has' if missing else 'lacks'}: every row needs the same "
-                            "columns (each is passed to the reward functions)")
+            raise DataError(f"row {i}: {what} that row {first_index} {'has' if missing else 'lacks'}: every row needs "
+                            "the same columns (each is passed to the reward functions)")
 
 
 # -------------------------------------------------------------------------------------------- images
@@ -457,6 +458,24 @@ def _assistant_mask(text: str, offsets: np.ndarray) -> np.ndarray:
     return mask
 
 
+_RESERVED_TEMPLATE_KWARGS = {"tokenize", "return_tensors", "return_dict", "images", "tools", "messages",
+                             "conversation", "add_generation_prompt", "continue_final_message", "chat_template",
+                             "padding", "padding_side", "truncation", "max_length"}
+
+
+def template_kwargs(row: dict, index=None) -> dict:
+    """The row's ``chat_template_kwargs`` column (TRL's per-row template arguments), checked."""
+    where = f"row {index}" if index is not None else "row"
+    extra = row.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise DataError(f"{where}: 'chat_template_kwargs' must be a dict, got {type(extra).__name__}")
+    reserved = sorted(map(str, set(extra) & _RESERVED_TEMPLATE_KWARGS))
+    if reserved or not all(isinstance(k, str) for k in extra):
+        raise DataError(f"{where}: 'chat_template_kwargs' may not set {', '.join(reserved) or 'non-text keys'} "
+                        "(the trainer sets them)")
+    return extra
+
+
 def _render(processor, messages, row: dict, index=None, **kwargs) -> str:
     """The chat template applied to `messages` with the row's ``tools`` and ``chat_template_kwargs``
     columns; whatever goes wrong is one line naming the row."""
@@ -469,9 +488,7 @@ def _render(processor, messages, row: dict, index=None, **kwargs) -> str:
             raise DataError(f"{where}: 'tools' is not valid JSON ({e.msg} at column {e.colno})") from None
     if tools is not None and not isinstance(tools, list):
         raise DataError(f"{where}: 'tools' must be a list of tool schemas (or their JSON), got {type(tools).__name__}")
-    extra = row.get("chat_template_kwargs") or {}
-    if not isinstance(extra, dict):
-        raise DataError(f"{where}: 'chat_template_kwargs' must be a dict, got {type(extra).__name__}")
+    extra = template_kwargs(row, index)
     try:
         return processor.apply_chat_template(messages, tools=tools, **extra, **kwargs)
     except MlxrlError:

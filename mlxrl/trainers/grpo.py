@@ -51,7 +51,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from ..data.formats import _fill_images, _is_messages, _row_images, check_prompt_rows
+from ..data.formats import DataError, _chatml, _fill_images, _row_images, check_prompt_rows, template_kwargs
 from ..hub import MlxrlError
 from ..losses.grpo import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -477,21 +477,21 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ prompts
     def _render(self, row: dict, index: int) -> tuple[str, list, object]:
-        """(prompt text, images, the prompt as reward functions see it)."""
+        """(prompt text, images, the prompt as reward functions see it); the row was checked by
+        `check_prompt_rows`, and what the chat template still cannot render is one line naming it."""
+        check_prompt_rows([row], first_index=index)
         prompt = row["prompt"]
         images = _row_images(row)
         if isinstance(prompt, str):
-            if images:
-                raise ValueError(f"row {index}: images need a conversational prompt (a list of messages), as in TRL")
             return prompt, [], prompt
-        if not _is_messages(prompt):
-            raise ValueError(f"row {index}: 'prompt' must be a string or a list of messages")
-        messages, ordered = _fill_images([dict(m) for m in prompt], images, index)
-        kw = dict(row.get("chat_template_kwargs") or {})
-        if messages[-1].get("role") == "assistant":
-            text = self.processor.apply_chat_template(messages, continue_final_message=True, **kw)
-        else:
-            text = self.processor.apply_chat_template(messages, add_generation_prompt=True, **kw)
+        messages, ordered = _fill_images(_chatml(prompt), images, index)
+        kw = dict(template_kwargs(row, index))
+        kw["continue_final_message" if messages[-1].get("role") == "assistant" else "add_generation_prompt"] = True
+        try:
+            text = self.processor.apply_chat_template(messages, **kw)
+        except Exception as e:  # jinja's errors for what the template cannot render
+            raise DataError(f"row {index}: the chat template cannot render its prompt ({type(e).__name__}: "
+                            f"{_first_line(e)})") from None
         return text, ordered, messages
 
     def _round_indices(self, round_index: int) -> tuple[list[int], int, int]:
