@@ -238,3 +238,29 @@ def test_model_passes_its_checkpointing_flag(arch, tiny_checkpoint, monkeypatch)
         model.language_model.gradient_checkpointing = flag
         mx.eval(model.image_features(px, grid)[0])
         assert seen == [flag] * len(model.vision_tower.blocks)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpointing_compiles(arch, kernel_path):
+    """A compiled, checkpointed value_and_grad (state in and out, as the engine compiles its step) gives
+    the eager un-checkpointed gradients, and reuses its trace for the same grids."""
+    model = tower(arch, depth=3)
+    px, grid = inputs(arch, GRIDS["mixed"])
+    meta = model.metadata(grid)
+    traces = []
+
+    def loss_fn(m, px, meta):
+        traces.append(1)
+        return (merged(m(px, meta, checkpoint=True)) ** 2).sum()
+
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+    step = mx.compile(lambda px, meta: value_and_grad(model, px, meta), inputs=model.state, outputs=model.state)
+    for seed in (0, 1):
+        px, _ = inputs(arch, GRIDS["mixed"], seed)
+        loss, grads = step(px, meta)
+        mx.eval(loss, grads)
+        ref_loss, ref_grads = nn.value_and_grad(model, lambda m, x: (merged(m(x, meta)) ** 2).sum())(model, px)
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+        for (name, g), (_, r) in zip(tree_flatten(grads), tree_flatten(ref_grads), strict=True):
+            assert float(mx.abs(g - r).max()) <= 1e-5 * max(1e-3, float(mx.abs(r).max())), name
+    assert len(traces) == 1
