@@ -276,8 +276,8 @@ def test_a_second_run_in_one_output_dir(tiny_checkpoint, tmp_path):
         p.mkdir()
 
     model, processor = mlxrl.load(folder)
-    args = config(out, use_peft=True, lora_r=4, max_steps=4, save_steps=1, save_total_limit=2)
-    args.overwrite_output_dir = True  # HF's flag (a config field; set on the instance to test the engine alone)
+    args = config(out, use_peft=True, lora_r=4, max_steps=4, save_steps=1, save_total_limit=2,
+                  overwrite_output_dir=True)
     SFTTrainer(model, processor, args, train_dataset=ROWS).train()
     names = sorted(p.name for p in out.iterdir())
     assert "notes.txt" in names and (out / "checkpoint-99" / "model.bin").read_text() == "someone else's"
@@ -286,6 +286,27 @@ def test_a_second_run_in_one_output_dir(tiny_checkpoint, tmp_path):
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]  # the first run's metrics are gone, not mixed in
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_cli_second_run_refused_then_overwritten(tiny_checkpoint, tmp_path, capsys):
+    from mlxrl.sft import main as sft_main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_checkpoint("qwen3")), "--dataset", str(data), "--output_dir", str(out),
+            "--use_peft", "true", "--max_steps", "2", "--save_steps", "1", "--disable_tqdm", "true",
+            "--compile", "false", "--gradient_checkpointing", "false", "--max_length", "64"]
+    assert sft_main(argv) == 0
+    capsys.readouterr()
+    first = listing(out)
+    assert sft_main(argv) == 2
+    assert "holds another run (checkpoint-1, checkpoint-2" in one_line_error(capsys)
+    assert listing(out) == first
+    (out / "keep.md").write_text("mine")
+    assert sft_main([*argv, "--max_steps", "1", "--overwrite_output_dir", "true"]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert (out / "keep.md").read_text() == "mine" and len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 def test_resume_cuts_metrics_back_and_last_picks_this_run(tiny_checkpoint, tmp_path):
