@@ -268,9 +268,20 @@ def check_messages(messages, index, column: str = "messages") -> None:
         if not isinstance(role, str) or role not in ROLES:
             hint = " (ShareGPT's human/gpt are user/assistant)" if role in ("human", "gpt") else ""
             raise DataError(f"{at} has role {_short(role)}: use {', '.join(ROLES)}{hint}")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise DataError(f"{at} ({role}) has tool_calls {_short(calls)}: only assistant messages call tools, "
+                                "with a list of {'function': {'name', 'arguments'}}")
+            for j, call in enumerate(calls):
+                f = call.get("function", call) if isinstance(call, dict) else None
+                if not (isinstance(f, dict) and isinstance(f.get("name"), str)
+                        and isinstance(f.get("arguments"), (str, dict))):
+                    raise DataError(f"{at} tool call {j} is {_short(call)}: use {{'function': {{'name': str, "
+                                    "'arguments': dict or JSON text}}")
         content = m.get("content")
         if content is None:
-            if role == "assistant" and m.get("tool_calls"):
+            if role == "assistant" and calls:
                 continue
             state = "no 'content'" if "content" not in m else "content null"
             raise DataError(f"{at} ({role}) has {state}: give it text (\"\" for an empty turn) or a list of blocks")
@@ -294,6 +305,12 @@ def check_messages(messages, index, column: str = "messages") -> None:
                                 "a string")
 
 
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(b.get("text", "") for b in content or [] if isinstance(b, dict) and isinstance(b.get("text"), str))
+
+
 def check_prompt_rows(rows, first_index: int = 0) -> None:
     """GRPO's prompt rows (TRL's format), checked before training: a dict with a 'prompt' (non-empty text
     or a message list), images only with a message-list prompt and as many as its image blocks, and the
@@ -314,9 +331,14 @@ def check_prompt_rows(rows, first_index: int = 0) -> None:
             if images:
                 raise DataError(f"row {i}: images need a conversational prompt (a list of messages), as in TRL")
         elif isinstance(prompt, list):
-            check_messages(_chatml(prompt), i, "prompt")
-            _fill_images(_chatml(prompt), images, i)
+            messages = _chatml(prompt)
+            check_messages(messages, i, "prompt")
+            _fill_images(messages, images, i)
             template_kwargs(row, i)
+            last = messages[-1]
+            if last["role"] == "assistant" and not _text_of(last.get("content")).strip():
+                raise DataError(f"row {i}: the prompt ends with an assistant message without text for the completion "
+                                "to continue; end it with a user message, or give the assistant's opening words")
         else:
             raise DataError(f"row {i}: 'prompt' is {_short(prompt)} ({type(prompt).__name__}): use a string or a "
                             "list of messages")

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import re
 import sys
 import types
 import typing
@@ -145,6 +146,8 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # `--adam_epsilon -1e-8` is a value, not a flag (argparse's own pattern misses exponents and inf)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.I)
 
     def error(self, message):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
