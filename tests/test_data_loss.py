@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from mlxrl.__main__ import main as mlxrl_main
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.hub import MlxrlError
 from mlxrl.models import lora as lora_lib
+from mlxrl.trainers import engine as engine_lib
 from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.optim import make_optimizer
 from mlxrl.trainers.sft import SFTTrainer
@@ -518,3 +520,47 @@ def test_a_bad_image_mid_run_keeps_the_finished_steps(tiny_checkpoint, tmp_path)
     res = run_cli("mlxrl.sft", sft_cli(folder, data, out, "--resume_from_checkpoint", "last", vl=True))
     assert res.returncode == 0, res.stderr[-2000:]
     assert_same(adapter(out), want)
+
+
+def test_grpo_sigterm_mid_generation_cycle_resumes_exactly(tiny_checkpoint, tmp_path, monkeypatch):
+    """GRPO runs its own loop (generation rounds) over the engine's step: SIGTERM during an update stops
+    after it with a checkpoint, and the resumed run (regenerating the round it was in) ends with the
+    uninterrupted run's weights."""
+    from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    folder = tiny_checkpoint("qwen3")
+    prompts = [{"prompt": p} for p in ("The sky is", "One plus one is", "Paris is the capital of", "Water boils at")]
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    def run(out, **kw):
+        model, processor = mlxrl.load(folder)
+        args = GRPOConfig(output_dir=str(tmp_path / out), gradient_checkpointing=False, compile=False,
+                          disable_tqdm=True, save_steps=0, logging_steps=1, per_device_train_batch_size=4,
+                          num_generations=4, max_completion_length=6, seed=0, use_peft=True, lora_r=4,
+                          learning_rate=1e-2, max_steps=4, steps_per_generation=2, **kw)
+        trainer = GRPOTrainer(model, processor, args, train_dataset=prompts, reward_funcs=reward)
+        return trainer, trainer.train
+
+    trainer, train = run("full")
+    train()
+    want = {k: np.array(v) for k, v in trainer.trainable_state().items()}
+
+    trainer, train = run("run")
+    update = trainer._update
+
+    def update_then_term(grads):
+        if trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # inside step 3's update, the middle of a generation round
+        return update(grads)
+
+    monkeypatch.setattr(trainer, "_update", update_then_term)
+    with pytest.raises(engine_lib.TrainingInterrupted):
+        train()
+    assert signal.getsignal(signal.SIGTERM) is not trainer._on_signal  # handlers restored
+    trainer, train = run("run", resume_from_checkpoint="last")
+    train()
+    assert trainer.log_history[2]["step"] == 3  # the interrupted step's log entry came back with the checkpoint
+    got = {k: np.array(v) for k, v in trainer.trainable_state().items()}
+    assert_same(got, want)

@@ -2,8 +2,9 @@
 one run per output_dir (the Hugging Face scripts' rule).
 
 A checkpoint is `output_dir/checkpoint-<step>/` with trainable.safetensors (the trained weights),
-optimizer.safetensors (moments, master copies, step count) and trainer_state.json (step, data
-position, log history, the run's id and `mlxrl`: the record below). The record says what the
+optimizer.safetensors (moments, master copies, step count), trainer_state.json (step, data
+position, log history, the run's id and `mlxrl`: the record below) and, where the batch source
+needs it, batch_source.safetensors (GRPO: the generation round being trained on). The record says what the
 checkpoint belongs to: trainer kind, model type and config, full or LoRA (r, alpha, targets, DoRA),
 the trainable parameters' names and shapes, dtype, master_weights and optimizer. A resume compares
 it field by field with the run being started and refuses the first difference in one line that
@@ -30,7 +31,7 @@ from ..atomic import MARKER, check_save_target, clean_stale, read_marker, write_
 from ..hub import MlxrlError
 
 CHECKPOINT_PREFIX = "checkpoint-"
-CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "trainer_state.json")
+CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "trainer_state.json", "batch_source.safetensors")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER_RE = re.compile(r"^\.(checkpoint-\d+|metrics\.jsonl|model|merged|adapter|mlxrl_save\.json)\.(?:tmp|old)-")
 # what the final LoRA save writes into output_dir (the adapter and the processor's files)
@@ -186,7 +187,7 @@ def _hf_trainer_checkpoint(path: Path) -> bool:
     return not (path / "trainable.safetensors").exists() and any((path / n).exists() for n in hf)
 
 
-def _load(path: Path, name: str, what: str) -> dict:
+def load_file(path: Path, name: str, what: str) -> dict:
     f = path / name
     if not f.exists():
         raise MlxrlError(f"--resume_from_checkpoint {path} has no {name} ({what}): it is incomplete; resume from an "
@@ -217,8 +218,8 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     if state is None:
         raise MlxrlError(f"{where}: trainer_state.json is truncated or not an mlxrl trainer state; resume from an "
                          "earlier checkpoint")
-    weights = _load(path, "trainable.safetensors", "the trained weights")
-    opt = _load(path, "optimizer.safetensors", "the optimizer state an exact resume needs")
+    weights = load_file(path, "trainable.safetensors", "the trained weights")
+    opt = load_file(path, "optimizer.safetensors", "the optimizer state an exact resume needs")
     return state, weights, opt
 
 

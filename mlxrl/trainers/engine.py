@@ -204,6 +204,15 @@ class Trainer:
     def evaluate(self) -> dict:
         return {}
 
+    def batch_source_state(self) -> dict[str, np.ndarray]:
+        """Arrays the batch source needs to resume exactly from the current step, saved with the
+        checkpoint (GRPO: a generation round half trained on). Default: none (batches are a function
+        of the seed, the epoch and the position)."""
+        return {}
+
+    def load_batch_source_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore what `batch_source_state` returned (called by a resume)."""
+
     # ------------------------------------------------------------------ training loop
     def _plan(self):
         batches0 = self.make_batches(0)
@@ -643,9 +652,13 @@ class Trainer:
                  "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
                  "mlxrl": checkpoint_lib.run_record(self)}
 
+        source = {k: mx.array(v) for k, v in self.batch_source_state().items()}
+
         def write(tmp: Path) -> None:
             mx.save_safetensors(str(tmp / "trainable.safetensors"), trainable)
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+            if source:
+                mx.save_safetensors(str(tmp / "batch_source.safetensors"), source)
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
         with self._critical():  # Ctrl-C waits for the checkpoint (then stops with it)
@@ -693,6 +706,9 @@ class Trainer:
         saved = int(state.get("world_size", 1)) * saved_batch
         self.batch_in_epoch = self.batch_in_epoch * saved // here_batch
         self.log_history = list(state.get("log_history", []))
+        if (path / "batch_source.safetensors").exists():
+            source = checkpoint_lib.load_file(path, "batch_source.safetensors", "the batch source's state")
+            self.load_batch_source_state({k: np.array(v) for k, v in source.items()})
         self.run_id = state.get("run_id") or self.run_id
         if path.resolve().parent == self.output_dir.resolve():
             self._saved_step = self.global_step  # this checkpoint is this run's

@@ -771,6 +771,27 @@ class GRPOTrainer(Trainer):
         # mean-type losses: TRL divides each micro-batch's mean by grad_accum (num_items sums 1 per micro-batch)
         return (loss if token_sum else loss / num_items), metrics
 
+    # ------------------------------------------------------------------ resume
+    def batch_source_state(self) -> dict[str, np.ndarray]:
+        """Mid-round, the round being trained on: it was generated (and scored, and its old/reference
+        log-probs computed) with earlier weights, so regenerating it on resume would train on other
+        completions."""
+        micro = self.global_step * self.args.gradient_accumulation_steps
+        if self._buffer is None or micro % (self.steps_per_generation * self.args.num_iterations) == 0:
+            return {}
+        out = {f"uses.{i}": np.array(u) for i, u in enumerate(self._uses)}
+        out.update({f"round.{i}.{k}": np.asarray(v) for i, mb in enumerate(self._buffer) for k, v in mb.items()})
+        return out
+
+    def load_batch_source_state(self, arrays: dict[str, np.ndarray]) -> None:
+        n = len([k for k in arrays if k.startswith("uses.")])
+        self._uses = [int(arrays[f"uses.{i}"]) for i in range(n)]
+        self._buffer = [{} for _ in range(n)]
+        for key, v in arrays.items():
+            if key.startswith("round."):
+                _, i, name = key.split(".", 2)
+                self._buffer[int(i)][name] = v.item() if v.ndim == 0 else v
+
     # ------------------------------------------------------------------ the loop (generation on this thread)
     def _plan(self):
         a = self.args
