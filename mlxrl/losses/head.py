@@ -55,10 +55,19 @@ def default_chunk_size(n_rows: int, vocab_size: int, tile_bytes: int = TILE_BYTE
     return int(min(vocab_size, max(128, cols // 128 * 128)))
 
 
-def _tile(h, weight, inv_t):
-    # float32 operands: a bf16 matmul would round every logit to bf16 (steps of 0.03-0.06 at |z| 4-8)
-    # before the float32 statistics; the cast is [C, D] per tile against the [N, C, D] matmul
-    z = h.astype(mx.float32) @ weight.astype(mx.float32).T
+def _weight_tile(weight, s, e, after=()):
+    """weight[s:e] in float32, cast only once the arrays in `after` exist: a cast depends on the
+    weight alone, so MLX would otherwise schedule every tile's cast first (the whole [V, D] in
+    float32 at once when the weight is bf16).
+
+    float32 operands: a bf16 matmul would round every logit to bf16 (steps of 0.03-0.06 at |z| 4-8)
+    before the float32 statistics; the cast is [C, D] per tile against the [N, C, D] matmul."""
+    w = weight[s:e]
+    return (mx.depends(w, list(after)) if after else w).astype(mx.float32)
+
+
+def _tile(h, w32, inv_t):
+    z = h.astype(mx.float32) @ w32.T
     return z * inv_t if inv_t != 1.0 else z
 
 
@@ -76,12 +85,13 @@ def _exp_shift(z, m):
     return fastmath.exp(z - m) if fastmath.uses_native(z) else _fused_exp_shift(z, m)
 
 
-def _online_stats(h, weight, s, e, inv_t, stats, with_entropy):
+def _online_stats(h, w32, s, inv_t, stats, with_entropy):
     """Fold vocab tile [s, e) into each row's running (max, sum exp, sum exp*z, argmax).
 
     Passes over the [N, C] tile (MLX's CPU elementwise ops run on one core): argmax (the max is
     gathered from it), one fused exp, and the row sums as BLAS gemvs."""
-    z = _tile(h, weight[s:e], inv_t)  # [N, C]
+    z = _tile(h, w32, inv_t)  # [N, C]
+    e = s + w32.shape[0]
     m_old, sum_old, zsum_old, arg_old = stats
     tile_arg = mx.argmax(z, -1).astype(mx.int32)
     tile_max = mx.take_along_axis(z, tile_arg[:, None], -1)[:, 0]
@@ -110,10 +120,11 @@ def _dz_core(z, lse, ent, g, ge, t, cols):
     return g[:, None] * (onehot - p) - ge[:, None] * p * (logp_all + ent[:, None])
 
 
-def _tile_dz(h, weight, s, e, t, lse, ent, g_logp, g_ent, inv_t):
+def _tile_dz(h, w32, s, t, lse, ent, g_logp, g_ent, inv_t):
     """Gradient of sum(g*logp + e*H) w.r.t. the logits of vocab tile [s, e) (float32 [N, C]),
     already scaled by 1/T (the chain rule through z = h W^T / T)."""
-    z = _tile(h, weight[s:e], inv_t)
+    z = _tile(h, w32, inv_t)
+    e = s + w32.shape[0]
     g = g_logp * inv_t
     ge = mx.zeros_like(g) if g_ent is None else g_ent * inv_t
     return _dz_core(z, lse, ent, g, ge, t, mx.arange(s, e))
@@ -136,7 +147,7 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool, weight_g
         h32 = hidden.astype(mx.float32)
         for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
             h = mx.depends(h32, list(stats))  # run tiles in order: each waits for the previous stats
-            stats = _online_stats(h, weight, s, e, inv_t, stats, with_entropy)
+            stats = _online_stats(h, _weight_tile(weight, s, e, stats), s, inv_t, stats, with_entropy)
         logp, ent, lse = _finish(stats, _target_logit(hidden, weight, targets, inv_t), with_entropy)
         return logp, ent, lse, stats[3]
 
@@ -151,9 +162,10 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool, weight_g
         dws = []
         for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
             # the next tile waits for everything the previous one produced, so its [N, C] tiles die first
-            h = mx.depends(h32, [dh] + dws[-1:])  # noqa: B023
-            dz = _tile_dz(h, weight, s, e, targets, lse, ent, g_logp, g_ent if with_entropy else None, inv_t)
-            dh = dh + dz @ weight[s:e].astype(mx.float32)
+            after = [dh] + dws[-1:]
+            h, w32 = mx.depends(h32, after), _weight_tile(weight, s, e, after)
+            dz = _tile_dz(h, w32, s, targets, lse, ent, g_logp, g_ent if with_entropy else None, inv_t)
+            dh = dh + dz @ w32
             if weight_grad:
                 dws.append((dz.T @ h32).astype(weight.dtype))
         dw = mx.concatenate(dws) if weight_grad else mx.zeros_like(weight)
@@ -247,7 +259,7 @@ def streamed_logprobs(hidden, weight, targets, *, temperature=1.0, chunk_size=No
     h = hidden[rows].astype(mx.float32)
     stats = _init_stats(rows_np.size)
     for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v)):
-        stats = _online_stats(h, weight, s, e, inv_t, stats, with_entropy)
+        stats = _online_stats(h, _weight_tile(weight, s, e), s, inv_t, stats, with_entropy)
         mx.eval(stats)
     outs = _finish(stats, _target_logit(h, weight, t, inv_t), with_entropy)
     full = [mx.zeros((n,), mx.float32).at[rows].add(o) for o in outs]
@@ -270,8 +282,9 @@ def streamed_head_backward(hidden, weight, targets, lse, entropy, g_logp, g_entr
     dh = mx.zeros(h32.shape, mx.float32)
     dw = mx.zeros(weight.shape, weight.dtype)
     for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v)):
-        dz = _tile_dz(h32, weight, s, e, t, lse, ent, g, ge, inv_t)
-        dh = dh + dz @ weight[s:e].astype(mx.float32)
+        w32 = _weight_tile(weight, s, e)
+        dz = _tile_dz(h32, w32, s, t, lse, ent, g, ge, inv_t)
+        dh = dh + dz @ w32
         dw[s:e] = (dz.T @ h32).astype(weight.dtype)
         mx.eval(dh, dw)
     d_hidden = mx.zeros(hidden.shape, mx.float32).at[rows].add(dh).astype(hidden.dtype)
@@ -332,7 +345,10 @@ def _two_phase(trunk, head_weight, params, head):
 # Fused loss + gradients over row chunks (one pass: 3 matmuls per chunk, like the naive head)
 # --------------------------------------------------------------------------------------------
 
-ROW_TILE_BYTES = 160 << 20  # default budget for one float32 [rows, vocab] tile of the fused path
+ROW_TILE_BYTES = 160 << 20  # default budget for the native fused head's one reused [rows, vocab] tile
+# The graph's row chunks are smaller: MLX allocates a kernel's output when it dispatches it, ahead of
+# execution, so about five [rows, vocab] tiles (two chunks' z and ez, and the next chunk's z) are live.
+GRAPH_ROW_TILE_BYTES = 48 << 20
 
 
 def default_chunk_rows(vocab_size: int, tile_bytes: int = ROW_TILE_BYTES) -> int:
@@ -364,33 +380,35 @@ def _callable_grad(token_loss):
 
 
 def _fused_chunk(h, weight, t, inv_t, w, args, grad_fn, with_entropy, dw):
-    """Loss, logp, entropy, argmax, d_hidden of one row chunk, and d_weight accumulated into `dw`.
+    """Loss, logp, entropy, argmax, d_hidden of one row chunk, and d_weight accumulated into `dw`
+    when one is given (the eager path); also each row's logsumexp and g = d loss / d logp.
 
     z = h W^T / T [Nc, V] holds the chunk's exact logsumexp, so the loss's gradient w.r.t. each
     logp is known here and dz = g (onehot - p) never needs the logits again:
         ez = exp(z - max),  s = sum ez,  a = -g / s,  dz = a (ez - s onehot)
-        dh = (a / T) (ez' W),  dW += ez'^T (a h / T)      with ez' = ez - s onehot
-    (the row scale a is folded into the [Nc, D] operands: no extra pass over the tile)."""
+        dh = (a / T) (ez W - s W[t]),  dW += ez^T (a h / T) - scatter(t, s a h / T)
+    (the row scale a is folded into the [Nc, D] operands and the one-hot term is a gather of W's
+    target rows: two [Nc, V] tiles, z and ez, are the chunk's whole tile memory)."""
     hs = h.astype(mx.float32) * inv_t if inv_t != 1.0 else h.astype(mx.float32)
     z = hs @ weight.T  # [Nc, V] (weight: float32, cast once by the caller)
     arg = mx.argmax(z, -1).astype(mx.int32)
     m = mx.take_along_axis(z, arg[:, None], -1)  # [Nc, 1]
+    zt = mx.take_along_axis(z, t[:, None], -1)[:, 0]
     ez = _exp_shift(z, m)
     s = ez @ mx.ones((z.shape[1],), mx.float32)  # row sums as a gemv (multi-threaded BLAS, one read)
     lse = m[:, 0] + mx.log(s)
-    zt = mx.take_along_axis(z, t[:, None], -1)  # [Nc, 1]
-    logp = zt[:, 0] - lse
+    logp = zt - lse
     if with_entropy:  # H = lse - sum(ez z) / s, the row dot as a batched gemv
         ent = lse - (ez[:, None, :] @ z[:, :, None])[:, 0, 0] / s
     else:
         ent = mx.zeros_like(lse)
     loss, g = grad_fn(logp, w, *args)
     a = -g / s
-    ez = mx.put_along_axis(ez, t[:, None], mx.exp(zt - m) - s[:, None], -1)  # ez - s onehot(t)
-    dh = (a * inv_t)[:, None] * (ez @ weight)
+    dh = (a * inv_t)[:, None] * (ez @ weight - s[:, None] * weight[t])
     if dw is not None:
-        dw = mx.addmm(dw, ez.T, a[:, None] * hs)
-    return loss.sum(), logp, ent, arg, dh, dw
+        ahs = a[:, None] * hs
+        dw = mx.addmm(dw, ez.T, ahs).at[t].add(-s[:, None] * ahs)
+    return loss.sum(), logp, ent, arg, dh, dw, lse, g
 
 
 _NATIVE_MODES = {_nll_grad: 0, _dft_grad: 1}  # the token losses mlxrl's native fused head computes
@@ -398,8 +416,7 @@ _NATIVE_MODES = {_nll_grad: 0, _dft_grad: 1}  # the token losses mlxrl's native 
 
 def _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad):
     """The whole row-chunk loop as one native CPU kernel (float32 CPU arrays, nll / dft), or None:
-    one tile buffer for every chunk and d_weight accumulated in place, where the MLX graph below
-    holds a new d_weight per chunk (the `mx.depends` that orders the chunks keeps the old one alive)."""
+    one tile buffer for every chunk and d_weight accumulated in place (3 matmuls, one [V, D] gradient)."""
     mode = _NATIVE_MODES.get(grad_fn)
     kernels = fastmath.kernels_for(hidden)
     if mode is None or kernels is None or not hasattr(kernels, "fused_head") or weight.dtype != mx.float32 \
@@ -412,35 +429,70 @@ def _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_e
 
 
 def _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, eager):
-    """All row chunks; eager: an mx.eval per chunk; lazy: chunks chained with mx.depends."""
+    """All row chunks. Returns (loss, logp, entropy, argmax, d_hidden, d_weight, lse, g).
+
+    eager (an mx.eval per chunk): d_weight is accumulated chunk by chunk with `addmm` into one buffer
+    (each evaluated chunk leaves it the sole owner, so MLX donates it to the next addmm).
+    lazy (one graph, chunks chained with mx.depends): d_weight is NOT computed here (None); the
+    caller gets each row's logsumexp and d loss / d logp `g` and builds it with
+    `_vocab_weight_grad`. Inside one graph MLX cannot accumulate in place: it checks donation when a
+    kernel is dispatched, and the node that orders chunk k+1 after chunk k's addmm still holds the
+    accumulator then (dispatch runs ahead of execution), so every chunk allocated a new [V, D]."""
     native = None if args else _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_entropy,
                                              weight_grad)
     if native is not None:
         if eager:
             mx.eval(*native)
-        return native
+        return (*native, None, None)
     n, v = hidden.shape[0], weight.shape[0]
     w32 = weight.astype(mx.float32)  # once per call, not twice per row chunk (each cast: a [V, D] f32 copy)
-    dw = mx.zeros(weight.shape, mx.float32) if weight_grad else None
+    dw = mx.zeros(weight.shape, mx.float32) if weight_grad and eager else None
     loss = mx.zeros((), mx.float32)
     outs = []
-    for s, e in _bounds(n, chunk_rows or default_chunk_rows(v)):
+    for s, e in _bounds(n, chunk_rows or default_chunk_rows(v, GRAPH_ROW_TILE_BYTES)):
         h = hidden[s:e]
         if not eager and outs:
-            # the next chunk waits for ALL of the previous one's outputs (dw included), so its tiles
-            # die first. Measured: without dw here the addmm chain runs last and keeps every
-            # chunk's tile alive (peak grows with N).
-            h = mx.depends(h, [loss, *outs[-1]] + ([dw] if dw is not None else []))
-        c_loss, logp, ent, arg, dh, dw = _fused_chunk(h, w32, targets[s:e], inv_t, w[s:e],
-                                                      [a[s:e] for a in args], grad_fn, with_entropy, dw)
+            # the next chunk waits for ALL of the previous one's outputs, so its tiles die first
+            h = mx.depends(h, [loss, *outs[-1]])
+        c_loss, logp, ent, arg, dh, dw, lse, g = _fused_chunk(h, w32, targets[s:e], inv_t, w[s:e],
+                                                              [a[s:e] for a in args], grad_fn, with_entropy, dw)
         loss = loss + c_loss
-        outs.append((logp, ent, arg, dh))
+        outs.append((logp, ent, arg, dh, lse, g))
         if eager:
             mx.eval(loss, outs[-1], dw if dw is not None else [])
-    logp, ent, arg, dh = (mx.concatenate(x) for x in zip(*outs, strict=True))
-    if dw is None:
+    logp, ent, arg, dh, lse, g = (mx.concatenate(x) for x in zip(*outs, strict=True))
+    if dw is not None:
+        dw = dw.astype(weight.dtype)
+    elif eager:
         dw = mx.zeros_like(weight)
-    return loss, logp, ent, arg, dh.astype(hidden.dtype), dw.astype(weight.dtype)
+    return loss, logp, ent, arg, dh.astype(hidden.dtype), dw, lse, g
+
+
+def _vocab_weight_grad(hidden, weight, targets, lse, g, inv_t, chunk=None):
+    """d_weight [V, D] (in the weight's dtype) of sum_i g_i logp_i, one vocab tile at a time:
+
+        dW[s:e] = (g (onehot(t) - exp(z - lse)))^T (h / T),    z = (h / T) W[s:e]^T    (float32)
+
+    Each tile's rows of d_weight are written once, so nothing is accumulated: the pieces (one [V, D]
+    in all) and their concatenation are the whole weight-gradient memory, flat in N, whatever the
+    weight's dtype. The tiles are chained with mx.depends (each waits for the previous piece) so
+    one [N, chunk] tile and one float32 slice of the weight are live at a time. The price: the
+    logits are computed a second time (4 matmuls for the head instead of 3)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    hs = hidden.astype(mx.float32)
+    hs = hs * inv_t if inv_t != 1.0 else hs
+    pieces = []
+    for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
+        z = mx.depends(hs, pieces[-1:]) @ _weight_tile(weight, s, e, pieces[-1:]).T  # [N, C]
+        dz = _dz_nll(z, lse, g, targets, mx.arange(s, e, dtype=mx.int32))
+        pieces.append((dz.T @ hs).astype(weight.dtype))
+    return mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+
+@mx.compile
+def _dz_nll(z, lse, g, t, cols):
+    """g (onehot(t) - p) over a [N, C] logit tile, p = exp(z - lse), in one fused pass."""
+    return g[:, None] * ((cols[None, :] == t[:, None]).astype(mx.float32) - mx.exp(z - lse[:, None]))
 
 
 def _fused_setup(hidden, targets, loss_type, num_items, token_weights, token_args, skip_ignored):
@@ -475,26 +527,52 @@ def _scatter_rows(n, rows, logp, ent, arg, dh):
     return (*full, None if dh is None else mx.zeros((n, dh.shape[1]), dh.dtype).at[r].add(dh))
 
 
-def _make_fused(grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, n_args):
+def _make_fused(grad_fn, inv_t, chunk_rows, with_entropy, weight_grad, n_args, chunk_size=None):
     @mx.custom_function
     def fn(hidden, weight, targets, w, *args):
-        loss, logp, ent, arg, dh, dw = _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t, chunk_rows,
-                                                  with_entropy, weight_grad, eager=False)
+        loss, logp, ent, arg, dh, dw, lse, g = _fused_run(hidden, weight, targets, w, args, grad_fn, inv_t,
+                                                          chunk_rows, with_entropy, weight_grad, eager=False)
+        if dw is not None:  # the native kernel: d_weight made in the forward, in place
+            tail = (dw if weight_grad else mx.zeros((), weight.dtype), mx.zeros((), mx.float32))
+        else:  # the graph: the VJP builds d_weight from each row's lse and g (and scales g, not a [V, D])
+            tail = (lse, g)
         # a frozen head's zero gradient is made in the VJP, not kept as an output (outputs are evaluated)
-        return loss, logp, ent, arg, dh, dw if weight_grad else mx.zeros((), weight.dtype)
+        return loss, logp, ent, arg, dh, *tail
 
     @fn.vjp
     def fn_vjp(primals, cotangents, outputs):
         hidden, weight, targets, w, *args = primals
         c = cotangents[0]  # only the loss is differentiable; logp / entropy / argmax are metrics
-        dh, dw = outputs[4], outputs[5]
+        dh = outputs[4]
         # gradients in their primal's dtype (a float32 `c` would promote a bf16 weight's gradient)
         dh = dh * c.astype(dh.dtype)
-        dw = dw * c.astype(dw.dtype) if weight_grad else mx.zeros_like(weight)
+        if not weight_grad:
+            dw = mx.zeros_like(weight)
+        elif outputs[5].shape == weight.shape:
+            dw = outputs[5] * c.astype(weight.dtype)
+        else:
+            dw = _vocab_weight_grad(hidden, weight, targets, outputs[5], outputs[6] * c.astype(mx.float32), inv_t,
+                                    chunk_size)
         return (dh, dw, mx.zeros_like(targets), mx.zeros_like(w),
                 *(mx.zeros_like(a) for a in args))
 
     return fn
+
+
+def _frozen_low_precision(hidden, weight, targets, w, args, grad_fn, temperature, with_entropy, chunk_size):
+    """A frozen bf16 head: the vocab-tiled `head_logprobs` (each tile casts only its [C, D] slice of
+    the weight to float32) and the token loss on its log-probs, whose gradient w.r.t. each logp is
+    the same g as the fused pass's. The row-chunked pass needs the whole weight in float32 (a [V, D]
+    float32 copy, twice the bf16 weight) to compute float32 logits; this costs one more matmul
+    (3 instead of 2) and holds only tiles. Loss = sum l_i with d loss / d logp_i = g_i."""
+    out = head_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=with_entropy,
+                        return_argmax=True, skip_ignored=False, weight_grad=False, chunk_size=chunk_size)
+    logp, arg = out[0], out[-1]
+    ent = out[1] if with_entropy else mx.zeros_like(logp)
+    lp = mx.stop_gradient(logp)
+    token_loss, g = grad_fn(lp, w, *args)
+    loss = mx.stop_gradient((token_loss - g * lp).sum()) + (mx.stop_gradient(g) * logp).sum()
+    return loss, lp, ent, arg
 
 
 def fused_head_loss(
@@ -511,6 +589,7 @@ def fused_head_loss(
     with_entropy: bool = True,
     skip_ignored: bool = True,
     weight_grad: bool = True,
+    chunk_size: int | None = None,
 ):
     """The LM head and a token-separable loss in ONE streamed pass over row chunks, differentiable
     w.r.t. hidden and weight (`mx.custom_function`: the forward also produces the gradients, the
@@ -525,6 +604,9 @@ def fused_head_loss(
     num_items: trained tokens in the whole accumulated batch (TRL's normaliser; default this batch's).
     Returns (loss, logp [N], entropy [N], argmax [N]); only the loss carries a gradient (the others
     are metrics: ignored rows get 0 / 0 / -1). skip_ignored / weight_grad as in `head_logprobs`.
+    chunk_rows: rows per chunk of the row pass; chunk_size: vocab columns per tile of the graph
+    path's vocab passes (the trainable weight's gradient, a frozen bf16 head); defaults bound each
+    float32 tile (`GRAPH_ROW_TILE_BYTES`, `TILE_BYTES`).
     """
     n = hidden.shape[0]
     rows, h, t, w, args, grad_fn = _fused_setup(hidden, targets, loss_type, num_items, token_weights, token_args,
@@ -532,8 +614,12 @@ def fused_head_loss(
     if h.shape[0] == 0:
         z = mx.zeros((n,), mx.float32)
         return (hidden * 0).sum() + (weight * 0).sum(), z, z, mx.full((n,), -1, mx.int32)
-    fn = _make_fused(grad_fn, 1.0 / temperature, chunk_rows, with_entropy, weight_grad, len(args))
-    loss, logp, ent, arg, _, _ = fn(h, weight, t, w, *args)
+    if not weight_grad and weight.dtype != mx.float32:
+        loss, logp, ent, arg = _frozen_low_precision(h, weight, t, w, args, grad_fn, temperature, with_entropy,
+                                                     chunk_size)
+    else:
+        fn = _make_fused(grad_fn, 1.0 / temperature, chunk_rows, with_entropy, weight_grad, len(args), chunk_size)
+        loss, logp, ent, arg, *_ = fn(h, weight, t, w, *args)
     logp, ent, arg, _ = _scatter_rows(n, rows, logp, ent, arg, None)
     if rows is None and not skip_ignored:
         keep = targets != IGNORE_INDEX
@@ -552,8 +638,8 @@ def fused_head_grads(hidden, weight, targets, *, loss_type="nll", num_items=None
         z = mx.zeros((n,), mx.float32)
         return mx.zeros((), mx.float32), (z, z, mx.full((n,), -1, mx.int32)), mx.zeros_like(hidden), \
             mx.zeros_like(weight)
-    loss, logp, ent, arg, dh, dw = _fused_run(h, weight, t, w, args, grad_fn, 1.0 / temperature, chunk_rows,
-                                              with_entropy, weight_grad, eager=True)
+    loss, logp, ent, arg, dh, dw, _, _ = _fused_run(h, weight, t, w, args, grad_fn, 1.0 / temperature, chunk_rows,
+                                                    with_entropy, weight_grad, eager=True)
     logp, ent, arg, dh = _scatter_rows(n, rows, logp, ent, arg, dh)
     mx.eval(loss, logp, ent, arg, dh)
     return loss, (logp, ent, arg), dh, dw
