@@ -86,41 +86,52 @@ class MixedPrecision:
         super().init_single(w32, state)  # the moments take the float32 copy's dtype
 
     def apply_single(self, gradient, parameter, state):
+        # `_apply32` takes the gradient in its own dtype and computes in float32 (a kernel that casts as
+        # it reads needs no float32 copy of a bf16 gradient)
         if parameter.dtype == FLOAT32:
-            return self._apply32(gradient.astype(FLOAT32), parameter, state)
+            return self._apply32(gradient, parameter, state)
         master = state.get("master")
         w32 = master if master is not None else parameter.astype(FLOAT32)
-        new = self._apply32(gradient.astype(FLOAT32), w32, state)
+        new = self._apply32(gradient, w32, state)
         if master is not None:
             state["master"] = new
             return new.astype(parameter.dtype)
         return stochastic_round(new, parameter.dtype)
 
 
-def _adamw_kernel(wd: float, b1: float, b2: float, eps: float):
-    """One parameter's clipped AdamW step as one compiled kernel (MLX's AdamW(bias_correction=True)
-    arithmetic, torch.optim.AdamW's update), the hyper-parameters baked in: (g, w, m, v, scale, lr,
-    1 / (1 - b1^t), 1 / sqrt(1 - b2^t)) -> (w, m, v), all float32."""
+def _adamw_kernels(wd: float, b1: float, b2: float, eps: float):
+    """One parameter's clipped AdamW step (MLX's AdamW(bias_correction=True) arithmetic, torch.optim.AdamW's
+    update) as three compiled single-output kernels, the hyper-parameters baked in, all float32:
 
-    def step(g, w, m, v, scale, lr, c1, c2):
-        g = g * scale.astype(FLOAT32)
+        m <- b1 m + (1 - b1) s g,   v <- b2 v + (1 - b2) (s g)^2,
+        w <- w (1 - lr wd) - lr c1 m / (sqrt(v) c2 + eps)      c1 = 1 / (1 - b1^t), c2 = 1 / sqrt(1 - b2^t)
+
+    Three kernels, not one with three outputs: MLX gives an input's buffer to a kernel's output only when
+    the kernel has one output (each output of a multi-output kernel holds the inputs), so a fused
+    (w, m, v) kernel allocated a second copy of the weights and both moments at every step."""
+
+    def scaled(g, scale):  # a bf16 gradient is cast inside the kernel: no float32 copy of it
+        return g.astype(FLOAT32) * scale.astype(FLOAT32)
+
+    m_step = mx.compile(lambda g, m, scale: b1 * m + (1 - b1) * scaled(g, scale))
+    v_step = mx.compile(lambda g, v, scale: b2 * v + (1 - b2) * mx.square(scaled(g, scale)))
+
+    def w_step(w, m, v, lr, c1, c2):
         lr = lr.astype(FLOAT32)
         w = w * (1 - lr * wd)
-        m = b1 * m + (1 - b1) * g
-        v = b2 * v + (1 - b2) * mx.square(g)
-        return w - (lr * c1.astype(FLOAT32)) * m / (mx.sqrt(v) * c2.astype(FLOAT32) + eps), m, v
+        return w - (lr * c1.astype(FLOAT32)) * m / (mx.sqrt(v) * c2.astype(FLOAT32) + eps)
 
-    return mx.compile(step)
+    return m_step, v_step, mx.compile(w_step)
 
 
 class FusedAdamW(MixedPrecision, optim.AdamW):
-    """AdamW (bias-corrected, as torch) whose per-parameter update is one kernel (mlxrl's native CPU
-    AdamW step for float32 CPU arrays, else one compiled MLX kernel), with the gradient-clipping scale
-    folded in (`grad_scale`, set before `update`): the clipped gradients are never materialised. The
-    update stays a lazy graph over the old arrays, so MLX can reuse their buffers for the new ones (a
-    single mx.compile over the whole model and optimizer state would hold the old state alive: a
-    second copy of weights, m and v at the peak). The native step is three single-output primitives
-    so that MLX does donate (it never donates to a multi-output one). Float32 master weights and
+    """AdamW (bias-corrected, as torch) whose per-parameter update is three single-output kernels (m, v,
+    then w: mlxrl's native CPU AdamW step for float32 CPU arrays, else compiled MLX kernels), with the
+    gradient-clipping scale folded in (`grad_scale`, set before `update`): the clipped gradients are
+    never materialised. The update stays a lazy graph over the old arrays, so MLX writes the new weights
+    and moments into the old ones' buffers (a single mx.compile over the whole model and optimizer
+    state, or one kernel with three outputs, would hold the old state alive: a second copy of weights,
+    m and v at the peak). Float32 master weights and
     moments for bf16 parameters (`MixedPrecision`). `python scripts/bench_cpu_ops.py` measures it
     against clip_grad_norm + optim.AdamW. Same state layout and checkpoints as optim.AdamW (plus
     "master" for non-float32 parameters)."""
@@ -129,8 +140,8 @@ class FusedAdamW(MixedPrecision, optim.AdamW):
         super().__init__(*args, bias_correction=True, **kw)
         self.master_weights = master_weights
         self.grad_scale = mx.array(1.0)
-        self._kernel = _adamw_kernel(float(self.weight_decay), float(self.betas[0]), float(self.betas[1]),
-                                     float(self.eps))
+        self._kernels = _adamw_kernels(float(self.weight_decay), float(self.betas[0]), float(self.betas[1]),
+                                       float(self.eps))
 
     def _apply32(self, gradient, parameter, state):
         b1, b2 = self.betas
@@ -138,15 +149,16 @@ class FusedAdamW(MixedPrecision, optim.AdamW):
         c1 = 1 / (1 - b1**step)
         c2 = mx.rsqrt(1 - b2**step)
         kernels = fastmath.kernels_for(parameter)
-        if kernels is not None:
+        if kernels is not None and gradient.dtype == FLOAT32:
             hyper = mx.stack([mx.array(x).astype(mx.float32) for x in (self.grad_scale, self.learning_rate, c1, c2)])
             w, state["m"], state["v"] = kernels.adamw_step(
                 gradient, parameter, state["m"], state["v"], hyper, float(self.weight_decay), float(b1), float(b2),
                 float(self.eps))
             return w
-        w, state["m"], state["v"] = self._kernel(gradient, parameter, state["m"], state["v"], self.grad_scale,
-                                                 self.learning_rate, c1, c2)
-        return w
+        m_step, v_step, w_step = self._kernels
+        state["m"] = m = m_step(gradient, state["m"], self.grad_scale)
+        state["v"] = v = v_step(gradient, state["v"], self.grad_scale)
+        return w_step(parameter, m, v, self.learning_rate, c1, c2)
 
 
 class ClippedAdafactor(MixedPrecision, optim.Adafactor):
@@ -163,7 +175,8 @@ class ClippedAdafactor(MixedPrecision, optim.Adafactor):
         self.grad_scale = mx.array(1.0)
 
     def _apply32(self, gradient, parameter, state):
-        return optim.Adafactor.apply_single(self, gradient * self.grad_scale.astype(FLOAT32), parameter, state)
+        return optim.Adafactor.apply_single(self, gradient.astype(FLOAT32) * self.grad_scale.astype(FLOAT32),
+                                            parameter, state)
 
 
 def make_optimizer(args, total_steps: int):
