@@ -239,7 +239,7 @@ def test_trained_parameters_change_and_reference_stays(tiny_checkpoint, tmp_path
 
 def test_demo_rewards_accuracy_rises(tmp_path):
     args = DPOConfig(output_dir=str(tmp_path / "demo"))
-    out = run_demo(args, set(), sft_steps=0, n_test=8, n_pairs=8,
+    out = run_demo(args, {"output_dir"}, sft_steps=0, n_test=8, n_pairs=8,  # output_dir: tmp_path, not ./out
                    overrides={"max_steps": 6, "per_device_train_batch_size": 4, "logging_steps": 2,
                               "learning_rate": 1e-2})
     accs = [e["rewards/accuracies"] for e in out["history"]]
