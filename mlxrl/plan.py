@@ -48,7 +48,8 @@ from . import runtime
 GB = 1 << 30
 MB = 1 << 20
 TILE_BYTES = 16 << 20  # mlxrl.losses.head.TILE_BYTES (kept here so planning imports no trainer)
-ROW_TILE_BYTES = 160 << 20  # mlxrl.losses.head.ROW_TILE_BYTES: the fused head's row chunk
+ROW_TILE_BYTES = 160 << 20  # mlxrl.losses.head.ROW_TILE_BYTES: the native fused head's row chunk
+GRAPH_ROW_TILE_BYTES = 48 << 20  # mlxrl.losses.head.GRAPH_ROW_TILE_BYTES: the graph fused head's row chunk
 
 # measured coefficients (see the module docstring)
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
@@ -264,13 +265,14 @@ def lora_dropout(args, trainer: str = "sft") -> float:
 
 
 def _lora_extra(a: Arch, args, n: int, s: int, trainer: str = "sft") -> float:
-    """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([n, r]) per adapter."""
+    """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([n, r]) per adapter; on a
+    bf16 base each adapted input's float32 cast."""
     if not getattr(args, "use_peft", False):
         return 0.0
-    inputs = 0.0
-    if lora_dropout(args, trainer) > 0:
-        inputs = 5 * a.D + a.heads * a.head_dim + a.I  # q, k, v, gate, up see D; o sees H*hd; down sees I
-    return s * n * (inputs + 7 * 2 * args.lora_r)
+    inputs = 5 * a.D + a.heads * a.head_dim + a.I  # q, k, v, gate, up see D; o sees H*hd; down sees I
+    if s != 4:  # float32 adapters on a bf16 base: x @ A casts each adapted input to float32 and keeps it
+        return 4 * n * (inputs + 7 * 2 * args.lora_r)
+    return s * n * ((inputs if lora_dropout(args, trainer) > 0 else 0) + 7 * 2 * args.lora_r)
 
 
 def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: str = "sft") -> float:
@@ -311,22 +313,34 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
         # SFT's nll / dft on the native kernel: the [V, D] weight gradient (when trained), one reused
         # tile, the chunk's scaled rows and d_hidden
         return (4 * a.V * a.D if a.head_trainable else 0) + 4 * chunk_rows * (a.V + a.D) + 8 * rows * a.D
-    if mode in ("fused", "two_phase"):
-        # row chunks x the full vocabulary; measured (CPU, fp32): one [V, D] (the weight-gradient
-        # accumulator; a frozen head's zero cotangent is as large) plus 3 live chunks, 2.2 more per extra chunk, <= 6.5
-        chunks = -(-rows // chunk_rows)
-        return 4 * a.V * a.D + min(3 + 2.2 * (chunks - 1), 6.5) * 4 * chunk_rows * a.V
-    chunk = min(args.chunk_size or _default_chunk(rows, a.V), a.V)
+    if mode in ("fused", "two_phase") and (a.head_trainable or s == 4):
+        # the graph's row chunks x the full vocabulary: z and ez per chunk, about five tiles live once
+        # chunks follow each other (MLX allocates at dispatch, ahead of execution); a trained head's
+        # d_weight comes from vocab tiles in the VJP: its pieces (one [V, D] in the weight's dtype) next
+        # to their concatenation (the gradient, counted with the trainable state); a bf16 weight is
+        # cast to float32 once for the forward
+        rows_g = min(rows, max(8, GRAPH_ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
+        chunks = -(-rows // rows_g)
+        forward = min(2 + 1.5 * (chunks - 1), 5) * 4 * rows_g * a.V
+        if not a.head_trainable:
+            return forward
+        tile = 4 * rows * min(_default_chunk(rows, a.V, a.D), a.V)
+        # tied to the embedding: its gather's gradient (a [V, D] scatter) comes next to the head's
+        pieces = a.V * a.D * s * (2 if a.tied else 1)
+        return max(forward + (4 * a.V * a.D if s != 4 else 0), pieces + 2 * tile)
+    fused = mode in ("fused", "two_phase")  # here: a frozen bf16 head, the vocab-tiled head_logprobs below
+    chunk = min((None if fused else args.chunk_size) or _default_chunk(rows, a.V, a.D), a.V)
     tile = 4 * rows * chunk
     every = 4 * rows * a.V  # all tiles of one pass
     compiled = bool(getattr(args, "compile", True))
+    casts = 3 * 4 * chunk * a.D if s != 4 else 0  # a bf16 weight's float32 [chunk, D] slices, about 3 live
     if a.head_trainable:
-        return 2 * a.V * a.D * s + min((0.25 if compiled else 3.5) * tile, every)
-    return min((HEAD_TILES if compiled else 16) * tile, (2 if compiled else 5) * every)
+        return 2 * a.V * a.D * s + min((0.25 if compiled else 3.5) * tile, every) + casts
+    return min((HEAD_TILES if compiled else 16) * tile, (2 if compiled else 5) * every) + casts
 
 
-def _default_chunk(n_rows: int, vocab: int) -> int:
-    cols = TILE_BYTES // (4 * max(n_rows, 1))
+def _default_chunk(n_rows: int, vocab: int, width: int = 0) -> int:  # mlxrl.losses.head.default_chunk_size
+    cols = TILE_BYTES // (4 * max(n_rows, width, 1))
     return int(min(vocab, max(128, cols // 128 * 128)))
 
 
@@ -428,7 +442,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' if ckpt else 'off'} "
                                              f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
     head = head_bytes(a, args, sh.rows, s, trainer)
-    chunk = args.chunk_size or _default_chunk(sh.rows, a.V)
+    chunk = args.chunk_size or _default_chunk(sh.rows, a.V, a.D)
     out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
                                           f"{', [V, D] weight grad' if a.head_trainable else ''}"))
     B = int(args.per_device_train_batch_size)
@@ -454,9 +468,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     steady = W + moments + ref
     step = steady + other + accum_sum + act[ckpt] + head + img
     clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
-    if not adafactor and native_cpu(args):
-        # the native AdamW step writes the new weights and moments into the old ones' buffers and the
-        # clipping scale is folded into it: the gradients and the next step's inputs only
+    if not adafactor:
+        # AdamW (the native CPU step, or the graph's three single-output kernels) writes the new weights,
+        # master and moments into the old ones' buffers, the clipping scale and a bf16 gradient's cast
+        # folded in: the gradients and the next step's inputs only
         update = steady + T + NATIVE_UPDATE * a.largest_trainable
     else:  # (a bf16 parameter's update runs in float32: its copies are float32)
         largest = a.largest_trainable * (4 // s if a.master_params else 1)

@@ -5,10 +5,12 @@ streamed step (`streamed_logprobs` + `streamed_head_backward`) vs the fused row-
 
     python scripts/bench_loss.py [--n 1024 4096 8192] [--d 1024] [--v 151936] [--repeats 2]
                                  [--methods naive differentiable two-phase fused fused-eager]
-                                 [--dtype float32|bfloat16] [--graph]
+                                 [--dtype float32|bfloat16] [--graph] [--compile] [--frozen]
 
 --graph runs MLX's ops instead of mlxrl's native CPU kernels (MLXRL_NATIVE=0: the path of Metal and
-CUDA); --dtype bfloat16 casts hidden and weight (slow on the CPU: keep D and N small).
+CUDA); --dtype bfloat16 casts hidden and weight (slow on the CPU: keep D and N small); --compile wraps
+the fused head's value_and_grad in mx.compile (as the trainers' steps are); --frozen differentiates
+w.r.t. hidden only, with weight_grad=False (a frozen head: LoRA).
 
 Peak is `mx.get_peak_memory()` after `mx.reset_peak_memory()`, minus the inputs (hidden, weight,
 targets) which all three hold. Each configuration runs in a fresh subprocess so
@@ -29,6 +31,7 @@ from mlxrl.losses.head import (fused_head_grads, fused_head_loss, head_logprobs,
                                streamed_logprobs)
 method, n, d, v, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 dtype = getattr(mx, sys.argv[6])
+compiled, frozen = sys.argv[7] == "1", sys.argv[8] == "1"
 mx.random.seed(0)
 h = (mx.random.normal((n, d)) * 0.5).astype(dtype)
 w = (mx.random.normal((v, d)) * 0.02).astype(dtype)
@@ -50,7 +53,7 @@ def run(h=h, w=w, t=t):
     elif method == "differentiable":
         out = mx.value_and_grad(diff, argnums=(0, 1))(h, w, t)
     elif method == "fused":  # loss = mean NLL, as naive
-        out = mx.value_and_grad(lambda h, w: fused_head_loss(h, w, t)[0], argnums=(0, 1))(h, w)
+        out = fused_step(h, w, t)
     elif method == "fused-eager":
         loss, _, dh, dw = fused_head_grads(h, w, t)
         out = (loss, dh, dw)
@@ -61,6 +64,12 @@ def run(h=h, w=w, t=t):
     mx.eval(out)
     return out
 
+def fused(h, w, t):
+    return fused_head_loss(h, w, t, skip_ignored=False, weight_grad=not frozen)[0]
+
+fused_step = mx.value_and_grad(fused, argnums=0 if frozen else (0, 1))
+if compiled:
+    fused_step = mx.compile(fused_step)
 run(h[:64], w[:4096], t[:64] % 4096)  # warm-up on a small problem (kernels, lazy imports)
 mx.clear_cache()
 mx.reset_peak_memory()
@@ -76,9 +85,10 @@ print(json.dumps({"peak": peak, "time": min(times)}))
 METHODS = ("naive", "differentiable", "two-phase", "fused", "fused-eager")
 
 
-def measure(method, n, d, v, reps, dtype="float32", graph=False):
+def measure(method, n, d, v, reps, dtype="float32", graph=False, compiled=False, frozen=False):
     env = {**os.environ, "MLXRL_NATIVE": "0"} if graph else None
-    out = subprocess.run([sys.executable, "-c", CHILD, method, str(n), str(d), str(v), str(reps), dtype],
+    out = subprocess.run([sys.executable, "-c", CHILD, method, str(n), str(d), str(v), str(reps), dtype,
+                          str(int(compiled)), str(int(frozen))],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         return {"error": (out.stderr.strip().splitlines() or ["killed"])[-1][:60]}
@@ -95,14 +105,18 @@ def main():
                     help="the first one is the baseline of the 'x naive' columns")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--graph", action="store_true", help="MLX's ops, not the native CPU kernels (MLXRL_NATIVE=0)")
+    ap.add_argument("--compile", action="store_true", help="mx.compile the fused head's value_and_grad")
+    ap.add_argument("--frozen", action="store_true", help="fused: a frozen head (gradient w.r.t. hidden only)")
     args = ap.parse_args()
     path = "graph path" if args.graph else "native kernels where they apply"
-    print(f"LM head + NLL, loss and grads w.r.t. hidden and weight; D={args.d}, V={args.v}, {args.dtype}, {path}")
+    wrt = "hidden (frozen head)" if args.frozen else "hidden and weight"
+    print(f"LM head + NLL, loss and grads w.r.t. {wrt}; D={args.d}, V={args.v}, {args.dtype}, {path}"
+          f"{', compiled' if args.compile else ''}")
     print(f"{'N':>6} {'method':<15} {'peak GB':>8} {'x naive':>8} {'time s':>7} {'x naive':>8}")
     for n in args.n:
         base = None
         for method in args.methods:
-            r = measure(method, n, args.d, args.v, args.repeats, args.dtype, args.graph)
+            r = measure(method, n, args.d, args.v, args.repeats, args.dtype, args.graph, args.compile, args.frozen)
             if "error" in r:
                 print(f"{n:>6} {method:<15} failed: {r['error']}")
                 continue

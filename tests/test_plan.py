@@ -142,3 +142,27 @@ def test_cli_grpo_measure(capsys):
     assert plan.main(["--trainer", "grpo", "--measure", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "KV cache" in out and "prompt(s) of 64" in out and "measured" in out
+
+
+# The graph path (Metal, CUDA; MLXRL_NATIVE=0 here) in bf16: the graph fused head, in-place AdamW kernels,
+# float32 master weights and moments, float32 LoRA adapters on a bf16 base
+GRAPH_BF16_CASES = [
+    ("sft", SFTConfig, "default", dict(max_length=32, per_device_train_batch_size=1, use_peft=True), {}),
+    ("sft", SFTConfig, "small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False)),
+    ("sft", SFTConfig, "small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False,
+                                     use_peft=True)),
+    ("dpo", DPOConfig, "small", dict(max_length=128, per_device_train_batch_size=1, gradient_checkpointing=True)),
+    ("dpo", DPOConfig, "default", dict(max_length=32, per_device_train_batch_size=1, use_peft=True)),
+    ("grpo", GRPOConfig, "default", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=32),
+     {"prompt_length": 64}),
+    ("grpo", GRPOConfig, "small", dict(num_generations=8, per_device_train_batch_size=8, max_completion_length=32,
+                                       use_peft=True), {"prompt_length": 128}),
+]
+
+
+@pytest.mark.parametrize("trainer,cls,name,kw,shape", [c if len(c) == 5 else (*c, {}) for c in GRAPH_BF16_CASES])
+def test_graph_path_bf16_prediction_within_15_percent(trainer, cls, name, kw, shape, monkeypatch):
+    from mlxrl import native
+
+    monkeypatch.setattr(native, "load", lambda: None)  # MLX's ops: what Metal and CUDA run
+    _check(trainer, cls, name, {**kw, "dtype": "bfloat16"}, **shape)

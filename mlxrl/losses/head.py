@@ -49,9 +49,10 @@ IGNORE_INDEX = -100
 TILE_BYTES = 16 << 20  # default budget for one float32 [rows, vocab_chunk] tile
 
 
-def default_chunk_size(n_rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> int:
-    """Vocab columns per tile so that one float32 [n_rows, chunk] tile stays within `tile_bytes`."""
-    cols = tile_bytes // (4 * max(n_rows, 1))
+def default_chunk_size(n_rows: int, vocab_size: int, tile_bytes: int = TILE_BYTES, width: int = 0) -> int:
+    """Vocab columns per tile so that one float32 [n_rows, chunk] tile, and the float32 [chunk, width]
+    slice of a bf16 weight cast for it, stay within `tile_bytes`."""
+    cols = tile_bytes // (4 * max(n_rows, width, 1))
     return int(min(vocab_size, max(128, cols // 128 * 128)))
 
 
@@ -145,7 +146,7 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool, weight_g
         n, v = hidden.shape[0], weight.shape[0]
         stats = _init_stats(n)
         h32 = hidden.astype(mx.float32)
-        for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
+        for s, e in _bounds(v, chunk or default_chunk_size(n, v, width=hidden.shape[1])):
             h = mx.depends(h32, list(stats))  # run tiles in order: each waits for the previous stats
             stats = _online_stats(h, _weight_tile(weight, s, e, stats), s, inv_t, stats, with_entropy)
         logp, ent, lse = _finish(stats, _target_logit(hidden, weight, targets, inv_t), with_entropy)
@@ -160,7 +161,7 @@ def _make_streamed(chunk: int | None, inv_t: float, with_entropy: bool, weight_g
         h32 = hidden.astype(mx.float32)
         dh = mx.zeros(hidden.shape, mx.float32)
         dws = []
-        for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
+        for s, e in _bounds(v, chunk or default_chunk_size(n, v, width=hidden.shape[1])):
             # the next tile waits for everything the previous one produced, so its [N, C] tiles die first
             after = [dh] + dws[-1:]
             h, w32 = mx.depends(h32, after), _weight_tile(weight, s, e, after)
@@ -258,7 +259,7 @@ def streamed_logprobs(hidden, weight, targets, *, temperature=1.0, chunk_size=No
     inv_t = 1.0 / temperature
     h = hidden[rows].astype(mx.float32)
     stats = _init_stats(rows_np.size)
-    for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v)):
+    for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v, width=hidden.shape[1])):
         stats = _online_stats(h, _weight_tile(weight, s, e), s, inv_t, stats, with_entropy)
         mx.eval(stats)
     outs = _finish(stats, _target_logit(h, weight, t, inv_t), with_entropy)
@@ -281,7 +282,7 @@ def streamed_head_backward(hidden, weight, targets, lse, entropy, g_logp, g_entr
     ge = None if g_entropy is None else g_entropy[rows]
     dh = mx.zeros(h32.shape, mx.float32)
     dw = mx.zeros(weight.shape, weight.dtype)
-    for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v)):
+    for s, e in _bounds(v, chunk_size or default_chunk_size(rows_np.size, v, width=hidden.shape[1])):
         w32 = _weight_tile(weight, s, e)
         dz = _tile_dz(h32, w32, s, t, lse, ent, g, ge, inv_t)
         dh = dh + dz @ w32
@@ -482,7 +483,7 @@ def _vocab_weight_grad(hidden, weight, targets, lse, g, inv_t, chunk=None):
     hs = hidden.astype(mx.float32)
     hs = hs * inv_t if inv_t != 1.0 else hs
     pieces = []
-    for s, e in _bounds(v, chunk or default_chunk_size(n, v)):
+    for s, e in _bounds(v, chunk or default_chunk_size(n, v, width=hidden.shape[1])):
         z = mx.depends(hs, pieces[-1:]) @ _weight_tile(weight, s, e, pieces[-1:]).T  # [N, C]
         dz = _dz_nll(z, lse, g, targets, mx.arange(s, e, dtype=mx.int32))
         pieces.append((dz.T @ hs).astype(weight.dtype))
