@@ -68,7 +68,8 @@ def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
     if check_rows is not None:
         check_rows(train)
         try:
-            check_rows(evaluation or [])
+            if evaluation is not None:  # no --eval_dataset: nothing to check (an empty list is refused)
+                check_rows(evaluation)
         except MlxrlError as e:
             raise MlxrlError(f"--eval_dataset {ns.eval_dataset}: {e}") from None
     model, processor = mlxrl.load(ns.model, dtype=args.dtype)
