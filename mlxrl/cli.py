@@ -138,7 +138,7 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
               flush=True)
         sft_args = SFTConfig(**{**sft_settings, "max_steps": sft_steps, "seed": args.seed,
                                 "logging_steps": max(1, sft_steps // 2),
-                                "output_dir": os.path.join(args.output_dir, "sft")})
+                                "output_dir": os.path.join(args.output_dir, "sft"), "overwrite_output_dir": True})
         SFTTrainer(model, processor, sft_args,
                    train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
         model.unfreeze()  # the next trainer sets up its own trainable parameters

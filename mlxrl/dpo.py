@@ -27,7 +27,8 @@ from .trainers.config import build_parser, config_from_args
 from .trainers.dpo import DPOConfig, check_dpo_config
 
 # The embedded default's settings (used only for fields the user did not set).
-DEMO_OVERRIDES = {"learning_rate": 2e-3, "max_steps": 30, "per_device_train_batch_size": 8, "beta": 0.1,
+DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over
+                  "learning_rate": 2e-3, "max_steps": 30, "per_device_train_batch_size": 8, "beta": 0.1,
                   "use_peft": True, "lora_r": 16, "lora_alpha": 32,
                   "lr_scheduler_type": "constant", "warmup_steps": 0, "logging_steps": 5, "save_steps": 0,
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/dpo-demo",

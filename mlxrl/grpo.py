@@ -26,7 +26,8 @@ from .trainers.config import build_parser, config_from_args
 from .trainers.grpo import GRPOConfig, check_grpo_config
 
 # The embedded default's settings (used only for fields the user did not set).
-DEMO_OVERRIDES = {"learning_rate": 1e-3, "max_steps": 30, "per_device_train_batch_size": 64, "num_generations": 8,
+DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over
+                  "learning_rate": 1e-3, "max_steps": 30, "per_device_train_batch_size": 64, "num_generations": 8,
                   "max_completion_length": 4, "temperature": 1.0, "top_k": 8, "use_peft": True, "lora_r": 16,
                   "lora_alpha": 32, "lr_scheduler_type": "constant", "warmup_steps": 0,
                   "logging_steps": 1, "save_steps": 0, "gradient_checkpointing": False, "output_dir": "out/grpo-demo",

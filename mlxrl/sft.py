@@ -24,7 +24,8 @@ from .cli import apply_overrides, load_model_and_rows, run
 from .trainers.config import SFTConfig, build_parser, config_from_args
 
 # The embedded default's settings (used only for fields the user did not set).
-DEMO_OVERRIDES = {"learning_rate": 2e-3, "num_train_epochs": 1.0, "per_device_train_batch_size": 8,
+DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over
+                  "learning_rate": 2e-3, "num_train_epochs": 1.0, "per_device_train_batch_size": 8,
                   "freeze_embeddings": True,
                   "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "logging_steps": 20, "save_steps": 0,
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/sft-demo",
@@ -32,7 +33,8 @@ DEMO_OVERRIDES = {"learning_rate": 2e-3, "num_train_epochs": 1.0, "per_device_tr
 DEMO_TRAIN, DEMO_TEST = 1200, 200
 # With --model (a real checkpoint) and no --dataset: a short LoRA run on the same task, a smoke test
 # of the model on the user's machine (full fine-tuning at the tiny demo's learning rate would wreck it).
-MODEL_OVERRIDES = {"use_peft": True, "learning_rate": 2e-4, "max_steps": 30, "per_device_train_batch_size": 4,
+MODEL_OVERRIDES = {"overwrite_output_dir": True,  # the smoke test's own folder: a rerun starts over
+                   "use_peft": True, "learning_rate": 2e-4, "max_steps": 30, "per_device_train_batch_size": 4,
                    "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "logging_steps": 5, "save_steps": 0,
                    "max_length": 512, "output_dir": "out/sft-smoke", "assistant_only_loss": True}
 MODEL_TRAIN, MODEL_TEST = 120, 48
