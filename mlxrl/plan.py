@@ -14,9 +14,9 @@ The model of one optimizer step (all sizes in bytes; s = bytes per element of th
 * persistent: weights W, AdamW m and v (2T, T = trainable bytes), and for full-parameter DPO / GRPO
   with beta > 0 the frozen reference's copy of the trainable weights (T, once the policy moved);
 * forward + backward: the gradients (T; 2T with gradient accumulation), activations, the streamed head;
-* the optimizer update: gradients + clipped gradients (2T) + about two copies of the largest trained
-  array while AdamW writes its new m, v and weights; with mlxrl's native CPU kernels (float32 on the
-  CPU) only the gradients (T): the clip scale is folded into the step, which updates in place.
+* the optimizer update: AdamW (the native CPU step, or the graph path's three single-output kernels)
+  updates in place with the clip scale folded in: the gradients only (T); Adafactor: gradients +
+  clipped gradients (2T) + about two copies of the largest trained array.
 The peak is the larger of the two phases. Activations per decoder layer, measured on MLX 0.32 (CPU):
 saved tensors of ~(4D + 5I + 4 H*hd + 3 KV*hd) elements per token (norm inputs/outputs, q/k/v before
 and after q/k-norm and rotary, attention output, gate/up/silu/product) plus ~1.25 [B, H, L, L] score
@@ -25,7 +25,12 @@ of them live at once plus ~1.1 layer of backward temporaries, with checkpointing
 per layer plus ~2.9 layers (the recompute and its backward). The streamed head keeps a few
 [rows, chunk] float32 tiles; a trained LM head adds ~2 [V, D] arrays (the tile gradients and their
 concatenation), a frozen one a [V, D] zero gradient (what its VJP returns). SFT's fused head on the
-native kernel: one [V, D] weight gradient (none when frozen) and one [chunk rows, V] tile.
+native kernel: one [V, D] weight gradient (none when frozen) and one [chunk rows, V] tile; on the
+graph path: about five [rows, V] tiles, a trained head's vocab-tile pieces next to the gradient, and a
+bf16 weight's float32 copy (trained) or [chunk, D] slices (frozen). The graph path in bf16: float32
+casts of each LoRA-adapted input. Images: image tokens join the decoder's sequence (never scored) and
+the vision tower's saved tensors and per-image attention scores, checked on the embedded Qwen3-VL
+(SFT and GRPO).
 
 `predict(config, args, trainer)` is what the trainers call at start-up; `measure(...)` runs real steps.
 Tests: pytest tests/test_plan.py
@@ -333,7 +338,7 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     tile = 4 * rows * chunk
     every = 4 * rows * a.V  # all tiles of one pass
     compiled = bool(getattr(args, "compile", True))
-    casts = 3 * 4 * chunk * a.D if s != 4 else 0  # a bf16 weight's float32 [chunk, D] slices, about 3 live
+    casts = 2.5 * 4 * chunk * a.D if s != 4 else 0  # a bf16 weight's float32 [chunk, D] slices live
     if a.head_trainable:
         return 2 * a.V * a.D * s + min((0.25 if compiled else 3.5) * tile, every) + casts
     return min((HEAD_TILES if compiled else 16) * tile, (2 if compiled else 5) * every) + casts
@@ -346,7 +351,8 @@ def _default_chunk(n_rows: int, vocab: int, width: int = 0) -> int:  # mlxrl.los
 
 def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool) -> float:
     """Vision tower activations for `images` images per example of `image_size` pixels a side
-    (saved tensors as for a decoder layer, full attention within each image). Not calibrated yet."""
+    (saved tensors as for a decoder layer, full attention within each image; a frozen tower keeps about
+    two layers of temporaries). Checked against `measure` on the embedded Qwen3-VL (tests/test_plan.py)."""
     if not images or not a.vision or not image_size:
         return 0.0
     v = a.vision
@@ -387,8 +393,9 @@ def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None 
     """The forward of one micro-batch (extra_tokens: image tokens per sequence)."""
     L = int(getattr(args, "max_length", None) or 1024) + extra_tokens
     B = int(args.per_device_train_batch_size)
+    scored = L - extra_tokens  # image tokens are never scored
     if trainer == "dpo":
-        return Shape(2 * B * L, 2 * B * L * L, 2 * B * L, label=f"B={2 * B} (chosen + rejected) L={L}")
+        return Shape(2 * B * L, 2 * B * L * L, 2 * B * scored, label=f"B={2 * B} (chosen + rejected) L={L}")
     if trainer == "grpo":  # b completions; whole groups when b >= G, else a slice of one prompt's group
         P = _grpo_prompt_length(args, prompt_length) + extra_tokens
         C = int(args.max_completion_length)
@@ -397,7 +404,7 @@ def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None 
             return Shape(B * (P + C), B * (P + C) ** 2, B * C, label=f"B={B} L={P + C} (prompt not shared)")
         return Shape(n_p * P + B * C, n_p * P * P + B * C * (P + C), B * C,
                      label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)")
-    return Shape(B * L, B * L * L, B * L, label=f"B={B} L={L}")
+    return Shape(B * L, B * L * L, B * scored, label=f"B={B} L={L}")
 
 
 def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
@@ -449,7 +456,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     sequences = max(1, B // int(args.num_generations)) if trainer == "grpo" else (2 * B if trainer == "dpo" else B)
     img = vision_bytes(a, args, sequences, s, images, image_size, ckpt)
     if img:
-        out.append(Row("images", img, f"{images} image(s)/example of {image_size}px: {L_img} tokens (uncalibrated)"))
+        out.append(Row("images", img, f"{images} image(s)/example of {image_size}px: {L_img} tokens"))
     kv = gen_logits = 0
     if trainer == "grpo":
         G, C = int(args.num_generations), int(args.max_completion_length)
@@ -638,11 +645,59 @@ def _reward_length(prompts, completions, completion_ids, **_):
     return [float(len(set(ids))) for ids in completion_ids]
 
 
+def _image_processor(cfg: dict, image_size: int):
+    """A Qwen-VL image processor for `cfg`'s vision tower that keeps `image_size`-pixel squares as they are."""
+    from .loading import DEFAULT_CONFIG
+    from .processing import ImageProcessor
+
+    pre = dict(json.loads(Path(DEFAULT_CONFIG).read_text())["preprocessor_config"])
+    vc = cfg["vision_config"]
+    pre.update(patch_size=vc.get("patch_size", 14), merge_size=vc.get("spatial_merge_size", 2),
+               temporal_patch_size=vc.get("temporal_patch_size", 2), min_pixels=image_size ** 2,
+               max_pixels=image_size ** 2)
+    return ImageProcessor.from_dict(pre)
+
+
+def image_rows(trainer: str, args, n: int, images: int, image_size: int, seed: int = 0,
+               prompt_length: int | None = None) -> list[dict]:
+    """Vision rows for `measure`: `images` noise pictures of `image_size` pixels a side in the user turn,
+    then text of about max_length tokens (one token per ' x'); DPO: prompt + chosen / rejected halves;
+    GRPO: the pictures and a prompt of prompt_length tokens. The text's length matches `_shape`, which
+    counts the image tokens on top of max_length / the prompt."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    L = int(getattr(args, "max_length", None) or 1024)
+
+    def words(k):
+        return " x" * max(1, k)
+
+    def pictures():
+        return [Image.fromarray(rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8))
+                for _ in range(images)]
+
+    def user(k):
+        return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": words(k)}]}
+
+    if trainer == "grpo":
+        return [{"prompt": [user(_grpo_prompt_length(args, prompt_length) - 24)], "images": pictures()}
+                for _ in range(n)]
+    if trainer == "dpo":
+        p = L // 2
+        return [{"prompt": [user(p - 24)], "chosen": [{"role": "assistant", "content": words(L - p - 8)}],
+                 "rejected": [{"role": "assistant", "content": words(L - p - 8)}], "images": pictures()}
+                for _ in range(n)]
+    return [{"messages": [user(L // 2 - 16), {"role": "assistant", "content": words(L - L // 2 - 8)}],
+             "images": pictures()} for _ in range(n)]
+
+
 def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 3,
-            prompt_length: int | None = None) -> int:
+            prompt_length: int | None = None, images: int = 0, image_size: int | None = None) -> int:
     """mx.get_peak_memory() over `steps` real optimizer steps (random weights, synthetic rows of
-    max_length tokens; GRPO: prompts of prompt_length, generation included), minus what was allocated
-    before the model was built."""
+    max_length tokens; GRPO: prompts of prompt_length, generation included; a VL config with `images`
+    of `image_size` pixels per row: the real Qwen tokenizer and image rows, max_length raised by the
+    image tokens as `predict` counts them), minus what was allocated before the model was built."""
     import contextlib
     import gc
     import io
@@ -657,6 +712,16 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
     model = random_model(cfg, getattr(args, "dtype", None), getattr(args, "seed", 0))
     vocab = model.language_model.config.vocab_size
     processor = Processor(CharTokenizer(vocab))
+    images = images if images and image_size and "vision_config" in cfg else 0
+    text_args = args  # the rows' text follows the given max_length; the run's max_length adds the images
+    if images:
+        from .processing import QWEN3_VL_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE, build_qwen_tokenizer
+
+        template = QWEN3_VL_CHAT_TEMPLATE if cfg.get("model_type") == "qwen3_vl" else QWEN_VL_CHAT_TEMPLATE
+        processor = Processor(build_qwen_tokenizer(template), _image_processor(cfg, image_size), template)
+        extra = image_tokens(arch_of(cfg, args), images, image_size) + 32  # + vision markers and the template
+        if getattr(args, "max_length", None):
+            args = dataclasses.replace(args, max_length=int(args.max_length) + extra)
     with tempfile.TemporaryDirectory() as tmp:
         args = dataclasses.replace(args, output_dir=tmp, max_steps=steps, save_strategy="no", logging_steps=10**6,
                                    disable_tqdm=True)
@@ -665,7 +730,8 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
         if trainer == "grpo":  # enough prompts for every round of `steps` steps
             n = n // int(args.num_generations) + 4 * steps * args.gradient_accumulation_steps
             kw["reward_funcs"] = [_reward_length]
-        rows = synthetic_rows(trainer, args, n, vocab, prompt_length=prompt_length)
+        rows = (image_rows(trainer, text_args, n, images, image_size, prompt_length=prompt_length) if images
+                else synthetic_rows(trainer, args, n, vocab, prompt_length=prompt_length))
         cls = _trainer_class(trainer)
         with contextlib.redirect_stdout(io.StringIO()):
             t = cls(model, processor, args, train_dataset=rows, **kw)

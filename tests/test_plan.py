@@ -166,3 +166,27 @@ def test_graph_path_bf16_prediction_within_15_percent(trainer, cls, name, kw, sh
 
     monkeypatch.setattr(native, "load", lambda: None)  # MLX's ops: what Metal and CUDA run
     _check(trainer, cls, name, {**kw, "dtype": "bfloat16"}, **shape)
+
+
+# Images (the embedded Qwen3-VL; `measure` builds rows with noise pictures of image_size pixels and the
+# real Qwen tokenizer): the vision tower's term and the image tokens in the decoder
+IMAGE_CASES = [
+    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2), 1, {}),
+    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2, use_peft=True), 2, {}),
+    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=1, gradient_checkpointing=False), 2, {}),
+    ("grpo", GRPOConfig, dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=16,
+                              use_peft=True), 1, {"prompt_length": 64}),
+]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("trainer,cls,kw,images,shape", IMAGE_CASES)
+def test_prediction_with_images_within_15_percent(trainer, cls, kw, images, shape, graph, monkeypatch):
+    if graph:  # the graph path in bf16: only the GRPO case (see README for the SFT bf16 + images gap)
+        if trainer != "grpo":
+            pytest.skip("calibrated on the graph path for GRPO + images only")
+        from mlxrl import native
+
+        monkeypatch.setattr(native, "load", lambda: None)
+        kw = {**kw, "dtype": "bfloat16"}
+    _check(trainer, cls, "default", kw, images=images, image_size=448, **shape)
