@@ -282,6 +282,23 @@ def test_trained_parameters_change_text_full(tiny_checkpoint, tmp_path):
     assert logged["num_tokens"] > 0 and (tmp_path / "run" / "model").exists()
 
 
+def test_save_strategy_epoch_saves_each_epoch(tiny_checkpoint, tmp_path):
+    """GRPO runs on the engine's one loop: its generation rounds are a batch source with epochs (two
+    rounds of two prompts here), so save_strategy="epoch" saves at the end of each (it never did)."""
+    import json
+
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    a = config(tmp_path, use_peft=True, lora_r=4, per_device_train_batch_size=8, num_train_epochs=2,
+               save_strategy="epoch", max_completion_length=4)
+    trainer = GRPOTrainer(model, processor, a, train_dataset=TEXT_ROWS, reward_funcs=token_reward)
+    history = trainer.train()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    states = [json.loads((run / f"checkpoint-{s}" / "trainer_state.json").read_text()) for s in (2, 4)]
+    assert [(s["global_step"], s["epoch"], s["batch_in_epoch"]) for s in states] == [(2, 1, 0), (4, 2, 0)]
+    assert [h["epoch"] for h in history if "loss" in h] == [0.5, 1.0, 1.5, 2.0]
+
+
 def test_trained_parameters_change_vision_lora(tiny_checkpoint, tmp_path):
     from mlxrl.data.synthetic import make_vqa
     from mlxrl.grpo import colour_reward, prompt_rows

@@ -3,12 +3,16 @@ mx.get_peak_memory() of real SFT / DPO / GRPO steps (GRPO: generation included),
 Qwen3-VL and a small random Qwen3 text config; a run that does not fit gets a suggestion that,
 applied, fits (measured); the CLI."""
 
+import dataclasses
 import json
 
 import pytest
 
 import mlxrl  # noqa: F401  (fast BLAS first)
 from mlxrl import plan
+from mlxrl.plan.cli import main as plan_main
+from mlxrl.plan.measure import measure
+from mlxrl.plan.suggest import _candidates
 from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.dpo import DPOConfig
 from mlxrl.trainers.grpo import GRPOConfig
@@ -58,7 +62,7 @@ def _config(name):
 def _check(trainer, cls, name, kw, **shape):
     cfg, args = _config(name), cls(**kw)
     predicted = plan.predict(cfg, args, trainer, suggest=False, **shape).total
-    measured = plan.measure(cfg, args, trainer, steps=2, **shape)
+    measured = measure(cfg, args, trainer, steps=2, **shape)
     err = (predicted - measured) / measured
     assert abs(err) <= TOL, f"{trainer} {name} {kw}: predicted {predicted / 1e6:.1f} MB, measured " \
                             f"{measured / 1e6:.1f} MB ({err:+.1%})"
@@ -88,14 +92,14 @@ def test_suggestion_fits_when_applied():
     p = plan.predict(SMALL, args, "sft", memory_limit=limit)
     assert not p.fits and p.suggestion, p.table()
     assert p.suggestion_total <= limit
-    fixed = plan.dataclasses.replace(args, **p.suggestion)
-    measured = plan.measure(SMALL, fixed, "sft", steps=2)
+    fixed = dataclasses.replace(args, **p.suggestion)
+    measured = measure(SMALL, fixed, "sft", steps=2)
     assert measured <= limit, (p.suggestion, measured, limit)
 
 
 def test_suggestions_ranked_least_disruptive_first():
     args = SFTConfig(max_length=256, per_device_train_batch_size=8, gradient_checkpointing=False)
-    changes = list(plan._candidates(args, "sft"))
+    changes = list(_candidates(args, "sft"))
     assert changes[0] == {"chunk_size": 1024}
     assert changes.index({"gradient_checkpointing": True}) < changes.index({"use_peft": True})
     # smaller micro-batches keep the effective batch (more accumulation)
@@ -117,10 +121,10 @@ def test_only_config_json_is_read(tmp_path):
 
 
 def test_cli(capsys):
-    assert plan.main(["--max_length", "64", "--per_device_train_batch_size", "2"]) == 0
+    assert plan_main(["--max_length", "64", "--per_device_train_batch_size", "2"]) == 0
     out = capsys.readouterr().out
     assert "PEAK (predicted)" in out and "FITS" in out
-    assert plan.main(["--trainer", "dpo", "--max_length", "512", "--memory_limit", "150MB"]) == 1
+    assert plan_main(["--trainer", "dpo", "--max_length", "512", "--memory_limit", "150MB"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "smallest change that fits" in out
 
@@ -133,13 +137,13 @@ def test_grpo_suggestion_fits_when_applied():
     limit = int(before.total * 0.8)
     p = plan.predict(SMALL, args, "grpo", prompt_length=256, memory_limit=limit)
     assert not p.fits and p.suggestion, p.table()
-    fixed = plan.dataclasses.replace(args, **p.suggestion)
-    measured = plan.measure(SMALL, fixed, "grpo", steps=2, prompt_length=256)
+    fixed = dataclasses.replace(args, **p.suggestion)
+    measured = measure(SMALL, fixed, "grpo", steps=2, prompt_length=256)
     assert measured <= limit, (p.suggestion, measured, limit)
 
 
 def test_cli_grpo_measure(capsys):
-    assert plan.main(["--trainer", "grpo", "--measure", "--steps", "1"]) == 0
+    assert plan_main(["--trainer", "grpo", "--measure", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert "KV cache" in out and "prompt(s) of 64" in out and "measured" in out
 

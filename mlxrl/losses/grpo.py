@@ -468,3 +468,10 @@ def grpo_token_weights(
     mask = completion_mask.astype(mx.float32)
     return mx.grad(lambda lt: aggregate(lt, mask, max_completion_length=max_completion_length,
                                         normalizer=normalizer))(mx.zeros_like(mask))
+
+
+def uses_fused_head(args) -> bool:
+    """Whether GRPO trains through the fused row-chunked head: head_mode "fused", or "auto" with
+    token-level importance sampling (a sequence-level ratio couples a sequence's tokens, which the
+    row-chunked head cannot see together). Shared by the trainer and the memory planner."""
+    return args.head_mode == "fused" or (args.head_mode == "auto" and args.importance_sampling_level == "token")

@@ -41,15 +41,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..losses.dpo import DPO_LOSSES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, dpo_loss
 from ..losses.head import head_logprobs
-from ..models import lora as lora_lib
+from ..models.reference import adapters_disabled, frozen_copy
 from .config import TrainConfig, _f
 from .engine import Trainer
 
-__all__ = ["DPOConfig", "DPOTrainer", "adapters_disabled", "frozen_copy"]
+__all__ = ["DPOConfig", "DPOTrainer"]
 
 
 @dataclass
@@ -152,31 +151,6 @@ def check_dpo_config(args: DPOConfig) -> None:
 
 # ------------------------------------------------------------------------------------ references
 
-@contextlib.contextmanager
-def adapters_disabled(model):
-    """Run `model` as its base: every LoRA / DoRA layer is swapped for its wrapped base Linear for
-    the duration (exact: the base layer's own output, DoRA's magnitude not applied) and put back
-    afterwards. Shares every weight: nothing is copied."""
-    layers = lora_lib.lora_layers(model)
-    lora_lib._set_modules(model, [(p, m.linear) for p, m in layers])
-    try:
-        yield model
-    finally:
-        lora_lib._set_modules(model, layers)
-
-
-def frozen_copy(model):
-    """A frozen, eval-mode model with the same config and (initially shared, immutable) weights."""
-    from ..models import build_model
-
-    ref = build_model(model.config)
-    ref.load_weights(list(tree_flatten(model.parameters())), strict=True)
-    ref.freeze()
-    ref.eval()
-    ref.name_or_path = getattr(model, "name_or_path", None)
-    return ref
-
-
 def _hidden_rows(model, batch):
     """Hidden states [R, D] at the scored positions (the trunk up to the final norm)."""
     kw = {k: batch[k] for k in ("segment_ids", "pixel_values", "image_grid_thw", "vision_meta") if k in batch}
@@ -209,9 +183,9 @@ class DPOTrainer(Trainer):
         super().__init__(model, processor, args)
         self._head_trainable = self.head_trainable
         if ref_model is None and args.ref_model:
-            import mlxrl
+            from ..loading import load
 
-            ref_model, _ = mlxrl.load(args.ref_model, dtype=args.dtype)
+            ref_model, _ = load(args.ref_model, dtype=args.dtype)
         if ref_model is not None:
             ref_model.freeze()
             ref_model.eval()

@@ -1,15 +1,15 @@
-"""The one training engine shared by SFT, DPO and GRPO.
+"""The one training engine shared by SFT, DPO and GRPO: the only training loop.
 
-A trainer supplies `make_batches(epoch) -> list[dict of np arrays, or callables that build one on
-the background data worker]` and a pure
-`loss(model, batch, num_items) -> (loss, metrics)`; the engine owns everything else: trainable
-parameters (full / LoRA / frozen vision), AdamW with warmup + linear/cosine decay, gradient
-accumulation (losses normalised by the trained tokens of the whole accumulated batch, as TRL),
-grad-norm clipping, an `mx.compile`d step per shape bucket (state = model, optimizer, random
-state; one `mx.eval` per micro-batch), evaluation, resumable checkpoints (trainable weights,
-optimizer state, step and data position; the RNG is reseeded from (seed, step) every step, so
-resuming reproduces the uninterrupted run), logging
-with TRL's metric names plus tokens/s and peak memory, a progress bar, metrics.jsonl.
+A trainer supplies a batch source (`sources`: SFT's and DPO's datasets through `make_batches(epoch)`,
+GRPO's generation rounds through `make_source()`) and a pure `loss(model, batch, num_items) -> (loss,
+metrics)`; the engine owns everything else: trainable parameters (full / LoRA / frozen vision), the
+optimizer with its schedule, gradient accumulation (losses normalised by the trained items of the
+whole accumulated batch, as TRL), grad-norm clipping, an `mx.compile`d step per shape bucket (state =
+model, optimizer, random state; one `mx.eval` per micro-batch), evaluation, resumable checkpoints
+(`saving`: trainable weights, optimizer state, step, data position and the source's state; the RNG
+is reseeded from (seed, step) every step, so resuming reproduces the uninterrupted run), logging with
+TRL's metric names plus tokens/s and peak memory (`reporting`), a progress bar, metrics.jsonl, and
+data parallel sums over the ranks (`distributed`).
 
 Nothing is lost (see `checkpoint` and `mlxrl.atomic`): every folder is written aside and renamed into
 place; an output_dir holding another run is refused; Ctrl-C and (in one process) SIGTERM stop at the
@@ -19,46 +19,29 @@ one of the finished steps before it is raised; Ctrl-C during the final save lets
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
 import secrets
-import shutil
 import signal
-import sys
-import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map
 
 from .. import fastmath, runtime
-from ..atomic import write_atomically
-from ..data.batches import Prefetcher, pad_image_patches
+from ..data.batches import pad_image_patches
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
-from .checkpoint import CHECKPOINT_PREFIX
+from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_optim
+from .distributed import DataParallel, PeerLostError
 from .optim import make_optimizer
-from .reporting import Reporter
-
-
-class PeerLostError(MlxrlError):
-    """Another data-parallel rank exited or was killed."""
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT), or SIGTERM in a single process: raised by `train()` once a resumable
-    checkpoint of the finished steps is saved (a KeyboardInterrupt, so callers treat both alike)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+from .reporting import Logging, Reporter
+from .saving import Saving
+from .signals import Signals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
+from .sources import DatasetSource
 
 
 def accumulate(total, grads):
@@ -77,9 +60,10 @@ def check_trainable_dtypes(model) -> None:
                          "to zero): load it in bfloat16 (--dtype bfloat16 or MLXRL_DTYPE=bfloat16) or float32")
 
 
-class Trainer:
-    """Subclasses implement `make_batches(epoch)`, `loss(model, batch, num_items)` and may
-    override `evaluate()` and `save_final()`."""
+class Trainer(Signals, Saving, DataParallel, Logging):
+    """Subclasses implement `loss(model, batch, num_items)` and either `make_batches(epoch)` (a
+    dataset) or `make_source()` (another batch source, see `sources`); they may override
+    `evaluate()` and `save_final()`."""
 
     metric_names: tuple[str, ...] = ()
 
@@ -111,8 +95,7 @@ class Trainer:
         self._shapes_seen: set = set()
         self._dtypes_checked = False  # whether an update has been checked to keep every parameter's dtype
         self.run_id = secrets.token_hex(8)  # in every checkpoint: pruning touches this run's only
-        self._critical_depth = 0  # > 0 inside an update or a save: Ctrl-C / SIGTERM wait for its end
-        self._pending_signal = None
+        self.source = None  # the batch source (`make_source`), made when training starts
         self._consistent = True  # False while an update is half applied (no checkpoint then)
         self._saved_step = None  # the step of the last checkpoint written by this run
         self._save_failed = False
@@ -204,25 +187,21 @@ class Trainer:
     def evaluate(self) -> dict:
         return {}
 
-    def batch_source_state(self) -> dict[str, np.ndarray]:
-        """Arrays the batch source needs to resume exactly from the current step, saved with the
-        checkpoint (GRPO: a generation round half trained on). Default: none (batches are a function
-        of the seed, the epoch and the position)."""
-        return {}
-
-    def load_batch_source_state(self, arrays: dict[str, np.ndarray]) -> None:
-        """Restore what `batch_source_state` returned (called by a resume)."""
+    def make_source(self):
+        """What the loop consumes (see `sources`): by default the dataset of `make_batches(epoch)`."""
+        return DatasetSource(self.make_batches)
 
     # ------------------------------------------------------------------ training loop
     def _plan(self):
-        batches0 = self.make_batches(0)
-        self._epoch_batches = len(batches0)
-        per_epoch = max(1, len(batches0) // self.args.gradient_accumulation_steps)
+        """(optimizer steps per epoch, total optimizer steps); makes the batch source."""
+        self.source = self.make_source()
+        self._epoch_batches = self.source.epoch_length(0)
+        per_epoch = max(1, self._epoch_batches // self.args.gradient_accumulation_steps)
         if self.args.max_steps and self.args.max_steps > 0:
             total = self.args.max_steps
         else:
             total = int(math.ceil(self.args.num_train_epochs * per_epoch))
-        return batches0, per_epoch, total
+        return per_epoch, total
 
     @property
     def overwrite_output_dir(self) -> bool:
@@ -244,7 +223,7 @@ class Trainer:
             checkpoint_lib.start_run(self.output_dir, resume=args.resume_from_checkpoint,
                                      overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
                                      merge=bool(args.merge))
-        batches, steps_per_epoch, total = self._plan()
+        steps_per_epoch, total = self._plan()
         self.total_steps = total
         self.optimizer = make_optimizer(args, total)
         if args.resume_from_checkpoint:
@@ -257,14 +236,14 @@ class Trainer:
         self.memory_plan = self._memory_plan()
         restore_signals = self._catch_signals()
         try:
-            self._train_loop(batches, total)
+            self._train_loop(total)
             self._final_save()
         finally:
             restore_signals()
         self.reporter.close()
         return self.log_history
 
-    def _train_loop(self, batches, total):
+    def _train_loop(self, total):
         """The loop, with a resumable checkpoint saved when it stops early (Ctrl-C, SIGTERM, an error)."""
         args = self.args
         bar = None
@@ -279,7 +258,7 @@ class Trainer:
             stop_watchdog = self._start_term_watchdog()
         failure = None
         try:
-            self._loop(batches, total, bar)
+            self._loop(total, bar)
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM in one process
             failure = e
         except PeerLostError:
@@ -299,100 +278,6 @@ class Trainer:
         if failure is not None:
             self._save_on_failure(failure)
             raise failure
-
-    # ------------------------------------------------------------------ stopping safely
-    def _catch_signals(self):
-        """Ctrl-C (and SIGTERM in a single process: what schedulers and `timeout` send) raise
-        TrainingInterrupted, but not inside an update or a save: there the signal is held until it ends.
-        Returns the function that restores the previous handlers (main thread only; a no-op elsewhere)."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        wanted = [signal.SIGINT] + ([signal.SIGTERM] if self.world_size == 1 else [])
-        saved = {}
-        for sig in wanted:
-            previous = signal.getsignal(sig)
-            if previous is signal.SIG_IGN:  # e.g. a background job: the user chose to ignore it
-                continue
-            saved[sig] = signal.SIG_DFL if previous is None else previous
-            signal.signal(sig, self._on_signal)
-
-        def restore():
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
-
-        return restore
-
-    def _on_signal(self, signum, frame):
-        if self._critical_depth > 0:
-            self._pending_signal = signum
-            return
-        raise TrainingInterrupted(signum)
-
-    @contextlib.contextmanager
-    def _critical(self, raise_pending: bool = True):
-        """Hold Ctrl-C / SIGTERM until the block ends; then (raise_pending) raise TrainingInterrupted."""
-        self._critical_depth += 1
-        try:
-            yield
-        finally:
-            self._critical_depth -= 1
-        if raise_pending and self._critical_depth == 0 and self._pending_signal is not None:
-            signum, self._pending_signal = self._pending_signal, None
-            raise TrainingInterrupted(signum)
-
-    @staticmethod
-    def _stop_words(failure) -> str:
-        if isinstance(failure, TrainingInterrupted) and failure.signum == signal.SIGTERM:
-            return "terminated (SIGTERM)"
-        if isinstance(failure, KeyboardInterrupt):
-            return "interrupted"
-        return f"stopped by an error at step {{step}} ({type(failure).__name__})"
-
-    def _save_on_failure(self, failure) -> None:
-        """A resumable checkpoint of the finished steps (rank 0), unless an update was half applied."""
-        words = self._stop_words(failure).format(step=self.global_step + 1)
-        if not self.is_main or not self._consistent or self._save_failed:
-            return
-        if self.global_step == 0:
-            self.print(f"{words} before the first optimizer step: nothing to save")
-            return
-        try:
-            with self._critical(raise_pending=False):
-                path = self._last_checkpoint() or self.save_checkpoint()
-        except MlxrlError as e:
-            if isinstance(failure, KeyboardInterrupt):
-                raise e from None  # why there is no checkpoint, in one line
-            self.print(f"{words}: could not save a checkpoint ({e})")
-            return
-        self.print(f"{words}: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
-
-    def _last_checkpoint(self) -> Path | None:
-        """This run's checkpoint of the current step, if it was already written."""
-        path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
-        return path if self._saved_step == self.global_step and path.is_dir() else None
-
-    def _final_save(self) -> None:
-        """save_final with Ctrl-C / SIGTERM held until it completes (then raised); if the save fails, the
-        trained weights are kept as a resumable checkpoint before the error is raised."""
-        try:
-            with self._critical(raise_pending=False):
-                self.save_final()
-        except Exception:
-            if self.is_main and self.global_step > 0 and not self._save_failed:
-                try:
-                    with self._critical(raise_pending=False):
-                        path = self._last_checkpoint() or self.save_checkpoint()
-                    self.print(f"the final save failed: the trained weights are in the resumable checkpoint {path} "
-                               f"(resume with --resume_from_checkpoint {path} to save them)")
-                except MlxrlError as e:
-                    self.print(f"the final save failed and so did a checkpoint ({e})")
-            raise
-        if self._pending_signal is not None:
-            signum, self._pending_signal = self._pending_signal, None
-            self.print(f"{signal.Signals(signum).name} during the final save: the save completed "
-                       f"({self.output_dir}); stopping")
-            self.reporter.close()
-            raise TrainingInterrupted(signum)
 
     planner_kind = "sft"
 
@@ -427,82 +312,54 @@ class Trainer:
         if self.is_main:
             print(*args, flush=True)
 
-    def _peer_lost(self, why: str) -> str:
-        found = self._checkpoints()
-        last = f"the last checkpoint {found[-1]} is intact" if found else "no checkpoint was saved yet"
-        return (f"rank {self.rank} of {self.world_size}: lost another rank at step {self.global_step} ({why}); "
-                f"{last}: resume with --resume_from_checkpoint last, on any number of ranks")
-
-    def _start_term_watchdog(self, grace: float = 10.0):
-        """Python runs the SIGTERM handler only between bytecodes: a rank blocked inside a collective
-        whose peer died never would. The signal also lands on a wakeup pipe; a thread reading it
-        gives the main thread `grace` seconds to leave the training loop (with PeerLostError), and if
-        it has not, prints the same error and exits with 2 (the CLI's error code). Returns the
-        function that stops the watchdog (restores the previous wakeup fd, closes the pipe)."""
-        import threading
-
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        previous = signal.set_wakeup_fd(write_fd)
-        stopped = threading.Event()
-
-        def watch():
-            with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-                while data := pipe.read(64):  # b"" once stop() has closed the write end
-                    if signal.SIGTERM in data and not stopped.wait(grace):
-                        why = "terminated by the launcher after another rank exited; stuck in a collective"
-                        print(f"error: {self._peer_lost(why)}", file=sys.stderr, flush=True)
-                        os._exit(2)
-
-        def stop():
-            stopped.set()
-            signal.set_wakeup_fd(previous)
-            os.close(write_fd)
-
-        threading.Thread(target=watch, daemon=True, name="mlxrl-term-watchdog").start()
-        return stop
-
-    def _terminated(self, signum, frame):
-        raise PeerLostError(self._peer_lost("terminated by the launcher after another rank exited"))
-
-    def load_batch(self, item) -> dict:
-        """A batch of `make_batches`: a prepared dict, or a zero-argument callable that prepares it
-        (called on the background data worker)."""
-        return item() if callable(item) else item
-
-    def _loop(self, batches, total, bar):
-        args = self.args
-        accum = args.gradient_accumulation_steps
-        window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
+    def _loop(self, total, bar):
+        """The one training loop: accumulation groups from the batch source, an optimizer step each,
+        logging / evaluation / checkpoints at their cadence, the epoch-end hooks."""
+        source, accum = self.source, self.args.gradient_accumulation_steps
+        window = self._new_window()
         mx.reset_peak_memory()
         while self.global_step < total:
-            if self.epoch > 0 or batches is None:
-                batches = self.make_batches(self.epoch)
-            usable = len(batches) // accum * accum
-            if usable == 0:
-                raise ValueError(f"fewer batches ({len(batches)}) than gradient_accumulation_steps ({accum})")
-            todo = batches[self.batch_in_epoch:usable]
-            # data preparation (collating, decoding and resizing images) runs ahead on a worker thread,
-            # at most `depth` batches ahead so it cannot pile up memory
-            with Prefetcher(lambda todo=todo: map(self.load_batch, todo), depth=max(2, accum + 1)) as ready:
-                while self.batch_in_epoch < usable and self.global_step < total:
-                    self._optimizer_step([next(ready) for _ in range(accum)], window, bar, total)
-                    if self.global_step % args.logging_steps == 0 or self.global_step == total:
-                        self._log(window)
-                        window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
-                    every = args.eval_steps or args.logging_steps
-                    if args.eval_strategy == "steps" and self.global_step % every == 0:
-                        self._log_eval()
-                    if args.save_strategy == "steps" and args.save_steps and self.global_step % args.save_steps == 0:
-                        self.save_checkpoint()
-            if self.batch_in_epoch >= usable:
-                self.epoch += 1
-                self.batch_in_epoch = 0
-                batches = None
-                if args.eval_strategy == "epoch":
-                    self._log_eval()
-                if args.save_strategy == "epoch":
-                    self.save_checkpoint()
+            if not self._epoch_done():
+                with source.open(self.epoch, self.batch_in_epoch, accum) as items:
+                    while self.global_step < total:
+                        group = [next(items) for _ in range(accum)]
+                        window["metrics"].extend(source.pop_metrics())
+                        self._optimizer_step(group, window, bar, total)
+                        window = self._after_step(window, total)
+                        if self._epoch_done():
+                            break
+            if self._epoch_done():
+                self._end_epoch()
+
+    def _after_step(self, window: dict, total: int) -> dict:
+        """Logging, evaluation and checkpoints at their step cadence; returns the log window."""
+        args, step = self.args, self.global_step
+        if step % args.logging_steps == 0 or step == total:
+            self._log(window)
+            window = self._new_window()
+        if args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0:
+            self._log_eval()
+        if args.save_strategy == "steps" and args.save_steps and step % args.save_steps == 0:
+            self.save_checkpoint()
+        return window
+
+    def _epoch_usable(self) -> int:
+        """Micro-batches the current epoch trains on (a dataset drops its last partial group)."""
+        n, accum = self.source.epoch_length(self.epoch), self.args.gradient_accumulation_steps
+        return n // accum * accum if self.source.drops_remainder else n
+
+    def _epoch_done(self) -> bool:
+        return self.batch_in_epoch >= self._epoch_usable()
+
+    def _end_epoch(self):
+        # a step may take micro-batches of two epochs (GRPO's rounds): the rest belong to the next one
+        usable = self._epoch_usable()
+        self.batch_in_epoch = self.batch_in_epoch - usable if not self.source.drops_remainder else 0
+        self.epoch += 1
+        if self.args.eval_strategy == "epoch":
+            self._log_eval()
+        if self.args.save_strategy == "epoch":
+            self.save_checkpoint()
 
     def _optimizer_step(self, group, window, bar, total):
         args = self.args
@@ -555,76 +412,6 @@ class Trainer:
                                                      self.global_step == total):
                 self._log(window)  # the step's log entry goes into the checkpoint the signal is about to save
 
-    # ------------------------------------------------------------------ data parallel
-    def all_sum(self, values: np.ndarray) -> np.ndarray:
-        """Sum a small float vector over the ranks (identity with one process)."""
-        if self.world_size == 1:
-            return values
-        out = mx.distributed.all_sum(mx.array(values.astype(np.float32)), group=self.world)
-        return np.asarray(out, dtype=np.float64)
-
-    def all_sum_tree(self, grads, bucket_bytes: int = 64 << 20):
-        """Sum a gradient tree over the ranks in float32, packed into few large buckets (one
-        message per ~64 MB instead of one per parameter)."""
-        flat = tree_flatten(grads)
-        out, bucket, size = [], [], 0
-
-        def flush():
-            if not bucket:
-                return
-            packed = mx.concatenate([g.astype(mx.float32).reshape(-1) for _, g in bucket])
-            summed = mx.distributed.all_sum(packed, group=self.world)
-            offset = 0
-            for k, g in bucket:
-                out.append((k, summed[offset:offset + g.size].reshape(g.shape).astype(g.dtype)))
-                offset += g.size
-            mx.eval([v for _, v in out[-len(bucket):]])
-            bucket.clear()
-
-        for k, g in flat:
-            bucket.append((k, g))
-            size += g.size * 4
-            if size >= bucket_bytes:
-                flush()
-                size = 0
-        flush()
-        return tree_unflatten(out)
-
-    def _log(self, window):
-        dt = max(time.perf_counter() - window["t0"], 1e-9)
-        epoch = self.epoch + self.batch_in_epoch / max(1, self._epoch_len())
-        entry = {"step": self.global_step, "epoch": round(epoch, 4),
-                 "loss": float(np.mean(window["losses"])), "grad_norm": window.get("grad_norm"),
-                 "learning_rate": float(self.optimizer.learning_rate.item()), "num_tokens": self.num_tokens}
-        keys = {k for m in window["metrics"] for k in m}
-        entry.update({k: float(np.mean([m[k] for m in window["metrics"] if k in m])) for k in sorted(keys)})
-        entry["tokens_per_second"] = window["tokens"] / dt
-        entry["peak_memory_gb"] = mx.get_peak_memory() / 1e9
-        if getattr(self, "memory_plan", None) is not None:
-            entry["predicted_peak_memory_gb"] = self.memory_plan.total / 1e9
-        self._record(entry)
-
-    def _log_eval(self):
-        if not self.is_main:  # the weights are the same on every rank: rank 0 evaluates
-            return
-        metrics = self.evaluate()
-        if metrics:
-            self._record({"step": self.global_step, **{f"eval_{k}": v for k, v in metrics.items()}})
-            self.model.train()
-
-    def _record(self, entry):
-        self.log_history.append(entry)
-        if not self.is_main:
-            return
-        self.reporter.log(entry)
-        with open(self.output_dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps(entry) + "\n")
-        shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items() if v is not None}
-        print(json.dumps(shown), flush=True)
-
-    def _epoch_len(self):
-        return getattr(self, "_epoch_batches", 1)
-
     @property
     def compiled_shapes(self) -> int:
         """Distinct batch shapes a compiled step was built for (at most max_compiled_shapes)."""
@@ -635,105 +422,3 @@ class Trainer:
         """Distinct batch shapes seen (compiled or run eagerly)."""
         return len(self._compiled)
 
-    # ------------------------------------------------------------------ checkpoints
-    def trainable_state(self) -> dict:
-        return dict(tree_flatten(self.model.trainable_parameters()))
-
-    def save_checkpoint(self) -> Path:
-        """checkpoint-<step>: trainable weights, optimizer state, trainer_state.json with what the
-        checkpoint belongs to (`checkpoint.run_record`); written aside and renamed into place."""
-        final = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
-        if not self.is_main:  # the ranks hold the same weights: rank 0 writes
-            return final
-        trainable = self.trainable_state()
-        opt = dict(tree_flatten(self.optimizer.state))
-        state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                 "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
-                 "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
-                 "mlxrl": checkpoint_lib.run_record(self)}
-
-        source = {k: mx.array(v) for k, v in self.batch_source_state().items()}
-
-        def write(tmp: Path) -> None:
-            mx.save_safetensors(str(tmp / "trainable.safetensors"), trainable)
-            mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
-            if source:
-                mx.save_safetensors(str(tmp / "batch_source.safetensors"), source)
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-
-        with self._critical():  # Ctrl-C waits for the checkpoint (then stops with it)
-            try:
-                write_atomically(final, write, what=f"checkpoint {final.name}")
-            except BaseException:
-                self._save_failed = True
-                raise
-            self._saved_step = self.global_step
-            self._rotate()
-        return final
-
-    def _checkpoints(self) -> list[Path]:
-        return checkpoint_lib.list_checkpoints(self.output_dir)
-
-    def _rotate(self):
-        """save_total_limit: delete this run's oldest checkpoints (checkpoint-<int> folders whose
-        trainer_state.json carries this run's id and that hold only our files)."""
-        limit = self.args.save_total_limit
-        if limit:
-            for old in checkpoint_lib.list_checkpoints(self.output_dir, self.run_id)[:-limit]:
-                if checkpoint_lib.is_our_checkpoint(old):
-                    shutil.rmtree(old, ignore_errors=True)
-
-    def load_checkpoint(self, path):
-        """Resume: the checkpoint is checked against this run (one line naming the first difference)
-        before anything is loaded; metrics.jsonl is cut back to the checkpoint's history."""
-        path = checkpoint_lib.resolve_checkpoint(self.output_dir, path)
-        state, weights, opt = checkpoint_lib.read_checkpoint(path)
-        here = checkpoint_lib.run_record(self)
-        if isinstance(state.get("mlxrl"), dict):
-            checkpoint_lib.check_compatible(state["mlxrl"], here, path)
-        checkpoint_lib.check_shapes({k: v.shape for k, v in weights.items()}, here["trainable"],
-                                     f"--resume_from_checkpoint {path}", "trains")
-        self.optimizer.init(self.model.trainable_parameters())
-        checkpoint_lib.check_optimizer_state(opt, dict(tree_flatten(self.optimizer.state)), path)
-        self.model.load_weights(list(weights.items()), strict=False)
-        self.optimizer.state = tree_unflatten(list(opt.items()))
-        self.global_step, self.epoch = state["global_step"], state["epoch"]
-        self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]
-        # the rows of the epoch already consumed, cut into this run's per-rank batches (a checkpoint
-        # resumes on any number of ranks; keep the global batch the same to continue the same run)
-        here_batch = self.world_size * self.args.per_device_train_batch_size
-        saved_batch = int(state.get("per_device_batch", self.args.per_device_train_batch_size))
-        saved = int(state.get("world_size", 1)) * saved_batch
-        self.batch_in_epoch = self.batch_in_epoch * saved // here_batch
-        self.log_history = list(state.get("log_history", []))
-        if (path / "batch_source.safetensors").exists():
-            source = checkpoint_lib.load_file(path, "batch_source.safetensors", "the batch source's state")
-            self.load_batch_source_state({k: np.array(v) for k, v in source.items()})
-        self.run_id = state.get("run_id") or self.run_id
-        if path.resolve().parent == self.output_dir.resolve():
-            self._saved_step = self.global_step  # this checkpoint is this run's
-        if self.is_main:  # the steps after the checkpoint are trained again: do not repeat them
-            checkpoint_lib.rewrite_metrics(self.output_dir, self.log_history)
-        mx.eval(self.model.parameters(), self.optimizer.state)
-        self.print(f"resumed from {path} at step {self.global_step}")
-
-    def save_final(self):
-        from ..loading import save
-
-        args = self.args
-        if not self.is_main:
-            return
-        if getattr(self.model, "lora_config", None):
-            # the adapter and processor files are written aside, then renamed into output_dir (which also
-            # holds the checkpoints): a failure leaves the previous adapter loadable
-            def write(tmp: Path) -> None:
-                lora_lib.save_adapter(self.model, tmp, getattr(self.model, "name_or_path", None))
-                if self.processor is not None:
-                    self.processor.save_pretrained(tmp)
-
-            write_atomically(self.output_dir, write, what="the LoRA adapter", kind="adapter", into="adapter")
-            if args.merge:
-                lora_lib.merge_lora(self.model)
-                save(self.model, self.processor, self.output_dir / "merged", overwrite=True)
-        else:
-            save(self.model, self.processor, self.output_dir / "model", overwrite=True)

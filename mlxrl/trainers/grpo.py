@@ -61,10 +61,11 @@ from ..losses.grpo import (
     grpo_loss,
     grpo_token_loss,
     grpo_token_weights,
+    uses_fused_head,
 )
 from ..losses.head import IGNORE_INDEX, fused_head_loss
+from ..models.reference import adapters_disabled, frozen_copy
 from .config import TrainConfig, _f
-from .dpo import adapters_disabled, frozen_copy
 from .engine import Trainer
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
@@ -291,11 +292,6 @@ def check_grpo_config(args: GRPOConfig) -> None:
                          "the tokens of a sequence): use head_mode auto or differentiable")
 
 
-def uses_fused_head(args) -> bool:
-    """Whether GRPO training runs the fused row-chunked head (token-level importance sampling)."""
-    return args.head_mode == "fused" or (args.head_mode == "auto" and args.importance_sampling_level == "token")
-
-
 class RewardError(MlxrlError, ValueError):
     """A reward function that cannot be imported or called, or returns what is not a reward: one line
     naming it (and the completion where one is at fault)."""
@@ -451,9 +447,9 @@ class GRPOTrainer(Trainer):
         generate_every = self.steps_per_generation * args.num_iterations
         self.needs_old_logps = args.gradient_accumulation_steps % generate_every != 0
         if ref_model is None and args.ref_model and args.beta != 0:
-            import mlxrl
+            from ..loading import load
 
-            ref_model, _ = mlxrl.load(args.ref_model, dtype=args.dtype)
+            ref_model, _ = load(args.ref_model, dtype=args.dtype)
         if ref_model is not None:
             ref_model.freeze()
             ref_model.eval()
@@ -462,7 +458,7 @@ class GRPOTrainer(Trainer):
         self.ref_model = ref_model if args.beta != 0 else None
         self.stop_token_ids = sorted({151645, 151643, int(processor.eos_token_id)})
         self._pending_metrics: dict[str, list[float]] = {}
-        self._buffer = None
+        self._round_epoch = 0  # the epoch of the round being generated (reward functions see it)
         self.generation_time = 0.0
         self._head_trainable = self.head_trainable
 
@@ -519,7 +515,7 @@ class GRPOTrainer(Trainer):
         """[N, F] rewards (NaN where a function returned None), TRL's calling convention. A function that
         raises or returns something that is not one number or None per completion stops training with one
         line naming it (`reward_values`); so does a round where no function scored any completion."""
-        state = SimpleNamespace(global_step=self.global_step, epoch=self.epoch,
+        state = SimpleNamespace(global_step=self.global_step, epoch=self._round_epoch,
                                 max_steps=getattr(self, "total_steps", None))
         out = np.zeros((len(prompts), len(self.reward_funcs)), dtype=np.float32)
         for k, (f, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
@@ -568,7 +564,7 @@ class GRPOTrainer(Trainer):
 
         a, G = self.args, self.G
         t0 = time.perf_counter()
-        indices, self.epoch, offset = self._round_indices(round_index)
+        indices, self._round_epoch, offset = self._round_indices(round_index)
         rows = [self.rows[i] for i in indices]
         rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
         b = a.per_device_train_batch_size
@@ -771,61 +767,71 @@ class GRPOTrainer(Trainer):
         # mean-type losses: TRL divides each micro-batch's mean by grad_accum (num_items sums 1 per micro-batch)
         return (loss if token_sum else loss / num_items), metrics
 
-    # ------------------------------------------------------------------ resume
-    def batch_source_state(self) -> dict[str, np.ndarray]:
+    # ------------------------------------------------------------------ the batch source
+    def make_source(self):
+        return GenerationRounds(self)
+
+
+class GenerationRounds:
+    """GRPO's batch source: generation rounds, each generated, scored and cut into steps_per_generation
+    micro-batches on the training thread with the current weights when the loop reaches it, then
+    trained on num_iterations times. An epoch is every prompt once (incomplete rounds dropped); a
+    step may take micro-batches of two epochs (nothing is dropped at an epoch's end)."""
+
+    drops_remainder = False
+
+    def __init__(self, trainer: GRPOTrainer):
+        a = trainer.args
+        self.trainer = trainer
+        self.steps_per_generation = trainer.steps_per_generation
+        self.generate_every = trainer.steps_per_generation * a.num_iterations
+        rounds_per_epoch = len(trainer.rows) // (trainer.prompts_per_round * trainer.world_size)
+        self.length = rounds_per_epoch * self.generate_every
+        self.round: list[dict] | None = None  # the micro-batches of the round being trained on
+        self.uses: list[int] = []  # how often each was trained on
+        self.position = 0  # the global micro-batch the next item is
+        self._metrics: list[dict] = []
+
+    def epoch_length(self, epoch: int) -> int:
+        return self.length
+
+    @contextlib.contextmanager
+    def open(self, epoch: int, position: int, accum: int):
+        yield self._stream(epoch * self.length + position)
+
+    def _stream(self, micro: int):
+        while True:
+            if micro % self.generate_every == 0 or self.round is None:
+                self.round, metrics = self.trainer.generate_round(micro // self.generate_every)
+                self.uses = [0] * len(self.round)
+                self._metrics.append(metrics)
+            k = micro % self.steps_per_generation
+            # num_tokens (TRL): tokens generated, counted once however often the round is reused
+            item = self.round[k] if self.uses[k] == 0 else {**self.round[k], "num_tokens": 0}
+            self.uses[k] += 1
+            micro += 1
+            self.position = micro  # before the yield: a checkpoint taken now holds this item's round
+            yield item
+
+    def pop_metrics(self) -> list[dict]:
+        out, self._metrics = self._metrics, []
+        return out
+
+    def state_dict(self) -> dict[str, np.ndarray]:
         """Mid-round, the round being trained on: it was generated (and scored, and its old/reference
         log-probs computed) with earlier weights, so regenerating it on resume would train on other
         completions."""
-        micro = self.global_step * self.args.gradient_accumulation_steps
-        if self._buffer is None or micro % (self.steps_per_generation * self.args.num_iterations) == 0:
+        if self.round is None or self.position % self.generate_every == 0:
             return {}
-        out = {f"uses.{i}": np.array(u) for i, u in enumerate(self._uses)}
-        out.update({f"round.{i}.{k}": np.asarray(v) for i, mb in enumerate(self._buffer) for k, v in mb.items()})
+        out = {f"uses.{i}": np.array(u) for i, u in enumerate(self.uses)}
+        out.update({f"round.{i}.{k}": np.asarray(v) for i, mb in enumerate(self.round) for k, v in mb.items()})
         return out
 
-    def load_batch_source_state(self, arrays: dict[str, np.ndarray]) -> None:
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         n = len([k for k in arrays if k.startswith("uses.")])
-        self._uses = [int(arrays[f"uses.{i}"]) for i in range(n)]
-        self._buffer = [{} for _ in range(n)]
+        self.uses = [int(arrays[f"uses.{i}"]) for i in range(n)]
+        self.round = [{} for _ in range(n)]
         for key, v in arrays.items():
             if key.startswith("round."):
                 _, i, name = key.split(".", 2)
-                self._buffer[int(i)][name] = v.item() if v.ndim == 0 else v
-
-    # ------------------------------------------------------------------ the loop (generation on this thread)
-    def _plan(self):
-        a = self.args
-        rounds_per_epoch = len(self.rows) // (self.prompts_per_round * self.world_size)
-        micro_per_epoch = rounds_per_epoch * self.steps_per_generation * a.num_iterations
-        self._epoch_batches = micro_per_epoch
-        per_epoch = max(1, micro_per_epoch // a.gradient_accumulation_steps)
-        total = a.max_steps if a.max_steps and a.max_steps > 0 else int(math.ceil(a.num_train_epochs * per_epoch))
-        return None, per_epoch, total
-
-    def _loop(self, batches, total, bar):
-        a = self.args
-        accum, spg = a.gradient_accumulation_steps, self.steps_per_generation
-        generate_every = spg * a.num_iterations
-        window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
-        mx.reset_peak_memory()
-        micro = self.global_step * accum
-        while self.global_step < total:
-            group = []
-            for _ in range(accum):
-                if micro % generate_every == 0 or self._buffer is None:
-                    self._buffer, round_metrics = self.generate_round(micro // generate_every)
-                    self._uses = [0] * len(self._buffer)
-                    window["metrics"].append(round_metrics)
-                k = micro % spg
-                mb = self._buffer[k]
-                # num_tokens (TRL): tokens generated, counted once however often the round is reused
-                group.append(mb if self._uses[k] == 0 else {**mb, "num_tokens": 0})
-                self._uses[k] += 1
-                micro += 1
-            self._optimizer_step(group, window, bar, total)
-            self.epoch, self.batch_in_epoch = divmod(micro, max(1, self._epoch_batches))
-            if self.global_step % a.logging_steps == 0 or self.global_step == total:
-                self._log(window)
-                window = {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
-            if a.save_strategy == "steps" and a.save_steps and self.global_step % a.save_steps == 0:
-                self.save_checkpoint()
+                self.round[int(i)][name] = v.item() if v.ndim == 0 else v

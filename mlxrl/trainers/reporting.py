@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
+import time
 from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
 
 TRACKERS = ("wandb", "tensorboard")
 
@@ -99,3 +104,44 @@ class Reporter:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+class Logging:
+    """Mixin of the engine's `Trainer`: the log window of the steps since the last entry, and the
+    entries (stdout, metrics.jsonl, the trackers; rank 0 writes)."""
+
+    @staticmethod
+    def _new_window() -> dict:
+        return {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
+
+    def _log(self, window):
+        dt = max(time.perf_counter() - window["t0"], 1e-9)
+        epoch = self.epoch + self.batch_in_epoch / max(1, self._epoch_batches)
+        entry = {"step": self.global_step, "epoch": round(epoch, 4),
+                 "loss": float(np.mean(window["losses"])), "grad_norm": window.get("grad_norm"),
+                 "learning_rate": float(self.optimizer.learning_rate.item()), "num_tokens": self.num_tokens}
+        keys = {k for m in window["metrics"] for k in m}
+        entry.update({k: float(np.mean([m[k] for m in window["metrics"] if k in m])) for k in sorted(keys)})
+        entry["tokens_per_second"] = window["tokens"] / dt
+        entry["peak_memory_gb"] = mx.get_peak_memory() / 1e9
+        if getattr(self, "memory_plan", None) is not None:
+            entry["predicted_peak_memory_gb"] = self.memory_plan.total / 1e9
+        self._record(entry)
+
+    def _log_eval(self):
+        if not self.is_main:  # the weights are the same on every rank: rank 0 evaluates
+            return
+        metrics = self.evaluate()
+        if metrics:
+            self._record({"step": self.global_step, **{f"eval_{k}": v for k, v in metrics.items()}})
+            self.model.train()
+
+    def _record(self, entry):
+        self.log_history.append(entry)
+        if not self.is_main:
+            return
+        self.reporter.log(entry)
+        with open(self.output_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items() if v is not None}
+        print(json.dumps(shown), flush=True)

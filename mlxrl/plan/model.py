@@ -1,0 +1,391 @@
+"""The memory model: a run's peak from config.json alone (see the package's docstring for the terms)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import runtime
+from ..losses.grpo import uses_fused_head
+from .report import GB, MB, Plan, Row, count, dtype_bytes, fmt  # noqa: F401  (GB, MB, fmt: the package's API)
+from .suggest import suggest_change
+
+TILE_BYTES = 16 << 20  # mlxrl.losses.head.TILE_BYTES (kept here so planning imports no trainer)
+ROW_TILE_BYTES = 160 << 20  # mlxrl.losses.head.ROW_TILE_BYTES: the native fused head's row chunk
+GRAPH_ROW_TILE_BYTES = 48 << 20  # mlxrl.losses.head.GRAPH_ROW_TILE_BYTES: the graph fused head's row chunk
+
+# measured coefficients (see the module docstring)
+SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
+SCORE_COPIES = 1.25
+BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
+CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
+GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
+HEAD_TILES = 7.0            # live [rows, chunk] fp32 tiles of the streamed head (compiled step)
+LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
+UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
+NATIVE_UPDATE = 0.0         # the same with the native in-place AdamW step
+KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
+GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
+GEN_FILTER_COPIES = 2.25    # more of them with top_k / top_p / min_p (a mask and the filtered weights)
+DEFAULT_PROMPT_LENGTH = 512  # GRPO prompt tokens when --prompt_length is not given
+
+
+# ---------------------------------------------------------------------------------------- config
+
+def load_config(model: str | os.PathLike | None = None) -> dict:
+    """config.json of a local folder or cached Hub id (weights are never read); None: the embedded default."""
+    from ..loading import DEFAULT_CONFIG, read_config
+
+    if model is None:
+        cfg = json.loads(Path(DEFAULT_CONFIG).read_text())
+    else:
+        from ..hub import resolve_model_path
+
+        p = Path(model).expanduser()
+        cfg = read_config(p if (p / "config.json").exists() else resolve_model_path(str(model)))
+    cfg.pop("preprocessor_config", None)
+    return cfg
+
+
+@dataclass
+class Arch:
+    """What the planner needs of a model: sizes from config.json and exact parameter bytes per group."""
+
+    V: int
+    D: int
+    I: int  # noqa: E741
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    weight_bytes: int
+    trainable_bytes: int
+    layer_trainable_bytes: int  # the decoder layers' share (their grads replace their activations)
+    largest_trainable: int
+    head_trainable: bool
+    lora_params: int = 0
+    vision: dict | None = None
+    trainable_params: int = 0  # elements
+    master_params: int = 0  # trainable elements held in a non-float32 dtype (they get a float32 master copy)
+
+
+def _text_config(cfg: dict) -> dict:
+    return {**cfg, **cfg.get("text_config", {})}
+
+
+def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
+    """Build the model lazily (no array is evaluated, so nothing is allocated), apply the trainer's
+    trainable-parameter policy (LoRA / full / frozen vision / frozen embeddings) and count bytes."""
+    from mlx.utils import tree_flatten
+
+    from ..models import build_model
+    from ..models import lora as lora_lib
+
+    s = element_bytes or dtype_bytes(args)
+    model = build_model(cfg)
+    if getattr(args, "use_peft", False):
+        lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                            target_modules=args.lora_target_modules, use_dora=args.use_dora)
+    else:
+        if getattr(args, "freeze_vision_tower", False) and hasattr(model, "vision_tower"):
+            model.vision_tower.freeze()
+        if getattr(args, "freeze_embeddings", False):
+            model.language_model.embed_tokens.freeze()
+    params = tree_flatten(model.parameters())
+    trainable = tree_flatten(model.trainable_parameters())
+    head_w = model.lm_head_weight()
+    head_trainable = any(v is head_w for _, v in trainable)
+    fp = [v for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
+    weight_bytes = sum(v.size for v in fp) * s
+    def nbytes(k, v):  # LoRA's A and B stay float32 whatever the compute dtype (DoRA's magnitude does not)
+        return v.size * (4 if "lora_" in k else s)
+
+    t_sizes = [nbytes(k, v) for k, v in trainable]
+    lora_n = sum(v.size for k, v in trainable if "lora_" in k)
+    in_layers = sum(nbytes(k, v) for k, v in trainable if ".layers." in k and "visual" not in k)
+    n_train = sum(v.size for _, v in trainable)
+    n_master = 0 if s == 4 else sum(v.size for k, v in trainable if "lora_" not in k)
+    t = _text_config(cfg)
+    lm = model.language_model.config
+    vision = None
+    if "vision_config" in cfg:
+        vc = cfg["vision_config"]
+        vision = {"depth": vc.get("depth", 0), "D": vc.get("hidden_size", vc.get("embed_dim", 0)),
+                  "I": vc.get("intermediate_size", 4 * vc.get("hidden_size", vc.get("embed_dim", 0))),
+                  "heads": vc.get("num_heads", 1), "patch": vc.get("patch_size", 14),
+                  "merge": vc.get("spatial_merge_size", 2), "temporal": vc.get("temporal_patch_size", 2)}
+    return Arch(V=lm.vocab_size, D=lm.hidden_size, I=lm.intermediate_size, layers=lm.num_hidden_layers,
+                heads=lm.num_attention_heads, kv_heads=lm.num_key_value_heads, head_dim=lm.head_dim,
+                tied=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+                weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes),
+                layer_trainable_bytes=in_layers, largest_trainable=max(t_sizes, default=0),
+                head_trainable=head_trainable, lora_params=lora_n, vision=vision, trainable_params=n_train,
+                master_params=n_master)
+
+
+# ---------------------------------------------------------------------------------------- the model
+
+@dataclass
+class Shape:
+    """One micro-batch's forward: `tokens` run through the decoder, `scores` attention score elements per
+    head ([B, L, L] for B rows of L; GRPO's shared forward: the prompts' [n_p, P, P] plus each completion's
+    [C, P + C]), `rows` positions scored by the head. (The shared prompt's K/V repeated for each
+    completion measured as no extra peak: they live one layer at a time, inside the backward temporaries.)"""
+
+    tokens: int
+    scores: int
+    rows: int
+    label: str = ""
+
+
+def _layer_saved(a: Arch, sh: Shape, s: int) -> float:
+    """Bytes one decoder layer keeps for backward (no checkpointing)."""
+    k = SAVED_PER_TOKEN
+    per_token = k["D"] * a.D + k["I"] * a.I + k["Q"] * a.heads * a.head_dim + k["KV"] * a.kv_heads * a.head_dim
+    return s * sh.tokens * per_token + s * SCORE_COPIES * a.heads * sh.scores
+
+
+def lora_dropout(args, trainer: str = "sft") -> float:
+    """The dropout the trainer will use (DPO / GRPO's disable_dropout turns LoRA's off too)."""
+    if getattr(args, "disable_dropout", False):
+        return 0.0
+    return float(getattr(args, "lora_dropout", 0.0) or 0.0)
+
+
+def _lora_extra(a: Arch, args, n: int, s: int, trainer: str = "sft") -> float:
+    """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([n, r]) per adapter; on a
+    bf16 base each adapted input's float32 cast."""
+    if not getattr(args, "use_peft", False):
+        return 0.0
+    inputs = 5 * a.D + a.heads * a.head_dim + a.I  # q, k, v, gate, up see D; o sees H*hd; down sees I
+    if s != 4:  # float32 adapters on a bf16 base: x @ A casts each adapted input to float32 and keeps it
+        return 4 * n * (inputs + 7 * 2 * args.lora_r)
+    return s * n * ((inputs if lora_dropout(args, trainer) > 0 else 0) + 7 * 2 * args.lora_r)
+
+
+def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: str = "sft") -> float:
+    """Activation bytes of the decoder during backward, INCLUDING the decoder layers' gradients:
+    measured, a layer's weight gradients appear as its saved tensors are released, so the layers cost
+    max(saved tensors, their gradients) rather than the sum."""
+    layer = _layer_saved(a, sh, s) + _lora_extra(a, args, sh.tokens, s, trainer)
+    if getattr(args, "use_peft", False):
+        layer *= LORA_SAVED
+    edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
+    kept = a.layers * (s * sh.tokens * a.D if checkpointing else layer)
+    ckpt = GRPO_CKPT_LAYERS if trainer == "grpo" else CKPT_LAYERS
+    extra = (ckpt if checkpointing else BACKWARD_LAYERS) * layer
+    return max(kept, a.layer_trainable_bytes) + extra + edges
+
+
+def native_cpu(args) -> bool:
+    """Whether mlxrl's native CPU kernels run this configuration's math (float32 on the CPU, the
+    kernels built): its AdamW step updates in place and SFT's fused head is one kernel."""
+    if runtime.default_device_kind() == "gpu" or dtype_bytes(args) != 4:
+        return False
+    from .. import native
+
+    return native.load() is not None
+
+
+def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
+    """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 7 with the compiled step, 16
+    eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
+    [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
+    mode = getattr(args, "head_mode", "differentiable")
+    if mode == "auto":  # GRPO's: the trainer's own rule
+        mode = "fused" if uses_fused_head(args) else "differentiable"
+    chunk_rows = min(rows, max(8, ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
+    if mode in ("fused", "two_phase") and trainer == "sft" and native_cpu(args):
+        # SFT's nll / dft on the native kernel: the [V, D] weight gradient (when trained), one reused
+        # tile, the chunk's scaled rows and d_hidden
+        return (4 * a.V * a.D if a.head_trainable else 0) + 4 * chunk_rows * (a.V + a.D) + 8 * rows * a.D
+    if mode in ("fused", "two_phase") and (a.head_trainable or s == 4):
+        # the graph's row chunks x the full vocabulary: z and ez per chunk, about five tiles live once
+        # chunks follow each other (MLX allocates at dispatch, ahead of execution); a trained head's
+        # d_weight comes from vocab tiles in the VJP: its pieces (one [V, D] in the weight's dtype) next
+        # to their concatenation (the gradient, counted with the trainable state); a bf16 weight is
+        # cast to float32 once for the forward
+        rows_g = min(rows, max(8, GRAPH_ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
+        chunks = -(-rows // rows_g)
+        forward = min(2 + 1.5 * (chunks - 1), 5) * 4 * rows_g * a.V
+        if not a.head_trainable:
+            return forward
+        tile = 4 * rows * min(_default_chunk(rows, a.V, a.D), a.V)
+        # tied to the embedding: its gather's gradient (a [V, D] scatter) comes next to the head's
+        pieces = a.V * a.D * s * (2 if a.tied else 1)
+        return max(forward + (4 * a.V * a.D if s != 4 else 0), pieces + 2 * tile)
+    fused = mode in ("fused", "two_phase")  # here: a frozen bf16 head, the vocab-tiled head_logprobs below
+    chunk = min((None if fused else args.chunk_size) or _default_chunk(rows, a.V, a.D), a.V)
+    tile = 4 * rows * chunk
+    every = 4 * rows * a.V  # all tiles of one pass
+    compiled = bool(getattr(args, "compile", True))
+    casts = 2.5 * 4 * chunk * a.D if s != 4 else 0  # a bf16 weight's float32 [chunk, D] slices live
+    if a.head_trainable:
+        return 2 * a.V * a.D * s + min((0.25 if compiled else 3.5) * tile, every) + casts
+    return min((HEAD_TILES if compiled else 16) * tile, (2 if compiled else 5) * every) + casts
+
+
+def _default_chunk(n_rows: int, vocab: int, width: int = 0) -> int:  # mlxrl.losses.head.default_chunk_size
+    cols = TILE_BYTES // (4 * max(n_rows, width, 1))
+    return int(min(vocab, max(128, cols // 128 * 128)))
+
+
+def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool) -> float:
+    """Vision tower activations for `images` images per example of `image_size` pixels a side
+    (saved tensors as for a decoder layer, full attention within each image; a frozen tower keeps about
+    two layers of temporaries). Checked against `measure` on the embedded Qwen3-VL (tests/test_plan.py)."""
+    if not images or not a.vision or not image_size:
+        return 0.0
+    v = a.vision
+    patches = (image_size // v["patch"]) ** 2  # per image, before merging
+    P = B * images * patches
+    per_token = 4 * v["D"] + 3 * v["I"] + 4 * v["D"]
+    layer = s * P * per_token + s * SCORE_COPIES * B * images * v["heads"] * patches * patches
+    trained = not (getattr(args, "use_peft", False) or getattr(args, "freeze_vision_tower", False))
+    if not trained:
+        return 2 * layer  # a frozen tower keeps nothing for backward: about two layers of temporaries
+    return (v["depth"] + BACKWARD_LAYERS) * layer
+
+
+def image_tokens(a: Arch, images: int, image_size: int | None) -> int:
+    if not images or not a.vision or not image_size:
+        return 0
+    v = a.vision
+    return images * (image_size // v["patch"]) ** 2 // (v["merge"] ** 2)
+
+
+def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, str]:
+    value = memory_limit if memory_limit is not None else getattr(args, "memory_limit", None)
+    if value is not None:
+        return runtime._parse_bytes(value, machine), f"memory_limit {value}"
+    if machine:
+        return int(0.9 * machine), "90% of machine memory (no --memory_limit)"
+    return None, "unknown"
+
+
+def _grpo_prompt_length(args, prompt_length: int | None = None) -> int:
+    """Prompt tokens of a GRPO run (TRL 1.x has no max_prompt_length; --prompt_length, default 512),
+    left-padded to the trainer's multiple of 32."""
+    P = int(prompt_length or getattr(args, "max_prompt_length", None) or DEFAULT_PROMPT_LENGTH)
+    return -(-P // 32) * 32
+
+
+def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None = None) -> Shape:
+    """The forward of one micro-batch (extra_tokens: image tokens per sequence)."""
+    L = int(getattr(args, "max_length", None) or 1024) + extra_tokens
+    B = int(args.per_device_train_batch_size)
+    scored = L - extra_tokens  # image tokens are never scored
+    if trainer == "dpo":
+        return Shape(2 * B * L, 2 * B * L * L, 2 * B * scored, label=f"B={2 * B} (chosen + rejected) L={L}")
+    if trainer == "grpo":  # b completions; whole groups when b >= G, else a slice of one prompt's group
+        P = _grpo_prompt_length(args, prompt_length) + extra_tokens
+        C = int(args.max_completion_length)
+        n_p = max(1, B // int(args.num_generations))
+        if not getattr(args, "shared_prompt", True):  # every completion row carries its own prompt
+            return Shape(B * (P + C), B * (P + C) ** 2, B * C, label=f"B={B} L={P + C} (prompt not shared)")
+        return Shape(n_p * P + B * C, n_p * P * P + B * C * (P + C), B * C,
+                     label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)")
+    return Shape(B * L, B * L * L, B * scored, label=f"B={B} L={L}")
+
+
+def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
+            image_size: int | None = None, prompt_length: int | None = None, suggest: bool = True,
+            _arch: Arch | None = None) -> Plan:
+    """Predicted peak memory of training with `args` (an SFTConfig / DPOConfig / GRPOConfig) on the model
+    of `config` (a parsed config.json, a model id / folder, or None for the embedded default).
+
+    images / image_size: images per example and their side in pixels (VL models).
+    prompt_length: GRPO prompt tokens (default 512).
+    memory_limit: overrides args.memory_limit ('8GB', bytes or a fraction of memory).
+    """
+    cfg = config if isinstance(config, dict) else load_config(config)
+    s = dtype_bytes(args)
+    a = _arch or arch_of(cfg, args, s)
+    L_img = image_tokens(a, images, image_size)
+    sh = _shape(args, trainer, L_img, prompt_length)
+    W, T = a.weight_bytes, a.trainable_bytes
+    accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    ckpt = bool(getattr(args, "gradient_checkpointing", False))
+    act = {c: activations(a, args, sh, s, c, trainer) for c in (True, False)}
+    out: list[Row] = [Row("weights", W, f"{count(W // s)} parameters x {s} B")]
+    n_train = a.trainable_params
+    other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
+    adafactor = getattr(args, "optim", "adamw_torch") == "adafactor"
+    # float32 moments whatever the dtype; Adafactor: a row and a column per matrix, no first moment (~0)
+    moments = 0 if adafactor else 2 * 4 * n_train
+    master = 4 * a.master_params if getattr(args, "master_weights", True) else 0
+    moments += master  # the float32 master copy of bf16 trainable weights (mixed precision)
+    accum_sum = 4 * n_train if accum > 1 else 0  # the float32 running sum of the micro-batches' gradients
+    what = "Adafactor factored v" if adafactor else "AdamW m, v (fp32)"
+    if master:
+        what += f" + fp32 master weights ({fmt(master)}; --master_weights false saves it)"
+    out.append(Row("trainable state", moments + other + accum_sum,
+                   f"{count(n_train)} trainable: {what} + grads{' + fp32 sum (accumulation)' if accum > 1 else ''} "
+                   "(the decoder layers' grads are counted with the activations)"))
+    ref = 0
+    needs_ref = trainer == "dpo" or (trainer == "grpo" and getattr(args, "beta", 0.0) > 0)
+    if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
+        ref = T
+        out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
+    out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' if ckpt else 'off'} "
+                                             f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
+    head = head_bytes(a, args, sh.rows, s, trainer)
+    chunk = args.chunk_size or _default_chunk(sh.rows, a.V, a.D)
+    out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
+                                          f"{', [V, D] weight grad' if a.head_trainable else ''}"))
+    B = int(args.per_device_train_batch_size)
+    sequences = max(1, B // int(args.num_generations)) if trainer == "grpo" else (2 * B if trainer == "dpo" else B)
+    img = vision_bytes(a, args, sequences, s, images, image_size, ckpt)
+    if img:
+        out.append(Row("images", img, f"{images} image(s)/example of {image_size}px: {L_img} tokens"))
+    kv = gen_logits = 0
+    if trainer == "grpo":
+        G, C = int(args.num_generations), int(args.max_completion_length)
+        P = _grpo_prompt_length(args, prompt_length) + L_img
+        prompts = max(1, B // G)  # generated together: the micro-batch's prompts, G completions each
+
+        def cache_len(n):  # mlx-lm's KVCache grows in steps of 256 positions
+            return -(-n // KV_STEP) * KV_STEP
+
+        kv = 2 * a.layers * a.kv_heads * a.head_dim * s * prompts * (cache_len(P) + G * cache_len(C))
+        filtered = (0 < (getattr(args, "top_k", 0) or 0) < a.V or (getattr(args, "top_p", 1.0) or 1.0) < 1.0
+                    or (getattr(args, "min_p", 0.0) or 0.0) > 0.0)
+        gen_logits = (GEN_LOGIT_COPIES + (GEN_FILTER_COPIES if filtered else 0.0)) * 4 * prompts * G * a.V
+        out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) of {P} prefilled once + G={G} "
+                                       f"completions of {C} (+ {fmt(gen_logits)} of sampling logits)"))
+    steady = W + moments + ref
+    step = steady + other + accum_sum + act[ckpt] + head + img
+    clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
+    if not adafactor:
+        # AdamW (the native CPU step, or the graph's three single-output kernels) writes the new weights,
+        # master and moments into the old ones' buffers, the clipping scale and a bf16 gradient's cast
+        # folded in: the gradients and the next step's inputs only
+        update = steady + T + NATIVE_UPDATE * a.largest_trainable
+    else:  # (a bf16 parameter's update runs in float32: its copies are float32)
+        largest = a.largest_trainable * (4 // s if a.master_params else 1)
+        update = steady + T + clip + UPDATE_COPIES * largest
+    # generation: the weights, the KV cache and the [G, V] float32 logits of a decoding step
+    gen = steady + kv + gen_logits if kv else 0
+    total = int(max(step, update, gen))
+    machine = runtime.device_memory_bytes()
+    limit, source = _limit(args, machine, memory_limit)
+    cache_limit = getattr(args, "cache_limit", None)
+    transient = total - steady
+    cache = int(min(transient, runtime._parse_bytes(cache_limit, machine))) if cache_limit else int(transient)
+    plan = Plan(trainer, out, total, int(step), int(update), limit, source, machine, cache,
+                {"checkpointing": int(act[True]), "no checkpointing": int(act[False])})
+    if not plan.fits and W - T > T:
+        # 4 bits + a 16-bit scale and bias per 64 weights = 4.5 bits per frozen weight
+        frozen = W - T
+        plan.quantized_total = int(total - frozen + frozen * 4.5 / (8 * s))
+    if suggest and not plan.fits:
+        plan.suggestion, plan.suggestion_total = suggest_change(predict, cfg, args, trainer, limit, images=images,
+                                                                image_size=image_size, prompt_length=prompt_length)
+    return plan
+
+

@@ -1,0 +1,75 @@
+"""The smallest change that makes a run fit: candidates ranked by how little they change the run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .report import dtype_bytes
+
+
+def _candidates(args, trainer: str):
+    """Changes in the order of how little they change the run: same result (chunk size, checkpointing,
+    smaller micro-batches with more accumulation), then bf16 weights without a float32 master copy
+    (stochastic rounding), a smaller adapter, LoRA instead of full fine-tuning, a shorter max_length,
+    fewer generations, and last a quantised base."""
+    yield {"chunk_size": 1024}
+    yield {"chunk_size": 256}
+    if not args.gradient_checkpointing:
+        yield {"gradient_checkpointing": True}
+    b = int(args.per_device_train_batch_size)
+    accum = int(args.gradient_accumulation_steps or 1)
+    while b > 1:
+        b //= 2
+        same = {"per_device_train_batch_size": b,
+                "gradient_accumulation_steps": accum * (args.per_device_train_batch_size // b)}
+        yield same
+        if not args.gradient_checkpointing:
+            yield {**same, "gradient_checkpointing": True}
+    if dtype_bytes(args) != 4 and not args.use_peft and getattr(args, "master_weights", True):
+        yield {"master_weights": False}
+    if args.use_peft:
+        r = int(args.lora_r)
+        while r > 4:
+            r //= 2
+            yield {"lora_r": r}
+    else:
+        yield {"use_peft": True}
+        yield {"use_peft": True, "gradient_checkpointing": True}
+    L = getattr(args, "max_length", None)
+    if L:
+        while L > 64:
+            L //= 2
+            yield {"max_length": L}
+    if trainer == "grpo":
+        g = int(args.num_generations)
+        while g > 2:
+            g //= 2
+            yield {"num_generations": g}
+
+
+def suggest_change(predict, cfg: dict, args, trainer: str, limit: int | None, **kw) -> tuple[dict | None, int | None]:
+    """The first candidate change (least disruptive first) whose predicted peak is within `limit`; when no
+    single change is enough, candidates are combined greedily in the same order (each kept if it helps)."""
+    if limit is None:
+        return None, None
+
+    def total(change):
+        try:
+            return predict(cfg, dataclasses.replace(args, **change), trainer, memory_limit=limit, suggest=False,
+                           **kw).total
+        except ValueError:
+            return None
+
+    for change in _candidates(args, trainer):
+        t = total(change)
+        if t is not None and t <= limit:
+            return change, t
+    combined, best = {}, predict(cfg, args, trainer, memory_limit=limit, suggest=False, **kw).total
+    for change in _candidates(args, trainer):
+        trial = {**combined, **change}  # a later, stronger value of the same knob replaces the earlier one
+        t = total(trial)
+        if t is not None and t < best:
+            combined, best = trial, t
+            if best <= limit:
+                return combined, best
+    return None, None

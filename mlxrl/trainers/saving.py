@@ -1,0 +1,178 @@
+"""Checkpoints and the final save of the engine's `Trainer` (the helpers they use: `checkpoint`).
+
+checkpoint-<step> holds the trainable weights, the optimizer state, the batch source's state and
+trainer_state.json with what the checkpoint belongs to; it is written aside and renamed into place.
+An error or a signal inside the loop saves the finished steps before it is raised; a failed final
+save keeps the trained weights as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..atomic import write_atomically
+from ..hub import MlxrlError
+from ..models import lora as lora_lib
+from . import checkpoint as checkpoint_lib
+from .checkpoint import CHECKPOINT_PREFIX
+from .signals import TrainingInterrupted
+
+
+class Saving:
+    """Mixin of the engine's `Trainer`."""
+
+    def _save_on_failure(self, failure) -> None:
+        """A resumable checkpoint of the finished steps (rank 0), unless an update was half applied."""
+        words = self._stop_words(failure).format(step=self.global_step + 1)
+        if not self.is_main or not self._consistent or self._save_failed:
+            return
+        if self.global_step == 0:
+            self.print(f"{words} before the first optimizer step: nothing to save")
+            return
+        try:
+            with self._critical(raise_pending=False):
+                path = self._last_checkpoint() or self.save_checkpoint()
+        except MlxrlError as e:
+            if isinstance(failure, KeyboardInterrupt):
+                raise e from None  # why there is no checkpoint, in one line
+            self.print(f"{words}: could not save a checkpoint ({e})")
+            return
+        self.print(f"{words}: saved resumable checkpoint {path} (resume with --resume_from_checkpoint {path})")
+
+    def _last_checkpoint(self) -> Path | None:
+        """This run's checkpoint of the current step, if it was already written."""
+        path = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+        return path if self._saved_step == self.global_step and path.is_dir() else None
+
+    def _final_save(self) -> None:
+        """save_final with Ctrl-C / SIGTERM held until it completes (then raised); if the save fails, the
+        trained weights are kept as a resumable checkpoint before the error is raised."""
+        try:
+            with self._critical(raise_pending=False):
+                self.save_final()
+        except Exception:
+            if self.is_main and self.global_step > 0 and not self._save_failed:
+                try:
+                    with self._critical(raise_pending=False):
+                        path = self._last_checkpoint() or self.save_checkpoint()
+                    self.print(f"the final save failed: the trained weights are in the resumable checkpoint {path} "
+                               f"(resume with --resume_from_checkpoint {path} to save them)")
+                except MlxrlError as e:
+                    self.print(f"the final save failed and so did a checkpoint ({e})")
+            raise
+        if self._pending_signal is not None:
+            signum, self._pending_signal = self._pending_signal, None
+            self.print(f"{signal.Signals(signum).name} during the final save: the save completed "
+                       f"({self.output_dir}); stopping")
+            self.reporter.close()
+            raise TrainingInterrupted(signum)
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainable_state(self) -> dict:
+        return dict(tree_flatten(self.model.trainable_parameters()))
+
+    def save_checkpoint(self) -> Path:
+        """checkpoint-<step>: trainable weights, optimizer state, trainer_state.json with what the
+        checkpoint belongs to (`checkpoint.run_record`); written aside and renamed into place."""
+        final = self.output_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+        if not self.is_main:  # the ranks hold the same weights: rank 0 writes
+            return final
+        trainable = self.trainable_state()
+        opt = dict(tree_flatten(self.optimizer.state))
+        state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                 "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
+                 "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
+                 "mlxrl": checkpoint_lib.run_record(self)}
+
+        source = {k: mx.array(v) for k, v in (self.source.state_dict() if self.source else {}).items()}
+
+        def write(tmp: Path) -> None:
+            mx.save_safetensors(str(tmp / "trainable.safetensors"), trainable)
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt)
+            if source:
+                mx.save_safetensors(str(tmp / "batch_source.safetensors"), source)
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+
+        with self._critical():  # Ctrl-C waits for the checkpoint (then stops with it)
+            try:
+                write_atomically(final, write, what=f"checkpoint {final.name}")
+            except BaseException:
+                self._save_failed = True
+                raise
+            self._saved_step = self.global_step
+            self._rotate()
+        return final
+
+    def _checkpoints(self) -> list[Path]:
+        return checkpoint_lib.list_checkpoints(self.output_dir)
+
+    def _rotate(self):
+        """save_total_limit: delete this run's oldest checkpoints (checkpoint-<int> folders whose
+        trainer_state.json carries this run's id and that hold only our files)."""
+        limit = self.args.save_total_limit
+        if limit:
+            for old in checkpoint_lib.list_checkpoints(self.output_dir, self.run_id)[:-limit]:
+                if checkpoint_lib.is_our_checkpoint(old):
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, path):
+        """Resume: the checkpoint is checked against this run (one line naming the first difference)
+        before anything is loaded; metrics.jsonl is cut back to the checkpoint's history."""
+        path = checkpoint_lib.resolve_checkpoint(self.output_dir, path)
+        state, weights, opt = checkpoint_lib.read_checkpoint(path)
+        here = checkpoint_lib.run_record(self)
+        if isinstance(state.get("mlxrl"), dict):
+            checkpoint_lib.check_compatible(state["mlxrl"], here, path)
+        checkpoint_lib.check_shapes({k: v.shape for k, v in weights.items()}, here["trainable"],
+                                     f"--resume_from_checkpoint {path}", "trains")
+        self.optimizer.init(self.model.trainable_parameters())
+        checkpoint_lib.check_optimizer_state(opt, dict(tree_flatten(self.optimizer.state)), path)
+        self.model.load_weights(list(weights.items()), strict=False)
+        self.optimizer.state = tree_unflatten(list(opt.items()))
+        self.global_step, self.epoch = state["global_step"], state["epoch"]
+        self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]
+        # the rows of the epoch already consumed, cut into this run's per-rank batches (a checkpoint
+        # resumes on any number of ranks; keep the global batch the same to continue the same run)
+        here_batch = self.world_size * self.args.per_device_train_batch_size
+        saved_batch = int(state.get("per_device_batch", self.args.per_device_train_batch_size))
+        saved = int(state.get("world_size", 1)) * saved_batch
+        self.batch_in_epoch = self.batch_in_epoch * saved // here_batch
+        self.log_history = list(state.get("log_history", []))
+        if (path / "batch_source.safetensors").exists():
+            source = checkpoint_lib.load_file(path, "batch_source.safetensors", "the batch source's state")
+            self.source.load_state_dict({k: np.array(v) for k, v in source.items()})
+        self.run_id = state.get("run_id") or self.run_id
+        if path.resolve().parent == self.output_dir.resolve():
+            self._saved_step = self.global_step  # this checkpoint is this run's
+        if self.is_main:  # the steps after the checkpoint are trained again: do not repeat them
+            checkpoint_lib.rewrite_metrics(self.output_dir, self.log_history)
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.print(f"resumed from {path} at step {self.global_step}")
+
+    def save_final(self):
+        from ..loading import save
+
+        args = self.args
+        if not self.is_main:
+            return
+        if getattr(self.model, "lora_config", None):
+            # the adapter and processor files are written aside, then renamed into output_dir (which also
+            # holds the checkpoints): a failure leaves the previous adapter loadable
+            def write(tmp: Path) -> None:
+                lora_lib.save_adapter(self.model, tmp, getattr(self.model, "name_or_path", None))
+                if self.processor is not None:
+                    self.processor.save_pretrained(tmp)
+
+            write_atomically(self.output_dir, write, what="the LoRA adapter", kind="adapter", into="adapter")
+            if args.merge:
+                lora_lib.merge_lora(self.model)
+                save(self.model, self.processor, self.output_dir / "merged", overwrite=True)
+        else:
+            save(self.model, self.processor, self.output_dir / "model", overwrite=True)

@@ -1,0 +1,76 @@
+"""Batch sources: what the engine's one loop consumes.
+
+A batch source hands the loop micro-batches (numpy dicts the trainer's `to_device` turns into
+arrays) and knows the shape of an epoch; the loop owns the optimizer steps, the accumulation, the
+logging, evaluation and checkpoint cadence. Two kinds exist:
+
+- `DatasetSource` (SFT, DPO): an epoch is the trainer's `make_batches(epoch)` (shuffled, bucketed,
+  sharded over the ranks); batches are prepared ahead on a worker thread; an epoch ends at its last
+  whole accumulation group (the remainder is dropped, so every step is a full global batch).
+- GRPO's generation rounds (`trainers/grpo.py`): a round is generated, scored and cut into
+  micro-batches on the training thread, with the current weights, when the loop reaches it; a step
+  may take micro-batches of two epochs.
+
+The interface (duck-typed):
+
+    epoch_length(epoch) -> int          micro-batches in that epoch (the logged epoch's denominator)
+    drops_remainder: bool               an epoch ends at a multiple of gradient_accumulation_steps
+    open(epoch, position, accum)        a context manager yielding micro-batches from that place on
+    pop_metrics() -> list[dict]         metrics the source measured since the last call (logged)
+    state_dict() / load_state_dict(d)   numpy arrays a checkpoint needs to resume exactly here
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ..data.batches import Prefetcher
+
+
+class DatasetSource:
+    """Micro-batches from `make_batches(epoch)`: prepared dicts, or zero-argument callables that
+    prepare one (called on the background worker, at most accum + 1 ahead)."""
+
+    drops_remainder = True
+
+    def __init__(self, make_batches: Callable[[int], list]):
+        self._make = make_batches
+        self._cache: tuple[int, list] | None = None
+
+    def batches(self, epoch: int) -> list:
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, self._make(epoch))
+        return self._cache[1]
+
+    def epoch_length(self, epoch: int) -> int:
+        return len(self.batches(epoch))
+
+    @contextlib.contextmanager
+    def open(self, epoch: int, position: int, accum: int) -> Iterator[Iterator[dict]]:
+        batches = self.batches(epoch)
+        usable = len(batches) // accum * accum
+        if usable == 0:
+            raise ValueError(f"fewer batches ({len(batches)}) than gradient_accumulation_steps ({accum})")
+        todo = batches[position:usable]
+        # data preparation (collating, decoding and resizing images) runs ahead on a worker thread, at
+        # most `depth` batches ahead so it cannot pile up memory
+        with Prefetcher(lambda: map(_prepare, todo), depth=max(2, accum + 1)) as ready:
+            yield ready
+
+    def pop_metrics(self) -> list[dict]:
+        return []
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Nothing: the batches are a function of the seed, the epoch and the position."""
+        return {}
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+        if arrays:
+            raise ValueError(f"a dataset source has no state to restore (got {sorted(arrays)[:3]})")
+
+
+def _prepare(item) -> dict:
+    return item() if callable(item) else item
