@@ -1,16 +1,38 @@
-"""mlxrl: MLX-native SFT / DPO / GRPO for Qwen and Qwen-VL models."""
+"""mlxrl: MLX-native SFT / DPO / GRPO for Qwen and Qwen-VL models.
 
-from . import runtime  # noqa: F401  (loads a fast BLAS before mlx.core)
+Importing mlxrl loads a fast BLAS before ``mlx.core`` on Linux (`mlxrl.cpu`) and nothing else: the
+trainers and loaders below are imported when first used, and process-wide settings (MLX's CPU buffer
+cache, the CLIs' huge-page re-exec) are made by `mlxrl.runtime.setup()`, which the CLIs and the
+trainers call.
+"""
+
+from . import cpu  # noqa: F401  (the BLAS before mlx.core)
 
 __version__ = "0.1.0"
 
-from .hub import MlxrlError  # noqa: E402
-from .loading import load, load_default, save  # noqa: E402
-from .trainers.config import SFTConfig  # noqa: E402
-from .trainers.dpo import DPOConfig, DPOTrainer  # noqa: E402
-from .trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from .trainers.sft import SFTTrainer  # noqa: E402
+_LAZY = {"MlxrlError": "hub", "load": "loading", "load_default": "loading", "save": "loading",
+         "SFTConfig": "trainers.config", "SFTTrainer": "trainers.sft", "DPOConfig": "trainers.dpo",
+         "DPOTrainer": "trainers.dpo", "GRPOConfig": "trainers.grpo", "GRPOTrainer": "trainers.grpo",
+         "runtime": None}
 
 __all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "MlxrlError",
            "SFTConfig", "SFTTrainer", "load", "load_default", "save",
            "runtime"]
+
+
+def __getattr__(name: str):
+    """`mlxrl.SFTTrainer` and friends, imported on first use (PEP 562)."""
+    import importlib
+
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mlxrl' has no attribute {name!r}")
+    module = _LAZY[name]
+    value = importlib.import_module(f"{__name__}.{module or name}")
+    if module is not None:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -12,6 +12,11 @@ the next-token prediction, and optionally save the model as a Hugging Face folde
 
 from __future__ import annotations
 
+from . import runtime
+
+if __name__ == "__main__":  # first, before the heavy imports: may re-execute with huge pages
+    runtime.setup(cli=True)
+
 import argparse
 import os
 import sys

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import fastmath
+from .cpu import fastmath
 from .models.vl import QwenVLBase, mrope_positions
 
 IM_END, END_OF_TEXT = 151645, 151643

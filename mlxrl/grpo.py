@@ -18,12 +18,17 @@ It prints the mean reward of every step's completions, and held-out exact match 
 
 from __future__ import annotations
 
+from . import runtime
+
+if __name__ == "__main__":  # first, before the heavy imports: may re-execute with huge pages
+    runtime.setup(cli=True)
+
 import sys
 import time
 
-from .cli import apply_overrides, briefly_sft_default, load_model_and_rows, run
-from .trainers.config import build_parser, config_from_args
-from .trainers.grpo import GRPOConfig, check_grpo_config
+from .cli import apply_overrides, briefly_sft_default, load_model_and_rows, run  # noqa: E402
+from .trainers.config import build_parser, config_from_args  # noqa: E402
+from .trainers.grpo import GRPOConfig, check_grpo_config  # noqa: E402
 
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over

@@ -17,11 +17,16 @@ for a text-only one; held-out exact match is printed before and after.
 
 from __future__ import annotations
 
+from . import runtime
+
+if __name__ == "__main__":  # first, before the heavy imports: may re-execute with huge pages
+    runtime.setup(cli=True)
+
 import sys
 import time
 
-from .cli import apply_overrides, load_model_and_rows, run
-from .trainers.config import SFTConfig, build_parser, config_from_args
+from .cli import apply_overrides, load_model_and_rows, run  # noqa: E402
+from .trainers.config import SFTConfig, build_parser, config_from_args  # noqa: E402
 
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over

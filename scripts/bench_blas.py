@@ -18,7 +18,7 @@ import time
 
 CHILD = r"""
 import json, os, sys, time
-import mlxrl.runtime as rt
+import mlxrl.cpu.blas as rt
 import mlx.core as mx
 n, reps = int(sys.argv[1]), int(sys.argv[2])
 a = mx.random.normal((n, n)); b = mx.random.normal((n, n)); mx.eval(a, b, a @ b)

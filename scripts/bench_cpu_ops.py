@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from mlxrl import fastmath
+from mlxrl.cpu import fastmath
 from mlxrl.generation import sample_tokens
 from mlxrl.trainers.optim import FusedAdamW
 

@@ -28,6 +28,7 @@ CHILD = r"""
 import json, sys, time
 import numpy as np
 import mlxrl
+mlxrl.runtime.setup()  # the CPU buffer cache, as the trainers set it
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten

@@ -26,6 +26,7 @@ import sys
 CHILD = r"""
 import json, sys, time
 import mlxrl
+mlxrl.runtime.setup()  # the CPU buffer cache, as the trainers set it
 import mlx.core as mx
 from mlxrl.losses.head import (fused_head_grads, fused_head_loss, head_logprobs, streamed_head_backward,
                                streamed_logprobs)

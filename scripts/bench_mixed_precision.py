@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxrl import native
+from mlxrl.cpu import native
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.trainers import optim as optim_lib
 from mlxrl.trainers.config import SFTConfig

@@ -111,7 +111,7 @@ def run_peak(n: int, reps: int, lib: str) -> dict:
         torch.set_num_threads(2)
         return {"torch": best(torch.matmul, torch.randn(n, n), torch.randn(n, n), lambda x: x)}
     sys.path.insert(0, str(ROOT))
-    import mlxrl.runtime as rt  # noqa: I001  (the fast BLAS is loaded before mlx.core)
+    import mlxrl.cpu.blas as rt  # noqa: I001  (the fast BLAS is loaded before mlx.core)
     import mlx.core as mx
 
     return {"mlx": best(mx.matmul, mx.random.normal((n, n)), mx.random.normal((n, n)), mx.eval), "blas": rt.BLAS_IN_USE}

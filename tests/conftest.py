@@ -50,7 +50,7 @@ def kernel_path(request, monkeypatch):
     "graph" (MLX's own ops and mlxrl's MLX-graph head, attention and optimizer: what runs on Metal and
     CUDA; the same as MLXRL_NATIVE=0)."""
     if request.param == "graph":
-        from mlxrl import native
+        from mlxrl.cpu import native
 
         monkeypatch.setattr(native, "load", lambda: None)
     return request.param

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrl import fastmath, native
+from mlxrl.cpu import fastmath, native
 
 
 @pytest.fixture(params=["native", "mlx-ops"])
@@ -119,7 +119,7 @@ def test_exp_shift_and_logsumexp_equal_naive(path):
 
 
 def test_failed_build_warns_and_falls_back(tmp_path):
-    code = ("import warnings, mlx.core as mx\nfrom mlxrl import fastmath, native\n"
+    code = ("import warnings, mlx.core as mx\nfrom mlxrl.cpu import fastmath, native\n"
             "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
             "    assert native.load() is None\n    assert native.load() is None\n"
             "print(len(w), str(w[0].message))\n"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlxrl import fastmath
+from mlxrl.cpu import fastmath
 from mlxrl.losses import head
 from mlxrl.losses.head import (
     fused_head_grads,

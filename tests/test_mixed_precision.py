@@ -13,7 +13,7 @@ import torch
 from mlx.utils import tree_flatten
 
 import mlxrl
-from mlxrl import native
+from mlxrl.cpu import native
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.hub import MlxrlError
 from mlxrl.losses.head import head_logprobs

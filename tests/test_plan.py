@@ -166,7 +166,7 @@ GRAPH_BF16_CASES = [
 
 @pytest.mark.parametrize("trainer,cls,name,kw,shape", [c if len(c) == 5 else (*c, {}) for c in GRAPH_BF16_CASES])
 def test_graph_path_bf16_prediction_within_15_percent(trainer, cls, name, kw, shape, monkeypatch):
-    from mlxrl import native
+    from mlxrl.cpu import native
 
     monkeypatch.setattr(native, "load", lambda: None)  # MLX's ops: what Metal and CUDA run
     _check(trainer, cls, name, {**kw, "dtype": "bfloat16"}, **shape)
@@ -189,7 +189,7 @@ def test_prediction_with_images_within_15_percent(trainer, cls, kw, images, shap
     if graph:  # the graph path in bf16: only the GRPO case (see README for the SFT bf16 + images gap)
         if trainer != "grpo":
             pytest.skip("calibrated on the graph path for GRPO + images only")
-        from mlxrl import native
+        from mlxrl.cpu import native
 
         monkeypatch.setattr(native, "load", lambda: None)
         kw = {**kw, "dtype": "bfloat16"}

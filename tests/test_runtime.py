@@ -1,4 +1,5 @@
-"""Runtime policy: BLAS choice is reported, dtype policy, memory knobs map onto MLX."""
+"""Runtime policy: BLAS choice is reported, dtype policy, memory knobs map onto MLX, importing mlxrl sets
+nothing else (the cache limit and the CLIs' re-exec come from `runtime.setup`)."""
 
 import os
 import subprocess
@@ -9,8 +10,9 @@ import mlx.core as mx
 import pytest
 
 from mlxrl import runtime
+from mlxrl.cpu import blas
 
-CHILD = "import mlxrl.runtime as r; print(r.BLAS_IN_USE)"
+CHILD = "import mlxrl.runtime; from mlxrl.cpu import blas; print(blas.BLAS_IN_USE)"
 
 
 def _blas_line(choice):
@@ -18,13 +20,13 @@ def _blas_line(choice):
     return subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True).stdout.strip()
 
 
-@pytest.mark.skipif(sys.platform != "linux" or not runtime._bundled_reference_blas(),
+@pytest.mark.skipif(sys.platform != "linux" or not blas._bundled_reference_blas(),
                     reason="only Linux wheels bundle a reference BLAS")
 def test_blas_choice_is_applied_and_reported():
     assert _blas_line("none").startswith("reference")
     auto = _blas_line("auto")
     assert auto.startswith(("OpenBLAS", "MKL")), auto
-    assert runtime.BLAS_IN_USE in runtime.startup_line()
+    assert blas.BLAS_IN_USE in runtime.startup_line()
 
 
 def test_compute_dtype_policy():
@@ -52,57 +54,71 @@ def test_memory_limits_map_to_mlx():
                                          ({"avx512f", "avx512vl", "avx2", "fma"}, "SkylakeX"),
                                          ({"avx2", "fma"}, "Haswell"), ({"sse4_2"}, None)])
 def test_openblas_coretype_follows_cpu_flags(flags, core):
-    assert runtime._openblas_coretype(flags) == core
+    assert blas._openblas_coretype(flags) == core
 
 
-@pytest.mark.skipif(sys.platform != "linux" or not runtime._bundled_reference_blas(),
+@pytest.mark.skipif(sys.platform != "linux" or not blas._bundled_reference_blas(),
                     reason="only Linux wheels bundle a reference BLAS")
 def test_openblas_coretype_is_set_unless_given():
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     child = "import os, mlxrl.runtime; print(os.environ.get('OPENBLAS_CORETYPE'))"
     run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
-    assert run == str(runtime._openblas_coretype(runtime._cpu_flags()))
+    assert run == str(blas._openblas_coretype(blas._cpu_flags()))
     env["OPENBLAS_CORETYPE"] = "Haswell"
     run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
     assert run == "Haswell"
 
 
-def test_cpu_cache_limit_default_and_override():
+def test_import_sets_no_limit_and_setup_sets_the_cpu_cache():
+    """`import mlxrl` leaves MLX's cache limit as `import mlx.core` does; `runtime.setup()` (what the
+    trainers and the CLIs call) sets the CPU buffer cache, MLXRL_CACHE_LIMIT overriding it."""
     env = {k: v for k, v in os.environ.items() if k != "MLXRL_CACHE_LIMIT"}
-    child = "import mlxrl, mlx.core as mx; print(mx.set_cache_limit(0))"
-    got = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
+
+    def child(code):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        return out.stdout.split()
+
+    plain = child("import mlx.core as mx; print(mx.set_cache_limit(0))")
+    got = child("import mlxrl, mlx.core as mx; a = mx.set_cache_limit(0); mx.set_cache_limit(a); "
+                "mlxrl.runtime.setup(); print(a, mx.set_cache_limit(0))")
+    assert got[0] == plain[0]
     expect = runtime.CPU_CACHE_LIMIT if runtime.default_device_kind() == "cpu" else None
     if expect is not None:
-        assert int(got) == expect
-        env["MLXRL_CACHE_LIMIT"] = "256MB"
-        got = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True).stdout.strip()
-        assert int(got) == 256 << 20
+        assert int(got[1]) == expect != int(plain[0])
+        env["MLXRL_CACHE_LIMIT"] = "128MB"
+        got = child("import mlxrl, mlx.core as mx; mlxrl.runtime.setup(); print(mx.set_cache_limit(0))")
+        assert int(got[0]) == 128 << 20
 
 
 def test_huge_pages_env_sets_the_tunable_once():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sys.platform.startswith("linux") or not thp.exists() or "[never]" in thp.read_text():
         pytest.skip("no transparent huge pages here")
-    env = runtime.huge_pages_env({"PATH": "/bin"})
+    env = blas.huge_pages_env({"PATH": "/bin"})
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env["PATH"] == "/bin"
-    other = runtime.huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    other = blas.huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert other["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    assert runtime.huge_pages_env(env) is None  # already set: the re-executed process does not loop
-    assert runtime.huge_pages_env({"MLXRL_HUGE_PAGES": "0"}) is None
+    assert blas.huge_pages_env(env) is None  # already set: the re-executed process does not loop
+    assert blas.huge_pages_env({"MLXRL_HUGE_PAGES": "0"}) is None
 
 
 def test_reexec_only_for_python_m_mlxrl():
-    """Importing mlxrl as `-m mlxrl...` re-executes the same command line with the tunable (the child here
-    is a `-c` that prints it); any other import leaves the process alone."""
+    """A CLI's `runtime.setup(cli=True)` under `python -m mlxrl...` re-executes the same command line with the
+    tunable (the child here is a `-c` that prints it); importing mlxrl never does, nor does the setup
+    under any other command line."""
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sys.platform.startswith("linux") or not thp.exists() or "[never]" in thp.read_text():
         pytest.skip("no transparent huge pages here")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MLXRL_HUGE_PAGES")}
     show = "import os; print('tunables:', os.environ.get('GLIBC_TUNABLES'))"
-    as_cli = (f"import sys; sys.argv = ['-m']; sys.orig_argv = [sys.executable, '-c', {show!r}, '-m', 'mlxrl.sft']; "
-              "import mlxrl.runtime; print('not re-executed')")
-    out = subprocess.run([sys.executable, "-c", as_cli], capture_output=True, text=True, env=env, timeout=120)
+    fake = f"import sys; sys.orig_argv = [sys.executable, '-c', {show!r}, '-m', 'mlxrl.sft']; "
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+    out = run(fake + "import mlxrl.runtime as r; r.setup(cli=True); print('not re-executed')")
     assert "tunables: glibc.malloc.hugetlb=1" in out.stdout and "not re-executed" not in out.stdout, out
-    as_lib = "import mlxrl.runtime, os; print('tunables:', os.environ.get('GLIBC_TUNABLES'))"
-    out = subprocess.run([sys.executable, "-c", as_lib], capture_output=True, text=True, env=env, timeout=120)
+    out = run(fake + "import mlxrl, mlxrl.runtime, os; print('tunables:', os.environ.get('GLIBC_TUNABLES'))")
+    assert "tunables: None" in out.stdout, out
+    out = run("import mlxrl.runtime as r, os; r.setup(cli=True); print('tunables:', os.environ.get('GLIBC_TUNABLES'))")
     assert "tunables: None" in out.stdout, out

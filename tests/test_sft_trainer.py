@@ -197,7 +197,7 @@ def test_adafactor_matches_transformers():
 def test_adamw_matches_torch(kernel, monkeypatch):
     """optim="adamw_torch" (FusedAdamW, both its native CPU kernel and its compiled MLX kernel) against
     torch.optim.AdamW with weight decay, on a warm-up schedule, with the clip scale on the gradients."""
-    from mlxrl import native
+    from mlxrl.cpu import native
 
     if kernel == "compiled":
         monkeypatch.setattr(native, "load", lambda: None)
@@ -224,7 +224,7 @@ def test_adamw_updates_in_place(path, dtype, monkeypatch):
     compiled kernels of the graph path: Metal, CUDA, bf16). A bf16 gradient is cast inside the kernels
     (no float32 copy of it). The reference is MLX's optim.AdamW, which allocates new arrays; a caller's
     own reference keeps the old weight intact."""
-    from mlxrl import native
+    from mlxrl.cpu import native
 
     if path == "graph":
         monkeypatch.setattr(native, "load", lambda: None)

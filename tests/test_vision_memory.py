@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from mlxrl import fastmath
+from mlxrl.cpu import fastmath
 from mlxrl.models.qwen2_5_vl import vision as v25
 from mlxrl.models.qwen2_vl import vision as v2
 from mlxrl.models.qwen3_vl import vision as v3

@@ -31,7 +31,7 @@ with 3 matmuls per chunk and a single exp over the tile:
   and the two-phase step built on it.
 
 On float32 CPU arrays with nll / dft, both run the whole chunk loop as ONE native kernel
-(`mlxrl.native`'s fused head: one tile buffer reused for every chunk, d_weight accumulated in place
+(`mlxrl.cpu.native`'s fused head: one tile buffer reused for every chunk, d_weight accumulated in place
 by the BLAS). The MLX graph cannot do that: the `mx.depends` that orders its chunks keeps each old
 d_weight alive, so every chunk allocated a new one. Measured (`/tmp` snippet, N 1023, D 1024, V 151936,
 compiled value_and_grad, one process): peak above the inputs 0.80 GB native vs 4.37 GB graph, 5.9 s
@@ -43,7 +43,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .. import fastmath
+from ..cpu import fastmath
 
 IGNORE_INDEX = -100
 TILE_BYTES = 16 << 20  # default budget for one float32 [rows, vocab_chunk] tile

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import fastmath
+from ..cpu import fastmath
 
 
 @dataclass

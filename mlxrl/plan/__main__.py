@@ -1,5 +1,9 @@
 import sys
 
-from .cli import main
+from .. import runtime
+
+runtime.setup(cli=True)  # this file runs only as `python -m mlxrl.plan`
+
+from .cli import main  # noqa: E402
 
 sys.exit(main())

@@ -187,9 +187,9 @@ def native_cpu(args) -> bool:
     kernels built): its AdamW step updates in place and SFT's fused head is one kernel."""
     if runtime.default_device_kind() == "gpu" or dtype_bytes(args) != 4:
         return False
-    from .. import native
+    from ..cpu import native_kernels
 
-    return native.load() is not None
+    return native_kernels()
 
 
 def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:

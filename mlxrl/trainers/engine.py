@@ -29,7 +29,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .. import fastmath, runtime
+from .. import runtime
+from ..cpu import fastmath
 from ..data.batches import pad_image_patches
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
@@ -81,6 +82,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
                                          merge=bool(args.merge))
         check_optim(args)
         check_trainable_dtypes(model)
+        runtime.setup()  # MLX's CPU buffer cache (nothing is set at import)
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from .. import fastmath
+from ..cpu import fastmath
 from .config import check_optim
 
 FLOAT32 = mx.float32

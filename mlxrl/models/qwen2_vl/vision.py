@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ... import fastmath
+from ...cpu import fastmath
 
 # Old config.json files (and transformers' attribute_map) use other names for these fields.
 _ALIASES = {"in_chans": "in_channels", "num_attention_heads": "num_heads", "num_hidden_layers": "depth"}

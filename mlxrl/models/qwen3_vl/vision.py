@@ -26,7 +26,7 @@ import mlx.core as mx  # mlxrl/__init__ (fast BLAS) has run by the time this pac
 import mlx.nn as nn
 import numpy as np
 
-from ... import fastmath
+from ...cpu import fastmath
 from ..qwen2_vl.vision import attend, run_block, segment_groups, segment_layout, to_mx
 
 
