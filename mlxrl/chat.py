@@ -1,0 +1,106 @@
+"""`python -m mlxrl.chat`: a multi-turn conversation in the terminal with a model, an adapter or a
+checkpoint (the flags of `python -m mlxrl.generate`). The conversation's KV cache is kept between
+turns: each turn forwards only its own tokens (`mlxrl.generate.Chat`).
+
+    python -m mlxrl.chat --adapter_path out/sft-demo
+    python -m mlxrl.chat --model Qwen/Qwen3-VL-2B-Instruct --adapter_path out/run --system "Be brief."
+
+In the loop: `/image PATH` attaches a picture to your next message, `/reset` starts over, `/help`,
+Ctrl-C stops a reply (what was said stays in the conversation), Ctrl-D (or `/quit`) quits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .generate import (
+    _write,
+    build_parser,
+    check_args,
+    eprint,
+    load_from_args,
+    read_images,
+    read_prompt,
+    settings_from_args,
+)
+from .hub import MlxrlError
+
+HELP = "/image PATH attaches a picture to your next message, /reset starts over, Ctrl-C stops a reply, Ctrl-D quits"
+
+
+def main(argv=None) -> int:
+    from . import runtime
+    from .cli import run
+
+    runtime.setup(cli=True)
+    ns = build_parser("python -m mlxrl.chat", __doc__.splitlines()[0], chat=True).parse_args(argv)
+    return run(lambda: _main(ns))
+
+
+def _turns(first: str | None):
+    """The user's lines: --prompt first (echoed), then stdin until Ctrl-D."""
+    if first is not None:
+        print(f">> {first}", flush=True)
+        yield first
+    while True:
+        try:
+            yield input(">> ")
+        except EOFError:
+            print(flush=True)
+            return
+
+
+def _main(ns) -> None:
+    check_args(ns)
+    first, pending = read_prompt(ns.prompt), read_images(ns.image)
+    gen = load_from_args(ns)
+    if pending and not gen.is_vl:
+        raise MlxrlError(f"--image: {gen.model.config.get('model_type')} is a text-only model; it cannot take images")
+    settings = settings_from_args(ns)
+    chat = gen.chat(system=ns.system)
+    eprint(HELP)
+    for line in _turns(first):
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            if cmd in ("/quit", "/exit", "/q"):
+                return
+            if cmd == "/reset":
+                chat.reset()
+                pending = []
+                eprint("(a new conversation)")
+            elif cmd == "/image":
+                try:
+                    if not gen.is_vl:
+                        raise MlxrlError(f"{gen.model.config.get('model_type')} is a text-only model: it cannot take "
+                                         "images")
+                    pending += read_images([arg.strip()] if arg.strip() else [])
+                    eprint(f"({len(pending)} image(s) attached to your next message)" if arg.strip() else
+                           "usage: /image PATH")
+                except MlxrlError as e:
+                    eprint(f"error: {str(e).replace('--image ', '')}")
+            else:
+                eprint(HELP if cmd == "/help" else f"unknown command {cmd}: {HELP}")
+            continue
+        try:
+            reply = chat.send(text, pending, on_text=_write, **settings)
+        except KeyboardInterrupt:
+            _write("\n")
+            eprint("(interrupted)")
+            pending = []
+            continue
+        except MlxrlError as e:  # e.g. the conversation outgrew the context: say so, keep the loop
+            eprint(f"error: {e}")
+            continue
+        pending = []
+        _write("\n")
+        st = reply.stats
+        eprint(f"[prefill {st.prefill_tokens} new tokens ({st.prompt_tokens - st.prefill_tokens} cached), "
+               f"{st.prefill_tps:.0f} tok/s; {st.generation_tokens} tokens at {st.decode_tps:.1f} tok/s; "
+               f"peak {st.peak_memory_gb:.2f} GB]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
