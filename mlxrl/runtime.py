@@ -77,11 +77,6 @@ def parse_size(value: float | int | str | None, total: int | None, name: str = "
     return int(value)
 
 
-def _parse_bytes(value: float | int | str | None, total: int | None, name: str = "size") -> int | None:
-    """'8GB', '512MiB', 0.75 (fraction of total) or a byte count -> bytes (see `parse_size`)."""
-    return parse_size(value, total, name)
-
-
 def device_memory_bytes() -> int | None:
     """Memory the default device can use (recommended working set on GPU, RAM on CPU)."""
     try:
@@ -101,21 +96,17 @@ CPU_CACHE_LIMIT = 256 << 20  # bytes of freed buffers MLX keeps for reuse on CPU
 
 
 def default_cache_limit() -> None:
-    """On CPU, keep up to CPU_CACHE_LIMIT (256 MB; env MLXRL_CACHE_LIMIT) of freed buffers for reuse.
+    """On CPU, keep up to CPU_CACHE_LIMIT (env MLXRL_CACHE_LIMIT) of freed buffers for reuse.
 
-    MLX's CPU allocator keeps only 32 MB by default, so every larger temporary (a [1024, 151936]
-    logits tile is 622 MB; an attention score tensor at L=1024 is 64 MB) is returned to the OS and
-    the next one page-faults in again: `python scripts/bench_cpu_ops.py`, `y + 1` on a 156 MB
-    [256, 151936] tile, 0.077 s with 32 MB vs 0.026 s with 256 MB (a 622 MB tile fits neither).
-    Raising the cache does not change `mx.get_peak_memory()` (active memory); the process's
-    resident size may be up to the cache limit above it. The SFT benchmark's tiny model
-    (scripts/bench_sft.py --models tiny, three separate runs with MLXRL_CACHE_LIMIT set; runs vary
-    ~10%), s/step and peak RSS: 32 MB 6.17 s / 1.32 GB, 256 MB 5.62 s / 1.63 GB, 1 GiB 4.83 s /
-    2.21 GB; 256 MB is the default, memory first."""
+    MLX's CPU allocator keeps little by default, so every larger temporary (a [rows, vocab] logits tile,
+    an attention score tensor) is returned to the OS and the next one page-faults in again. Raising the
+    cache does not change `mx.get_peak_memory()` (active memory); the resident size may be up to the
+    cache limit above it. The trade, measured, is in README ("Runtime") and
+    `scripts/bench_cpu_ops.py`."""
     if default_device_kind() == "gpu":
         return
     value = os.environ.get("MLXRL_CACHE_LIMIT")
-    mx.set_cache_limit(_parse_bytes(value, device_memory_bytes()) if value else CPU_CACHE_LIMIT)
+    mx.set_cache_limit(parse_size(value, device_memory_bytes()) if value else CPU_CACHE_LIMIT)
 
 
 def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> dict:
@@ -126,16 +117,16 @@ def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> 
     """
     total = device_memory_bytes()
     applied = {}
-    mem = _parse_bytes(memory_limit, total, "memory_limit")
+    mem = parse_size(memory_limit, total, "memory_limit")
     if mem is not None:
         mx.set_memory_limit(mem)
         applied["memory_limit"] = mem
-    wired = _parse_bytes(wired_limit, total, "wired_limit")
+    wired = parse_size(wired_limit, total, "wired_limit")
     if wired is not None:
         if default_device_kind() == "gpu" and sys.platform == "darwin":
             mx.set_wired_limit(wired)
         applied["wired_limit"] = wired
-    cache = _parse_bytes(cache_limit, total, "cache_limit")
+    cache = parse_size(cache_limit, total, "cache_limit")
     if cache is not None:
         mx.set_cache_limit(cache)
         applied["cache_limit"] = cache

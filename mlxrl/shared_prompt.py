@@ -33,9 +33,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .generation import continue_positions, is_vl, prompt_positions, repeat_prompts
-from .losses.head import IGNORE_INDEX, head_logprobs
+from .losses.head import head_logprobs
 from .models.language import attention_mask_for
 from .models.vl import merge_image_features
+from .tokens import IGNORE_INDEX
 
 
 class _Capture:

@@ -28,8 +28,8 @@ import json, sys, time
 import mlxrl
 mlxrl.runtime.setup()  # the CPU buffer cache, as the trainers set it
 import mlx.core as mx
-from mlxrl.losses.head import (fused_head_grads, fused_head_loss, head_logprobs, streamed_head_backward,
-                               streamed_logprobs)
+from mlxrl.losses.fused_head import fused_head_grads, fused_head_loss
+from mlxrl.losses.head import head_logprobs, streamed_head_backward, streamed_logprobs
 method, n, d, v, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 dtype = getattr(mx, sys.argv[6])
 compiled, frozen = sys.argv[7] == "1", sys.argv[8] == "1"

@@ -151,7 +151,7 @@ def run_ours(a) -> dict:
                      gradient_checkpointing=a.gradient_checkpointing, seed=42, optim=a.optim)
     cls = SFTTrainer
     if a.head == "fused":  # experiment: the row-tiled fused head in place of the trainer's head_logprobs
-        from mlxrl.losses.head import fused_head_loss
+        from mlxrl.losses.fused_head import fused_head_loss
         from mlxrl.losses.sft import sft_loss
 
         class FusedHead(SFTTrainer):
@@ -170,7 +170,8 @@ def run_ours(a) -> dict:
     trainer.train()
     logs = [e for e in trainer.log_history if "loss" in e]
     tokens = [e["num_tokens"] for e in logs]
-    trained = sum(b["num_items"] for b in trainer._batches_of(trainer.train_examples[: a.batch], 0, False, a.batch))
+    first = trainer._batches_of(trainer.train_examples[: a.batch], 0, False, a.batch)
+    trained = sum(b["trained_tokens"] for b in first)
     out = {"stamps": [t0, *stamps], "tokens": [tokens[0], *(y - x for x, y in zip(tokens, tokens[1:], strict=False))],
            "trained_per_step": trained, "peak_rss_gb": rss_gb(), "base_rss_gb": base,
            "mlx_peak_gb": mx.get_peak_memory() / 1e9, "loss": [e["loss"] for e in logs],
@@ -206,7 +207,7 @@ def profile_ours(trainer, a) -> dict:
     res = {}
     res["data (collate + to device)"], arrays = timeit(lambda: trainer.to_device(make()))
     batch = make()
-    num_items = mx.array(batch["num_items"], dtype=mx.float32)
+    num_items = mx.array(batch["trained_tokens"], dtype=mx.float32)
     state = [model.state, mx.random.state]
 
     fwd = mx.compile(lambda arr: trainer.hidden_rows(model, arr), inputs=state, outputs=state)
@@ -229,7 +230,7 @@ def profile_ours(trainer, a) -> dict:
     head_step = mx.compile(mx.value_and_grad(head_loss, argnums=(0, 1)))
     res["head forward+backward (trainer's head_logprobs)"] = timeit(lambda: head_step(h, w))[0]
     try:  # the row-tiled fused head (3 matmuls instead of 4), where this version of mlxrl has it
-        from mlxrl.losses.head import fused_head_loss
+        from mlxrl.losses.fused_head import fused_head_loss
     except ImportError:
         fused_head_loss = None
     if fused_head_loss is not None:

@@ -122,7 +122,7 @@ def test_step0_loss_and_metrics_match_trl(arch, data, tiny_checkpoint, ref_check
     ref_model, _ = mlxrl.load(ref_folder)
     trainer = DPOTrainer(model, processor, config(tmp_path), train_dataset=rows, ref_model=ref_model)
     batch = trainer._batches_of(trainer.train_examples, 0, False, len(rows))[0]
-    arrays = trainer.to_device(batch)
+    arrays = trainer.gradient_free_inputs(trainer.to_device(batch))
     for (types, weights), (want_loss, want) in zip(LOSSES, expected, strict=True):
         trainer.args.loss_type, trainer.args.loss_weights = types, weights
         loss, metrics = trainer.loss(trainer.model, arrays, mx.array(len(rows), dtype=mx.float32))
@@ -162,7 +162,7 @@ def test_lora_off_reference_equals_a_frozen_copy_without_a_second_copy(use_dora,
         layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.05
     mx.eval(model.parameters())
     batch = trainer._batches_of(trainer.train_examples, 0, False, 4)[0]
-    arrays = trainer.to_device(batch)  # the reference log-probs: adapters switched off
+    arrays = trainer.gradient_free_inputs(trainer.to_device(batch))  # the reference log-probs: adapters off
     mx.eval(arrays)
     mx.reset_peak_memory()
     active = mx.get_active_memory()
@@ -190,7 +190,7 @@ def test_precomputed_reference_equals_on_the_fly(tiny_checkpoint, tmp_path):
     live = DPOTrainer(model2, processor, config(tmp_path), train_dataset=TEXT_ROWS)
     assert live.ref_model is not None  # full fine-tuning: a frozen copy, as TRL
     b_pre = pre._batches_of(pre.train_examples, 0, False, 4)[0]
-    b_live = live.to_device(live._batches_of(live.train_examples, 0, False, 4)[0])
+    b_live = live.gradient_free_inputs(live.to_device(live._batches_of(live.train_examples, 0, False, 4)[0]))
     np.testing.assert_allclose(b_pre["ref_chosen"], np.array(b_live["ref_chosen"]), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(b_pre["ref_rejected"], np.array(b_live["ref_rejected"]), rtol=1e-5, atol=1e-4)
 
@@ -207,7 +207,7 @@ def test_padding_free_equals_padded(data, tiny_checkpoint, tmp_path):
     results = []
     for t in (a, b):
         batch = t._batches_of(t.train_examples, 0, False, len(rows))[0]
-        arrays = t.to_device(batch)
+        arrays = t.gradient_free_inputs(t.to_device(batch))
         n = mx.array(len(rows), dtype=mx.float32)
         (loss, metrics), grads = nn.value_and_grad(t.model, t.loss)(t.model, arrays, n)
         results.append((batch["input_ids"].shape, loss.item(), metrics["logps/rejected"].item(),

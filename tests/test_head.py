@@ -8,11 +8,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlxrl.cpu import fastmath
-from mlxrl.losses import head
+from mlxrl.losses import fused_head
+from mlxrl.losses.fused_head import fused_head_grads, fused_head_loss, fused_value_and_grad
 from mlxrl.losses.head import (
-    fused_head_grads,
-    fused_head_loss,
-    fused_value_and_grad,
     head_logprobs,
     streamed_head_backward,
     streamed_logprobs,
@@ -190,7 +188,7 @@ def head_path(request, monkeypatch):
     """The fused head on both paths: the native CPU kernel (nll / dft on float32 CPU arrays) and
     the MLX graph of row chunks (everywhere else, and every callable loss)."""
     if request.param == "mlx-ops":
-        monkeypatch.setattr(head, "_NATIVE_MODES", {})
+        monkeypatch.setattr(fused_head, "_NATIVE_MODES", {})
     else:
         assert fastmath.kernels_for(mx.zeros((1,))) is not None, "the native kernels should build here"
     return request.param

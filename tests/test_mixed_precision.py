@@ -157,7 +157,7 @@ def test_gradient_accumulation_sums_in_float32(graph_path, tmp_path):
     one = SFTTrainer(model, processor, sft_args(tmp_path, "one"), train_dataset=rows)
     batches = one._batches_of(one.train_examples, 0, False, 2)
     step = one._grad_fn()
-    n = mx.array(sum(b["num_items"] for b in batches[:2]), dtype=mx.float32)
+    n = mx.array(sum(b["trained_tokens"] for b in batches[:2]), dtype=mx.float32)
     grads = [dict(tree_flatten(step(one.to_device(b), n)[2])) for b in batches[:2]]
     from mlxrl.trainers.engine import accumulate
 
@@ -189,7 +189,7 @@ def test_vocab_tiled_head_statistics_in_float32():
 
 def _grads_keep_dtypes(trainer, batch):
     arrays = trainer.to_device(batch)
-    n = mx.array(batch["num_items"], dtype=mx.float32)
+    n = mx.array(batch["trained_tokens"], dtype=mx.float32)
     _, _, grads = trainer._grad_fn()(arrays, n)
     params = dict(tree_flatten(trainer.model.trainable_parameters()))
     for k, g in tree_flatten(grads):

@@ -41,7 +41,7 @@ def config(tmp_path, **kw):
 def grads_and_loss(trainer, batch):
     arrays = trainer.to_device(batch)
     (loss, _), grads = nn.value_and_grad(trainer.model, trainer.loss)(
-        trainer.model, arrays, mx.array(batch["num_items"], dtype=mx.float32))
+        trainer.model, arrays, mx.array(batch["trained_tokens"], dtype=mx.float32))
     return loss.item(), dict(tree_flatten(grads))
 
 
@@ -319,7 +319,7 @@ def test_head_modes_give_the_same_step(mode, loss_type, tiny_checkpoint, tmp_pat
                    train_dataset=TEXT_ROWS)
     b = SFTTrainer(model, processor, config(tmp_path, head_mode=mode, loss_type=loss_type), train_dataset=TEXT_ROWS)
     batch = a._batches_of(a.train_examples, 0, False, 4)[0]
-    n = mx.array(batch["num_items"], dtype=mx.float32)
+    n = mx.array(batch["trained_tokens"], dtype=mx.float32)
     loss_a, metrics_a, grads_a = a._grad_fn()(a.to_device(batch), n)
     loss_b, metrics_b, grads_b = b._grad_fn()(b.to_device(batch), n)
     assert abs(loss_a.item() - loss_b.item()) <= 1e-5 * max(1, abs(loss_a.item()))

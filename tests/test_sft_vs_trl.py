@@ -28,7 +28,7 @@ def ours_loss(folder, rows, tmp_path):
     batch = trainer._batches_of(trainer.train_examples, 0, False, len(rows))[0]
     import mlx.core as mx
 
-    loss, metrics = trainer.loss(model, trainer.to_device(batch), mx.array(batch["num_items"], dtype=mx.float32))
+    loss, metrics = trainer.loss(model, trainer.to_device(batch), mx.array(batch["trained_tokens"], dtype=mx.float32))
     return loss.item(), {k: v.item() for k, v in metrics.items()}, processor
 
 

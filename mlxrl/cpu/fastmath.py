@@ -1,12 +1,11 @@
 """Elementwise math that is fast on MLX's CPU backend: exp, sigmoid, SiLU, softmax.
 
-MLX's Linux CPU wheel evaluates `mx.exp` at ~0.05 G elements/s, `mx.sigmoid` ~0.03 (a multiply runs
-at ~1.3): its kernels are scalar Cephes polynomials whose `fma` calls go through libm, the wheel
-being built for baseline x86-64. On float32 CPU arrays the functions here use mlxrl's native
-kernels (`mlxrl.native`, compiled on this machine: vectorised, one thread per core, MLX primitives
-with VJPs, so they differentiate and compile like MLX's ops). Measured once, 16M float32 elements,
-2 cores: exp 0.61 G elements/s, sigmoid 0.57; softmax over [16, 1024, 1024] 0.04 s against 0.47 s
-for `mx.softmax` (`python scripts/bench_cpu_ops.py` prints them side by side).
+MLX's Linux CPU wheel evaluates `mx.exp` and `mx.sigmoid` an order of magnitude slower than a multiply:
+its kernels are scalar Cephes polynomials whose `fma` calls go through libm, the wheel being built for
+baseline x86-64. On float32 CPU arrays the functions here use mlxrl's native kernels (`mlxrl.cpu.native`,
+compiled on this machine: vectorised, one thread per core, MLX primitives with VJPs, so they
+differentiate and compile like MLX's ops); `python scripts/bench_cpu_ops.py` prints both side by side
+(figures in README, "Runtime").
 
 Where the native module is not available (no compiler, not Linux, MLXRL_NATIVE=0), or on a GPU
 (Metal, CUDA), or for other dtypes, MLX's own ops are used, except `exp_shift` / `logsumexp` (the

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..losses.head import IGNORE_INDEX
+from ..tokens import IGNORE_INDEX
 from .formats import Example, select_window, truncate_example
 from .packing import pack_bfd, pack_wrapped
 
@@ -60,7 +60,8 @@ def shape_key(batch: Batch) -> tuple[int, int, int]:
     return int(batch.input_ids.shape[0]), int(batch.input_ids.shape[1]), patches
 
 
-def _bucket(length: int, buckets: Sequence[int]) -> int:
+def fit_bucket(length: int, buckets: Sequence[int]) -> int:
+    """The smallest of the sorted `buckets` that holds `length` tokens; one line when none does."""
     for b in buckets:
         if b >= length:
             return b
@@ -73,7 +74,7 @@ Piece = tuple[int, int, int]  # (example position, start, stop)
 
 def _collate(examples: Sequence[Example], rows: list[list[Piece]], buckets, pad_token_id: int,
              segments: bool) -> Batch:
-    width = _bucket(max(sum(stop - start for _, start, stop in row) for row in rows), buckets)
+    width = fit_bucket(max(sum(stop - start for _, start, stop in row) for row in rows), buckets)
     shape = (len(rows), width)
     ids = np.full(shape, pad_token_id, dtype=np.int32)
     labels = np.full(shape, IGNORE_INDEX, dtype=np.int32)

@@ -23,29 +23,23 @@ outside the kept window are dropped with their pixels; rows left with nothing to
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from ..hub import MlxrlError
-from ..losses.head import IGNORE_INDEX
-from ..processing import _to_rgb
+from ..tokens import IGNORE_INDEX
+from .files import DataError, load_rows
+from .images import decode_images, fill_images, image_sizes, is_image_block, row_images
 
 __all__ = ["Example", "DataError", "load_rows", "detect_format", "check_messages", "check_prompt_rows",
            "tokenize_example", "truncate_example", "FORMATS", "ROLES"]
 
 
-class DataError(MlxrlError, ValueError):
-    """A bad dataset, file or row: one line naming the file and line, or the row."""
 
 FORMATS = ("language_modeling", "prompt_completion", "conversational")
-_DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 ROLES = ("system", "user", "assistant", "tool")  # what the Qwen chat templates render (others vanish)
 _ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>\n?)", re.DOTALL)
 
@@ -76,7 +70,7 @@ class Example:
             return self.pixels
         if self.image_processor is None:
             raise DataError(f"row {self.index}: has images but no image processor to turn them into pixels")
-        pixel_values, grid = self.image_processor(_decode_images(self.images, self.index))
+        pixel_values, grid = self.image_processor(decode_images(self.images, self.index))
         if not np.array_equal(grid, self.image_grid_thw):
             raise DataError(f"row {self.index}: an image changed size since it was tokenised "
                              f"(grid {grid.tolist()} != {self.image_grid_thw.tolist()})")
@@ -91,112 +85,9 @@ class Example:
         return int((self.labels[1:] != IGNORE_INDEX).sum())
 
 
-# ------------------------------------------------------------------------------------------- loading
-
-def _json_error(path: Path, e: json.JSONDecodeError, line: int | None = None) -> DataError:
-    at = f"line {line if line is not None else e.lineno}" + ("" if line is not None else f" column {e.colno}")
-    return DataError(f"{path}: {at}: invalid JSON ({e.msg}); fix or remove that line")
-
-
-def _read_file(path: Path) -> list[dict]:
-    """The rows of one .json (a list of rows, or one row per line), .jsonl or .parquet file; errors name the
-    file and the line."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError, ...) say what is wrong on their first line
-            reason = (str(e).strip().splitlines() or [""])[0]
-            raise DataError(f"{path}: cannot read it as Parquet ({type(e).__name__}: {reason})") from None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[:e.start].count(b"\n") + 1
-        raise DataError(f"{path}: line {line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
-    if path.suffix == ".json" and text.lstrip().startswith(("[", "{")):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            if text.lstrip().startswith("["):
-                raise _json_error(path, e) from None
-            data = None  # maybe one object per line (what datasets' to_json writes)
-        if isinstance(data, list):
-            return data
-        if isinstance(data, dict) and "\n" not in text.strip():
-            return [data]
-    # .jsonl, and .json written as one object per line
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise _json_error(path, e, n) from None
-    return rows
-
-
-# Files in a dataset folder that belong to a training run or a saved model, never data: an output_dir
-# inside the dataset folder must not be read back as rows.
-_RUN_MARKERS = ("metrics.jsonl", "trainer_state.json", "mlxrl_save.json", "adapter_config.json", "config.json")
-
-
-def _data_files(folder: Path, exclude) -> list[Path]:
-    """Data files under `folder` in name order, skipping hidden entries, the run files themselves, the
-    `exclude` folders (the run's output_dir) and any subfolder that holds a run or a model (_RUN_MARKERS)."""
-    skip = {Path(e).expanduser().resolve() for e in exclude if e}
-    files = []
-    for root, dirs, names in os.walk(folder):
-        here = Path(root)
-        if here.resolve() in skip or (here != folder and any((here / m).is_file() for m in _RUN_MARKERS)):
-            dirs[:] = []
-            continue
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        files += [here / n for n in names
-                  if not n.startswith(".") and n not in _RUN_MARKERS and Path(n).suffix in _DATA_SUFFIXES]
-    return sorted(files)
-
-
-def load_rows(dataset: str | os.PathLike, split: str = "train", exclude=()) -> list[dict]:
-    """Rows of a local .json / .jsonl / .parquet file, a folder of them (sorted by name), or a Hub
-    dataset (``datasets.load_dataset(name, split=split)``; images stay undecoded dicts).
-
-    In a folder, the `exclude` folders (the run's output_dir) and folders that hold a training run or a
-    saved model are skipped. An empty dataset is an error."""
-    path = Path(dataset).expanduser()
-    if path.is_file():
-        if path.suffix not in _DATA_SUFFIXES:
-            raise DataError(f"dataset {str(path)!r}: unsupported file type {path.suffix!r} "
-                            "(use .json, .jsonl or .parquet)")
-        rows = _read_file(path)
-    elif path.is_dir():
-        files = _data_files(path, exclude)
-        if not files:
-            raise DataError(f"dataset {str(path)!r}: folder has no .json, .jsonl or .parquet file")
-        rows = [row for f in files for row in _read_file(f)]
-    elif path.suffix in _DATA_SUFFIXES or str(dataset).startswith((".", "/", "~")):
-        raise DataError(f"dataset {str(dataset)!r}: no such file or folder")
-    else:
-        try:
-            import datasets
-
-            ds = datasets.load_dataset(str(dataset), split=split)
-            # to_list keeps Image columns as {"bytes", "path"} dicts: decoded later, one row at a time
-            rows = ds.to_list()
-        except Exception as e:  # the Hub's errors vary (offline, 404, gated): one line naming the dataset
-            reason = (str(e).strip().splitlines() or [""])[0]
-            raise DataError(f"dataset {str(dataset)!r} (split {split!r}): not a local path and cannot be loaded "
-                            f"from the Hugging Face Hub ({type(e).__name__}: {reason})") from None
-    if not rows:
-        raise DataError(f"dataset {str(dataset)!r} has no rows (an empty file or split)")
-    return rows
-
-
 # ------------------------------------------------------------------------------------------- formats
 
-def _is_messages(value) -> bool:
+def is_messages(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value) and (
         "role" in value[0] or "from" in value[0])
 
@@ -208,7 +99,7 @@ def detect_format(row: dict, index: int | None = None, dataset_text_field: str =
         raise DataError(f"{where}: expected a dict of columns, got {type(row).__name__}")
     for key in ("messages", "conversations"):
         if key in row:
-            check_messages(_chatml(row[key]) if isinstance(row[key], list) else row[key], index, key)
+            check_messages(chatml(row[key]) if isinstance(row[key], list) else row[key], index, key)
             return "conversational"
     if "prompt" in row or "completion" in row:
         missing = [k for k in ("prompt", "completion") if k not in row]
@@ -220,7 +111,7 @@ def detect_format(row: dict, index: int | None = None, dataset_text_field: str =
                             f"lists, got {' and '.join(sorted(kinds))}")
         if kinds == {"messages"}:
             for k in ("prompt", "completion"):
-                check_messages(_chatml(row[k]), index, k)
+                check_messages(chatml(row[k]), index, k)
         return "prompt_completion"
     if dataset_text_field in row:
         if not isinstance(row[dataset_text_field], str):
@@ -230,7 +121,7 @@ def detect_format(row: dict, index: int | None = None, dataset_text_field: str =
                      f"{dataset_text_field!r}, 'prompt' + 'completion', or 'messages'")
 
 
-def _chatml(messages: list[dict]) -> list[dict]:
+def chatml(messages: list[dict]) -> list[dict]:
     """ShareGPT's from/value keys -> role/content (TRL's maybe_convert_to_chatml), without mutating."""
     out = []
     for m in messages:
@@ -294,7 +185,7 @@ def check_messages(messages, index, column: str = "messages") -> None:
             if not isinstance(block, dict):
                 raise DataError(f"{at} ({role}) content block {j} is {_short(block)}: use {{'type': 'text', "
                                 "'text': ...} or {'type': 'image'}")
-            if _is_image_block(block):
+            if is_image_block(block):
                 continue
             kind = block.get("type", "text")
             if kind != "text":
@@ -324,16 +215,16 @@ def check_prompt_rows(rows, first_index: int = 0) -> None:
         if "prompt" not in row:
             raise DataError(f"row {i}: GRPO data needs a 'prompt' column (a string or a list of messages); has "
                             f"{', '.join(map(repr, sorted(map(str, row)))) or 'none'}")
-        prompt, images = row["prompt"], _row_images(row)
+        prompt, images = row["prompt"], row_images(row)
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise DataError(f"row {i}: 'prompt' is empty")
             if images:
                 raise DataError(f"row {i}: images need a conversational prompt (a list of messages), as in TRL")
         elif isinstance(prompt, list):
-            messages = _chatml(prompt)
+            messages = chatml(prompt)
             check_messages(messages, i, "prompt")
-            _fill_images(messages, images, i)
+            fill_images(messages, images, i)
             template_kwargs(row, i)
             last = messages[-1]
             if last["role"] == "assistant" and not _text_of(last.get("content")).strip():
@@ -353,118 +244,14 @@ def check_prompt_rows(rows, first_index: int = 0) -> None:
                             "the same columns (each is passed to the reward functions)")
 
 
-# -------------------------------------------------------------------------------------------- images
-
-def _open_image(obj) -> Image.Image:
-    if isinstance(obj, Image.Image):
-        return obj
-    if isinstance(obj, dict):  # Hugging Face Image feature, undecoded
-        if obj.get("bytes") is not None:
-            return Image.open(io.BytesIO(obj["bytes"]))
-        if obj.get("path"):
-            return Image.open(obj["path"])
-        raise ValueError("image dict has neither 'bytes' nor 'path'")
-    if isinstance(obj, (bytes, bytearray)):
-        return Image.open(io.BytesIO(obj))
-    if isinstance(obj, (str, os.PathLike)):
-        return Image.open(obj)
-    if isinstance(obj, np.ndarray):
-        return Image.fromarray(obj)
-    raise TypeError(f"unsupported image type {type(obj).__name__}")
-
-
-def _describe(obj) -> str:
-    if isinstance(obj, (str, os.PathLike)):
-        return repr(str(obj))
-    if isinstance(obj, dict) and obj.get("path"):
-        return repr(str(obj["path"]))
-    return type(obj).__name__
-
-
-def _decode_images(images: list, index) -> list[Image.Image]:
-    out = []
-    for k, obj in enumerate(images):
-        try:
-            im = _open_image(obj)
-            im.load()
-            out.append(Image.fromarray(_to_rgb(im)))  # the processor's RGB rule: alpha onto white
-        except Exception as e:
-            reason = (str(e).strip().splitlines() or [""])[0]
-            raise DataError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
-                             f"{type(e).__name__}: {reason}") from None
-    return out
-
-
-def _image_sizes(images: list, index) -> list[tuple[int, int]]:
-    """(height, width) of each image, reading only what PIL needs for the size (the header)."""
-    sizes = []
-    for k, obj in enumerate(images):
-        try:
-            im = _open_image(obj)
-            width, height = im.size
-            if im is not obj:
-                im.close()
-        except Exception as e:
-            reason = (str(e).strip().splitlines() or [""])[0]
-            raise DataError(f"row {index}: cannot read image {k} ({_describe(obj)}): "
-                             f"{type(e).__name__}: {reason}") from None
-        sizes.append((height, width))
-    return sizes
-
-
-def _row_images(row: dict) -> list:
-    if row.get("images") is not None:
-        images = row["images"]
-        return list(images) if isinstance(images, (list, tuple)) else [images]
-    if row.get("image") is not None:
-        return [row["image"]]
-    return []
-
-
-def _is_image_block(block) -> bool:
-    return isinstance(block, dict) and (block.get("type") == "image" or "image" in block or "image_url" in block)
-
-
-def _fill_images(messages: list[dict], images: list, index) -> tuple[list[dict], list]:
-    """Fill image blocks from the ``images`` column, in order (TRL's prepare_multimodal_messages).
-
-    With no image block anywhere, the images go before the first user message's text. Blocks that
-    carry their own ``image`` keep it. Returns the messages and every image in block order."""
-    blocks = [b for m in messages if isinstance(m.get("content"), list) for b in m["content"] if _is_image_block(b)]
-    if images and not blocks:
-        first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
-        if first is None:
-            raise DataError(f"row {index}: {len(images)} image(s) but no user message to put them in")
-        content = messages[first].get("content")
-        content = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-        messages = [*messages[:first], {**messages[first], "content": [{"type": "image"} for _ in images] + content},
-                    *messages[first + 1:]]
-    empty = sum(1 for m in messages if isinstance(m.get("content"), list)
-                for b in m["content"] if _is_image_block(b) and b.get("image") is None)
-    if empty != len(images):
-        raise DataError(f"row {index}: the messages have {empty} image block(s) to fill but the row has "
-                         f"{len(images)} image(s)")
-    pending, ordered, out = iter(images), [], []
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            content = []
-            for b in m["content"]:
-                if _is_image_block(b):
-                    b = {**b, "type": "image", "image": b["image"] if b.get("image") is not None else next(pending)}
-                    ordered.append(b["image"])
-                content.append(b)
-            m = {**m, "content": content}
-        out.append(m)
-    return out, ordered
-
-
 # -------------------------------------------------------------------------------------- tokenisation
 
-def _with_eos(text: str, eos: str | None) -> str:
+def with_eos(text: str, eos: str | None) -> str:
+    """`text` ending with the end-of-sequence token (appended unless it is already there)."""
     return text if not eos or text.endswith(eos) else text + eos
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if len(diff) else n
@@ -498,7 +285,7 @@ def template_kwargs(row: dict, index=None) -> dict:
     return extra
 
 
-def _render(processor, messages, row: dict, index=None, **kwargs) -> str:
+def render_chat(processor, messages, row: dict, index=None, **kwargs) -> str:
     """The chat template applied to `messages` with the row's ``tools`` and ``chat_template_kwargs``
     columns; whatever goes wrong is one line naming the row."""
     where = f"row {index}" if index is not None else "row"
@@ -531,25 +318,25 @@ def tokenize_example(row: dict, processor, *, index: int, max_length: int | None
     """
     fmt = detect_format(row, index, dataset_text_field)
     tok = processor.tokenizer
-    images = _row_images(row)
+    images = row_images(row)
     prompt_text = None
     if fmt == "conversational":
-        messages = _chatml(row["messages"] if "messages" in row else row["conversations"])
-        messages, images = _fill_images(messages, images, index)
-        text = _render(processor, messages, row, index)
+        messages = chatml(row["messages"] if "messages" in row else row["conversations"])
+        messages, images = fill_images(messages, images, index)
+        text = render_chat(processor, messages, row, index)
     elif fmt == "prompt_completion" and not isinstance(row["prompt"], str):
-        prompt, images = _fill_images(_chatml(row["prompt"]), images, index)
-        prompt_text = _render(processor, prompt, row, index, add_generation_prompt=True)
-        text = _render(processor, prompt + _chatml(row["completion"]), row, index)
+        prompt, images = fill_images(chatml(row["prompt"]), images, index)
+        prompt_text = render_chat(processor, prompt, row, index, add_generation_prompt=True)
+        text = render_chat(processor, prompt + chatml(row["completion"]), row, index)
     else:
         if assistant_only_loss:
             raise DataError(f"row {index}: assistant_only_loss=True needs conversational rows ('messages' or "
                              f"message-list prompt/completion), this row is {fmt}")
         if fmt == "prompt_completion":
             prompt_text = row["prompt"]
-            text = prompt_text + _with_eos(row["completion"], tok.eos_token)
+            text = prompt_text + with_eos(row["completion"], tok.eos_token)
         else:
-            text = _with_eos(row[dataset_text_field], tok.eos_token)
+            text = with_eos(row[dataset_text_field], tok.eos_token)
 
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=assistant_only_loss)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
@@ -558,17 +345,17 @@ def tokenize_example(row: dict, processor, *, index: int, max_length: int | None
         completion_only_loss = fmt == "prompt_completion"
     if completion_only_loss and prompt_text is not None:
         prompt_ids = np.asarray(tok(prompt_text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        keep[:_common_prefix(prompt_ids, ids)] = False
+        keep[:common_prefix(prompt_ids, ids)] = False
     if assistant_only_loss:
         keep &= _assistant_mask(text, np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2))
 
-    example = _expand_images(ids, keep, images, processor, index)
+    example = expand_images(ids, keep, images, processor, index)
     if max_length is not None:
         example = truncate_example(example, max_length, truncation_mode)
     return example
 
 
-def _expand_images(ids: np.ndarray, keep: np.ndarray, images: list, processor, index) -> Example:
+def expand_images(ids: np.ndarray, keep: np.ndarray, images: list, processor, index) -> Example:
     """Repeat each <|image_pad|> to its image's token count; labels follow ``keep``."""
     if images and processor.image_processor is None:
         raise DataError(f"row {index}: has images but the processor has no image processor (a text-only model)")
@@ -579,7 +366,7 @@ def _expand_images(ids: np.ndarray, keep: np.ndarray, images: list, processor, i
     labels = np.where(keep, ids, IGNORE_INDEX)
     if not images:
         return Example(ids.astype(np.int32), labels.astype(np.int32), index=index)
-    grid = np.asarray([processor.image_processor.grid(*size) for size in _image_sizes(images, index)],
+    grid = np.asarray([processor.image_processor.grid(*size) for size in image_sizes(images, index)],
                       dtype=np.int64).reshape(-1, 3)
     reps = np.ones(len(ids), dtype=np.int64)
     reps[at] = processor.image_processor.num_image_tokens(grid)

@@ -34,19 +34,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..losses.head import IGNORE_INDEX
-from .batches import default_buckets
+from ..tokens import IGNORE_INDEX
+from .batches import default_buckets, fit_bucket
 from .formats import (
     DataError,
-    _chatml,
-    _common_prefix,
-    _expand_images,
-    _fill_images,
-    _is_messages,
-    _render,
-    _row_images,
+    chatml,
     check_messages,
+    common_prefix,
+    expand_images,
+    is_messages,
+    render_chat,
+    with_eos,
 )
+from .images import fill_images, row_images
 
 __all__ = ["PreferenceExample", "check_preference_row", "extract_prompt", "tokenize_preference",
            "make_preference_batches", "preference_batch"]
@@ -102,14 +102,14 @@ def _columns(row: dict, index: int):
                         f"{type(chosen).__name__} and {type(rejected).__name__}")
     prompt = row.get("prompt")
     if conv:
-        chosen, rejected = _chatml(chosen), _chatml(rejected)
+        chosen, rejected = chatml(chosen), chatml(rejected)
         check_messages(chosen, index, "chosen")
         check_messages(rejected, index, "rejected")
         if isinstance(prompt, list):
-            prompt = _chatml(prompt)
+            prompt = chatml(prompt)
             check_messages(prompt, index, "prompt")
     # TRL keeps an explicit prompt only when it has the completions' kind (both conversations or both strings)
-    if prompt is None or _is_messages(prompt) != conv:
+    if prompt is None or is_messages(prompt) != conv:
         if prompt is not None and not isinstance(prompt, (str, list)):
             raise DataError(f"{where}: 'prompt' is {type(prompt).__name__}: use a string or a list of messages")
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
@@ -132,14 +132,10 @@ def _render_prompt(processor, prompt: list[dict], row: dict, index=None) -> str:
         return ""
     last = prompt[-1].get("role")
     if last == "assistant":  # the completion continues the assistant's message
-        return _render(processor, prompt, row, index, continue_final_message=True)
+        return render_chat(processor, prompt, row, index, continue_final_message=True)
     if last not in ("user", "tool", "system"):
         raise DataError(f"row {index}: invalid role of the prompt's last message: {last!r}")
-    return _render(processor, prompt, row, index, add_generation_prompt=True)
-
-
-def _with_eos(text: str, eos: str | None) -> str:
-    return text if not eos or text.endswith(eos) else text + eos
+    return render_chat(processor, prompt, row, index, add_generation_prompt=True)
 
 
 # ------------------------------------------------------------------------------------- tokenising
@@ -152,17 +148,17 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
         raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}")
     prompt, chosen, rejected, conv = _columns(row, index)
     tok = processor.tokenizer
-    images = _row_images(row)
+    images = row_images(row)
     if conv:
         if images:
-            prompt, images = _fill_images(prompt, images, index)
+            prompt, images = fill_images(prompt, images, index)
         p_text = _render_prompt(processor, prompt, row, index)
-        c_text = _render(processor, prompt + chosen, row, index)
-        r_text = _render(processor, prompt + rejected, row, index)
+        c_text = render_chat(processor, prompt + chosen, row, index)
+        r_text = render_chat(processor, prompt + rejected, row, index)
     else:
         p_text = prompt
-        c_text = prompt + _with_eos(chosen, tok.eos_token)
-        r_text = prompt + _with_eos(rejected, tok.eos_token)
+        c_text = prompt + with_eos(chosen, tok.eos_token)
+        r_text = prompt + with_eos(rejected, tok.eos_token)
 
     def encode(text):
         return np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64) if text else \
@@ -170,12 +166,12 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
 
     p_ids, c_ids, r_ids = encode(p_text), encode(c_text), encode(r_text)
     # the completion starts where the prompt's tokens stop agreeing with the full sequence's
-    n = min(_common_prefix(p_ids, c_ids), _common_prefix(p_ids, r_ids))
+    n = min(common_prefix(p_ids, c_ids), common_prefix(p_ids, r_ids))
     p_ids, c_ids, r_ids = p_ids[:n], c_ids[n:], r_ids[n:]
     image_id = processor.image_token_id if processor.image_processor is not None else None
     if image_id is not None and ((c_ids == image_id).any() or (r_ids == image_id).any()):
         raise DataError(f"row {index}: an image placeholder is in a completion; images belong to the prompt")
-    expanded = _expand_images(p_ids, np.zeros(len(p_ids), bool), images, processor, index)
+    expanded = expand_images(p_ids, np.zeros(len(p_ids), bool), images, processor, index)
     p_ids = expanded.input_ids.astype(np.int64)
 
     if max_length is not None and truncation_mode == "keep_start" and len(p_ids) >= max_length:
@@ -200,14 +196,6 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
 
 # ---------------------------------------------------------------------------------------- batches
 
-def _bucket(length: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if b >= length:
-            return b
-    raise ValueError(f"a sequence of {length} tokens is longer than the largest bucket {max(buckets)}; "
-                     "add a larger bucket to seq_buckets")
-
-
 def _row_bucket(n: int, minimum: int = 64) -> int:
     return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
 
@@ -228,10 +216,10 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
     seqs = [(e.chosen_ids, e.chosen_mask) for e in examples] + [(e.rejected_ids, e.rejected_mask) for e in examples]
     lengths = [len(ids) for ids, _ in seqs]
     if padding_free:
-        width = _bucket(sum(lengths), buckets)
+        width = fit_bucket(sum(lengths), buckets)
         shape = (1, width)
     else:
-        width = _bucket(max(lengths), buckets)
+        width = fit_bucket(max(lengths), buckets)
         shape = (2 * b, width)
     ids = np.full(shape, pad_token_id, np.int32)
     mask = np.zeros(shape, np.int32)

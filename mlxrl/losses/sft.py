@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .head import IGNORE_INDEX
+from ..tokens import IGNORE_INDEX
 
 
 class NoTrainableTokensError(ValueError):
@@ -68,10 +68,16 @@ def sft_loss(logps, targets, *, loss_type="nll", num_items=None, entropy=None, a
         raise ValueError(f"unknown SFT loss_type {loss_type!r}: use one of {', '.join(SFT_LOSSES)}")
     mask = (targets != IGNORE_INDEX).astype(mx.float32)
     loss = SFT_LOSSES[loss_type](logps.astype(mx.float32), mask, num_items)
+    return loss, token_metrics(targets, entropy, argmax)
+
+
+def token_metrics(targets, entropy=None, argmax=None) -> dict:
+    """TRL's `entropy` and `mean_token_accuracy`, averaged over the batch's trained tokens (those given)."""
+    mask = (targets != IGNORE_INDEX).astype(mx.float32)
     n = mx.maximum(mask.sum(), 1.0)
     metrics = {}
     if entropy is not None:
         metrics["entropy"] = mx.stop_gradient((entropy * mask).sum() / n)
     if argmax is not None:
         metrics["mean_token_accuracy"] = ((argmax == targets).astype(mx.float32) * mask).sum() / n
-    return loss, metrics
+    return metrics

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import runtime
-from .model import _grpo_prompt_length, arch_of, image_tokens, load_config, predict
+from .model import arch_of, grpo_prompt_length, image_tokens, load_config, predict
 
 
 class CharTokenizer:
@@ -62,7 +62,7 @@ def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0, prompt
         return [{"prompt": _text(rng, p, vocab), "chosen": _text(rng, L - p - 1, vocab),
                  "rejected": _text(rng, L - p - 1, vocab)} for _ in range(n)]
     if trainer == "grpo":
-        P = _grpo_prompt_length(args, prompt_length)
+        P = grpo_prompt_length(args, prompt_length)
         return [{"prompt": _text(rng, P, vocab)} for _ in range(n)]
     return [{"text": _text(rng, L + 8, vocab)} for _ in range(n)]
 
@@ -120,7 +120,7 @@ def image_rows(trainer: str, args, n: int, images: int, image_size: int, seed: i
         return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": words(k)}]}
 
     if trainer == "grpo":
-        return [{"prompt": [user(_grpo_prompt_length(args, prompt_length) - 24)], "images": pictures()}
+        return [{"prompt": [user(grpo_prompt_length(args, prompt_length) - 24)], "images": pictures()}
                 for _ in range(n)]
     if trainer == "dpo":
         p = L // 2

@@ -14,9 +14,9 @@ from ..losses.grpo import uses_fused_head
 from .report import GB, MB, Plan, Row, count, dtype_bytes, fmt  # noqa: F401  (GB, MB, fmt: the package's API)
 from .suggest import suggest_change
 
-TILE_BYTES = 16 << 20  # mlxrl.losses.head.TILE_BYTES (kept here so planning imports no trainer)
-ROW_TILE_BYTES = 160 << 20  # mlxrl.losses.head.ROW_TILE_BYTES: the native fused head's row chunk
-GRAPH_ROW_TILE_BYTES = 48 << 20  # mlxrl.losses.head.GRAPH_ROW_TILE_BYTES: the graph fused head's row chunk
+TILE_BYTES = 16 << 20  # mlxrl.losses.tiles.TILE_BYTES (kept here so planning imports no trainer)
+ROW_TILE_BYTES = 160 << 20  # mlxrl.losses.fused_head.ROW_TILE_BYTES: the native fused head's row chunk
+GRAPH_ROW_TILE_BYTES = 48 << 20  # mlxrl.losses.fused_head.GRAPH_ROW_TILE_BYTES: the graph fused head's row chunk
 
 # measured coefficients (see the module docstring)
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
@@ -230,7 +230,7 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     return min((HEAD_TILES if compiled else 16) * tile, (2 if compiled else 5) * every) + casts
 
 
-def _default_chunk(n_rows: int, vocab: int, width: int = 0) -> int:  # mlxrl.losses.head.default_chunk_size
+def _default_chunk(n_rows: int, vocab: int, width: int = 0) -> int:  # mlxrl.losses.tiles.default_chunk_size
     cols = TILE_BYTES // (4 * max(n_rows, width, 1))
     return int(min(vocab, max(128, cols // 128 * 128)))
 
@@ -262,13 +262,13 @@ def image_tokens(a: Arch, images: int, image_size: int | None) -> int:
 def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, str]:
     value = memory_limit if memory_limit is not None else getattr(args, "memory_limit", None)
     if value is not None:
-        return runtime._parse_bytes(value, machine), f"memory_limit {value}"
+        return runtime.parse_size(value, machine), f"memory_limit {value}"
     if machine:
         return int(0.9 * machine), "90% of machine memory (no --memory_limit)"
     return None, "unknown"
 
 
-def _grpo_prompt_length(args, prompt_length: int | None = None) -> int:
+def grpo_prompt_length(args, prompt_length: int | None = None) -> int:
     """Prompt tokens of a GRPO run (TRL 1.x has no max_prompt_length; --prompt_length, default 512),
     left-padded to the trainer's multiple of 32."""
     P = int(prompt_length or getattr(args, "max_prompt_length", None) or DEFAULT_PROMPT_LENGTH)
@@ -283,7 +283,7 @@ def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None 
     if trainer == "dpo":
         return Shape(2 * B * L, 2 * B * L * L, 2 * B * scored, label=f"B={2 * B} (chosen + rejected) L={L}")
     if trainer == "grpo":  # b completions; whole groups when b >= G, else a slice of one prompt's group
-        P = _grpo_prompt_length(args, prompt_length) + extra_tokens
+        P = grpo_prompt_length(args, prompt_length) + extra_tokens
         C = int(args.max_completion_length)
         n_p = max(1, B // int(args.num_generations))
         if not getattr(args, "shared_prompt", True):  # every completion row carries its own prompt
@@ -346,7 +346,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     kv = gen_logits = 0
     if trainer == "grpo":
         G, C = int(args.num_generations), int(args.max_completion_length)
-        P = _grpo_prompt_length(args, prompt_length) + L_img
+        P = grpo_prompt_length(args, prompt_length) + L_img
         prompts = max(1, B // G)  # generated together: the micro-batch's prompts, G completions each
 
         def cache_len(n):  # mlx-lm's KVCache grows in steps of 256 positions
@@ -376,7 +376,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     limit, source = _limit(args, machine, memory_limit)
     cache_limit = getattr(args, "cache_limit", None)
     transient = total - steady
-    cache = int(min(transient, runtime._parse_bytes(cache_limit, machine))) if cache_limit else int(transient)
+    cache = int(min(transient, runtime.parse_size(cache_limit, machine))) if cache_limit else int(transient)
     plan = Plan(trainer, out, total, int(step), int(update), limit, source, machine, cache,
                 {"checkpointing": int(act[True]), "no checkpointing": int(act[False])})
     if not plan.fits and W - T > T:

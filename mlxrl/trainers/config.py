@@ -28,7 +28,15 @@ from ..hub import MlxrlError
 
 
 def _f(default, help, **kw):
+    """A config field with its --help text; `choices=(...)`: the values it accepts (checked by
+    `check_config`, listed by --help)."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+def refused(default, reason: str):
+    """A field TRL has and mlxrl does not support: accepted at its default, any other value refused by
+    `check_config` in one line naming the field and `reason`. Declared once, where the field is."""
+    return field(default=default, metadata={"help": f"not supported: {reason}", "refused": reason})
 
 
 @dataclass
@@ -84,8 +92,6 @@ class TrainConfig:
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")
     # memory and speed (mlxrl)
     chunk_size: int | None = _f(None, "(mlxrl) vocab columns per streamed LM-head tile (default: 16 MB tiles)")
-    head_mode: str = _f("fused", "(mlxrl) fused | two_phase | differentiable: how the streamed LM head runs "
-                                 "(see README, Losses)")
     seq_buckets: list[int] | None = _f(None, "(mlxrl) padded lengths (default: powers of two up to max_length)")
     compile: bool = _f(True, "(mlxrl) mx.compile the step per shape bucket")
     patch_buckets: bool = _f(True, "(mlxrl) with compile: pad each batch's image patches to one of four sizes per "
@@ -109,6 +115,8 @@ class SFTConfig(TrainConfig):
     completion_only_loss: bool | None = _f(None, "train only on completions (default: on for prompt-completion data)")
     assistant_only_loss: bool = _f(False, "train only on assistant turns of conversations")
     loss_type: str = _f("nll", "nll | dft")
+    head_mode: str = _f("fused", "(mlxrl) fused | two_phase | differentiable: how the streamed LM head runs "
+                                 "(see README, Losses)", choices=("fused", "two_phase", "differentiable"))
     dataset_text_field: str = _f("text", "column of language-modelling datasets")
     eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
 
@@ -377,8 +385,7 @@ CHOICES = {
     "packing_strategy": ("bfd", "wrapped"),
     "dtype": ("float32", "fp32", "bfloat16", "bf16"),
 }
-CHOICES_BY_CONFIG = {"SFTConfig": {"loss_type": ("nll", "dft"),
-                                   "head_mode": ("fused", "two_phase", "differentiable")}}
+CHOICES_BY_CONFIG = {"SFTConfig": {"loss_type": ("nll", "dft")}}
 
 
 def _lookup(table: dict, by_config: dict, args, name: str):
@@ -421,7 +428,13 @@ def check_config(args, flags: bool = False) -> None:
                 for v in values:
                     if not test(v):
                         raise ConfigError(f"{label} {v:g}: must be {allowed}")
-        choices = _lookup(CHOICES, CHOICES_BY_CONFIG, args, name)
+        why = f.metadata.get("refused")
+        if why is not None:
+            if value != f.default:
+                raise ConfigError(f"{label}={value!r} is not supported by mlxrl's "
+                                  f"{type(args).__name__.replace('Config', 'Trainer')}: {why}")
+            continue
+        choices = f.metadata.get("choices") or _lookup(CHOICES, CHOICES_BY_CONFIG, args, name)
         if choices is not None and value not in choices:
             if name == "dtype" and str(value).lower() in ("float16", "fp16"):
                 raise ConfigError(f"{label} {value}: float16 cannot train (no loss scaling): use bfloat16")

@@ -45,8 +45,8 @@ import numpy as np
 from ..losses.dpo import DPO_LOSSES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, dpo_loss
 from ..losses.head import head_logprobs
 from ..models.reference import adapters_disabled, frozen_copy
-from .config import TrainConfig, _f
-from .engine import Trainer
+from .config import TrainConfig, _f, check_config, refused
+from .engine import Trainer, hidden_rows
 
 __all__ = ["DPOConfig", "DPOTrainer"]
 
@@ -54,19 +54,19 @@ __all__ = ["DPOConfig", "DPOTrainer"]
 @dataclass
 class DPOConfig(TrainConfig):
     """TRL 1.16's DPOConfig fields (names and defaults). Fields TRL has that mlxrl does not support
-    raise a ValueError when set to anything but their default (see `check_dpo_config`)."""
+    raise a ValueError when set to anything but their default (`refused`, checked by `config.check_config`)."""
 
     learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's DPO default)")
     head_mode: str = _f("differentiable", "(mlxrl) DPO drives the streamed head differentiably (its per-token "
-                                          "gradients depend on whole sequences)")
+                                          "gradients depend on whole sequences)", choices=("differentiable",))
     # model
-    model_init_kwargs: str | None = _f(None, "not supported: load the model with mlxrl.load")
-    trust_remote_code: bool = _f(False, "not supported (mlxrl runs no remote code)")
-    router_aux_loss_coef: float | None = _f(None, "not supported (no Mixture-of-Experts models yet)")
+    model_init_kwargs: str | None = refused(None, "load the model with mlxrl.load (dtype: --dtype)")
+    trust_remote_code: bool = refused(False, "mlxrl never runs model code from the Hub")
+    router_aux_loss_coef: float | None = refused(None, "mlxrl has no Mixture-of-Experts models yet")
     disable_dropout: bool = _f(True, "disable dropout (LoRA dropout included) in the model")
     ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model")
     # data
-    dataset_num_proc: int | None = _f(None, "not supported (tokenisation runs in-process)")
+    dataset_num_proc: int | None = refused(None, "tokenisation runs in-process")
     max_length: int | None = _f(1024, "truncate each prompt+completion sequence to this many tokens")
     truncation_mode: str = _f("keep_start", "keep_start | keep_end (deprecated in TRL; text only)")
     padding_free: bool = _f(False, "concatenate the 2B sequences of a batch into one row without padding "
@@ -87,13 +87,15 @@ class DPOConfig(TrainConfig):
     f_alpha_divergence_coef: float = _f(0.5, "alpha of alpha_divergence")
     label_smoothing: float = _f(0.0, "robust / exo_pair / aot label smoothing (sigmoid: cDPO, see README)")
     beta: float = _f(0.1, "deviation from the reference (IPO: tau)")
-    use_weighting: bool = _f(False, "not supported: WPO weighting")
+    use_weighting: bool = refused(False, "WPO weighting needs sum(p^2) per token, which the streamed head does "
+                                         "not compute yet")
     discopop_tau: float = _f(0.05, "DiscoPOP temperature")
-    activation_offloading: bool = _f(False, "not supported (MLX unified memory; use gradient_checkpointing)")
-    sync_ref_model: bool = _f(False, "not supported: TR-DPO reference syncing")
-    ref_model_mixup_alpha: float = _f(0.6, "TR-DPO alpha (only with sync_ref_model, which is not supported)")
-    ref_model_sync_steps: int = _f(512, "TR-DPO sync period (only with sync_ref_model, not supported)")
-    pad_token: str | None = _f(None, "deprecated in TRL and not supported: the processor's pad token is used")
+    activation_offloading: bool = refused(False, "MLX has unified memory; use gradient_checkpointing")
+    sync_ref_model: bool = refused(False, "TR-DPO reference syncing is not implemented (use a fixed reference)")
+    ref_model_mixup_alpha: float = refused(0.6, "it only applies with sync_ref_model (TR-DPO), which is not "
+                                                "implemented")
+    ref_model_sync_steps: int = refused(512, "it only applies with sync_ref_model (TR-DPO), which is not implemented")
+    pad_token: str | None = refused(None, "deprecated in TRL; the processor's pad token is used")
     eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
 
     def __post_init__(self):
@@ -106,26 +108,9 @@ class DPOConfig(TrainConfig):
                              f"{self.loss_type}")
 
 
-_UNSUPPORTED = {
-    "model_init_kwargs": "load the model with mlxrl.load (dtype: --dtype)",
-    "trust_remote_code": "mlxrl never runs model code from the Hub",
-    "router_aux_loss_coef": "mlxrl has no Mixture-of-Experts models yet",
-    "dataset_num_proc": "tokenisation runs in-process",
-    "use_weighting": "WPO weighting needs sum(p^2) per token, which the streamed head does not compute yet",
-    "activation_offloading": "MLX has unified memory; use gradient_checkpointing",
-    "sync_ref_model": "TR-DPO reference syncing is not implemented (use a fixed reference)",
-    "ref_model_mixup_alpha": "it only applies with sync_ref_model (TR-DPO), which is not implemented",
-    "ref_model_sync_steps": "it only applies with sync_ref_model (TR-DPO), which is not implemented",
-    "pad_token": "deprecated in TRL; the processor's pad token is used",
-}
-
-
 def check_dpo_config(args: DPOConfig) -> None:
     """One-line ValueErrors for unsupported or inconsistent settings (TRL's checks plus ours)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(DPOConfig)}
-    for name, why in _UNSUPPORTED.items():
-        if getattr(args, name) != defaults[name]:
-            raise ValueError(f"{name}={getattr(args, name)!r} is not supported by mlxrl's DPOTrainer: {why}")
+    check_config(args)  # types, ranges, choices and the refused TRL fields
     if args.pad_to_multiple_of not in ("auto", None, "none", "None"):
         raise ValueError(f"pad_to_multiple_of={args.pad_to_multiple_of!r} is not supported: rows are padded to "
                          "length buckets (set seq_buckets)")
@@ -143,20 +128,11 @@ def check_dpo_config(args: DPOConfig) -> None:
         raise ValueError(f"ld_alpha must be in [0, 1], got {args.ld_alpha}")
     if args.truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"truncation_mode must be keep_start or keep_end, got {args.truncation_mode!r}")
-    if args.head_mode != "differentiable":
-        raise ValueError(f"head_mode={args.head_mode!r}: DPO supports only the differentiable streamed head")
     if args.beta <= 0:
         raise ValueError(f"beta must be > 0, got {args.beta}")
 
 
 # ------------------------------------------------------------------------------------ references
-
-def _hidden_rows(model, batch):
-    """Hidden states [R, D] at the scored positions (the trunk up to the final norm)."""
-    kw = {k: batch[k] for k in ("segment_ids", "pixel_values", "image_grid_thw", "vision_meta") if k in batch}
-    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_hidden=True, **kw)
-    return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
-
 
 # --------------------------------------------------------------------------------------- trainer
 
@@ -233,10 +209,8 @@ class DPOTrainer(Trainer):
         """(real tokens of the 2B sequences, pairs): the engine's normaliser is the pair count."""
         return int(batch["num_tokens"]), int(batch["num_pairs"])
 
-    def to_device(self, batch):
-        arrays = super().to_device(batch)
-        if "image_grid_thw" in batch:
-            arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
+    def gradient_free_inputs(self, arrays):
+        """The reference model's summed log-probs of the batch (unless precomputed with the rows)."""
         if "ref_chosen" not in arrays:
             arrays["ref_chosen"], arrays["ref_rejected"] = self.reference_logps(arrays)
         return arrays
@@ -244,7 +218,7 @@ class DPOTrainer(Trainer):
     # ------------------------------------------------------------------ log-probs
     def sequence_logps(self, model, arrays, *, mask_key="seq_weights"):
         """Summed completion log-probs [2B] of `model` (no gradient intended: the caller's choice)."""
-        h = _hidden_rows(model, arrays)
+        h = hidden_rows(model, arrays)
         logp = head_logprobs(h, model.lm_head_weight(), arrays["targets"], chunk_size=self.args.chunk_size,
                              skip_ignored=False)
         return arrays[mask_key] @ logp
@@ -274,17 +248,15 @@ class DPOTrainer(Trainer):
             group = examples[k:k + batch_size]
             batch = preference_batch(group, pad_token_id=self.processor.pad_token_id, buckets=sorted(buckets),
                                      padding_free=a.padding_free, ld_alpha=a.ld_alpha, bucket_rows=False)
-            arrays = Trainer.to_device(self, batch)
-            if "image_grid_thw" in batch:
-                arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
+            arrays = self.to_device(batch)
             chosen, rejected = self.reference_logps(arrays)
             for e, c, r in zip(group, np.array(chosen).tolist(), np.array(rejected).tolist(), strict=True):
                 e.ref_logps = (c, r)
 
     # ------------------------------------------------------------------ loss
-    def loss(self, model, batch, num_items):
+    def loss(self, model, batch, normalizer):
         a = self.args
-        h = _hidden_rows(model, batch)                                   # [R, D]
+        h = hidden_rows(model, batch)                                   # [R, D]
         weight = model.lm_head_weight()
         t = batch["targets"]
         logp, ent, argmax = head_logprobs(h, weight, t, chunk_size=a.chunk_size, return_entropy=True,
@@ -313,7 +285,7 @@ class DPOTrainer(Trainer):
         metrics["logits/chosen"] = (mean_logit * chosen).sum() / mx.maximum(chosen.sum(), 1.0)
         metrics["logits/rejected"] = (mean_logit * rejected).sum() / mx.maximum(rejected.sum(), 1.0)
         # dpo_loss is a mean over these b pairs; the engine sums micro-batches normalised by all pairs
-        return loss * (b / num_items), metrics
+        return loss * (b / normalizer), metrics
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
@@ -322,7 +294,7 @@ class DPOTrainer(Trainer):
         self.model.eval()
         sums, pairs = {}, 0
         for batch in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size):
-            arrays = self.to_device(batch)
+            arrays = self.gradient_free_inputs(self.to_device(batch))
             b = batch["num_pairs"]
             loss, metrics = self.loss(self.model, arrays, mx.array(b, dtype=mx.float32))
             for k, v in {"loss": loss, **metrics}.items():

@@ -1,7 +1,7 @@
 """The one training engine shared by SFT, DPO and GRPO: the only training loop.
 
 A trainer supplies a batch source (`sources`: SFT's and DPO's datasets through `make_batches(epoch)`,
-GRPO's generation rounds through `make_source()`) and a pure `loss(model, batch, num_items) -> (loss,
+GRPO's generation rounds through `make_source()`) and a pure `loss(model, batch, normalizer) -> (loss,
 metrics)`; the engine owns everything else: trainable parameters (full / LoRA / frozen vision), the
 optimizer with its schedule, gradient accumulation (losses normalised by the trained items of the
 whole accumulated batch, as TRL), grad-norm clipping, an `mx.compile`d step per shape bucket (state =
@@ -36,7 +36,7 @@ from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
-from .config import check_optim
+from .config import check_config, check_optim
 from .distributed import DataParallel, PeerLostError
 from .optim import make_optimizer
 from .reporting import Logging, Reporter
@@ -53,6 +53,20 @@ def accumulate(total, grads):
     return tree_map(lambda t, g: t + g.astype(mx.float32), total, grads)
 
 
+def hidden_rows(model, batch: dict) -> mx.array:
+    """Hidden states [R, D] at the scored positions `batch["rows"]` (the trunk up to the final norm)."""
+    kw = {k: batch[k] for k in ("segment_ids", "pixel_values", "image_grid_thw", "vision_meta") if k in batch}
+    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_hidden=True, **kw)
+    return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
+
+
+def step_seed(seed: int, position: int, stream: int = 0) -> int:
+    """A 31-bit seed for one draw of a run: a function of the run's seed, a position (the optimizer step,
+    a prompt's place in a round) and a stream (the rank, the generation round), so a resumed run or
+    another number of ranks draws what the uninterrupted one did."""
+    return (seed * 1_000_003 + position + 7919 * stream) % (2**31 - 1)
+
+
 def check_trainable_dtypes(model) -> None:
     """Refuse float16 training (it needs loss scaling, which the engine does not do: gradients below
     6e-8 flush to zero and large activations overflow): a one-line error naming the fix."""
@@ -62,7 +76,7 @@ def check_trainable_dtypes(model) -> None:
 
 
 class Trainer(Signals, Saving, DataParallel, Logging):
-    """Subclasses implement `loss(model, batch, num_items)` and either `make_batches(epoch)` (a
+    """Subclasses implement `loss(model, batch, normalizer)` and either `make_batches(epoch)` (a
     dataset) or `make_source()` (another batch source, see `sources`); they may override
     `evaluate()` and `save_final()`."""
 
@@ -80,6 +94,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             checkpoint_lib.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
                                          overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
                                          merge=bool(args.merge))
+        check_config(args)  # types, ranges, choices, refused TRL fields: one line each
         check_optim(args)
         check_trainable_dtypes(model)
         runtime.setup()  # MLX's CPU buffer cache (nothing is set at import)
@@ -129,8 +144,8 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def _grad_fn(self):
         loss_and_grad = nn.value_and_grad(self.model, self.loss)
 
-        def step(batch, num_items):
-            (loss, metrics), grads = loss_and_grad(self.model, batch, num_items)
+        def step(batch, normalizer):
+            (loss, metrics), grads = loss_and_grad(self.model, batch, normalizer)
             return loss, metrics, grads
 
         return step
@@ -165,12 +180,21 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def make_batches(self, epoch: int) -> list[dict]:
         raise NotImplementedError
 
-    def loss(self, model, batch: dict, num_items):
+    def loss(self, model, batch: dict, normalizer):
         raise NotImplementedError
 
     def to_device(self, batch: dict) -> dict:
-        """np -> mx for the arrays the step uses (subclasses may add vision metadata)."""
-        return {k: mx.array(v) for k, v in batch.items() if isinstance(v, np.ndarray)}
+        """np -> mx for the arrays the step uses, and the vision tower's layout of a batch's images
+        (`vision_meta`, computed once on the host instead of inside the compiled step)."""
+        arrays = {k: mx.array(v) for k, v in batch.items() if isinstance(v, np.ndarray)}
+        if "image_grid_thw" in batch:
+            arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
+        return arrays
+
+    def gradient_free_inputs(self, arrays: dict) -> dict:
+        """Inputs of the loss computed without a gradient before the step (DPO: the reference model's
+        log-probs); by default none."""
+        return arrays
 
     def bucket_images(self, batch: dict) -> dict:
         """With a compiled step and patch_buckets: the batch's image patches padded to a bucket by a
@@ -182,9 +206,12 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         pixels, grid = pad_image_patches(np.asarray(batch["pixel_values"]), np.asarray(batch["image_grid_thw"]))
         return {**batch, "pixel_values": pixels, "image_grid_thw": grid}
 
-    def batch_tokens(self, batch: dict) -> tuple[int, int]:
-        """(real tokens, trained tokens) of a prepared batch."""
-        return int(batch["num_tokens"]), int(batch["num_items"])
+    def batch_tokens(self, batch: dict) -> tuple[int, float]:
+        """(real tokens, this micro-batch's share of the loss normaliser) of a prepared batch. The engine sums
+        the shares over the accumulated global batch (every rank's) and passes the sum to `loss` as
+        `normalizer`: trained tokens (SFT, TRL's num_items_in_batch), pairs (DPO), completion tokens per
+        micro-batch or one per micro-batch (GRPO's token-sum and mean losses)."""
+        return int(batch["num_tokens"]), float(batch["normalizer"])
 
     def evaluate(self) -> dict:
         return {}
@@ -366,14 +393,14 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def _optimizer_step(self, group, window, bar, total):
         args = self.args
         # dropout noise is a function of (seed, step, rank): a resumed run draws what the uninterrupted one did
-        mx.random.seed(args.seed * 1_000_003 + self.global_step + 7919 * self.rank)
+        mx.random.seed(step_seed(args.seed, self.global_step, self.rank))
         # the loss is normalised by the trained tokens of the whole global batch (every rank's), as TRL
-        num_items = self.all_sum(np.array([sum(self.batch_tokens(b)[1] for b in group)], np.float64))[0]
+        normalizer = self.all_sum(np.array([sum(self.batch_tokens(b)[1] for b in group)], np.float64))[0]
         grads_sum, loss_sum, metric_sums, tokens = None, 0.0, [], 0
         for b in group:
-            arrays = self.to_device(self.bucket_images(b))
+            arrays = self.gradient_free_inputs(self.to_device(self.bucket_images(b)))
             step = self._step_for(arrays)
-            loss, metrics, grads = step(arrays, mx.array(num_items, dtype=mx.float32))
+            loss, metrics, grads = step(arrays, mx.array(normalizer, dtype=mx.float32))
             grads_sum = grads if len(group) == 1 else accumulate(grads_sum, grads)
             mx.eval(loss, metrics, grads_sum)
             loss_sum += loss.item()

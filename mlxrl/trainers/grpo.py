@@ -38,24 +38,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import math
-import numbers
-import os
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 
-from ..data.formats import DataError, _chatml, _fill_images, _row_images, check_prompt_rows, template_kwargs
-from ..hub import MlxrlError
+from ..data.formats import DataError, chatml, check_prompt_rows, template_kwargs
+from ..data.images import fill_images, row_images
+from ..losses.fused_head import fused_head_loss
 from ..losses.grpo import (
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_TYPES,
     TOKEN_SUM_LOSS_TYPES,
     compute_advantages,
     grpo_loss,
@@ -63,330 +57,17 @@ from ..losses.grpo import (
     grpo_token_weights,
     uses_fused_head,
 )
-from ..losses.head import IGNORE_INDEX, fused_head_loss
 from ..models.reference import adapters_disabled, frozen_copy
-from .config import TrainConfig, _f
-from .engine import Trainer
+from ..tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
+from .engine import Trainer, step_seed
+from .grpo_config import GRPOConfig, check_grpo_config, resolve_batching
+from .rewards import RewardError, _first_line, check_reward_signature, load_reward_func, reward_values
+from .sources import GenerationRounds
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "RewardError", "check_grpo_config", "check_reward_signature",
            "load_reward_func", "reward_values"]
-
-
-@dataclass
-class GRPOConfig(TrainConfig):
-    """TRL 1.16's GRPOConfig fields (names and defaults). Fields TRL has that mlxrl does not support raise a
-    ValueError when set to anything but their default (see `check_grpo_config`)."""
-
-    learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's GRPO default)")
-    head_mode: str = _f("auto", "(mlxrl) auto | fused | differentiable: how the streamed LM head runs in training. "
-                                "fused: row chunks, loss and gradients in one pass (3 matmuls and one exp per logit; "
-                                "token-level importance sampling only); differentiable: vocab tiles with a streamed "
-                                "VJP (4 matmuls, two exps; any loss); auto: fused at token level, else differentiable")
-    per_device_train_batch_size: int = _f(8, "completions per micro-batch (TRL counts completions, not prompts)")
-    # model
-    model_init_kwargs: str | None = _f(None, "not supported: load the model with mlxrl.load")
-    trust_remote_code: bool = _f(False, "not supported (mlxrl runs no remote code)")
-    router_aux_loss_coef: float | None = _f(None, "not supported (no Mixture-of-Experts models yet)")
-    disable_dropout: bool = _f(False, "disable dropout (LoRA dropout included) in the model")
-    cast_lm_head_to_fp32: bool = _f(False, "accepted; the streamed head always accumulates in float32")
-    ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model (beta > 0)")
-    # data and generation
-    remove_unused_columns: bool = _f(False, "must stay False: every dataset column is passed to the reward functions")
-    num_generations: int = _f(8, "completions sampled per prompt (G)")
-    num_generations_eval: int | None = _f(None, "not supported (no GRPO evaluation loop yet)")
-    max_completion_length: int = _f(512, "maximum tokens per completion")
-    ds3_gather_for_generation: bool = _f(True, "DeepSpeed only: ignored")
-    shuffle_dataset: bool = _f(True, "shuffle the prompts every epoch")
-    pad_to_multiple_of: str | None = _f("auto", "not supported beyond 'auto' (completions are padded to "
-                                                "powers of two)")
-    generation_batch_size: int | None = _f(None, "completions per generation round (default: "
-                                                 "per_device_train_batch_size * steps_per_generation)")
-    steps_per_generation: int | None = _f(None, "micro-batches per generation round (default: "
-                                                "gradient_accumulation_steps)")
-    temperature: float = _f(1.0, "sampling temperature (the training log-probs use it too)")
-    top_p: float = _f(1.0, "nucleus sampling")
-    top_k: int = _f(0, "top-k sampling (0: off)")
-    min_p: float | None = _f(None, "min-p sampling")
-    generation_kwargs: str | None = _f(None, "not supported: use temperature / top_p / top_k / min_p")
-    chat_template_kwargs: str | None = _f(None, "not supported: put chat_template_kwargs in a dataset column")
-    repetition_penalty: float = _f(1.0, "not supported (must be 1.0)")
-    cache_implementation: str | None = _f(None, "not supported (mlx-lm KV caches)")
-    use_vllm: bool = _f(False, "not supported (mlxrl's own generation engine)")
-    vllm_mode: str = _f("colocate", "vLLM only (not supported)")
-    vllm_model_impl: str = _f("vllm", "vLLM only (not supported)")
-    vllm_enable_sleep_mode: bool = _f(False, "vLLM only (not supported)")
-    vllm_structured_outputs_regex: str | None = _f(None, "vLLM only (not supported)")
-    vllm_server_base_url: str | None = _f(None, "vLLM only (not supported)")
-    vllm_server_host: str = _f("0.0.0.0", "vLLM only (not supported)")
-    vllm_server_port: int = _f(8000, "vLLM only (not supported)")
-    vllm_server_timeout: float = _f(240.0, "vLLM only (not supported)")
-    vllm_group_port: int = _f(51216, "vLLM only (not supported)")
-    vllm_gpu_memory_utilization: float = _f(0.3, "vLLM only (not supported)")
-    vllm_max_model_length: int | None = _f(None, "vLLM only (not supported)")
-    vllm_tensor_parallel_size: int = _f(1, "vLLM only (not supported)")
-    vllm_importance_sampling_correction: bool = _f(True, "vLLM only: no effect without use_vllm")
-    vllm_importance_sampling_mode: str = _f("sequence_mask", "vLLM only: no effect without use_vllm")
-    vllm_importance_sampling_clip_max: float | None = _f(3.0, "vLLM only: no effect without use_vllm")
-    vllm_importance_sampling_clip_min: float | None = _f(None, "vLLM only: no effect without use_vllm")
-    vllm_importance_sampling_cap: float | None = _f(None, "vLLM only (deprecated in TRL; not supported)")
-    use_transformers_continuous_batching: bool = _f(False, "not supported (mlxrl's own generation engine)")
-    transformers_continuous_batching_config: str | None = _f(None, "not supported")
-    use_transformers_paged: bool = _f(False, "not supported (deprecated in TRL)")
-    # loss
-    beta: float = _f(0.0, "KL coefficient (0: no reference model is kept or run)")
-    num_iterations: int = _f(1, "optimisation passes over each generation round (mu)")
-    epsilon: float = _f(0.2, "lower clip range of the ratio (and upper, unless epsilon_high)")
-    delta: float | None = _f(None, "two-sided clipping: cap the unclipped ratio at delta")
-    epsilon_high: float | None = _f(None, "upper clip range (DAPO recommends 0.28; cispo: the absolute cap, 5.0)")
-    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for negative advantages")
-    sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages")
-    vespo_k_pos: float = _f(2.0, "VESPO only (not supported)")
-    vespo_lambda_pos: float = _f(3.0, "VESPO only (not supported)")
-    vespo_k_neg: float = _f(3.0, "VESPO only (not supported)")
-    vespo_lambda_neg: float = _f(2.0, "VESPO only (not supported)")
-    importance_sampling_level: str = _f("token", "token | sequence (GSPO)")
-    reward_weights: list[float] | None = _f(None, "one weight per reward function (default 1 each)")
-    multi_objective_aggregation: str = _f("sum_then_normalize", "sum_then_normalize | normalize_then_sum (GDPO)")
-    scale_rewards: str = _f("group", "group | batch | none: what the advantages are divided by")
-    loss_type: str = _f("dapo", f"one of {' | '.join(LOSS_TYPES)}")
-    mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
-    sync_ref_model: bool = _f(False, "not supported: TR-DPO style reference syncing")
-    ref_model_mixup_alpha: float = _f(0.6, "only with sync_ref_model (not supported)")
-    ref_model_sync_steps: int = _f(512, "only with sync_ref_model (not supported)")
-    top_entropy_quantile: float = _f(1.0, "not supported (must be 1.0): high-entropy token masking")
-    entropy_coef: float = _f(0.0, "not supported (must be 0): entropy bonus")
-    use_adaptive_entropy: bool = _f(False, "not supported")
-    entropy_coef_min: float = _f(0.0, "only with use_adaptive_entropy (not supported)")
-    entropy_coef_max: float = _f(1.0, "only with use_adaptive_entropy (not supported)")
-    entropy_coef_delta: float = _f(0.005, "only with use_adaptive_entropy (not supported)")
-    entropy_target: float = _f(0.2, "only with use_adaptive_entropy (not supported)")
-    max_tool_calling_iterations: int | None = _f(None, "not supported (no tool calling)")
-    off_policy_mask_threshold: float | None = _f(None, "not supported: off-policy sequence masking")
-    use_bias_correction_kl: bool = _f(True, "multiply the k3 KL by the importance ratio (TRL's default)")
-    # logging
-    log_completions: bool = _f(False, "not supported (completions are not logged yet)")
-    log_multimodal: bool = _f(True, "only with log_completions: ignored")
-    num_completions_to_print: int | None = _f(None, "not supported")
-    log_unique_prompts: bool = _f(False, "not supported")
-    log_completions_hub_repo: str | None = _f(None, "not supported")
-    # mlxrl
-    shared_prompt: bool = _f(True, "(mlxrl) training forward with each prompt once per group (False: every "
-                                   "prompt+completion row separately, the baseline)")
-    shared_prefill: bool = _f(True, "(mlxrl) generation with each prompt prefilled once and its KV cache shared")
-
-    def __post_init__(self):
-        # TRL maps the old boolean scale_rewards onto the strings
-        if isinstance(self.scale_rewards, bool):
-            self.scale_rewards = "group" if self.scale_rewards else "none"
-
-
-_UNSUPPORTED = {
-    "model_init_kwargs": "load the model with mlxrl.load (dtype: --dtype)",
-    "trust_remote_code": "mlxrl never runs model code from the Hub",
-    "router_aux_loss_coef": "mlxrl has no Mixture-of-Experts models yet",
-    "remove_unused_columns": "every dataset column is passed to the reward functions",
-    "num_generations_eval": "GRPO has no evaluation loop in mlxrl yet",
-    "generation_kwargs": "use temperature / top_p / top_k / min_p",
-    "chat_template_kwargs": "put chat_template_kwargs in a dataset column",
-    "repetition_penalty": "mlxrl's sampler has no repetition penalty",
-    "cache_implementation": "generation uses mlx-lm KV caches",
-    "use_vllm": "mlxrl generates with its own shared-prefill engine",
-    "use_transformers_continuous_batching": "mlxrl generates with its own shared-prefill engine",
-    "transformers_continuous_batching_config": "mlxrl generates with its own shared-prefill engine",
-    "use_transformers_paged": "mlxrl generates with its own shared-prefill engine",
-    "vllm_importance_sampling_cap": "vLLM is not supported",
-    "sync_ref_model": "reference syncing is not implemented (use a fixed reference)",
-    "ref_model_mixup_alpha": "it only applies with sync_ref_model, which is not implemented",
-    "ref_model_sync_steps": "it only applies with sync_ref_model, which is not implemented",
-    "top_entropy_quantile": "high-entropy token masking is not implemented",
-    "entropy_coef": "the entropy bonus is not implemented",
-    "use_adaptive_entropy": "adaptive entropy control is not implemented",
-    "entropy_coef_min": "it only applies with use_adaptive_entropy, which is not implemented",
-    "entropy_coef_max": "it only applies with use_adaptive_entropy, which is not implemented",
-    "entropy_coef_delta": "it only applies with use_adaptive_entropy, which is not implemented",
-    "entropy_target": "it only applies with use_adaptive_entropy, which is not implemented",
-    "max_tool_calling_iterations": "tool calling is not implemented",
-    "off_policy_mask_threshold": "off-policy sequence masking is not implemented",
-    "log_completions": "completions are not logged yet",
-    "num_completions_to_print": "completions are not logged yet",
-    "log_unique_prompts": "completions are not logged yet",
-    "log_completions_hub_repo": "completions are not logged yet",
-    "vespo_k_pos": "loss_type vespo is not implemented",
-    "vespo_lambda_pos": "loss_type vespo is not implemented",
-    "vespo_k_neg": "loss_type vespo is not implemented",
-    "vespo_lambda_neg": "loss_type vespo is not implemented",
-}
-_VLLM_ONLY = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
-              "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-              "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length",
-              "vllm_tensor_parallel_size")
-
-
-def resolve_batching(args: GRPOConfig) -> tuple[int, int]:
-    """(steps_per_generation, generation_batch_size) resolved as TRL's GRPOConfig.__post_init__ (one process)."""
-    b = args.per_device_train_batch_size
-    spg, gbs = args.steps_per_generation, args.generation_batch_size
-    if spg is not None and gbs is not None:
-        raise ValueError("set generation_batch_size or steps_per_generation, not both")
-    if gbs is not None:
-        if gbs % b:
-            raise ValueError(f"generation_batch_size ({gbs}) must be divisible by per_device_train_batch_size ({b})")
-        spg = gbs // b
-    spg = spg or args.gradient_accumulation_steps
-    return spg, b * spg
-
-
-def check_grpo_config(args: GRPOConfig) -> None:
-    """One-line ValueErrors for unsupported or inconsistent settings (TRL's checks plus ours)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    for name, why in _UNSUPPORTED.items():
-        if getattr(args, name) != defaults[name]:
-            raise ValueError(f"{name}={getattr(args, name)!r} is not supported by mlxrl's GRPOTrainer: {why}")
-    for name in _VLLM_ONLY:
-        if getattr(args, name) != defaults[name]:
-            raise ValueError(f"{name}={getattr(args, name)!r} is not supported by mlxrl's GRPOTrainer: vLLM is "
-                             "not used")
-    if args.pad_to_multiple_of not in ("auto", None, "none", "None"):
-        raise ValueError(f"pad_to_multiple_of={args.pad_to_multiple_of!r} is not supported: completions are padded "
-                         "to powers of two")
-    if args.loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type {args.loss_type!r} is not supported; valid: {', '.join(LOSS_TYPES)}")
-    if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level must be token or sequence, got {args.importance_sampling_level!r}")
-    if args.scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"scale_rewards must be group, batch or none, got {args.scale_rewards!r}")
-    if args.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-        raise ValueError("multi_objective_aggregation must be sum_then_normalize or normalize_then_sum, got "
-                         f"{args.multi_objective_aggregation!r}")
-    g = args.num_generations
-    if g is None or g < 2:
-        raise ValueError(f"num_generations must be >= 2 (group-relative advantages need a group), got {g}")
-    if args.max_completion_length is None or args.max_completion_length < 1:
-        raise ValueError(f"max_completion_length must be >= 1, got {args.max_completion_length}")
-    if args.num_iterations < 1:
-        raise ValueError(f"num_iterations must be >= 1, got {args.num_iterations}")
-    if args.temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for GRPO (it divides the logits), got {args.temperature}")
-    _, gbs = resolve_batching(args)
-    if gbs % g:
-        raise ValueError(f"generation_batch_size ({gbs}) must be divisible by num_generations ({g})")
-    b = args.per_device_train_batch_size
-    if b % g and g % b:
-        raise ValueError(f"per_device_train_batch_size ({b}) must be a multiple or a divisor of num_generations ({g}): "
-                         "mlxrl keeps each prompt's completions together so the training forward can share the "
-                         "prompt")
-    if args.beta < 0:
-        raise ValueError(f"beta must be >= 0, got {args.beta}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {args.top_p}")
-    if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {args.min_p}")
-    if args.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: off), got {args.top_k}")
-    if args.head_mode not in ("auto", "fused", "differentiable"):
-        raise ValueError(f"head_mode={args.head_mode!r}: use auto, fused or differentiable")
-    if args.head_mode == "fused" and args.importance_sampling_level != "token":
-        raise ValueError("head_mode=fused needs importance_sampling_level='token' (a sequence-level ratio couples "
-                         "the tokens of a sequence): use head_mode auto or differentiable")
-
-
-class RewardError(MlxrlError, ValueError):
-    """A reward function that cannot be imported or called, or returns what is not a reward: one line
-    naming it (and the completion where one is at fault)."""
-
-
-def load_reward_func(spec: str):
-    """'module:function' (or 'path/to/file.py:function') -> the callable; a module that cannot be found or
-    fails while importing (a syntax error, an exception at its top level) is one line naming it."""
-    if not isinstance(spec, str) or ":" not in spec:
-        raise RewardError(f"reward function {spec!r}: expected module:function")
-    mod_name, _, fn_name = spec.rpartition(":")
-    try:
-        if mod_name.endswith(".py"):
-            if not os.path.isfile(mod_name):
-                raise RewardError(f"reward function {spec!r}: no such file {mod_name!r}")
-            loader = importlib.util.spec_from_file_location(f"_reward_{abs(hash(mod_name))}", mod_name)
-            if loader is None:
-                raise ImportError(mod_name)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except RewardError:
-        raise
-    except ImportError as e:
-        raise RewardError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from e
-    except SyntaxError as e:
-        raise RewardError(f"reward function {spec!r}: {e.filename or mod_name} line {e.lineno}: syntax error "
-                         f"({e.msg})") from e
-    except Exception as e:  # the module's own code failed while importing
-        raise RewardError(f"reward function {spec!r}: importing {mod_name!r} raised {type(e).__name__}: "
-                         f"{_first_line(e)}") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
-    return fn
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
-
-
-REWARD_KWARGS = ("trainer_state", "log_metric", "log_extra")  # what TRL passes besides the dataset columns
-
-
-def check_reward_signature(fn, name: str, columns) -> None:
-    """Refuse, before training, a reward function that cannot take TRL's call: prompts, completions,
-    completion_ids, every dataset column and trainer_state / log_metric / log_extra as keywords."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # builtins and C callables: find out at the call
-    keys = ["prompts", "completions", "completion_ids", *columns, *REWARD_KWARGS]
-    try:
-        sig.bind(**dict.fromkeys(keys))
-    except TypeError as e:
-        raise RewardError(f"reward function {name!r} cannot be called as TRL calls it ({e}): give it the signature "
-                         "f(prompts, completions, completion_ids, **kwargs)") from None
-
-
-def reward_values(values, name: str, n: int) -> np.ndarray:
-    """A reward function's return value -> [n] float32 with NaN for None (TRL: the reward does not apply
-    to that completion). One line naming the function (and the completion) for anything else: not a list,
-    the wrong length, a value that is not a number, NaN or infinity."""
-    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy / mlx / torch arrays
-        if getattr(values, "ndim", 1) != 1:
-            raise RewardError(f"reward function {name!r} returned an array of shape {tuple(values.shape)}; expected "
-                             f"a list of {n} rewards, one per completion")
-        values = values.tolist()
-    if values is None or isinstance(values, (str, bytes, dict, numbers.Number)) or not hasattr(values, "__iter__"):
-        raise RewardError(f"reward function {name!r} returned {type(values).__name__} {_short(values)}; expected a "
-                         f"list of {n} rewards, one per completion (None where a reward does not apply)")
-    values = list(values)
-    if len(values) != n:
-        raise RewardError(f"reward function {name!r} returned {len(values)} rewards for {n} completions (one per "
-                         "completion expected)")
-    out = np.full(n, np.nan, dtype=np.float64)
-    for i, v in enumerate(values):
-        if v is None:
-            continue
-        if hasattr(v, "item") and getattr(v, "size", 1) == 1 and not isinstance(v, numbers.Number):
-            v = v.item()  # a 0-d array or one-element tensor
-        if not isinstance(v, numbers.Real):
-            raise RewardError(f"reward function {name!r} returned {type(v).__name__} {_short(v)} for completion {i}; "
-                             "rewards must be numbers (or None where a reward does not apply)")
-        if not math.isfinite(float(v)):
-            raise RewardError(f"reward function {name!r} returned {float(v)} for completion {i}; rewards must be "
-                             "finite (return None where a reward does not apply)")
-        out[i] = float(v)
-    return out.astype(np.float32)
-
-
-def _short(value, n: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -456,7 +137,7 @@ class GRPOTrainer(Trainer):
         elif args.beta != 0 and not args.use_peft:
             ref_model = frozen_copy(model)  # TRL loads a second copy of the model
         self.ref_model = ref_model if args.beta != 0 else None
-        self.stop_token_ids = sorted({151645, 151643, int(processor.eos_token_id)})
+        self.stop_token_ids = sorted({*QWEN_STOP_TOKEN_IDS, int(processor.eos_token_id)})
         self._pending_metrics: dict[str, list[float]] = {}
         self._round_epoch = 0  # the epoch of the round being generated (reward functions see it)
         self.generation_time = 0.0
@@ -477,10 +158,10 @@ class GRPOTrainer(Trainer):
         `check_prompt_rows`, and what the chat template still cannot render is one line naming it."""
         check_prompt_rows([row], first_index=index)
         prompt = row["prompt"]
-        images = _row_images(row)
+        images = row_images(row)
         if isinstance(prompt, str):
             return prompt, [], prompt
-        messages, ordered = _fill_images(_chatml(prompt), images, index)
+        messages, ordered = fill_images(chatml(prompt), images, index)
         kw = dict(template_kwargs(row, index))
         kw["continue_final_message" if messages[-1].get("role") == "assistant" else "add_generation_prompt"] = True
         try:
@@ -585,7 +266,7 @@ class GRPOTrainer(Trainer):
                                num_generations=G, max_tokens=a.max_completion_length, temperature=a.temperature,
                                top_p=a.top_p, top_k=a.top_k, min_p=a.min_p or 0.0,
                                stop_token_ids=self.stop_token_ids, pad_token_id=self.processor.pad_token_id,
-                               seed=(a.seed * 1_000_003 + round_index * 7919 + offset + start) % (2**31 - 1),
+                               seed=step_seed(a.seed, offset + start, round_index),
                                shared_prefill=a.shared_prefill)
                 chunks.append((enc, gen))
         finally:
@@ -662,12 +343,12 @@ class GRPOTrainer(Trainer):
                     mb["image_grid_thw"] = enc["image_grid_thw"].astype(np.int32)
                 micro.append(mb)
         for mb in micro:  # TRL: the round's tokens x grad_accum / steps_per_generation, over one window
-            mb["num_items"] = (max(total_tokens, 1) / self.steps_per_generation if a.loss_type in TOKEN_SUM_LOSS_TYPES
+            mb["normalizer"] = (max(total_tokens, 1) / self.steps_per_generation if a.loss_type in TOKEN_SUM_LOSS_TYPES
                                else 1.0)
         # reference and old log-probs: gradient-free, right after generation, with the weights that generated
         if self.needs_old_logps or a.beta != 0:
             for mb in micro:
-                arrays = self._arrays(mb)
+                arrays = self.to_device(mb)
                 if self.needs_old_logps:
                     mb["old_logps"] = self._logps_no_grad(self.model, arrays)
                 if a.beta != 0:
@@ -686,18 +367,6 @@ class GRPOTrainer(Trainer):
             return self._logps_no_grad(model, arrays)
 
     # ------------------------------------------------------------------ engine hooks
-    def _arrays(self, batch):
-        arrays = Trainer.to_device(self, batch)
-        if "image_grid_thw" in batch:
-            arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
-        return arrays
-
-    def to_device(self, batch):
-        return self._arrays(batch)
-
-    def batch_tokens(self, batch):
-        return int(batch["num_tokens"]), float(batch["num_items"])
-
     def policy_logps(self, model, batch, return_entropy=True):
         from ..shared_prompt import completion_logprobs
 
@@ -724,7 +393,7 @@ class GRPOTrainer(Trainer):
                     use_bias_correction_kl=a.use_bias_correction_kl, sapo_temperature_pos=a.sapo_temperature_pos,
                     sapo_temperature_neg=a.sapo_temperature_neg)
 
-    def _fused_loss(self, model, batch, num_items):
+    def _fused_loss(self, model, batch, normalizer):
         """Token-level GRPO through the fused head: loss and its gradients in one pass over row chunks
         (`fused_head_loss` with `grpo_token_loss` / `grpo_token_weights`); log-probs and entropy come out
         of the same pass for the metrics."""
@@ -735,9 +404,9 @@ class GRPOTrainer(Trainer):
         targets = mx.where(mask > 0, batch["completion_ids"], IGNORE_INDEX).reshape(-1)
         token_sum = a.loss_type in TOKEN_SUM_LOSS_TYPES
         weights = grpo_token_weights(mask, a.loss_type, max_completion_length=a.max_completion_length,
-                                     normalizer=num_items if token_sum else None)
+                                     normalizer=normalizer if token_sum else None)
         if not token_sum:
-            weights = weights / num_items  # TRL divides each micro-batch's mean by grad_accum
+            weights = weights / normalizer  # TRL divides each micro-batch's mean by grad_accum
         old, ref = batch.get("old_logps"), batch.get("ref_logps")
         zeros = mx.zeros((n, C), mx.float32)
         adv = mx.broadcast_to(batch["advantages"].astype(mx.float32).reshape(n, -1), (n, C))
@@ -753,85 +422,20 @@ class GRPOTrainer(Trainer):
                                entropy=ent.reshape(n, C), **kw)
         return loss, metrics
 
-    def loss(self, model, batch, num_items):
+    def loss(self, model, batch, normalizer):
         a = self.args
         if uses_fused_head(a):
-            return self._fused_loss(model, batch, num_items)
+            return self._fused_loss(model, batch, normalizer)
         logps, entropy = self.policy_logps(model, batch)
         token_sum = a.loss_type in TOKEN_SUM_LOSS_TYPES
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
                                   batch["completion_mask"], importance_sampling_level=a.importance_sampling_level,
                                   max_completion_length=a.max_completion_length,
-                                  normalizer=num_items if token_sum else None, entropy=mx.stop_gradient(entropy),
+                                  normalizer=normalizer if token_sum else None, entropy=mx.stop_gradient(entropy),
                                   **self._loss_kwargs())
-        # mean-type losses: TRL divides each micro-batch's mean by grad_accum (num_items sums 1 per micro-batch)
-        return (loss if token_sum else loss / num_items), metrics
+        # mean-type losses: TRL divides each micro-batch's mean by grad_accum (the normaliser sums 1 per micro-batch)
+        return (loss if token_sum else loss / normalizer), metrics
 
     # ------------------------------------------------------------------ the batch source
     def make_source(self):
         return GenerationRounds(self)
-
-
-class GenerationRounds:
-    """GRPO's batch source: generation rounds, each generated, scored and cut into steps_per_generation
-    micro-batches on the training thread with the current weights when the loop reaches it, then
-    trained on num_iterations times. An epoch is every prompt once (incomplete rounds dropped); a
-    step may take micro-batches of two epochs (nothing is dropped at an epoch's end)."""
-
-    drops_remainder = False
-
-    def __init__(self, trainer: GRPOTrainer):
-        a = trainer.args
-        self.trainer = trainer
-        self.steps_per_generation = trainer.steps_per_generation
-        self.generate_every = trainer.steps_per_generation * a.num_iterations
-        rounds_per_epoch = len(trainer.rows) // (trainer.prompts_per_round * trainer.world_size)
-        self.length = rounds_per_epoch * self.generate_every
-        self.round: list[dict] | None = None  # the micro-batches of the round being trained on
-        self.uses: list[int] = []  # how often each was trained on
-        self.position = 0  # the global micro-batch the next item is
-        self._metrics: list[dict] = []
-
-    def epoch_length(self, epoch: int) -> int:
-        return self.length
-
-    @contextlib.contextmanager
-    def open(self, epoch: int, position: int, accum: int):
-        yield self._stream(epoch * self.length + position)
-
-    def _stream(self, micro: int):
-        while True:
-            if micro % self.generate_every == 0 or self.round is None:
-                self.round, metrics = self.trainer.generate_round(micro // self.generate_every)
-                self.uses = [0] * len(self.round)
-                self._metrics.append(metrics)
-            k = micro % self.steps_per_generation
-            # num_tokens (TRL): tokens generated, counted once however often the round is reused
-            item = self.round[k] if self.uses[k] == 0 else {**self.round[k], "num_tokens": 0}
-            self.uses[k] += 1
-            micro += 1
-            self.position = micro  # before the yield: a checkpoint taken now holds this item's round
-            yield item
-
-    def pop_metrics(self) -> list[dict]:
-        out, self._metrics = self._metrics, []
-        return out
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Mid-round, the round being trained on: it was generated (and scored, and its old/reference
-        log-probs computed) with earlier weights, so regenerating it on resume would train on other
-        completions."""
-        if self.round is None or self.position % self.generate_every == 0:
-            return {}
-        out = {f"uses.{i}": np.array(u) for i, u in enumerate(self.uses)}
-        out.update({f"round.{i}.{k}": np.asarray(v) for i, mb in enumerate(self.round) for k, v in mb.items()})
-        return out
-
-    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
-        n = len([k for k in arrays if k.startswith("uses.")])
-        self.uses = [int(arrays[f"uses.{i}"]) for i in range(n)]
-        self.round = [{} for _ in range(n)]
-        for key, v in arrays.items():
-            if key.startswith("round."):
-                _, i, name = key.split(".", 2)
-                self.round[int(i)][name] = v.item() if v.ndim == 0 else v

@@ -14,10 +14,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..data.batches import quarter_octave
-from ..losses.head import IGNORE_INDEX, fused_head_loss, fused_value_and_grad, head_logprobs
-from ..losses.sft import check_has_labels, sft_loss
+from ..losses.fused_head import fused_head_loss, fused_value_and_grad
+from ..losses.head import head_logprobs
+from ..losses.sft import check_has_labels, sft_loss, token_metrics
+from ..tokens import IGNORE_INDEX
 from .config import SFTConfig
-from .engine import Trainer
+from .engine import Trainer, hidden_rows
 
 
 def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndarray:
@@ -32,14 +34,6 @@ def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndar
     return t
 
 
-def _token_metrics(targets, entropy, argmax) -> dict:
-    """TRL's entropy and mean_token_accuracy over this batch's trained tokens."""
-    mask = (targets != IGNORE_INDEX).astype(mx.float32)
-    n = mx.maximum(mask.sum(), 1.0)
-    return {"entropy": mx.stop_gradient((entropy * mask).sum() / n),
-            "mean_token_accuracy": ((argmax == targets).astype(mx.float32) * mask).sum() / n}
-
-
 class SFTTrainer(Trainer):
     metric_names = ("loss", "mean_token_accuracy", "entropy", "num_tokens")
 
@@ -48,8 +42,6 @@ class SFTTrainer(Trainer):
         super().__init__(model, processor, args)
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
-        if args.head_mode not in ("fused", "two_phase", "differentiable"):
-            raise ValueError(f"head_mode {args.head_mode!r}: use fused, two_phase or differentiable")
         self._head_trainable = self.head_trainable
         self.train_examples = self._tokenize(train_dataset)
         self.eval_examples = self._tokenize(eval_dataset) if eval_dataset is not None else None
@@ -99,7 +91,7 @@ class SFTTrainer(Trainer):
         out = {"input_ids": np.asarray(batch.input_ids, np.int32),
                "attention_mask": np.asarray(batch.attention_mask, np.int32),
                "rows": padded_rows, "targets": padded_targets,
-               "num_tokens": int(np.asarray(batch.attention_mask).sum()), "num_items": int(rows.size),
+               "num_tokens": int(np.asarray(batch.attention_mask).sum()), "trained_tokens": int(rows.size),
                "example_ids": list(batch.example_ids)}
         if seg is not None:
             out["segment_ids"] = np.asarray(seg, np.int32)
@@ -108,32 +100,24 @@ class SFTTrainer(Trainer):
             out["image_grid_thw"] = np.asarray(batch.image_grid_thw, np.int32)
         return out
 
-    def to_device(self, batch):
-        arrays = super().to_device(batch)
-        if "image_grid_thw" in batch:
-            arrays["vision_meta"] = self.model.vision_metadata(batch["image_grid_thw"])
-        return arrays
+    def batch_tokens(self, batch):
+        """(real tokens, trained tokens): the loss is normalised by the trained tokens of the global batch."""
+        return int(batch["num_tokens"]), int(batch["trained_tokens"])
 
     # ------------------------------------------------------------------ loss
-    def hidden_rows(self, model, batch):
-        """Hidden states of the trained rows [R, D] (the trunk, up to the final norm)."""
-        kw = {k: batch[k] for k in ("segment_ids", "pixel_values", "image_grid_thw", "vision_meta") if k in batch}
-        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_hidden=True, **kw)
-        return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
-
-    def loss(self, model, batch, num_items):
-        h = self.hidden_rows(model, batch)
+    def loss(self, model, batch, normalizer):
+        h = hidden_rows(model, batch)
         t = batch["targets"]
         if self.args.head_mode == "differentiable":  # the general vocab-tiled head (4 matmuls)
             logp, ent, argmax = head_logprobs(h, model.lm_head_weight(), t, chunk_size=self.args.chunk_size,
                                               return_entropy=True, return_argmax=True, skip_ignored=False,
                                               weight_grad=self._head_trainable)
-            return sft_loss(logp, t, loss_type=self.args.loss_type, num_items=num_items, entropy=ent, argmax=argmax)
+            return sft_loss(logp, t, loss_type=self.args.loss_type, num_items=normalizer, entropy=ent, argmax=argmax)
         # fused: loss, d_hidden and d_weight in one pass over row chunks (3 matmuls, as naive)
         loss, _, ent, argmax = fused_head_loss(h, model.lm_head_weight(), t, loss_type=self.args.loss_type,
-                                               num_items=num_items, skip_ignored=False,
+                                               num_items=normalizer, skip_ignored=False,
                                                weight_grad=self._head_trainable)
-        return loss, _token_metrics(t, ent, argmax)
+        return loss, token_metrics(t, ent, argmax)
 
     @property
     def compilable(self) -> bool:
@@ -144,12 +128,12 @@ class SFTTrainer(Trainer):
             return super()._grad_fn()
         model, args = self.model, self.args
 
-        def step(batch, num_items):
+        def step(batch, normalizer):
             params = model.trainable_parameters()
 
             def trunk(p):
                 model.update(p)
-                return self.hidden_rows(model, batch)
+                return hidden_rows(model, batch)
 
             def head_weight(p):
                 model.update(p)
@@ -157,8 +141,8 @@ class SFTTrainer(Trainer):
 
             loss, grads, (_, ent, argmax) = fused_value_and_grad(
                 trunk, params, batch["targets"], head_weight=head_weight, loss_type=args.loss_type,
-                num_items=num_items, weight_grad=self._head_trainable)
-            return loss, _token_metrics(batch["targets"], ent, argmax), grads
+                num_items=normalizer, weight_grad=self._head_trainable)
+            return loss, token_metrics(batch["targets"], ent, argmax), grads
 
         return step
 
@@ -171,8 +155,8 @@ class SFTTrainer(Trainer):
         for make in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size, lazy=True):
             b = make()
             arrays = self.to_device(b)
-            loss, _ = self.loss(self.model, arrays, mx.array(b["num_items"], dtype=mx.float32))
-            total += loss.item() * b["num_items"]
-            items += b["num_items"]
+            loss, _ = self.loss(self.model, arrays, mx.array(b["trained_tokens"], dtype=mx.float32))
+            total += loss.item() * b["trained_tokens"]
+            items += b["trained_tokens"]
         self.model.train()
         return {"loss": total / max(items, 1)}
