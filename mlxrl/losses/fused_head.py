@@ -41,6 +41,30 @@ def default_chunk_rows(vocab_size: int, tile_bytes: int = ROW_TILE_BYTES) -> int
     return int(max(8, tile_bytes // (4 * max(vocab_size, 1)) // 8 * 8))
 
 
+def native_peak_bytes(rows: int, vocab: int, width: int, weight_grad: bool) -> float:
+    """Memory model of the native fused head (the planner's): the [V, D] float32 weight gradient when
+    the head is trained, one reused [chunk rows, V] tile, the chunk's scaled rows and d_hidden."""
+    chunk_rows = min(rows, default_chunk_rows(vocab))
+    return (4 * vocab * width if weight_grad else 0) + 4 * chunk_rows * (vocab + width) + 8 * rows * width
+
+
+def graph_peak_bytes(rows: int, vocab: int, width: int, elem: int, weight_grad: bool, tied: bool) -> float:
+    """Memory model of the graph path's fused head (the planner's; measured on MLX 0.32): the row
+    chunks' z and ez, about five [rows, V] float32 tiles live once chunks follow each other (MLX
+    allocates at dispatch, ahead of execution); a trained head's d_weight comes from vocab tiles in the
+    VJP: its pieces (one [V, D] in the weight's dtype, twice when tied to the embedding, whose gather's
+    scatter comes next to it) beside their concatenation (the gradient, counted by the caller); a
+    bf16 weight is cast to float32 once for the forward. `elem`: bytes per weight element."""
+    rows_g = min(rows, default_chunk_rows(vocab, GRAPH_ROW_TILE_BYTES))
+    chunks = -(-rows // rows_g)
+    forward = min(2 + 1.5 * (chunks - 1), 5) * 4 * rows_g * vocab
+    if not weight_grad:
+        return forward
+    tile = 4 * rows * min(default_chunk_size(rows, vocab, width=width), vocab)
+    pieces = vocab * width * elem * (2 if tied else 1)
+    return max(forward + (4 * vocab * width if elem != 4 else 0), pieces + 2 * tile)
+
+
 def _nll_grad(logp, w):
     return -(w * logp), -w
 

@@ -10,13 +10,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import runtime
+from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
+from ..losses.tiles import default_chunk_size
 from .report import GB, MB, Plan, Row, count, dtype_bytes, fmt  # noqa: F401  (GB, MB, fmt: the package's API)
 from .suggest import suggest_change
-
-TILE_BYTES = 16 << 20  # mlxrl.losses.tiles.TILE_BYTES (kept here so planning imports no trainer)
-ROW_TILE_BYTES = 160 << 20  # mlxrl.losses.fused_head.ROW_TILE_BYTES: the native fused head's row chunk
-GRAPH_ROW_TILE_BYTES = 48 << 20  # mlxrl.losses.fused_head.GRAPH_ROW_TILE_BYTES: the graph fused head's row chunk
 
 # measured coefficients (see the module docstring)
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
@@ -24,7 +22,6 @@ SCORE_COPIES = 1.25
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
 GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
-HEAD_TILES = 7.0            # live [rows, chunk] fp32 tiles of the streamed head (compiled step)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
 NATIVE_UPDATE = 0.0         # the same with the native in-place AdamW step
@@ -193,46 +190,20 @@ def native_cpu(args) -> bool:
 
 
 def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
-    """Streamed LM head: live [rows, chunk] float32 tiles (measured: about 7 with the compiled step, 16
-    eager, never more than ~2x (5x eager) all the tiles' bytes), plus, when the head is trained, its
-    [V, D] gradient built from the tiles' pieces and their concatenation (2 [V, D])."""
+    """The streamed LM head: the memory model of the head that runs (each exported by its own module):
+    SFT's native fused kernel, the graph path's fused head, or the vocab-tiled `head_logprobs` (DPO,
+    GRPO's sequence-level losses, a frozen bf16 head under the fused mode)."""
     mode = getattr(args, "head_mode", "differentiable")
     if mode == "auto":  # GRPO's: the trainer's own rule
         mode = "fused" if uses_fused_head(args) else "differentiable"
-    chunk_rows = min(rows, max(8, ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
-    if mode in ("fused", "two_phase") and trainer == "sft" and native_cpu(args):
-        # SFT's nll / dft on the native kernel: the [V, D] weight gradient (when trained), one reused
-        # tile, the chunk's scaled rows and d_hidden
-        return (4 * a.V * a.D if a.head_trainable else 0) + 4 * chunk_rows * (a.V + a.D) + 8 * rows * a.D
-    if mode in ("fused", "two_phase") and (a.head_trainable or s == 4):
-        # the graph's row chunks x the full vocabulary: z and ez per chunk, about five tiles live once
-        # chunks follow each other (MLX allocates at dispatch, ahead of execution); a trained head's
-        # d_weight comes from vocab tiles in the VJP: its pieces (one [V, D] in the weight's dtype) next
-        # to their concatenation (the gradient, counted with the trainable state); a bf16 weight is
-        # cast to float32 once for the forward
-        rows_g = min(rows, max(8, GRAPH_ROW_TILE_BYTES // (4 * a.V) // 8 * 8))
-        chunks = -(-rows // rows_g)
-        forward = min(2 + 1.5 * (chunks - 1), 5) * 4 * rows_g * a.V
-        if not a.head_trainable:
-            return forward
-        tile = 4 * rows * min(_default_chunk(rows, a.V, a.D), a.V)
-        # tied to the embedding: its gather's gradient (a [V, D] scatter) comes next to the head's
-        pieces = a.V * a.D * s * (2 if a.tied else 1)
-        return max(forward + (4 * a.V * a.D if s != 4 else 0), pieces + 2 * tile)
-    fused = mode in ("fused", "two_phase")  # here: a frozen bf16 head, the vocab-tiled head_logprobs below
-    chunk = min((None if fused else args.chunk_size) or _default_chunk(rows, a.V, a.D), a.V)
-    tile = 4 * rows * chunk
-    every = 4 * rows * a.V  # all tiles of one pass
-    compiled = bool(getattr(args, "compile", True))
-    casts = 2.5 * 4 * chunk * a.D if s != 4 else 0  # a bf16 weight's float32 [chunk, D] slices live
-    if a.head_trainable:
-        return 2 * a.V * a.D * s + min((0.25 if compiled else 3.5) * tile, every) + casts
-    return min((HEAD_TILES if compiled else 16) * tile, (2 if compiled else 5) * every) + casts
-
-
-def _default_chunk(n_rows: int, vocab: int, width: int = 0) -> int:  # mlxrl.losses.tiles.default_chunk_size
-    cols = TILE_BYTES // (4 * max(n_rows, width, 1))
-    return int(min(vocab, max(128, cols // 128 * 128)))
+    fused = mode in ("fused", "two_phase")
+    if fused and trainer == "sft" and native_cpu(args):
+        return fused_head.native_peak_bytes(rows, a.V, a.D, a.head_trainable)
+    if fused and (a.head_trainable or s == 4):
+        return fused_head.graph_peak_bytes(rows, a.V, a.D, s, a.head_trainable, a.tied)
+    # a frozen bf16 head under the fused mode runs the vocab-tiled head at its default chunk
+    return head.peak_bytes(rows, a.V, a.D, s, a.head_trainable, None if fused else args.chunk_size,
+                           bool(getattr(args, "compile", True)))
 
 
 def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool) -> float:
@@ -335,7 +306,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' if ckpt else 'off'} "
                                              f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
     head = head_bytes(a, args, sh.rows, s, trainer)
-    chunk = args.chunk_size or _default_chunk(sh.rows, a.V, a.D)
+    chunk = args.chunk_size or default_chunk_size(sh.rows, a.V, width=a.D)
     out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
                                           f"{', [V, D] weight grad' if a.head_trainable else ''}"))
     B = int(args.per_device_train_batch_size)
