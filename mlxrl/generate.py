@@ -311,22 +311,28 @@ def _shape_of(config: dict) -> dict:
     return {k: config.get(k) if k == "model_type" else text.get(k) for k in _SHAPE_KEYS}
 
 
-def _check_adapter_base(folder: Path, net, base_ref: str, base_name: str) -> None:
-    """Refuse an adapter whose recorded base (base_model_name_or_path, when it can be read here) has another
-    architecture or other sizes than the model it is put on. (Same-shaped weights of another model cannot be
-    told apart: PEFT cannot either.)"""
+def _local_config(ref: str) -> dict | None:
+    """config.json of the embedded default or of a local folder (None for a Hub id or an unreadable file)."""
+    if ref == DEFAULT_MODEL_NAME:
+        return _default_config()
+    try:
+        config = json.loads((Path(ref).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _check_adapter_base(folder: Path, config: dict, base_ref: str, base_name: str) -> None:
+    """Refuse an adapter whose recorded base (base_model_name_or_path, when its config.json can be read here)
+    has another architecture or other sizes than `config`, the model it is put on. (Same-shaped weights of
+    another model cannot be told apart: PEFT cannot either.)"""
     recorded = _base_of("adapter", folder)
     if not recorded or recorded == base_ref:
         return
-    if recorded == DEFAULT_MODEL_NAME:
-        other = _default_config()
-    else:
-        path = Path(recorded).expanduser() / "config.json"
-        try:
-            other = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return  # a Hub id or a folder of another machine: the shapes are checked when it loads
-    theirs, ours = _shape_of(other), _shape_of(dict(net.config))
+    other = _local_config(recorded)
+    if other is None:
+        return  # a Hub id or a folder of another machine: load_adapter checks the shapes
+    theirs, ours = _shape_of(other), _shape_of(config)
     diff = [k for k in _SHAPE_KEYS if theirs[k] != ours[k]]
     if diff:
         k = diff[0]
@@ -376,8 +382,11 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
                              "as --model")
     if base_ref is None:
         base_ref = DEFAULT_MODEL_NAME
-    net, processor = _load_base(base_ref, dtype, base_seed)
     base_name = "the embedded default (tiny Qwen3-VL)" if base_ref == DEFAULT_MODEL_NAME else base_ref
+    known = _local_config(base_ref)
+    if adapter is not None and adapter[0] == "adapter" and known is not None:  # before any weights load
+        _check_adapter_base(adapter[1], known, base_ref, base_name)
+    net, processor = _load_base(base_ref, dtype, base_seed)
     description = f"{base_name} ({net.config.get('model_type')})"
     folder_for_defaults = None if base_ref == DEFAULT_MODEL_NAME else getattr(net, "name_or_path", base_ref)
     if adapter is not None:
@@ -385,7 +394,8 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
         if kind == "adapter":
             from .models.lora import load_adapter
 
-            _check_adapter_base(folder, net, base_ref, base_name)
+            if known is None:
+                _check_adapter_base(folder, dict(net.config), base_ref, base_name)
             try:
                 paths = load_adapter(net, folder)
             except MlxrlError as e:
@@ -417,6 +427,17 @@ def image_spans(ids: np.ndarray, grid: np.ndarray | None, image_token_id: int, m
         raise ValueError(f"the sequence has {len(at)} image tokens but its images need {int(counts.sum())}")
     ends = np.cumsum(counts)
     return np.stack([at[ends - counts], at[ends - 1] + 1], axis=1)
+
+
+def _image_digests(pixel_values, grid) -> list[bytes]:
+    """A digest of each image's grid and pixel rows (what tells two pictures with equal token spans apart)."""
+    import hashlib
+
+    pixels = np.asarray(pixel_values, dtype=np.float32)
+    patches = np.asarray(grid, dtype=np.int64).prod(axis=1)
+    rows = np.concatenate([[0], np.cumsum(patches)])
+    return [hashlib.blake2b(np.asarray(grid[k], dtype=np.int64).tobytes() + pixels[rows[k]:rows[k + 1]].tobytes(),
+                            digest_size=16).digest() for k in range(len(patches))]
 
 
 @dataclass
@@ -465,6 +486,7 @@ class Context:
     def reset(self) -> None:
         self.cache = self.model.make_cache()
         self.tokens: list[int] = []
+        self.images: dict[int, tuple[int, bytes]] = {}  # cached images: span start -> (span end, digest)
 
     @property
     def context_length(self) -> int:
@@ -478,6 +500,7 @@ class Context:
             if extra > 0:
                 c.trim(extra)
         del self.tokens[keep:]
+        self.images = {a: v for a, v in self.images.items() if v[0] <= keep}
 
     def _sync(self) -> None:
         """The cache may be ahead of `tokens` after an interrupt (a queued forward): drop the extra."""
@@ -510,9 +533,13 @@ class Context:
         cached = np.asarray(self.tokens[:n], dtype=np.int64)
         diff = np.flatnonzero(cached != ids[:len(cached)])
         keep = min(int(diff[0]) if len(diff) else len(cached), n - 1)  # at least one token to forward
-        for start, end in spans:  # never keep half an image: its features come from its pixels in one piece
-            if start < keep < end:
+        # an image is kept only whole (its features come from its pixels in one piece) and only if the cache
+        # holds the same picture there: image tokens are all <|image_pad|>, so equal ids prove nothing
+        digests = _image_digests(pixel_values, grid) if len(spans) else []
+        for (start, end), digest in zip(spans, digests, strict=True):
+            if start < keep and self.images.get(int(start)) != (int(end), digest):
                 keep = int(start)
+                break
         self._trim(keep)
         if vl:
             from .models.vl import mrope_positions
@@ -544,6 +571,7 @@ class Context:
             else:
                 logits = model.apply_lm_head(hidden[:, -1]).astype(mx.float32)
             start = end
+        self.images = {int(a): (int(b), d) for (a, b), d in zip(spans, digests, strict=True)}
         self.last_prefill_tokens = n - keep
         return logits, next_pos
 
@@ -912,6 +940,12 @@ def check_args(ns) -> None:
         from .hub import check_model_reference
 
         check_model_reference(ns.model)
+    if ns.image and ns.model is not None and (Path(ns.model).expanduser() / "config.json").is_file():
+        from .models import VL_TYPES
+
+        model_type = (_local_config(ns.model) or {}).get("model_type")
+        if model_type is not None and model_type not in VL_TYPES:
+            raise MlxrlError(f"--image: {ns.model} is a text-only model ({model_type}); it cannot take images")
     if getattr(ns, "demo_example", None) is not None:
         if ns.demo_example < 0:
             raise MlxrlError(f"--demo_example {ns.demo_example}: must be >= 0")
