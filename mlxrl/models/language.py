@@ -267,8 +267,15 @@ class CausalLMHead:
         return "lm_head" not in self
 
     def lm_head_weight(self) -> mx.array:
-        """[V, D] weight of the LM head (the embedding matrix when tied)."""
-        return self.language_model.embed_tokens.weight if self.tied else self.lm_head.weight
+        """[V, D] weight of the LM head (the embedding matrix when tied). mlxrl keeps the head float
+        (`models.quantize`); a head quantized by hand is dequantized here (a float copy per call)."""
+        layer = self.language_model.embed_tokens if self.tied else self.lm_head
+        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            from .quantize import dequantize
+
+            return dequantize(layer.weight, layer.scales, layer.get("biases"), group_size=layer.group_size,
+                              bits=layer.bits, mode=layer.mode)
+        return layer.weight
 
     def apply_lm_head(self, hidden: mx.array) -> mx.array:
         if self.tied:

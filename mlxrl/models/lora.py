@@ -36,6 +36,37 @@ SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector")
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
+LINEAR = (nn.Linear, nn.QuantizedLinear)  # what LoRA wraps: a float or a quantized (QLoRA) base layer
+
+
+def _in_features(layer) -> int:
+    """Input width of a float or quantized linear (a quantized weight packs 32 // bits values per uint32)."""
+    n = layer.weight.shape[-1]
+    return n * 32 // layer.bits if isinstance(layer, nn.QuantizedLinear) else n
+
+
+class QDoRALinear(DoRALinear):
+    """mlx-lm's DoRA layer, whose quantized base is dequantized with its scales cast first: float16
+    scales (mlxrl's on a float32 model) would otherwise round the whole weight to float16."""
+
+    @staticmethod
+    def from_base(linear, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
+        layer = QDoRALinear(input_dims=_in_features(linear), output_dims=linear.weight.shape[0], r=r,
+                            dropout=dropout, scale=scale)
+        layer.set_linear(linear)
+        return layer
+
+    def _dequantized_weight(self):
+        linear = self.linear
+        if not self._is_quantized():
+            return linear.weight
+        from .quantize import dequantize
+
+        dtype = mx.float32 if linear.scales.dtype == mx.float16 else linear.scales.dtype
+        return dequantize(linear.weight, linear.scales, linear.get("biases"), group_size=linear.group_size,
+                          bits=linear.bits, mode=linear.mode, dtype=dtype)
+
+
 def _is_vision(path: str) -> bool:
     return path.startswith(("visual.", "model.visual."))
 
@@ -59,13 +90,15 @@ def our_module_path(model, name: str) -> str:
 
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.05,
                target_modules=None, use_dora: bool = False, include_vision: bool = False) -> list[str]:
-    """Freeze the model and wrap the target Linear layers with LoRA (or DoRA). Returns the paths."""
+    """Freeze the model and wrap the target Linear layers with LoRA (or DoRA). Returns the paths.
+    A quantized layer (`mlxrl.models.quantize`) is wrapped as it is: the adapters are float32 and the
+    base stays frozen and quantized (QLoRA)."""
     targets = tuple(target_modules or DEFAULT_TARGETS)
     if targets == ("all-linear",):
         targets = DEFAULT_TARGETS
     replaced = []
     for path, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or isinstance(module, (LoRALinear, DoRALinear)):
+        if not isinstance(module, LINEAR):
             continue
         if path.split(".")[-1] not in targets or (_is_vision(path) and not include_vision):
             continue
@@ -78,7 +111,7 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
 
 def _wrap(model, paths, *, r, alpha, dropout, use_dora, use_rslora=False):
     model.freeze()
-    cls = DoRALinear if use_dora else LoRALinear
+    cls = QDoRALinear if use_dora else LoRALinear
     scale = alpha / (math.sqrt(r) if use_rslora else r)
     _set_modules(model, [(p, cls.from_base(_get(model, p), r=r, dropout=dropout, scale=scale)) for p in paths])
     # a plain attribute (not a child of the module tree, which would treat the dict as parameters)
@@ -218,11 +251,11 @@ def load_adapter(model, adapter_dir) -> list[str]:
             base = _get(model, path)
         except (AttributeError, IndexError, KeyError, ValueError):
             base = None
-        if not isinstance(base, nn.Linear):
+        if not isinstance(base, LINEAR):
             arch = getattr(model, "config", {}).get("model_type", "")
             raise MlxrlError(f"{where}: adapts {path!r}, which is not a Linear layer of this {arch} model "
                              "(an adapter of another architecture?)")
-        out_f, in_f = base.weight.shape
+        out_f, in_f = base.weight.shape[0], _in_features(base)
         want = {".lora_A.weight": (r, in_f), ".lora_B.weight": (out_f, r)}
         if use_dora:
             want[".lora_magnitude_vector"] = (out_f,)
@@ -244,10 +277,20 @@ def load_adapter(model, adapter_dir) -> list[str]:
     return paths
 
 
-def merge_lora(model) -> None:
-    """Fold every adapter into its base Linear (W + scale * B A); the model is plain again."""
-    _set_modules(model, [(p, m.fuse()) for p, m in lora_layers(model)])
+def merge_lora(model, dequantize: bool = True) -> None:
+    """Fold every adapter into its base Linear (W + scale * B A); the model is plain again.
+
+    Over a quantized base the merged weight is dequantize(W) + scale * B A, a float Linear; with
+    `dequantize` (the default) every other quantized layer is dequantized too, so the model is what
+    transformers loads (the adapter was trained against dequantize(W): that is the base it fits).
+    `dequantize=False` re-quantizes each merged layer instead (mlx-lm's fuse), for an MLX-quantized save."""
+    from .quantize import dequantize_model, use_fast_layers
+
+    if dequantize:
+        dequantize_model(model)  # in the model's float dtype (mlx-lm's fuse would add B A in the scales' float16)
+    _set_modules(model, [(p, m.fuse(dequantize=dequantize)) for p, m in lora_layers(model)])
     model.__dict__.pop("lora_config", None)
+    use_fast_layers(model)
 
 
 def trainable_count(model) -> tuple[int, int]:

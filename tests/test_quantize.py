@@ -1,0 +1,112 @@
+"""A quantized base (QLoRA): MLX's affine quantization, checkpoints quantized by mlx-lm / mlx-vlm, and
+LoRA / DoRA over a quantized base.
+
+    python -m pytest -q tests/test_quantize.py
+
+References are independent of the code under test: mlx-lm's `convert` and `load` (a tiny Qwen3
+converted offline, logits <= 1e-3 relative), `mx.quantized_matmul` / `mx.dequantize` for our CPU
+layer, PEFT on transformers' model for the adapters.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+from mlx.utils import tree_flatten
+
+import mlxrl
+from mlxrl import MlxrlError
+from mlxrl.models import lora
+from mlxrl.models import quantize as Q
+
+IDS = mx.array([[9707, 1879, 11, 1246, 525, 498, 30, 151645, 198, 151644, 77091, 198],
+                [151644, 872, 198, 3838, 374, 220, 17, 10, 17, 30, 151645, 198]])
+
+
+def rel(a, b):
+    return float(mx.linalg.norm((a - b).astype(mx.float32)) / mx.linalg.norm(b.astype(mx.float32)))
+
+
+# ---------------------------------------------------------------------------------------- the layer
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32), (4, 128)])
+def test_cpu_layer_equals_quantized_matmul_forward_and_backward(bits, group):
+    """Our CPU layer (dequantize + BLAS, the weight recomputed in backward) against MLX's quantized
+    matmul: same output, same input gradient."""
+    mx.random.seed(0)
+    lin = nn.Linear(256, 96, bias=True)
+    lin.bias = mx.random.normal((96,))
+    q = Q.QuantizedLinear.of(nn.QuantizedLinear.from_linear(lin, group, bits))
+    x = mx.random.normal((3, 20, 256))
+    ref = mx.quantized_matmul(x, q.weight, q.scales, q.biases, transpose=True, group_size=group, bits=bits) + q.bias
+    assert rel(q(x), ref) < 1e-5
+    cot = mx.random.normal((3, 20, 96))
+    g = mx.grad(lambda x: (q(x) * cot).sum())(x)
+    g_ref = mx.grad(lambda x: ((mx.quantized_matmul(x, q.weight, q.scales, q.biases, transpose=True,
+                                                    group_size=group, bits=bits) + q.bias) * cot).sum())(x)
+    assert rel(g, g_ref) < 1e-5
+    # one-row calls (decoding) take MLX's kernel
+    assert rel(q(x[:1, :1]), ref[:1, :1]) < 1e-5
+
+
+def test_quantize_model_defaults_and_bytes(tiny_checkpoint):
+    """Decoder linears only (embedding / head, norms, vision tower float); 4-bit group 64 with 16-bit
+    scales is 4.5 bits per parameter, 8-bit 8.5; `vision=True` adds the vision tower's linears."""
+    model, _ = mlxrl.load(tiny_checkpoint("qwen3_vl"), dtype="float32")
+    float_bytes = Q.weight_stats(model)["total_bytes"]
+    paths = Q.quantize_model(model, bits=4, group_size=64)
+    n_layers = model.text_config.num_hidden_layers
+    assert len(paths) == 7 * n_layers and all(".layers." in p and "visual" not in p for p in paths)
+    assert type(model.language_model.embed_tokens) is nn.Embedding and not Q._is_vision("lm_head")
+    assert model.lm_head_weight().dtype == mx.float32
+    s = Q.weight_stats(model)
+    assert s["bits_per_param"] == pytest.approx(4.5)
+    assert s["total_bytes"] == float_bytes - s["quantized_params"] * 4 + s["quantized_bytes"]
+    assert Q.quantize_model(model, bits=4, group_size=64) == []  # idempotent
+    vis = Q.quantize_model(model, bits=8, group_size=32, vision=True)
+    assert vis and all("visual" in p for p in vis)
+    by_bits = {m.bits for _, m in Q.quantized_layers(model)}
+    assert by_bits == {4, 8}
+    cfg = Q.quantization_config(model)
+    assert cfg["bits"] == 4 and cfg["group_size"] == 64 and cfg[vis[0]] == {"group_size": 32, "bits": 8,
+                                                                            "mode": "affine"}
+    with pytest.raises(MlxrlError, match="bits 3"):
+        Q.quantize_model(model, bits=3)
+
+
+# ---------------------------------------------------------------------------------------- LoRA / DoRA
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_lora_over_quantized_base(tiny_checkpoint, use_dora):
+    """LoRA / DoRA wrap the quantized layers: the adapters (float32) are the only gradients, the base
+    stays quantized, and merging gives dequantize(W) + scale * B A as a float model."""
+    model, _ = mlxrl.load(tiny_checkpoint("qwen3"), dtype="float32")
+    Q.quantize_model(model, bits=4, group_size=64)
+    base_logits = model(input_ids=IDS)
+    lora.apply_lora(model, r=4, alpha=8, dropout=0.0, use_dora=use_dora)
+    layers = lora.lora_layers(model)
+    assert layers and all(isinstance(m.linear, nn.QuantizedLinear) for _, m in layers)
+    assert rel(model(input_ids=IDS), base_logits) < 1e-6  # B = 0
+    for _, m in layers:
+        m.lora_b = mx.random.normal(m.lora_b.shape) * 0.1
+
+    def loss(m):
+        return nn.losses.cross_entropy(m(input_ids=IDS[:, :-1]), IDS[:, 1:]).mean()
+
+    (value, grads) = nn.value_and_grad(model, loss)(model)
+    names = [k for k, _ in tree_flatten(grads)]
+    assert names and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b", "m") for k in names)
+    assert all(v.dtype == mx.float32 for k, v in tree_flatten(model.trainable_parameters()))
+    opt = optim.Adam(learning_rate=1e-2)
+    step = mx.compile(lambda: (nn.value_and_grad(model, loss)(model)), inputs=[model.state], outputs=[model.state])
+    before = float(value)
+    for _ in range(5):
+        v, g = step()
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+    assert float(loss(model)) < before
+    adapted = model(input_ids=IDS)
+    lora.merge_lora(model)
+    assert not Q.is_quantized(model) and not lora.lora_layers(model)
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+    assert rel(model(input_ids=IDS), adapted) < 1e-5
