@@ -20,6 +20,7 @@ from . import runtime
 from .atomic import check_save_target, replace_dir_atomically, write_atomically  # noqa: F401 (re-exported)
 from .hub import MlxrlError, resolve_model_path, weight_files
 from .models import UnsupportedModelError, build_model
+from .models.quantize import prepare_quantized, quantization_config, quantized_layers
 
 DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
 
@@ -55,6 +56,8 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None):
     except UnsupportedModelError as e:
         raise MlxrlError(f"{folder}/config.json: {e}") from None
     weights = model.sanitize(read_weights(folder))
+    # an MLX-quantized checkpoint (mlx-lm / mlx-vlm): its layers become quantized ones first
+    weights = prepare_quantized(model, weights, config, where=f"{folder}/config.json")
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -72,11 +75,18 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None):
     model.load_weights(list(weights.items()), strict=True)
     if not isinstance(dtype, mx.Dtype):
         dtype = runtime.compute_dtype(dtype)
-    model.set_dtype(dtype)
+    set_float_dtype(model, dtype)
     mx.eval(model.parameters())
     model.eval()
     model.name_or_path = str(folder)
     return model
+
+
+def set_float_dtype(model, dtype: mx.Dtype) -> None:
+    """`model.set_dtype(dtype)` except for quantized layers' scales and offsets, which keep the
+    checkpoint's 16-bit type (MLX's quantized matmul takes them with any input dtype)."""
+    keep = {id(m[k]) for _, m in quantized_layers(model) for k in ("scales", "biases") if m.get(k) is not None}
+    model.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) and id(x) not in keep else x)
 
 
 def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, revision: str | None = None):
@@ -189,6 +199,11 @@ def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | 
     config.json, safetensors with HF names, tokenizer and processor files, and `mlxrl_save.json`
     (the list of what was written, by which a save of ours is recognised).
 
+    A model with quantized layers (`mlxrl.models.quantize`) is written as mlx-lm writes one: the same
+    names with `weight` (packed uint32) / `scales` / `biases` tensors and a `quantization` entry in
+    config.json; mlx-lm (text) and `mlxrl.load` read it, transformers does not (dequantize first:
+    `mlxrl.models.quantize.dequantize_model`).
+
     `out_dir` must be new, empty, or (with `overwrite=True`) an earlier save of ours holding nothing
     else; anything else is refused in one line and left untouched. The folder is written aside and
     renamed into place (`mlxrl.atomic`): a failure or a kill leaves the previous save loadable."""
@@ -198,7 +213,14 @@ def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | 
 
     def write(tmp: Path) -> None:
         config = dict(model.config)
-        dtypes = {v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)}
+        # a quantized model is saved as mlx-lm / mlx-vlm save one (what they and `load` read back)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+        quantization = quantization_config(model)
+        if quantization is not None:
+            config["quantization"] = config["quantization_config"] = quantization
+        dtypes = {v.dtype for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)
+                  and not k.endswith((".scales", ".biases"))}
         if len(dtypes) == 1:
             config["dtype"] = DTYPE_NAMES.get(dtypes.pop(), "float32")
         write_weights(tmp, weights, max_shard_size)

@@ -8,9 +8,13 @@ converted offline, logits <= 1e-3 relative), `mx.quantized_matmul` / `mx.dequant
 layer, PEFT on transformers' model for the adapters.
 """
 
+import json
+import shutil
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -25,6 +29,16 @@ IDS = mx.array([[9707, 1879, 11, 1246, 525, 498, 30, 151645, 198, 151644, 77091,
 
 def rel(a, b):
     return float(mx.linalg.norm((a - b).astype(mx.float32)) / mx.linalg.norm(b.astype(mx.float32)))
+
+
+@pytest.fixture(scope="module")
+def qwen3_mlx_lm(tiny_checkpoint, tmp_path_factory):
+    """The tiny Qwen3 converted by mlx-lm (`mlx_lm.convert(..., quantize=True)`, 4-bit, group 64)."""
+    from mlx_lm import convert
+
+    out = tmp_path_factory.mktemp("mlx_lm") / "qwen3-4bit"
+    convert(str(tiny_checkpoint("qwen3")), str(out), quantize=True, q_group_size=64, q_bits=4)
+    return out
 
 
 # ---------------------------------------------------------------------------------------- the layer
@@ -110,3 +124,114 @@ def test_lora_over_quantized_base(tiny_checkpoint, use_dora):
     assert not Q.is_quantized(model) and not lora.lora_layers(model)
     assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
     assert rel(model(input_ids=IDS), adapted) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+def test_mlx_lm_converted_checkpoint_loads_with_mlx_lm_logits(qwen3_mlx_lm):
+    """A tiny Qwen3 converted by mlx-lm: our logits equal mlx-lm's on the same folder; its quantized
+    embedding / head are read as float, its decoder linears stay quantized."""
+    from mlx_lm import load as mlx_lm_load
+
+    ref, _ = mlx_lm_load(str(qwen3_mlx_lm))
+    model, _ = mlxrl.load(qwen3_mlx_lm)
+    assert len(Q.quantized_layers(model)) == 7 * model.text_config.num_hidden_layers
+    assert type(model.model.embed_tokens) is nn.Embedding and type(model.lm_head) is nn.Linear
+    ours, theirs = model(input_ids=IDS), ref(IDS)
+    assert rel(ours, theirs) <= 1e-3, rel(ours, theirs)
+    assert mx.abs(theirs).max() > 1  # logits far from zero: the comparison can fail
+
+
+def test_mlx_lm_checkpoint_trains_with_lora(qwen3_mlx_lm):
+    model, _ = mlxrl.load(qwen3_mlx_lm)
+    lora.apply_lora(model, r=8, alpha=16, dropout=0.0)
+    opt = optim.Adam(learning_rate=1e-2)
+
+    def loss(m):
+        return nn.losses.cross_entropy(m(input_ids=IDS[:, :-1]), IDS[:, 1:]).mean()
+
+    first = float(loss(model))
+    for _ in range(8):
+        _, g = nn.value_and_grad(model, loss)(model)
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+    assert float(loss(model)) < 0.8 * first
+
+
+def test_our_quantized_save_loads_in_mlx_lm(tiny_checkpoint, tmp_path):
+    """`mlxrl.save` of a quantized model writes mlx-lm's layout: mlx-lm loads it with our logits."""
+    from mlx_lm import load as mlx_lm_load
+
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"), dtype="float32")
+    Q.quantize_model(model, bits=8, group_size=64)
+    out = mlxrl.save(model, processor, tmp_path / "q8")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"} == cfg["quantization_config"]
+    ref, _ = mlx_lm_load(str(out))
+    assert rel(ref(IDS), model(input_ids=IDS)) <= 1e-5
+    again, _ = mlxrl.load(out)
+    assert rel(again(input_ids=IDS), model(input_ids=IDS)) <= 1e-6
+    assert Q.weight_stats(again)["bits_per_param"] == pytest.approx(8.5)  # 16-bit scales kept on load
+
+
+def _vl_batch(processor):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       {"type": "text", "text": "What?"}]}],
+                                         add_generation_prompt=True)
+    return processor(text=[text], images=[[img]])
+
+
+def _to_mlx_vlm_layout(weights: dict, arch: str) -> dict:
+    """Our saved keys renamed as mlx-vlm stores them (its models' sanitize: `language_model.model.*`,
+    `language_model.lm_head.*`, `vision_tower.*`, the patch kernel channels-last)."""
+    out = {}
+    for k, v in weights.items():
+        if arch == "qwen3_vl":
+            k = k.replace("model.language_model.", "language_model.model.").replace("model.visual.", "vision_tower.")
+        else:
+            k = ("language_model." + k) if k.startswith("model.") else k.replace("visual.", "vision_tower.", 1)
+        if k.startswith("lm_head."):
+            k = "language_model." + k
+        if k.endswith("patch_embed.proj.weight"):
+            v = v.transpose(0, 2, 3, 4, 1)
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_vl_quantized_save_round_trips(tiny_checkpoint, tmp_path, arch):
+    """A VL model quantized by us (decoder 4-bit, vision tower 8-bit) is saved in mlx-lm's layout and
+    loads back with the same logits on an image; the same tensors in mlx-vlm's key layout load too."""
+    model, processor = mlxrl.load(tiny_checkpoint(arch), dtype="float32")
+    batch = _vl_batch(processor)
+    float_logits = model(**batch)
+    Q.quantize_model(model, bits=4, group_size=64)
+    Q.quantize_model(model, bits=8, group_size=32, vision=True)
+    logits = model(**batch)
+    assert 1e-3 < rel(logits, float_logits) < 0.5  # quantized, and still the same model
+    out = mlxrl.save(model, processor, tmp_path / "q")
+    again, _ = mlxrl.load(out)
+    assert Q.quantization_config(again) == Q.quantization_config(model)
+    assert rel(again(**batch), logits) <= 1e-6
+    # mlx-vlm's layout of the same folder
+    vlm = tmp_path / "vlm"
+    shutil.copytree(out, vlm)
+    weights = mx.load(str(vlm / "model.safetensors"))
+    mx.save_safetensors(str(vlm / "model.safetensors"), _to_mlx_vlm_layout(weights, arch))
+    (vlm / "mlxrl_save.json").unlink()
+    third, _ = mlxrl.load(vlm)
+    assert rel(third(**batch), logits) <= 1e-6
+
+
+def test_foreign_quantization_is_refused(tiny_checkpoint, tmp_path):
+    folder = tmp_path / "gptq"
+    shutil.copytree(tiny_checkpoint("qwen3"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MlxrlError, match="quant_method 'gptq' is not supported"):
+        mlxrl.load(folder)

@@ -62,7 +62,7 @@ class Model(CausalLMHead, nn.Module):
         for k, v in weights.items():
             if "rotary_emb.inv_freq" in k:
                 continue
-            if k == "lm_head.weight" and self.tied:
+            if k.startswith("lm_head.") and self.tied:  # weight (and an MLX checkpoint's scales / biases)
                 continue
             out[k] = v
         return out

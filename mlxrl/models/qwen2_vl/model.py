@@ -36,16 +36,21 @@ class Model(QwenVLBase):
         return self.model
 
     def sanitize(self, weights: dict) -> dict:
-        """Map the layouts this family has been saved in to ours; idempotent."""
+        """Map the layouts this family has been saved in to ours; idempotent. Layouts: the Hub's
+        (`model.*`, `visual.*`), transformers >= 4.52's (`model.language_model.*`, `model.visual.*`) and
+        mlx-vlm's (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, a
+        channels-last patch kernel), with an MLX checkpoint's `scales` / `biases` next to its weights."""
         out, vision = {}, {}
         for k, v in weights.items():
             if "rotary_emb.inv_freq" in k:
                 continue
-            if k.startswith("model.language_model."):
-                k = "model." + k[len("model.language_model."):]
-            elif k.startswith("model.visual."):
-                k = k[len("model."):]
-            if k == "lm_head.weight" and self.tied:
+            for theirs, ours in (("model.language_model.", "model."), ("model.visual.", "visual."),
+                                 ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                                 ("vision_tower.", "visual.")):
+                if k.startswith(theirs):
+                    k = ours + k[len(theirs):]
+                    break
+            if k.startswith("lm_head.") and self.tied:
                 continue
             if k.startswith("visual."):
                 vision[k[len("visual."):]] = v

@@ -42,16 +42,25 @@ class Model(QwenVLBase):
         return self.model.language_model
 
     def sanitize(self, weights: dict) -> dict:
-        """Map the layouts this family has been saved in to ours; idempotent."""
+        """Map the layouts this family has been saved in to ours; idempotent. Layouts: transformers'
+        (`model.language_model.*`, `model.visual.*`), the flat `model.*` / `visual.*` one and mlx-vlm's
+        (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, a channels-last patch
+        kernel), with an MLX checkpoint's `scales` / `biases` next to its weights."""
         out, vision = {}, {}
         for k, v in weights.items():
             if "rotary_emb.inv_freq" in k:
                 continue
-            if k.startswith("visual."):
+            if k.startswith("language_model.model."):
+                k = "model.language_model." + k[len("language_model.model."):]
+            elif k.startswith("language_model.lm_head."):
+                k = k[len("language_model."):]
+            elif k.startswith("vision_tower."):
+                k = "model.visual." + k[len("vision_tower."):]
+            elif k.startswith("visual."):
                 k = "model." + k
             elif k.startswith("model.") and not k.startswith(("model.visual.", "model.language_model.")):
                 k = "model.language_model." + k[len("model."):]
-            if k == "lm_head.weight" and self.tied:
+            if k.startswith("lm_head.") and self.tied:
                 continue
             if k.startswith("model.visual."):
                 vision[k[len("model.visual."):]] = v
