@@ -178,6 +178,7 @@ IMAGE_CASES = [
     ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2), 1, {}),
     ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2, use_peft=True), 2, {}),
     ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=1, gradient_checkpointing=False), 2, {}),
+    ("dpo", DPOConfig, dict(max_length=64, per_device_train_batch_size=1), 1, {}),
     ("grpo", GRPOConfig, dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=16,
                               use_peft=True), 1, {"prompt_length": 64}),
 ]

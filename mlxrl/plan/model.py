@@ -208,8 +208,10 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
 
 def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool) -> float:
     """Vision tower activations for `images` images per example of `image_size` pixels a side
-    (saved tensors as for a decoder layer, full attention within each image; a frozen tower keeps about
-    two layers of temporaries). Checked against `measure` on the embedded Qwen3-VL (tests/test_plan.py)."""
+    (saved tensors as for a decoder layer, full attention within each image; with checkpointing one
+    input per block plus the recompute of one block; a frozen tower keeps about two layers of
+    temporaries). Checked against `measure` on the embedded Qwen3-VL (tests/test_plan.py); DPO with
+    LoRA and images is over-predicted (see README)."""
     if not images or not a.vision or not image_size:
         return 0.0
     v = a.vision
@@ -220,6 +222,8 @@ def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | N
     trained = not (getattr(args, "use_peft", False) or getattr(args, "freeze_vision_tower", False))
     if not trained:
         return 2 * layer  # a frozen tower keeps nothing for backward: about two layers of temporaries
+    if checkpointing:  # each block's input, and the recompute of one block at a time in the backward
+        return v["depth"] * s * P * v["D"] + CKPT_LAYERS * layer
     return (v["depth"] + BACKWARD_LAYERS) * layer
 
 
