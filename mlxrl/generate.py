@@ -839,8 +839,10 @@ class Chat:
 
     def send(self, text: str, images=(), *, on_text=None, **settings) -> Reply:
         """The reply to a new user turn (`text`, with `images` before it); `on_text` receives it as it is
-        decoded. Ctrl-C keeps what was said so far in the history (and the cache), then re-raises."""
+        decoded. Ctrl-C keeps what was said so far in the history (and the cache), then re-raises. Turn k
+        (from 0) samples with seed + k, so that turns do not reuse one another's random draws."""
         s = self.gen.settings(**settings)
+        s = replace(s, seed=s.seed + sum(m["role"] == "user" for m in self.messages))
         messages, ids, pixels, grid, rendered = self.encode(text, images)
         try:
             reply = self.gen._reply(self.context, ids, pixels, grid, s, on_text)
