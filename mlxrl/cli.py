@@ -1,6 +1,7 @@
 """What the trainer CLIs (`python -m mlxrl.sft | dpo | grpo`) share: one-line errors with exit
-codes, loading data then a model (the data is checked before the model loads), the embedded demos'
-settings and synthetic rows (a text variant for text-only models), and the brief SFT warm start."""
+codes, loading data then a model (the data is checked before the model loads; --load_in_4bit /
+--load_in_8bit quantize it), the embedded demos' settings and synthetic rows (a text variant for
+text-only models), and the brief SFT warm start."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ def each_row(check):
     return check_rows
 
 
+def prepare_base(model, args):
+    """--load_in_4bit / --load_in_8bit: the loaded base quantized before the trainer adds LoRA, and its
+    weight bytes printed (`models.quantize.quantize_for`: full fine-tuning of a quantized base is refused)."""
+    from .models.quantize import describe, is_quantized, quantize_for
+
+    quantize_for(model, args)
+    if is_quantized(model):
+        print(describe(model), flush=True)
+    return model
+
+
 def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
     """(model, processor, train rows, eval rows or None) from --model / --dataset / --eval_dataset,
     holding out `eval_split` of the training rows when no eval set is given. The rows are read (and
@@ -73,6 +85,7 @@ def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
         except MlxrlError as e:
             raise MlxrlError(f"--eval_dataset {ns.eval_dataset}: {e}") from None
     model, processor = mlxrl.load(ns.model, dtype=args.dtype)
+    prepare_base(model, args)
     if not with_eval:
         return model, processor, train, None
     if evaluation is None and args.eval_split > 0:
@@ -131,7 +144,8 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
     from .trainers.sft import SFTTrainer
 
     if model_path is not None:
-        return mlxrl.load(model_path, dtype=args.dtype)
+        model, processor = mlxrl.load(model_path, dtype=args.dtype)
+        return prepare_base(model, args), processor
     model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
     if sft_steps > 0:
         print(f"embedded default: tiny Qwen3-VL, brief SFT ({sft_steps} steps) on synthetic colour questions",
@@ -142,4 +156,4 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
         SFTTrainer(model, processor, sft_args,
                    train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
         model.unfreeze()  # the next trainer sets up its own trainable parameters
-    return model, processor
+    return prepare_base(model, args), processor

@@ -25,7 +25,7 @@ if __name__ == "__main__":  # first, before the heavy imports: may re-execute wi
 import sys
 import time
 
-from .cli import apply_overrides, load_model_and_rows, run  # noqa: E402
+from .cli import apply_overrides, load_model_and_rows, prepare_base, run  # noqa: E402
 from .trainers.config import SFTConfig, build_parser, config_from_args  # noqa: E402
 
 # The embedded default's settings (used only for fields the user did not set).
@@ -72,6 +72,7 @@ def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None) -> d
         n_train = MODEL_TRAIN if args.max_steps < 1 else max(
             8, args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps)
         n_test, name = MODEL_TEST, f"{model_path}"
+    prepare_base(model, args)  # --load_in_4bit / --load_in_8bit: before the "before" accuracy
     train = demo_rows(processor, n_train, seed=args.seed, split="train")
     test = demo_rows(processor, n_test, seed=args.seed + 1, split="test")
     if processor.image_processor is not None:

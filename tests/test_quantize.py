@@ -235,3 +235,99 @@ def test_foreign_quantization_is_refused(tiny_checkpoint, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(MlxrlError, match="quant_method 'gptq' is not supported"):
         mlxrl.load(folder)
+
+
+# ---------------------------------------------------------------------------------------- trainers and PEFT
+
+def _train(model, steps=5, lr=5e-3):
+    opt = optim.Adam(learning_rate=lr)
+
+    def loss(m):
+        return nn.losses.cross_entropy(m(input_ids=IDS[:, :-1]), IDS[:, 1:]).mean()
+
+    for _ in range(steps):
+        _, g = nn.value_and_grad(model, loss)(model)
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+
+
+def test_adapter_trained_over_4bit_base_loads_in_peft(tiny_checkpoint, tmp_path):
+    """An adapter trained over the 4-bit base is a PEFT adapter of the float checkpoint. On the
+    dequantized base (the weights it was trained against, saved as an HF folder) PEFT gives our logits
+    (<= 1e-4); on the original float base the difference is the quantization error: no more than 1.5x
+    the difference of the two bases without the adapter."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    folder = tiny_checkpoint("qwen3")
+    model, processor = mlxrl.load(folder, dtype="float32")
+    Q.quantize_model(model, bits=4, group_size=64)
+    lora.apply_lora(model, r=4, alpha=8, dropout=0.0)
+    with_adapter_off = model(input_ids=IDS)
+    _train(model)
+    ours = np.array(model(input_ids=IDS))
+    assert np.abs(ours - np.array(with_adapter_off)).max() > 0.5  # the adapter matters: the test can fail
+    adapter = lora.save_adapter(model, tmp_path / "adapter", str(folder))
+
+    deq, _ = mlxrl.load(folder, dtype="float32")
+    Q.quantize_model(deq, bits=4, group_size=64)
+    Q.dequantize_model(deq)
+    dequantized = mlxrl.save(deq, processor, tmp_path / "dequantized")
+
+    def peft_logits(base_folder):
+        base = transformers.Qwen3ForCausalLM.from_pretrained(str(base_folder), dtype=torch.float32).eval()
+        peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+        with torch.no_grad():
+            ids = torch.from_numpy(np.array(IDS)).long()
+            with_adapter = peft_model(input_ids=ids).logits.numpy()
+            with peft_model.disable_adapter():
+                plain = peft_model(input_ids=ids).logits.numpy()
+        return with_adapter, plain
+
+    exact, _ = peft_logits(dequantized)
+    assert np.abs(exact - ours).max() <= 1e-4, np.abs(exact - ours).max()
+    on_float, float_base = peft_logits(folder)
+    quant_error = np.abs(np.array(with_adapter_off) - float_base).max()  # the bases alone
+    diff = np.abs(on_float - ours).max()
+    print(f"max |ours (4-bit base) - PEFT (float base)| {diff:.3f}; the bases alone {quant_error:.3f}")
+    assert 0 < diff <= 1.5 * quant_error
+
+
+def test_flags_and_their_one_line_errors(qwen3_mlx_lm):
+    from mlxrl.trainers.config import ConfigError, SFTConfig, build_parser, check_config, config_from_args
+
+    def parse(*argv):
+        return config_from_args(SFTConfig, build_parser(SFTConfig, "sft", "").parse_args(list(argv)))
+
+    args = parse("--load_in_4bit")
+    assert args.use_peft is True and args.q_group_size == 64  # LoRA implied
+    assert parse("--load_in_8bit", "--q_group_size", "128").q_group_size == 128
+    for argv, message in [(("--load_in_4bit", "--load_in_8bit"), "choose one"),
+                          (("--load_in_4bit", "--use_peft", "false"), "add --use_peft"),
+                          (("--load_in_8bit", "--q_group_size", "48"), "--q_group_size 48: must be 32, 64 or 128")]:
+        with pytest.raises(ConfigError, match=message):
+            parse(*argv)
+    with pytest.raises(ConfigError, match=r"add use_peft=True"):
+        check_config(SFTConfig(load_in_4bit=True))
+    # an MLX-quantized checkpoint cannot be fully fine-tuned either
+    model, _ = mlxrl.load(qwen3_mlx_lm)
+    with pytest.raises(MlxrlError, match="MLX-quantized: it trains LoRA adapters"):
+        Q.quantize_for(model, SFTConfig())
+    assert Q.quantize_for(model, SFTConfig(use_peft=True)) is None
+
+
+def test_sft_cli_learns_over_a_4bit_base(tmp_path, capsys):
+    """`python -m mlxrl.sft --load_in_4bit` (the embedded default, LoRA implied), shortened to 60 steps:
+    prints the base's bytes at 4.5 bits per quantized parameter and learns the held-out task."""
+    import re
+
+    from mlxrl.sft import main
+
+    assert main(["--load_in_4bit", "--max_steps", "60", "--output_dir", str(tmp_path / "run"),
+                 "--disable_tqdm", "--logging_steps", "30"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"base weights [\d.]+ MB: 28 layers 4-bit \(group 64\), .* = 4\.50 bits/parameter", out), out
+    after = float(re.search(r"held-out exact match after training: ([\d.]+)%", out).group(1))
+    assert after >= 80, out
+    assert (tmp_path / "run" / "adapter_model.safetensors").exists()

@@ -46,8 +46,8 @@ def _in_features(layer) -> int:
 
 
 class QDoRALinear(DoRALinear):
-    """mlx-lm's DoRA layer, whose quantized base is dequantized with its scales cast first: float16
-    scales (mlxrl's on a float32 model) would otherwise round the whole weight to float16."""
+    """mlx-lm's DoRA layer, whose quantized base is dequantized with its scales cast first: on the CPU
+    (float32 compute) 16-bit scales would otherwise round the whole weight to 16 bits."""
 
     @staticmethod
     def from_base(linear, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
@@ -62,7 +62,8 @@ class QDoRALinear(DoRALinear):
             return linear.weight
         from .quantize import dequantize
 
-        dtype = mx.float32 if linear.scales.dtype == mx.float16 else linear.scales.dtype
+        cpu = mx.default_device().type == mx.DeviceType.cpu
+        dtype = mx.float32 if cpu or linear.scales.dtype == mx.float16 else linear.scales.dtype
         return dequantize(linear.weight, linear.scales, linear.get("biases"), group_size=linear.group_size,
                           bits=linear.bits, mode=linear.mode, dtype=dtype)
 

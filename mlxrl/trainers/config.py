@@ -87,6 +87,12 @@ class TrainConfig:
     lora_dropout: float = _f(0.05, "LoRA dropout")
     lora_target_modules: list[str] | None = _f(None, "module names to adapt (default: all linear layers of the LM)")
     use_dora: bool = _f(False, "DoRA instead of LoRA")
+    # a quantized frozen base (QLoRA; TRL's ModelConfig names, MLX's affine quantization)
+    load_in_4bit: bool = _f(False, "quantize the frozen base's decoder linears to 4 bits on load (QLoRA: LoRA adapters "
+                                   "in float32 over it; implies --use_peft)")
+    load_in_8bit: bool = _f(False, "the same with 8 bits")
+    q_group_size: int = _f(64, "(mlxrl; mlx-lm's name) with load_in_4bit / load_in_8bit: weights per scale and "
+                               "offset: 32 | 64 | 128")
     freeze_vision_tower: bool = _f(False, "(mlxrl) keep the vision tower frozen in full fine-tuning")
     freeze_embeddings: bool = _f(False, "(mlxrl) keep the token embeddings (and a tied LM head) frozen")
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")
@@ -350,6 +356,7 @@ RANGES = {
     "lora_r": _range(lambda v: v >= 1, ">= 1 (PEFT: r must be a positive integer)"),
     "lora_alpha": _range(lambda v: v > 0, "> 0 (the adapters are scaled by lora_alpha / lora_r)"),
     "lora_dropout": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
+    "q_group_size": _range(lambda v: v in (32, 64, 128), "32, 64 or 128 (the group sizes of mx.quantize)"),
     "chunk_size": _POSITIVE_INT,
     "seq_buckets": _range(lambda v: v >= 1, ">= 1 each"),
     "max_compiled_shapes": _NON_NEGATIVE,
@@ -441,6 +448,7 @@ def check_config(args, flags: bool = False) -> None:
             close = difflib.get_close_matches(str(value), choices, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{label} {value!r}: must be one of {', '.join(choices)}{hint}")
+    check_quantization_flags(args, flags)
     for name in ("memory_limit", "cache_limit", "wired_limit"):
         value = getattr(args, name, None)
         if value is not None:
@@ -452,6 +460,18 @@ def check_config(args, flags: bool = False) -> None:
                 raise ConfigError(f"{'--' if flags else ''}{e}") from None
 
 
+def check_quantization_flags(args, flags: bool = False) -> None:
+    """load_in_4bit / load_in_8bit: one of them, and only with LoRA (a quantized weight cannot be trained)."""
+    p = "--" if flags else ""
+    four, eight = getattr(args, "load_in_4bit", False), getattr(args, "load_in_8bit", False)
+    if four and eight:
+        raise ConfigError(f"{p}load_in_4bit and {p}load_in_8bit: choose one")
+    if (four or eight) and not getattr(args, "use_peft", False):
+        flag = "load_in_4bit" if four else "load_in_8bit"
+        raise ConfigError(f"{p}{flag} trains LoRA adapters over a frozen quantized base; full fine-tuning cannot "
+                          f"update quantized weights: add {p}use_peft{'' if flags else '=True'} (or drop {p}{flag})")
+
+
 def config_from_args(cls, ns: argparse.Namespace):
     """defaults < YAML (--config) < explicit CLI flags; every value checked before any model loads."""
     values = {}
@@ -459,6 +479,8 @@ def config_from_args(cls, ns: argparse.Namespace):
         values.update(read_yaml_config(ns.config, cls))
     values.update({f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
     ns.explicit_fields = set(values)  # what the user set (YAML or flags): demo settings must not replace them
+    if (values.get("load_in_4bit") or values.get("load_in_8bit")) and "use_peft" not in values:
+        values["use_peft"] = True  # a quantized base implies LoRA (an explicit --use_peft false is refused)
     cfg = cls(**values)
     check_config(cfg, flags=True)
     check_optim(cfg)  # before any model is loaded
