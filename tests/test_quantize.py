@@ -318,16 +318,23 @@ def test_flags_and_their_one_line_errors(qwen3_mlx_lm):
 
 
 def test_sft_cli_learns_over_a_4bit_base(tmp_path, capsys):
-    """`python -m mlxrl.sft --load_in_4bit` (the embedded default, LoRA implied), shortened to 60 steps:
-    prints the base's bytes at 4.5 bits per quantized parameter and learns the held-out task."""
+    """`python -m mlxrl.sft --load_in_4bit --merge` (the embedded default, LoRA implied), shortened to 60
+    steps: prints the base's bytes at 4.5 bits per quantized parameter, learns the held-out task, and
+    the merged model is float (dequantized)."""
     import re
 
     from mlxrl.sft import main
 
     assert main(["--load_in_4bit", "--max_steps", "60", "--output_dir", str(tmp_path / "run"),
-                 "--disable_tqdm", "--logging_steps", "30"]) == 0
+                 "--disable_tqdm", "--logging_steps", "30", "--merge"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"base weights [\d.]+ MB: 28 layers 4-bit \(group 64\), .* = 4\.50 bits/parameter", out), out
     after = float(re.search(r"held-out exact match after training: ([\d.]+)%", out).group(1))
     assert after >= 80, out
     assert (tmp_path / "run" / "adapter_model.safetensors").exists()
+    # --merge: dequantize(W) + scale B A, an HF-layout float model
+    merged = tmp_path / "run" / "merged"
+    assert "quantization" not in json.loads((merged / "config.json").read_text())
+    tensors = mx.load(str(merged / "model.safetensors"))
+    assert not any(k.endswith((".scales", ".biases")) for k in tensors)
+    assert {v.dtype for v in tensors.values()} == {mx.float32}
