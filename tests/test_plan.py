@@ -195,3 +195,26 @@ def test_prediction_with_images_within_15_percent(trainer, cls, kw, images, shap
         monkeypatch.setattr(native, "load", lambda: None)
         kw = {**kw, "dtype": "bfloat16"}
     _check(trainer, cls, "default", kw, images=images, image_size=448, **shape)
+
+
+# A quantized frozen base (QLoRA): the base's 4- / 8-bit weights with 16-bit scales and offsets per group,
+# the CPU path's dequantized weights one layer at a time
+QUANT_CASES = [
+    ("sft", SFTConfig, dict(max_length=128, per_device_train_batch_size=2, use_peft=True, load_in_4bit=True)),
+    ("sft", SFTConfig, dict(max_length=128, per_device_train_batch_size=2, use_peft=True, load_in_8bit=True)),
+    ("dpo", DPOConfig, dict(max_length=128, per_device_train_batch_size=2, use_peft=True, load_in_4bit=True)),
+]
+
+
+@pytest.mark.parametrize("trainer,cls,kw", QUANT_CASES)
+def test_prediction_with_a_quantized_base_within_15_percent(trainer, cls, kw):
+    _check(trainer, cls, "small", kw)
+
+
+def test_a_4bit_base_is_suggested_when_nothing_else_fits():
+    args = SFTConfig(max_length=64, per_device_train_batch_size=1, use_peft=True, lora_r=4)
+    full = plan.predict(SMALL, args, "sft", suggest=False).total
+    quantized = plan.predict(SMALL, dataclasses.replace(args, load_in_4bit=True), "sft", suggest=False).total
+    assert quantized < full
+    p = plan.predict(SMALL, args, "sft", memory_limit=int((full + quantized) / 2))
+    assert not p.fits and p.suggestion and p.suggestion.get("load_in_4bit") is True

@@ -62,14 +62,19 @@ def dequantized_matmul(group_size: int, bits: int):
 
     @mx.custom_function
     def f(x, w, scales, biases):
-        return x @ weight_as(w, scales, biases, x.dtype).T
+        # dequantized once x exists: a dequantize depends on the frozen weight alone, so MLX could
+        # otherwise run every layer's first and hold all the float weights at once
+        return x @ weight_as(mx.depends(w, [x]), scales, biases, x.dtype).T
 
     @f.vjp
     def f_vjp(primals, cotangent, output):
         x, w, scales, biases = primals
+        # dequantized again once the cotangent exists: a node of its own, which mx.compile cannot merge
+        # with the forward's (it would keep every layer's float weight from the forward to the backward)
+        w_late = mx.depends(w, [cotangent])
         # the weights are frozen: zeros that nobody evaluates
-        return cotangent @ weight_as(w, scales, biases, cotangent.dtype), mx.zeros_like(w), mx.zeros_like(scales), \
-            mx.zeros_like(biases)
+        return cotangent @ weight_as(w_late, scales, biases, cotangent.dtype), mx.zeros_like(w), \
+            mx.zeros_like(scales), mx.zeros_like(biases)
 
     return f
 

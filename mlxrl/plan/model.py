@@ -75,6 +75,32 @@ def _text_config(cfg: dict) -> dict:
     return {**cfg, **cfg.get("text_config", {})}
 
 
+def quantization_of(cfg: dict, args) -> tuple[int, int] | None:
+    """(bits, group size) of the frozen base: `load_in_4bit` / `load_in_8bit` (`q_group_size`), or an
+    MLX-quantized checkpoint's `quantization` entry; None for a float base."""
+    if getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False):
+        return (4 if getattr(args, "load_in_4bit", False) else 8), int(getattr(args, "q_group_size", 64) or 64)
+    q = cfg.get("quantization") or cfg.get("quantization_config")
+    if isinstance(q, dict) and q.get("bits"):
+        return int(q["bits"]), int(q.get("group_size", 64))
+    return None
+
+
+def quantized_saving(model, cfg: dict, args, s: int) -> int:
+    """Bytes a quantized base saves against its float weights: each quantized linear (`models.quantize`'s
+    rule: the decoder's, not the embedding / head or the vision tower) holds `bits` per weight and a
+    16-bit scale and offset per group instead of `s` bytes per weight. Counted from the lazily built
+    model's shapes: nothing is allocated."""
+    from ..models.quantize import quantizable
+
+    q = quantization_of(cfg, args)
+    if q is None:
+        return 0
+    bits, group = q
+    n = sum(m.weight.size for p, m in model.named_modules() if quantizable(p, m, group))
+    return int(n * s - n * bits / 8 - 2 * 2 * n / group)
+
+
 def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
     """Build the model lazily (no array is evaluated, so nothing is allocated), apply the trainer's
     trainable-parameter policy (LoRA / full / frozen vision / frozen embeddings) and count bytes."""
@@ -85,6 +111,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
 
     s = element_bytes or dtype_bytes(args)
     model = build_model(cfg)
+    saved = quantized_saving(model, cfg, args, s)  # before LoRA wraps the linears
     if getattr(args, "use_peft", False):
         lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                             target_modules=args.lora_target_modules, use_dora=args.use_dora)
@@ -98,7 +125,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
     head_w = model.lm_head_weight()
     head_trainable = any(v is head_w for _, v in trainable)
     fp = [v for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
-    weight_bytes = sum(v.size for v in fp) * s
+    weight_bytes = sum(v.size for v in fp) * s - saved
     def nbytes(k, v):  # LoRA's A and B stay float32 whatever the compute dtype (DoRA's magnitude does not)
         return v.size * (4 if "lora_" in k else s)
 
@@ -287,7 +314,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     ckpt = bool(getattr(args, "gradient_checkpointing", False))
     act = {c: activations(a, args, sh, s, c, trainer) for c in (True, False)}
-    out: list[Row] = [Row("weights", W, f"{count(W // s)} parameters x {s} B")]
+    q = quantization_of(cfg, args)
+    out: list[Row] = [Row("weights", W, f"{count(W // s)} parameters x {s} B" if q is None else
+                          f"{q[0]}-bit base (group {q[1]}: {q[0] + 32 / q[1]:g} bits per quantized weight), "
+                          "float embedding / head, norms, vision tower")]
     n_train = a.trainable_params
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
     adafactor = getattr(args, "optim", "adamw_torch") == "adafactor"
@@ -354,8 +384,9 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     cache = int(min(transient, runtime.parse_size(cache_limit, machine))) if cache_limit else int(transient)
     plan = Plan(trainer, out, total, int(step), int(update), limit, source, machine, cache,
                 {"checkpointing": int(act[True]), "no checkpointing": int(act[False])})
-    if not plan.fits and W - T > T:
-        # 4 bits + a 16-bit scale and bias per 64 weights = 4.5 bits per frozen weight
+    if not plan.fits and W - T > T and quantization_of(cfg, args) is None:
+        # 4 bits + a 16-bit scale and bias per 64 weights = 4.5 bits per frozen weight (an upper bound:
+        # the embedding / head stay float)
         frozen = W - T
         plan.quantized_total = int(total - frozen + frozen * 4.5 / (8 * s))
     if suggest and not plan.fits:

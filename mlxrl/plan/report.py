@@ -71,7 +71,7 @@ class Plan:
                 lines.append("no combination of chunk_size, checkpointing, batch, LoRA, max_length or num_generations "
                              "fits")
             if self.quantized_total is not None:
-                lines.append(f"with a 4-bit base (QLoRA; not supported by mlxrl's trainers yet): predicted "
+                lines.append(f"with a 4-bit base (--load_in_4bit --use_peft, QLoRA): predicted at most "
                              f"{fmt(self.quantized_total)}")
         return "\n".join(lines)
 

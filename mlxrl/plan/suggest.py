@@ -11,7 +11,7 @@ def _candidates(args, trainer: str):
     """Changes in the order of how little they change the run: same result (chunk size, checkpointing,
     smaller micro-batches with more accumulation), then bf16 weights without a float32 master copy
     (stochastic rounding), a smaller adapter, LoRA instead of full fine-tuning, a shorter max_length,
-    fewer generations, and last a quantised base."""
+    fewer generations, and last a 4-bit base (QLoRA)."""
     yield {"chunk_size": 1024}
     yield {"chunk_size": 256}
     if not args.gradient_checkpointing:
@@ -45,6 +45,8 @@ def _candidates(args, trainer: str):
         while g > 2:
             g //= 2
             yield {"num_generations": g}
+    if not (getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False)):
+        yield {"load_in_4bit": True, "use_peft": True}  # a frozen 4-bit base under LoRA adapters (QLoRA)
 
 
 def suggest_change(predict, cfg: dict, args, trainer: str, limit: int | None, **kw) -> tuple[dict | None, int | None]:

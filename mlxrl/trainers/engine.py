@@ -34,6 +34,7 @@ from ..cpu import fastmath
 from ..data.batches import pad_image_patches
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
+from ..models import quantize as quantize_lib
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_optim
@@ -70,7 +71,8 @@ def step_seed(seed: int, position: int, stream: int = 0) -> int:
 def check_trainable_dtypes(model) -> None:
     """Refuse float16 training (it needs loss scaling, which the engine does not do: gradients below
     6e-8 flush to zero and large activations overflow): a one-line error naming the fix."""
-    if any(v.dtype == mx.float16 for _, v in tree_flatten(model.parameters())):
+    if any(v.dtype == mx.float16 for k, v in tree_flatten(model.parameters())
+           if not k.endswith((".scales", ".biases"))):  # a quantized layer's float16 scales are fine
         raise MlxrlError("the model is in float16, which cannot train without loss scaling (small gradients flush "
                          "to zero): load it in bfloat16 (--dtype bfloat16 or MLXRL_DTYPE=bfloat16) or float32")
 
@@ -122,6 +124,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     # ------------------------------------------------------------------ parameters
     def _setup_trainable(self):
         a, m = self.args, self.model
+        quantize_lib.quantize_for(m, a)  # load_in_4bit / 8bit (a no-op when the CLI has quantized already)
         m.language_model.gradient_checkpointing = bool(a.gradient_checkpointing)
         if a.use_peft:
             lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
