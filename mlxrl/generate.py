@@ -200,14 +200,21 @@ def _same_config(a: dict, b: dict) -> bool:
     return flat(a) == flat(b)
 
 
+def _checkpoint_state(folder: Path) -> dict:
+    """The `mlxrl` record of a checkpoint's trainer_state.json (what the run trained: model config, adapter)."""
+    try:
+        record = json.loads((folder / CHECKPOINT_STATE).read_text())["mlxrl"]
+    except (OSError, ValueError, KeyError, TypeError):
+        record = None
+    if not isinstance(record, dict):
+        raise MlxrlError(f"{folder}/{CHECKPOINT_STATE}: not an mlxrl trainer state (truncated, or written by "
+                         "another trainer)")
+    return record
+
+
 def _checkpoint_record(folder: Path) -> tuple[dict, dict]:
     """(the checkpoint's `mlxrl` record, its trained weights)."""
-    try:
-        state = json.loads((folder / CHECKPOINT_STATE).read_text())
-        record = state["mlxrl"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise MlxrlError(f"{folder}/{CHECKPOINT_STATE}: not an mlxrl trainer state (truncated, or written by "
-                         "another trainer)") from None
+    record = _checkpoint_state(folder)
     try:
         weights = mx.load(str(folder / CHECKPOINT_WEIGHTS))
     except Exception as e:
@@ -221,8 +228,7 @@ def _base_of(kind: str, folder: Path) -> str | None:
     if kind == "checkpoint":
         if (folder.parent / ADAPTER_CONFIG).is_file():
             return _base_of("adapter", folder.parent)
-        record, _ = _checkpoint_record(folder)
-        cfg = record.get("model_config") if isinstance(record, dict) else None
+        cfg = _checkpoint_state(folder).get("model_config")
         return DEFAULT_MODEL_NAME if isinstance(cfg, dict) and _same_config(cfg, _default_config()) else None
     try:
         cfg = json.loads((folder / ADAPTER_CONFIG).read_text())
