@@ -347,10 +347,11 @@ def _check_adapter_base(folder: Path, config: dict, base_ref: str, base_name: st
 
 
 def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_seed: int = DEFAULT_BASE_SEED,
-               log=None):
+               quantize: tuple[int, int] | None = None, log=None):
     """(model, processor, settings defaults, description) for `--model` / `--adapter_path` (see the module
     docstring for what each may be). model None and no adapter: the embedded default (random weights).
-    `log(line)` receives notes (what was loaded)."""
+    quantize (bits, group_size): quantize the base before the adapter goes on, as `--load_in_4bit` did in
+    training (QLoRA: the adapter was fitted to that quantized base). `log(line)` receives notes."""
     from .processing import Processor
 
     log = log or (lambda _line: None)
@@ -392,9 +393,18 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
     known = _local_config(base_ref)
     if adapter is not None and adapter[0] == "adapter" and known is not None:  # before any weights load
         _check_adapter_base(adapter[1], known, base_ref, base_name)
+    if quantize is not None:
+        from .models.quantize import check_quantization
+
+        check_quantization(*quantize)
     net, processor = _load_base(base_ref, dtype, base_seed)
     description = f"{base_name} ({net.config.get('model_type')})"
     folder_for_defaults = None if base_ref == DEFAULT_MODEL_NAME else getattr(net, "name_or_path", base_ref)
+    if quantize is not None:
+        from .models.quantize import quantize_model
+
+        quantize_model(net, *quantize)
+        description += f", quantized to {quantize[0]} bits (group {quantize[1]})"
     if adapter is not None:
         kind, folder = adapter
         if kind == "adapter":
@@ -699,9 +709,9 @@ class Generator:
 
     @classmethod
     def load(cls, model: str | None = None, adapter_path=None, *, dtype=None, base_seed: int = DEFAULT_BASE_SEED,
-             log=None) -> Generator:
+             quantize: tuple[int, int] | None = None, log=None) -> Generator:
         net, processor, defaults, description = load_model(model, adapter_path, dtype=dtype, base_seed=base_seed,
-                                                           log=log)
+                                                           quantize=quantize, log=log)
         return cls(net, processor, defaults, description)
 
     @property
@@ -796,10 +806,11 @@ class Generator:
 
 
 def load(model: str | None = None, adapter_path=None, *, dtype=None, base_seed: int = DEFAULT_BASE_SEED,
-         log=None) -> Generator:
+         quantize: tuple[int, int] | None = None, log=None) -> Generator:
     """Load a model (Hub id or folder; None: the embedded default) plus an adapter, a checkpoint or a run's
-    output (`adapter_path`), ready to generate: `load(...)(messages)` -> Reply. See the module docstring."""
-    return Generator.load(model, adapter_path, dtype=dtype, base_seed=base_seed, log=log)
+    output (`adapter_path`), ready to generate: `load(...)(messages)` -> Reply. quantize=(4, 64): the base
+    quantized as `--load_in_4bit` does (an adapter trained over a 4-bit base). See the module docstring."""
+    return Generator.load(model, adapter_path, dtype=dtype, base_seed=base_seed, quantize=quantize, log=log)
 
 
 class Chat:
@@ -901,6 +912,10 @@ def build_parser(prog: str, description: str, chat: bool = False) -> argparse.Ar
     ap.add_argument("--base_seed", type=int, default=DEFAULT_BASE_SEED,
                     help="the embedded default's random weights are drawn from this seed: the training run's "
                          f"--seed (default {DEFAULT_BASE_SEED}, the trainers' default)")
+    ap.add_argument("--load_in_4bit", action="store_true", help="quantize the base to 4 bits before the adapter "
+                    "goes on (an adapter trained with --load_in_4bit fits that base)")
+    ap.add_argument("--load_in_8bit", action="store_true", help="the same, 8 bits")
+    ap.add_argument("--q_group_size", type=int, default=64, help="quantization group size (32, 64, 128)")
     if not chat:
         ap.add_argument("--demo_example", type=int, default=None, metavar="K",
                         help="ask held-out question K of the embedded task (the test split `python -m mlxrl.sft` "
@@ -940,6 +955,11 @@ def read_prompt(prompt: str | None) -> str | None:
 def check_args(ns) -> None:
     """What can be refused before the model loads: flag values, missing files."""
     Settings(**settings_from_args(ns)).check()
+    quantize = quantize_from_args(ns)
+    if quantize is not None:
+        from .models.quantize import check_quantization
+
+        check_quantization(*quantize)
     for flag in ("model", "adapter_path"):
         value = getattr(ns, flag)
         if value is not None and flag == "adapter_path":
@@ -961,6 +981,13 @@ def check_args(ns) -> None:
             raise MlxrlError("--demo_example asks a question of the embedded task: drop --prompt / --image")
 
 
+def quantize_from_args(ns) -> tuple[int, int] | None:
+    if ns.load_in_4bit and ns.load_in_8bit:
+        raise MlxrlError("--load_in_4bit and --load_in_8bit: choose one")
+    bits = 4 if ns.load_in_4bit else 8 if ns.load_in_8bit else None
+    return None if bits is None else (bits, ns.q_group_size)
+
+
 def eprint(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
@@ -970,7 +997,8 @@ def load_from_args(ns) -> Generator:
 
     eprint(runtime.startup_line(runtime.compute_dtype(ns.dtype)))
     t0 = time.perf_counter()
-    gen = load(ns.model, ns.adapter_path, dtype=ns.dtype, base_seed=ns.base_seed, log=eprint)
+    gen = load(ns.model, ns.adapter_path, dtype=ns.dtype, base_seed=ns.base_seed, quantize=quantize_from_args(ns),
+               log=eprint)
     eprint(f"loaded {gen.description} in {time.perf_counter() - t0:.1f}s")
     if ns.model is None and ns.adapter_path is None and (Path("out/sft-demo") / "model").is_dir():
         eprint("note: out/sft-demo holds a trained demo: pass --adapter_path out/sft-demo to talk to it")

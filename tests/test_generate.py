@@ -294,6 +294,27 @@ def test_default_model_says_random_and_uses_a_demo_folder(tmp_path, capsys):
     assert out.out == ref.text + "\n"
 
 
+def test_adapter_over_a_quantized_base(tiny_checkpoint, tmp_path, capsys):
+    """--load_in_4bit: the base quantized as QLoRA training quantized it, then the adapter; the reply equals
+    the batch engine's on a model built by hand the same way (quantize_model, apply_lora)."""
+    from mlxrl.models.quantize import is_quantized, quantize_model
+
+    folder = tiny_checkpoint("qwen3_vl")
+    model, processor = mlxrl.load(folder)
+    quantize_model(model, 4, 64)
+    adapter = random_adapter(model, folder, tmp_path / "qlora")
+    messages, kw = question("qwen3_vl"), dict(max_new_tokens=8, temperature=0, stop_token_ids=())
+    gen = G.load(str(folder), adapter_path=adapter, quantize=(4, 64))
+    assert is_quantized(gen.model) and "4 bits" in gen.description
+    ids, pixels, grid, _ = gen.encode(messages)
+    ref = engine_generate(model, mx.array(ids[None].astype(np.int32)), pixel_values=mx.array(pixels),
+                          image_grid_thw=mx.array(grid), max_tokens=8, temperature=0.0, stop_token_ids=[-1])
+    assert gen(messages, **kw).token_ids == np.asarray(ref.completion_ids)[0].tolist()
+    rc = G.main(["--model", str(folder), "--adapter_path", str(adapter), "--load_in_4bit", "--prompt", "Hi",
+                 "--max_new_tokens", "2"])
+    assert rc == 0 and "quantized to 4 bits (group 64)" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ batch, sampling
 def test_batch_equals_one_by_one_and_sampling_equals_the_engine(tiny_checkpoint):
     gen = G.load(str(tiny_checkpoint("qwen2_5_vl")))
@@ -345,6 +366,7 @@ def test_bad_input_is_one_line(tiny_checkpoint, tmp_path, capsys):
         (["--model", str(vl), "--image", str(tmp_path / "broken.png"), "--prompt", "hi"], "not a readable image"),
         (["--model", str(text), "--prompt", long_prompt], "longer"),
         (["--model", str(text), "--prompt", "hi", "--top_p", "1.5"], "--top_p 1.5"),
+        (["--model", str(text), "--prompt", "hi", "--load_in_4bit", "--q_group_size", "48"], "group size 48"),
         (["--model", str(tmp_path), "--prompt", "hi"], "not a model folder"),
         (["--model", str(text), "--adapter_path", str(text / "config.json"), "--prompt", "hi"], "is a file"),
     ]
