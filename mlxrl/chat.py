@@ -1,5 +1,6 @@
-"""`python -m mlxrl.chat`: a multi-turn conversation in the terminal with a model, an adapter or a
-checkpoint (the flags of `python -m mlxrl.generate`). The conversation's KV cache is kept between
+"""`python -m mlxrl.chat`: a multi-turn conversation in the terminal (the flags of mlxrl.generate).
+
+With a model, an adapter, a checkpoint or a run's output. The conversation's KV cache is kept between
 turns: each turn forwards only its own tokens (`mlxrl.generate.Chat`).
 
     python -m mlxrl.chat --adapter_path out/sft-demo

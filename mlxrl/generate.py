@@ -1,5 +1,8 @@
-"""`python -m mlxrl.generate`: talk to what you trained. Streams one reply, then prints prefill and
-decode speed and peak memory (`python -m mlxrl.chat` is the multi-turn loop over the same pieces).
+"""`python -m mlxrl.generate`: talk to what you trained (one streamed reply, its speed and peak memory).
+
+Prefill and decode speed and peak memory follow the reply (`python -m mlxrl.chat` is the multi-turn
+loop over the same pieces). `--load_in_4bit` / `--load_in_8bit` quantize the base before an adapter
+trained over a quantized (QLoRA) base goes on.
 
     python -m mlxrl.generate --adapter_path out/sft-demo          # the SFT demo's result, a held-out picture
     python -m mlxrl.generate --model Qwen/Qwen3-VL-2B-Instruct --image cat.png --prompt "What is this?"
