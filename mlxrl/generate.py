@@ -532,9 +532,12 @@ class Context:
                     c.trim(c.offset - len(self.tokens))
 
     def prefill(self, ids, pixel_values=None, image_grid_thw=None) -> tuple[mx.array, int]:
-        """Bring the cache to hold `ids[:-1]` ... `ids` and return (logits of the next token [1, V], next
-        position). ids: the whole sequence (1-D); pixel_values / image_grid_thw: all its images.
-        Forwards only what the cache lacks; the prefix kept never ends inside an image."""
+        """Bring the cache to hold all of `ids` (the whole sequence, 1-D; pixel_values / image_grid_thw:
+        all its images) and return (logits of the token after it [1, V], that token's position). Only
+        what the cache lacks is forwarded: the longest cached prefix is kept (at most n - 1 tokens, so
+        that the last one yields the logits), cut back to the start of an image it would split or whose
+        picture differs. With images among the new tokens they go in one forward (their features are
+        merged by position in it); text alone in chunks of `prefill_step_size`."""
         self._sync()
         model = self.model
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -593,7 +596,6 @@ class Context:
         self.images = {int(a): (int(b), d) for (a, b), d in zip(spans, digests, strict=True)}
         self.last_prefill_tokens = n - keep
         return logits, next_pos
-
 
     def stream(self, ids, pixel_values=None, image_grid_thw=None, settings: Settings = Settings(),
                stats: Stats | None = None) -> Iterator[int]:
