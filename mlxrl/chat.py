@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from .generate import (
-    _write,
+from .generate.cli import (
     build_parser,
     check_args,
     eprint,
@@ -23,6 +22,7 @@ from .generate import (
     read_images,
     read_prompt,
     settings_from_args,
+    write,
 )
 from .hub import MlxrlError
 
@@ -86,9 +86,9 @@ def _main(ns) -> None:
                 eprint(HELP if cmd == "/help" else f"unknown command {cmd}: {HELP}")
             continue
         try:
-            reply = chat.send(text, pending, on_text=_write, **settings)
+            reply = chat.send(text, pending, on_text=write, **settings)
         except KeyboardInterrupt:
-            _write("\n")
+            write("\n")
             eprint("(interrupted)")
             pending = []
             continue
@@ -96,7 +96,7 @@ def _main(ns) -> None:
             eprint(f"error: {e}")
             continue
         pending = []
-        _write("\n")
+        write("\n")
         st = reply.stats
         eprint(f"[prefill {st.prefill_tokens} new tokens ({st.prompt_tokens - st.prefill_tokens} cached), "
                f"{st.prefill_tps:.0f} tok/s; {st.generation_tokens} tokens at {st.decode_tps:.1f} tok/s; "

@@ -28,8 +28,8 @@ import sys
 import time
 
 from .cli import apply_overrides, briefly_sft_default, load_model_and_rows, run  # noqa: E402
-from .trainers.config import build_parser, config_from_args  # noqa: E402
 from .trainers.dpo import DPOConfig, check_dpo_config  # noqa: E402
+from .trainers.flags import build_parser, config_from_args  # noqa: E402
 
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over

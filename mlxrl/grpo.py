@@ -27,7 +27,7 @@ import sys
 import time
 
 from .cli import apply_overrides, briefly_sft_default, load_model_and_rows, run  # noqa: E402
-from .trainers.config import build_parser, config_from_args  # noqa: E402
+from .trainers.flags import build_parser, config_from_args  # noqa: E402
 from .trainers.grpo import GRPOConfig, check_grpo_config  # noqa: E402
 
 # The embedded default's settings (used only for fields the user did not set).

@@ -26,7 +26,8 @@ import sys
 import time
 
 from .cli import apply_overrides, load_model_and_rows, prepare_base, run  # noqa: E402
-from .trainers.config import SFTConfig, build_parser, config_from_args  # noqa: E402
+from .trainers.config import SFTConfig  # noqa: E402
+from .trainers.flags import build_parser, config_from_args  # noqa: E402
 
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over

@@ -41,7 +41,8 @@ from mlxrl.processing import (
     build_qwen_tokenizer,
 )
 from mlxrl.sft import main as sft_main
-from mlxrl.trainers.config import SFTConfig, build_parser, config_from_args
+from mlxrl.trainers.config import SFTConfig
+from mlxrl.trainers.flags import build_parser, config_from_args
 from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer, RewardError
 
 MAINS = {"sft": sft_main, "dpo": dpo_main, "grpo": grpo_main}

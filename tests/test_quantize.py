@@ -295,7 +295,8 @@ def test_adapter_trained_over_4bit_base_loads_in_peft(tiny_checkpoint, tmp_path)
 
 
 def test_flags_and_their_one_line_errors(qwen3_mlx_lm):
-    from mlxrl.trainers.config import ConfigError, SFTConfig, build_parser, check_config, config_from_args
+    from mlxrl.trainers.config import ConfigError, SFTConfig, check_config
+    from mlxrl.trainers.flags import build_parser, config_from_args
 
     def parse(*argv):
         return config_from_args(SFTConfig, build_parser(SFTConfig, "sft", "").parse_args(list(argv)))

@@ -33,7 +33,7 @@ MEASURE_DEFAULTS = {"sft": {"max_length": 64, "per_device_train_batch_size": 2},
 
 
 def main(argv=None) -> int:
-    from ..trainers.config import build_parser, config_from_args
+    from ..trainers.flags import build_parser, config_from_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)

@@ -77,7 +77,7 @@ class DPOConfig(TrainConfig):
     precompute_ref_batch_size: int | None = _f(None, "pairs per batch when precomputing (default: the train / "
                                                      "eval batch size)")
     # loss
-    # `| None` only so that config.build_parser gives the flag nargs="+" (it reads lists through Optional)
+    # `| None` only so that flags.build_parser gives the flag nargs="+" (it reads lists through Optional)
     loss_type: list[str] | None = dataclasses.field(
         default_factory=lambda: ["sigmoid"],
         metadata={"help": f"one or more of {', '.join(DPO_LOSSES)}, summed with loss_weights (default: sigmoid)"})

@@ -1,0 +1,213 @@
+"""Config from the command line and YAML: every field a flag (`build_parser`), a YAML file of fields
+(`--config`, values coerced by each field's type), defaults < YAML < explicit flags, every value
+checked (`config.check_config`) before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import numbers
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+
+from .config import ConfigError, check_config, check_optim, choices_of, field_kind
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def _arg_type(tp):
+    """(type, nargs) for a dataclass field annotation (strings under `from __future__`)."""
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0], "+"
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+    inner = [a for a in args if a is not type(None)] if args else [tp]
+    base = inner[0] if inner else str
+    if typing.get_origin(base) is list:
+        return typing.get_args(base)[0], "+"
+    if base is bool:
+        return _parse_bool, "?"
+    return base, None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with whole flag names only (`--learning_rat` is an error, not `--learning_rate`) and
+    errors in one line that points at --help instead of the full usage."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        # `--adam_epsilon -1e-8` is a value, not a flag (argparse's own pattern misses exponents and inf)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.I)
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(cls, prog: str, description: str, extra=None) -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=prog, description=description,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if extra:
+        extra(parser)
+    parser.add_argument("--config", default=None, help="YAML file of config fields (CLI flags override it)")
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(f"{cls.__name__} fields")
+    for f in dataclasses.fields(cls):
+        tp, nargs = _arg_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        kw = {"type": tp, "default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {default})"}
+        if nargs == "?":
+            kw.update(nargs="?", const=True)
+        elif nargs:
+            kw["nargs"] = nargs
+        group.add_argument(f"--{f.name}", **kw)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------ YAML
+
+class _BadValue(Exception):
+    pass
+
+
+def _scalar(kind: str, value):
+    """One value as `kind` (bool / int / float / str), or _BadValue saying what was expected."""
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str):
+            try:
+                return _parse_bool(value.strip())
+            except argparse.ArgumentTypeError:
+                pass
+        raise _BadValue(f"expected true or false, got {value!r}")
+    if kind in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            raise _BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}")
+        number = value
+        if isinstance(value, str):
+            try:
+                number = int(value.strip()) if kind == "int" else float(value.strip())
+            except ValueError:
+                try:
+                    number = float(value.strip())
+                except ValueError:
+                    raise _BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, "
+                                    f"got {value!r}") from None
+        if kind == "float":
+            return float(number)
+        if isinstance(number, numbers.Integral):
+            return int(number)
+        if math.isfinite(number) and float(number).is_integer():
+            return int(number)
+        raise _BadValue(f"expected an integer, got {value!r}")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise _BadValue(f"expected text, got {value!r} (YAML reads unquoted yes/no/on/off as true/false: "
+                        f"quote it, e.g. \"{'yes' if value else 'no'}\")")
+    if isinstance(value, numbers.Real):
+        return str(value)
+    raise _BadValue(f"expected text, got {type(value).__name__} {value!r}")
+
+
+def coerce_value(tp, value, name: str = ""):
+    """`value` (from YAML or an API call) as the field type `tp`: numbers from strings ("1e-4", "2"),
+    a list from a scalar, None only where the field is Optional. Raises _BadValue."""
+    kind, optional, item = field_kind(tp)
+    if value is None:
+        if optional:
+            return None
+        raise _BadValue("a value is required (it cannot be empty or null)")
+    if kind == "list":
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        item_kind = field_kind(item)[0]
+        return [_scalar(item_kind, v) for v in values]
+    if kind == "str" and name == "report_to" and isinstance(value, (list, tuple)):
+        return ",".join(_scalar("str", v) for v in value)  # transformers accepts a list of trackers
+    if isinstance(value, (list, tuple, dict)):
+        raise _BadValue(f"expected one value, got a {type(value).__name__}")
+    return _scalar(kind, value)
+
+
+def _yaml_problem(e) -> tuple[int | None, str]:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or (str(e).splitlines() or [""])[0]
+    return (mark.line + 1 if mark is not None else None), problem
+
+
+def read_yaml_config(path: str, cls) -> dict:
+    """{field: value} of a YAML config file, coerced by `cls`'s field types; one-line errors naming
+    the file and line for a syntax error, an unknown field or a bad value."""
+    import yaml
+
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read --config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not a text (UTF-8) file") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        line, problem = _yaml_problem(e)
+        raise ConfigError(f"--config {path}{f' line {line}' if line else ''}: YAML syntax error: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of field: value lines, got a YAML "
+                          f"{type(data).__name__}")
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, _ in node.value:
+            lines.setdefault(str(key.value), key.start_mark.line + 1)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for key, value in data.items():
+        where = f"--config {path} line {lines.get(str(key), '?')}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (not a {cls.__name__} field; see --help)"
+            raise ConfigError(f"{where}: unknown field {key!r}{hint}")
+        if value is False and "no" in (choices_of(cls, key) or ()):
+            value = "no"  # `eval_strategy: no` unquoted is a YAML boolean
+        try:
+            out[key] = coerce_value(hints[key], value, key)
+        except _BadValue as e:
+            raise ConfigError(f"{where}: {key}: {e}") from None
+    return out
+
+
+def config_from_args(cls, ns: argparse.Namespace):
+    """defaults < YAML (--config) < explicit CLI flags; every value checked before any model loads."""
+    values = {}
+    if getattr(ns, "config", None):
+        values.update(read_yaml_config(ns.config, cls))
+    values.update({f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+    ns.explicit_fields = set(values)  # what the user set (YAML or flags): demo settings must not replace them
+    if (values.get("load_in_4bit") or values.get("load_in_8bit")) and "use_peft" not in values:
+        values["use_peft"] = True  # a quantized base implies LoRA (an explicit --use_peft false is refused)
+    cfg = cls(**values)
+    check_config(cfg, flags=True)
+    check_optim(cfg)  # before any model is loaded
+    return cfg
+
+
+def parse_config(cls, argv=None, prog=None, description=""):
+    parser = build_parser(cls, prog or sys.argv[0], description)
+    return config_from_args(cls, parser.parse_args(argv))
