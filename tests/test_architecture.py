@@ -105,3 +105,23 @@ def test_the_engine_is_the_only_loop():
                 methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
                 assert not methods & {"_loop", "_plan", "_train_loop", "_optimizer_step", "train"}, \
                     (path.name, node.name)
+
+
+def test_no_library_file_over_about_450_lines():
+    """Small modules with clear rooms: a file that grows past this is split by responsibility."""
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 470}
+    assert not long, long
+
+
+def test_importing_mlxrl_imports_no_trainer_and_sets_nothing():
+    """`import mlxrl` loads the BLAS (mlxrl.cpu) and nothing else: the trainers are imported on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mlxrl; print(sorted(m for m in sys.modules if m.startswith('mlxrl.'))); "
+            "from mlxrl import SFTTrainer; print(SFTTrainer.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    first, second = out.stdout.splitlines()[:2]
+    assert first == "['mlxrl.cpu', 'mlxrl.cpu.blas', 'mlxrl.cpu.fastmath', 'mlxrl.cpu.native']", out.stderr
+    assert second == "mlxrl.trainers.sft"
