@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from mlxrl.cpu import fastmath
 from mlxrl.generation import sample_tokens
-from mlxrl.trainers.optim import FusedAdamW
+from mlxrl.optim import FusedAdamW
 
 
 def best(fn, reps=3):

@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 
 from mlxrl.cpu import native
 from mlxrl.data.synthetic import make_vqa
-from mlxrl.trainers import optim as optim_lib
+from mlxrl import optim as optim_lib
 from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.sft import SFTTrainer
 

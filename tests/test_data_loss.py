@@ -29,9 +29,9 @@ from mlxrl.__main__ import main as mlxrl_main
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.hub import MlxrlError
 from mlxrl.models import lora as lora_lib
+from mlxrl.optim import make_optimizer
 from mlxrl.trainers import engine as engine_lib
 from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.optim import make_optimizer
 from mlxrl.trainers.sft import SFTTrainer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

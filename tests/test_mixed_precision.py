@@ -13,11 +13,11 @@ import torch
 from mlx.utils import tree_flatten
 
 import mlxrl
+from mlxrl import optim as optim_lib
 from mlxrl.cpu import native
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.hub import MlxrlError
 from mlxrl.losses.head import head_logprobs
-from mlxrl.trainers import optim as optim_lib
 from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
 from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer

@@ -13,12 +13,12 @@ import transformers
 from mlx.utils import tree_flatten
 
 import mlxrl
+from mlxrl import optim as optim_lib
 from mlxrl.data.batches import patch_bucket
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.models.lora import lora_layers
 from mlxrl.sft import main as sft_main
 from mlxrl.trainers import engine as engine_lib
-from mlxrl.trainers import optim as optim_lib
 from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.sft import SFTTrainer
 

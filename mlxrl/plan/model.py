@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import optim as optim_lib
 from .. import runtime
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
@@ -23,8 +24,6 @@ BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in lay
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
 GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
-UPDATE_COPIES = 2.0         # copies of the largest trained array during the AdamW update
-NATIVE_UPDATE = 0.0         # the same with the native in-place AdamW step
 KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
 GEN_FILTER_COPIES = 2.25    # more of them with top_k / top_p / min_p (a mask and the filtered weights)
@@ -320,11 +319,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
                           "float embedding / head, norms, vision tower")]
     n_train = a.trainable_params
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
-    adafactor = getattr(args, "optim", "adamw_torch") == "adafactor"
-    # float32 moments whatever the dtype; Adafactor: a row and a column per matrix, no first moment (~0)
-    moments = 0 if adafactor else 2 * 4 * n_train
+    optim_name = getattr(args, "optim", "adamw_torch")
+    adafactor = optim_name == "adafactor"
     master = 4 * a.master_params if getattr(args, "master_weights", True) else 0
-    moments += master  # the float32 master copy of bf16 trainable weights (mixed precision)
+    moments = optim_lib.state_bytes(optim_name, n_train, a.master_params, getattr(args, "master_weights", True))
     accum_sum = 4 * n_train if accum > 1 else 0  # the float32 running sum of the micro-batches' gradients
     what = "Adafactor factored v" if adafactor else "AdamW m, v (fp32)"
     if master:
@@ -365,15 +363,8 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
                                        f"completions of {C} (+ {fmt(gen_logits)} of sampling logits)"))
     steady = W + moments + ref
     step = steady + other + accum_sum + act[ckpt] + head + img
-    clip = T if (getattr(args, "max_grad_norm", 0) or 0) > 0 else 0
-    if not adafactor:
-        # AdamW (the native CPU step, or the graph's three single-output kernels) writes the new weights,
-        # master and moments into the old ones' buffers, the clipping scale and a bf16 gradient's cast
-        # folded in: the gradients and the next step's inputs only
-        update = steady + T + NATIVE_UPDATE * a.largest_trainable
-    else:  # (a bf16 parameter's update runs in float32: its copies are float32)
-        largest = a.largest_trainable * (4 // s if a.master_params else 1)
-        update = steady + T + clip + UPDATE_COPIES * largest
+    clip = (getattr(args, "max_grad_norm", 0) or 0) > 0
+    update = steady + optim_lib.update_peak_bytes(optim_name, T, a.largest_trainable, clip, s, bool(a.master_params))
     # generation: the weights, the KV cache and the [G, V] float32 logits of a decoding step
     gen = steady + kv + gen_logits if kv else 0
     total = int(max(step, update, gen))

@@ -21,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..hub import MlxrlError
+from ..optim import OPTIMIZERS, check_optim  # noqa: F401  (config.check_optim: the CLIs' and engine's door)
 
 
 def _f(default, help, **kw):
@@ -300,12 +301,3 @@ def check_quantization_flags(args, flags: bool = False) -> None:
         flag = "load_in_4bit" if four else "load_in_8bit"
         raise ConfigError(f"{p}{flag} trains LoRA adapters over a frozen quantized base; full fine-tuning cannot "
                           f"update quantized weights: add {p}use_peft{'' if flags else '=True'} (or drop {p}{flag})")
-
-
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor")
-
-
-def check_optim(args) -> None:
-    if args.optim not in OPTIMIZERS:
-        raise ValueError(f"optim {args.optim!r} is not supported: use adamw_torch (the default; adamw_torch_fused "
-                         "is the same kernel here) or adafactor")

@@ -35,11 +35,11 @@ from ..data.batches import pad_image_patches
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
+from ..optim import make_optimizer
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_optim
 from .distributed import DataParallel, PeerLostError
-from .optim import make_optimizer
 from .reporting import Logging, Reporter
 from .saving import Saving
 from .signals import Signals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)

@@ -1,4 +1,4 @@
-"""The engine's optimizers (AdamW, Adafactor), their learning-rate schedule, and mixed precision.
+"""The optimizers (AdamW, Adafactor), their learning-rate schedule, mixed precision, and their memory model.
 
 Mixed precision (what torch AMP + an fp32 optimizer does, without fp32 compute weights): a trainable
 parameter whose dtype is not float32 (bf16 on a GPU) gets a float32 master copy in the optimizer's
@@ -23,10 +23,39 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from ..cpu import fastmath
-from .config import check_optim
+from .cpu import fastmath
 
 FLOAT32 = mx.float32
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor")
+# MLX's Adafactor update holds about two float32 copies of the largest trained array (measured, MLX 0.32)
+ADAFACTOR_UPDATE_COPIES = 2.0
+
+
+def check_optim(args) -> None:
+    if args.optim not in OPTIMIZERS:
+        raise ValueError(f"optim {args.optim!r} is not supported: use adamw_torch (the default; adamw_torch_fused "
+                         "is the same kernel here) or adafactor")
+
+
+def state_bytes(optim_name: str, trainable_params: int, master_params: int, master_weights: bool = True) -> int:
+    """Memory model (the planner's): the optimizer's persistent state. AdamW: float32 m and v whatever the
+    dtype; Adafactor: a row and a column per matrix, no first moment (~0); plus the float32 master copy of
+    bf16 trainable weights (mixed precision) unless master_weights is off."""
+    moments = 0 if optim_name == "adafactor" else 2 * 4 * trainable_params
+    return moments + (4 * master_params if master_weights else 0)
+
+
+def update_peak_bytes(optim_name: str, trainable_bytes: int, largest_trainable: int, clip: bool, elem: int,
+                      mixed_precision: bool) -> float:
+    """Memory model (the planner's): what the update holds above the weights and the persistent state.
+    AdamW (the native CPU step, or the graph path's three single-output kernels) writes the new weights,
+    master and moments into the old ones' buffers, the clip scale and a bf16 gradient's cast folded in:
+    the gradients only. Adafactor: the gradients, the clipped gradients and about two float32 copies of
+    the largest trained array (a bf16 parameter's update runs in float32)."""
+    if optim_name != "adafactor":
+        return trainable_bytes
+    largest = largest_trainable * (4 // elem if mixed_precision else 1)
+    return trainable_bytes + (trainable_bytes if clip else 0) + ADAFACTOR_UPDATE_COPIES * largest
 
 
 def make_schedule(args, total_steps: int):
