@@ -24,7 +24,8 @@ import pytest
 import torch
 import transformers
 from peft import PeftModel
-from PIL import Image, ImageDraw
+from pictures import picture
+from PIL import Image
 
 import mlxrl
 from mlxrl import generate as G
@@ -36,16 +37,6 @@ HF_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_
             "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 IMAGE_TOKEN = 151655
 STEPS = 20
-
-
-def picture(w, h, seed):
-    rng = np.random.default_rng(seed)
-    img = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(0, 255, 3)))
-    d = ImageDraw.Draw(img)
-    for _ in range(3):
-        x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
-        d.rectangle([x0, y0, x0 + w // 3, y0 + h // 3], fill=tuple(int(c) for c in rng.integers(0, 255, 3)))
-    return img
 
 
 def random_adapter(model, folder, out, use_dora=False):

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from PIL import Image, ImageDraw
+from pictures import picture
 
 import mlxrl
 from mlxrl.generation import filter_logprobs, generate, sample_tokens
@@ -24,16 +24,6 @@ from mlxrl.models.lora import apply_lora
 from mlxrl.shared_prompt import repeated_logprobs, shared_prompt_logprobs
 
 TOL = 1e-4
-
-
-def picture(w, h, seed):
-    rng = np.random.default_rng(seed)
-    img = Image.new("RGB", (w, h), tuple(int(c) for c in rng.integers(0, 255, 3)))
-    d = ImageDraw.Draw(img)
-    for _ in range(3):
-        x0, y0 = rng.integers(0, w // 2), rng.integers(0, h // 2)
-        d.rectangle([x0, y0, x0 + w // 3, y0 + h // 3], fill=tuple(int(c) for c in rng.integers(0, 255, 3)))
-    return img
 
 
 def chat(processor, n_images, text):
