@@ -286,3 +286,32 @@ class CausalLMHead:
         from mlx_lm.models.cache import KVCache
 
         return [KVCache() for _ in self.language_model.layers]
+
+
+# ---------------------------------------------------------------------------------------- memory model
+# What one decoder layer keeps for its backward (the planner's model; measured on MLX 0.32, CPU): the
+# norm inputs / outputs, q / k / v before and after q/k-norm and rotary, the attention output, gate /
+# up / silu / product, per token; and ~1.25 [H, L, L] score tensors per sequence (MLX's attention with
+# a mask is unfused on the CPU and keeps the probabilities).
+SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
+SCORE_COPIES = 1.25
+
+
+def layer_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int, kv_heads: int, tokens: int,
+                      scores: int, elem: int) -> float:
+    """Bytes one decoder layer keeps for its backward: `tokens` positions, `scores` attention-score
+    elements per head (B L^2 for B rows of L), `elem` bytes per element."""
+    k = SAVED_PER_TOKEN
+    per_token = k["D"] * hidden + k["I"] * intermediate + k["Q"] * heads * head_dim + k["KV"] * kv_heads * head_dim
+    return elem * tokens * per_token + elem * SCORE_COPIES * heads * scores
+
+
+def lora_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int, tokens: int, rank: int,
+                     elem: int, dropout: bool) -> float:
+    """What LoRA adds to a layer: with dropout each adapted layer's dropped-out input, and x A ([n, r]) per
+    adapter (seven projections); on a bf16 base (`elem` != 4) each adapted input's float32 cast (the
+    float32 adapters' x @ A) instead."""
+    inputs = 5 * hidden + heads * head_dim + intermediate  # q, k, v, gate, up see D; o sees H*hd; down sees I
+    if elem != 4:
+        return 4 * tokens * (inputs + 7 * 2 * rank)
+    return elem * tokens * ((inputs if dropout else 0) + 7 * 2 * rank)

@@ -14,12 +14,11 @@ from .. import runtime
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
+from ..models.language import SCORE_COPIES, layer_saved_bytes, lora_saved_bytes
 from .report import GB, MB, Plan, Row, count, dtype_bytes, fmt  # noqa: F401  (GB, MB, fmt: the package's API)
 from .suggest import suggest_change
 
 # measured coefficients (see the module docstring)
-SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
-SCORE_COPIES = 1.25
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
 GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
@@ -167,10 +166,8 @@ class Shape:
 
 
 def _layer_saved(a: Arch, sh: Shape, s: int) -> float:
-    """Bytes one decoder layer keeps for backward (no checkpointing)."""
-    k = SAVED_PER_TOKEN
-    per_token = k["D"] * a.D + k["I"] * a.I + k["Q"] * a.heads * a.head_dim + k["KV"] * a.kv_heads * a.head_dim
-    return s * sh.tokens * per_token + s * SCORE_COPIES * a.heads * sh.scores
+    """Bytes one decoder layer keeps for backward (no checkpointing): the decoder's own model."""
+    return layer_saved_bytes(a.D, a.I, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s)
 
 
 def lora_dropout(args, trainer: str = "sft") -> float:
@@ -181,14 +178,10 @@ def lora_dropout(args, trainer: str = "sft") -> float:
 
 
 def _lora_extra(a: Arch, args, n: int, s: int, trainer: str = "sft") -> float:
-    """LoRA with dropout keeps each adapted layer's dropped-out input, and x A ([n, r]) per adapter; on a
-    bf16 base each adapted input's float32 cast."""
+    """What LoRA adds to each layer (`models.language.lora_saved_bytes`)."""
     if not getattr(args, "use_peft", False):
         return 0.0
-    inputs = 5 * a.D + a.heads * a.head_dim + a.I  # q, k, v, gate, up see D; o sees H*hd; down sees I
-    if s != 4:  # float32 adapters on a bf16 base: x @ A casts each adapted input to float32 and keeps it
-        return 4 * n * (inputs + 7 * 2 * args.lora_r)
-    return s * n * ((inputs if lora_dropout(args, trainer) > 0 else 0) + 7 * 2 * args.lora_r)
+    return lora_saved_bytes(a.D, a.I, a.heads, a.head_dim, n, args.lora_r, s, lora_dropout(args, trainer) > 0)
 
 
 def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: str = "sft") -> float:
