@@ -174,22 +174,23 @@ def test_graph_path_bf16_prediction_within_15_percent(trainer, cls, name, kw, sh
 
 # Images (the embedded Qwen3-VL; `measure` builds rows with noise pictures of image_size pixels and the
 # real Qwen tokenizer): the vision tower's term and the image tokens in the decoder
-IMAGE_CASES = [
-    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2), 1, {}),
-    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2, use_peft=True), 2, {}),
-    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=1, gradient_checkpointing=False), 2, {}),
-    ("dpo", DPOConfig, dict(max_length=64, per_device_train_batch_size=1), 1, {}),
+IMAGE_CASES = [  # the last field: also checked in bf16 on the graph path
+    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2), 1, {}, True),
+    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=2, use_peft=True), 2, {}, False),
+    ("sft", SFTConfig, dict(max_length=64, per_device_train_batch_size=1, gradient_checkpointing=False), 2, {},
+     False),
+    ("dpo", DPOConfig, dict(max_length=64, per_device_train_batch_size=1), 1, {}, True),
     ("grpo", GRPOConfig, dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=16,
-                              use_peft=True), 1, {"prompt_length": 64}),
+                              use_peft=True), 1, {"prompt_length": 64}, True),
 ]
 
 
 @pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("trainer,cls,kw,images,shape", IMAGE_CASES)
-def test_prediction_with_images_within_15_percent(trainer, cls, kw, images, shape, graph, monkeypatch):
-    if graph:  # the graph path in bf16: only the GRPO case (see README for the SFT bf16 + images gap)
-        if trainer != "grpo":
-            pytest.skip("calibrated on the graph path for GRPO + images only")
+@pytest.mark.parametrize("trainer,cls,kw,images,shape,on_graph", IMAGE_CASES)
+def test_prediction_with_images_within_15_percent(trainer, cls, kw, images, shape, on_graph, graph, monkeypatch):
+    if graph:  # the graph path in bf16 (README states the bf16 SFT LoRA + images gap)
+        if not on_graph:
+            pytest.skip("not calibrated in bf16 on the graph path (README: known gaps)")
         from mlxrl.cpu import native
 
         monkeypatch.setattr(native, "load", lambda: None)
