@@ -223,3 +223,26 @@ def test_term_watchdog_exits_only_a_rank_still_in_the_loop(case, tmp_path):
     else:
         assert res.returncode == 2 and "still running" not in res.stdout, res.stderr[-2000:]
         assert res.stderr.strip().startswith("error: lost another rank (terminated by the launcher")
+
+
+def test_qlora_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
+    """LoRA over a 4-bit base on 2 ranks: each rank quantizes the same base (deterministically), the adapter
+    gradients are summed over the ranks: the same losses and adapter as one process with the whole batch."""
+    folder = tiny_checkpoint("qwen3")
+    data = tmp_path / "rows.jsonl"
+    write_rows(data)
+    quant = {"load_in_4bit": "true", "lora_r": 8, "lora_dropout": 0, "save_steps": 0}  # dropout masks are per rank
+    one = subprocess.run([sys.executable, "-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "one", 4, **quant)],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert "4.50 bits/parameter" in one.stdout + one.stderr
+    two = launch(2, ["-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "two", 2, **quant)])
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert "2 data-parallel ranks" in two.stdout
+    losses = lambda d: [e["loss"] for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")  # adapter_model.safetensors
+    assert a and a.keys() == b.keys() and all("lora_" in k for k in a)
+    assert any(np.abs(a[k]).max() > 0 for k in a if "lora_B" in k)  # it trained (B starts at zero)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
