@@ -340,3 +340,13 @@ def test_demo_learns_through_compiled_steps(tmp_path):
     out = run_demo(SFTConfig(output_dir=str(tmp_path / "demo"), disable_tqdm=True), {"output_dir", "disable_tqdm"})
     assert out["after"] >= 0.9 and out["compiled_steps"] >= 1 and out["batch_shapes"] <= 5, out
 
+
+
+def test_fewer_batches_than_accumulation_steps_is_one_error(tmp_path):
+    """An epoch with no whole accumulation group is refused (it once looped over empty epochs forever)."""
+    model, processor = mlxrl.load_default()
+    args = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                     num_train_epochs=1, disable_tqdm=True)
+    trainer = SFTTrainer(model, processor, args, train_dataset=make_vqa(8, seed=0))
+    with pytest.raises(ValueError, match=r"fewer batches \(1\) than gradient_accumulation_steps \(4\)"):
+        trainer.train()

@@ -352,7 +352,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         mx.reset_peak_memory()
         while self.global_step < total:
             if not self._epoch_done():
-                with source.open(self.epoch, self.batch_in_epoch, accum) as items:
+                with source.open(self.epoch, self.batch_in_epoch, self._epoch_usable(), accum) as items:
                     while self.global_step < total:
                         group = [next(items) for _ in range(accum)]
                         window["metrics"].extend(source.pop_metrics())
@@ -378,7 +378,10 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def _epoch_usable(self) -> int:
         """Micro-batches the current epoch trains on (a dataset drops its last partial group)."""
         n, accum = self.source.epoch_length(self.epoch), self.args.gradient_accumulation_steps
-        return n // accum * accum if self.source.drops_remainder else n
+        usable = n // accum * accum if self.source.drops_remainder else n
+        if usable == 0:
+            raise ValueError(f"fewer batches ({n}) than gradient_accumulation_steps ({accum})")
+        return usable
 
     def _epoch_done(self) -> bool:
         return self.batch_in_epoch >= self._epoch_usable()

@@ -15,7 +15,8 @@ The interface (duck-typed):
 
     epoch_length(epoch) -> int          micro-batches in that epoch (the logged epoch's denominator)
     drops_remainder: bool               an epoch ends at a multiple of gradient_accumulation_steps
-    open(epoch, position, accum)        a context manager yielding micro-batches from that place on
+    open(epoch, start, stop, accum)     a context manager yielding the epoch's micro-batches from start
+                                        (a dataset stops at stop; generation rounds go on)
     pop_metrics() -> list[dict]         metrics the source measured since the last call (logged)
     state_dict() / load_state_dict(d)   numpy arrays a checkpoint needs to resume exactly here
 """
@@ -49,12 +50,8 @@ class DatasetSource:
         return len(self.batches(epoch))
 
     @contextlib.contextmanager
-    def open(self, epoch: int, position: int, accum: int) -> Iterator[Iterator[dict]]:
-        batches = self.batches(epoch)
-        usable = len(batches) // accum * accum
-        if usable == 0:
-            raise ValueError(f"fewer batches ({len(batches)}) than gradient_accumulation_steps ({accum})")
-        todo = batches[position:usable]
+    def open(self, epoch: int, start: int, stop: int, accum: int) -> Iterator[Iterator[dict]]:
+        todo = self.batches(epoch)[start:stop]
         # data preparation (collating, decoding and resizing images) runs ahead on a worker thread, at
         # most `depth` batches ahead so it cannot pile up memory
         with Prefetcher(lambda: map(_prepare, todo), depth=max(2, accum + 1)) as ready:
@@ -100,8 +97,8 @@ class GenerationRounds:
         return self.length
 
     @contextlib.contextmanager
-    def open(self, epoch: int, position: int, accum: int):
-        yield self._stream(epoch * self.length + position)
+    def open(self, epoch: int, start: int, stop: int, accum: int):
+        yield self._stream(epoch * self.length + start)  # on into the next epoch: a step may span two
 
     def _stream(self, micro: int):
         while True:
