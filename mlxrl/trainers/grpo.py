@@ -61,7 +61,7 @@ from ..models.reference import adapters_disabled, frozen_copy
 from ..tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
 from .engine import Trainer, step_seed
 from .grpo_config import GRPOConfig, check_grpo_config, resolve_batching
-from .rewards import RewardError, _first_line, check_reward_signature, load_reward_func, reward_values
+from .rewards import RewardError, check_reward_signature, first_line, load_reward_func, reward_values
 from .sources import GenerationRounds
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
@@ -168,7 +168,7 @@ class GRPOTrainer(Trainer):
             text = self.processor.apply_chat_template(messages, **kw)
         except Exception as e:  # jinja's errors for what the template cannot render
             raise DataError(f"row {index}: the chat template cannot render its prompt ({type(e).__name__}: "
-                            f"{_first_line(e)})") from None
+                            f"{first_line(e)})") from None
         return text, ordered, messages
 
     def _round_indices(self, round_index: int) -> tuple[list[int], int, int]:
@@ -208,7 +208,7 @@ class GRPOTrainer(Trainer):
 
                     values = asyncio.run(values)
             except Exception as e:
-                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {_first_line(e)} (step "
+                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)} (step "
                                  f"{self.global_step + 1}; MLXRL_DEBUG=1 shows the traceback)") from e
             out[:, k] = reward_values(values, name, len(prompts))
         unscorable = np.isnan(out).all(axis=1)

@@ -49,14 +49,14 @@ def load_reward_func(spec: str):
                          f"({e.msg})") from e
     except Exception as e:  # the module's own code failed while importing
         raise RewardError(f"reward function {spec!r}: importing {mod_name!r} raised {type(e).__name__}: "
-                         f"{_first_line(e)}") from e
+                         f"{first_line(e)}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
