@@ -15,7 +15,7 @@ from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
 from ..models.language import SCORE_COPIES, layer_saved_bytes, lora_saved_bytes
-from .report import GB, MB, Plan, Row, count, dtype_bytes, fmt  # noqa: F401  (GB, MB, fmt: the package's API)
+from .report import Plan, Row, count, dtype_bytes, fmt
 from .suggest import suggest_change
 
 # measured coefficients (see the module docstring)
