@@ -30,10 +30,10 @@ The repeated forward (`repeated_logprobs`) is the reference and the "sharing off
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .generation import continue_positions, is_vl, prompt_positions, repeat_prompts
 from .losses.head import head_logprobs
+from .models import dropout
 from .models.language import attention_mask_for
 from .models.vl import merge_image_features
 from .tokens import IGNORE_INDEX
@@ -134,11 +134,8 @@ def shared_prompt_hidden(
         return hp, hc
 
     for i, layer in enumerate(lm.layers):
-        if lm.gradient_checkpointing:
-            fn = nn.utils.checkpoint(layer, lambda *a, _l=layer: run_layer(_l, *a))
-            hp, hc = fn(hp, hc, cos_p, sin_p, cos_c, sin_c)
-        else:
-            hp, hc = run_layer(layer, hp, hc, cos_p, sin_p, cos_c, sin_c)
+        fn = dropout.keyed(layer, lambda *a, _l=layer: run_layer(_l, *a), checkpoint=lm.gradient_checkpointing)
+        hp, hc = fn(hp, hc, cos_p, sin_p, cos_c, sin_c)
         if deepstack is not None and i < len(feats):
             hp = hp + mx.where(vis_mask[..., None], feats[i][vis_idx].astype(hp.dtype), 0)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import native
+from . import attention, native
 
 LOG2E = 1.4426950408889634
 MAGIC = 12582912.0  # 1.5 * 2**23: t + MAGIC rounds t (|t| < 2**22) to an integer in the low mantissa bits
@@ -121,23 +121,7 @@ def logsumexp(x: mx.array, axis: int = -1, keepdims: bool = False) -> mx.array:
     return out if keepdims else out.squeeze(axis)
 
 
-CAUSAL_BLOCK = 256  # query rows per block of the causal attention
-
-
-def _causal_attention(q, k, v, kernels):
-    """softmax(q k^T, causal) v for scaled q [..., L, D], k / v [..., S, D] (L <= S), with the mask
-    inside the native softmax (no mask pass; masked keys are never exp'd, their VJP is 0) and the
-    queries in blocks of CAUSAL_BLOCK rows that each score only the keys they can see: at L = S =
-    1024 the scores, softmax and both matmuls do 3/4 of the full square's work."""
-    L, S = q.shape[-2], k.shape[-2]
-    outs = []
-    for r0 in range(0, L, CAUSAL_BLOCK):
-        r1 = min(L, r0 + CAUSAL_BLOCK)
-        seen = r1 + S - L  # keys 0 .. seen-1: the block's last query sees up to key seen - 1
-        kb, vb = (k, v) if seen == S else (k[..., :seen, :], v[..., :seen, :])
-        qb = q if (r0, r1) == (0, L) else q[..., r0:r1, :]
-        outs.append(kernels.softmax(qb @ kb.swapaxes(-1, -2), causal=True) @ vb)
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-2)
+CAUSAL_BLOCK = 256  # query rows per block of the causal attention (`mlxrl.cpu.attention`)
 
 
 def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.array:
@@ -159,9 +143,10 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
     if rep > 1:  # [B, Hkv, rep, L, D] against [B, Hkv, 1, S, D]: no copies of k and v
         q = q.reshape(B, Hkv, rep, L, D)
         k, v = k[:, :, None], v[:, :, None]
-    if isinstance(mask, str) and mask == "causal" and L <= S:  # the mask inside the softmax and its VJP
-        out = _causal_attention(q, k, v, kernels_for(q))
-        return out.reshape(B, Hq, L, D) if rep > 1 else out
+    if isinstance(mask, str) and mask == "causal" and L <= S:  # blocks of queries, the mask inside the softmax
+        out = attention.causal_attention(q.reshape(B, Hkv, rep, L, D), k.reshape(B, Hkv, S, D),
+                                         v.reshape(B, Hkv, S, D), kernels_for(q), CAUSAL_BLOCK)
+        return out.reshape(B, Hq, L, D)
     scores = q @ k.swapaxes(-1, -2)
     if isinstance(mask, str):
         if mask != "causal":

@@ -239,6 +239,15 @@ class Prefetcher:
         self.close()
 
 
+def right_padded(attention_mask: np.ndarray) -> bool:
+    """Whether every row is its real tokens followed by padding only. Then a causal mask alone gives every
+    real position exactly what the padding mask would (a real query sees no key after it, so no padding),
+    and a batch may leave its `attention_mask` out: the model then attends with "causal", which the CPU
+    kernels and MLX's fused attention run in blocks (no [L, L] mask array, causal work halved)."""
+    mask = np.asarray(attention_mask) != 0
+    return bool(np.all(mask[:, 1:] <= mask[:, :-1]))
+
+
 def quarter_octave(n: int, minimum: int = 16) -> int:
     """The smallest of four sizes per doubling that holds n (>= minimum): at most ~25% padding,
     and few distinct shapes for the compiled step."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..tokens import IGNORE_INDEX
-from .batches import default_buckets, fit_bucket
+from .batches import default_buckets, fit_bucket, right_padded
 from .formats import (
     DataError,
     chatml,
@@ -260,10 +260,12 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
         seq_weights = np.zeros_like(seq_mask)
         seq_weights[seq_of, np.arange(rows.size)] = w
     counts = np.array([int(m.sum()) for _, m in seqs], np.float32)
-    out = {"input_ids": ids, "attention_mask": mask, "rows": padded_rows, "targets": targets,
+    out = {"input_ids": ids, "rows": padded_rows, "targets": targets,
            "seq_weights": seq_weights, "seq_mask": seq_mask,
            "chosen_counts": counts[:b], "rejected_counts": counts[b:],
            "num_tokens": int(mask.sum()), "num_pairs": b, "example_ids": [e.index for e in examples]}
+    if padding_free or not right_padded(mask):  # else causal attention is exact (`right_padded`)
+        out["attention_mask"] = mask
     if padding_free:
         out["segment_ids"] = seg
     pixels = [e.pixel_values for e in examples if e.pixel_values is not None]

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cpu import fastmath
+from . import dropout
 
 
 @dataclass
@@ -248,9 +249,12 @@ class LanguageModel(nn.Module):
             idx = mx.maximum(mx.cumsum(vis_mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(vis_mask.shape)
         caches = cache if cache is not None else [None] * len(self.layers)
         for i, (layer, c) in enumerate(zip(self.layers, caches, strict=True)):
-            if self.gradient_checkpointing and c is None:
-                # recompute the layer in backward; mask may be the string "causal", so close over it
-                h = nn.utils.checkpoint(layer, lambda x, c_, s_, _l=layer: _l(x, c_, s_, mask))(h, cos, sin)
+            if c is None:
+                # one dropout key per layer call; with checkpointing the layer is recomputed in backward
+                # with the same masks (`dropout.keyed`); mask may be the string "causal", so close over it
+                run = dropout.keyed(layer, lambda x, c_, s_, _l=layer: _l(x, c_, s_, mask),
+                                    checkpoint=self.gradient_checkpointing)
+                h = run(h, cos, sin)
             else:
                 h = layer(h, cos, sin, mask, c)
             if deepstack is not None and i < len(feats):

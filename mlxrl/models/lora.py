@@ -28,6 +28,7 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
 from ..hub import MlxrlError
+from .dropout import Dropout
 
 # PEFT's "all-linear" for a Qwen decoder (the LM head excluded)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,7 +115,10 @@ def _wrap(model, paths, *, r, alpha, dropout, use_dora, use_rslora=False):
     model.freeze()
     cls = QDoRALinear if use_dora else LoRALinear
     scale = alpha / (math.sqrt(r) if use_rslora else r)
-    _set_modules(model, [(p, cls.from_base(_get(model, p), r=r, dropout=dropout, scale=scale)) for p in paths])
+    layers = [(p, cls.from_base(_get(model, p), r=r, dropout=dropout, scale=scale)) for p in paths]
+    for _, layer in layers:  # masks replayed by a checkpointed layer's recomputation (`models.dropout`)
+        layer.dropout = Dropout(dropout)
+    _set_modules(model, layers)
     # a plain attribute (not a child of the module tree, which would treat the dict as parameters)
     cfg = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "use_dora": use_dora, "use_rslora": use_rslora,
            "target_modules": sorted({p.split(".")[-1] for p in paths}), "paths": list(paths)}

@@ -55,9 +55,11 @@ def accumulate(total, grads):
 
 
 def hidden_rows(model, batch: dict) -> mx.array:
-    """Hidden states [R, D] at the scored positions `batch["rows"]` (the trunk up to the final norm)."""
-    kw = {k: batch[k] for k in ("segment_ids", "pixel_values", "image_grid_thw", "vision_meta") if k in batch}
-    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], return_hidden=True, **kw)
+    """Hidden states [R, D] at the scored positions `batch["rows"]` (the trunk up to the final norm); a
+    batch without `attention_mask` is right-padded (`data.batches.right_padded`) and attends causally."""
+    kw = {k: batch[k] for k in ("attention_mask", "segment_ids", "pixel_values", "image_grid_thw", "vision_meta")
+          if k in batch}
+    hidden = model(input_ids=batch["input_ids"], return_hidden=True, **kw)
     return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
 
 

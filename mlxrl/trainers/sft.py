@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..data.batches import quarter_octave
+from ..data.batches import quarter_octave, right_padded
 from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
@@ -89,10 +89,11 @@ class SFTTrainer(Trainer):
         padded_targets = np.full(n_rows, IGNORE_INDEX, np.int32)
         padded_targets[: rows.size] = flat[rows]
         out = {"input_ids": np.asarray(batch.input_ids, np.int32),
-               "attention_mask": np.asarray(batch.attention_mask, np.int32),
                "rows": padded_rows, "targets": padded_targets,
                "num_tokens": int(np.asarray(batch.attention_mask).sum()), "trained_tokens": int(rows.size),
                "example_ids": list(batch.example_ids)}
+        if seg is not None or not right_padded(batch.attention_mask):  # else causal attention is exact
+            out["attention_mask"] = np.asarray(batch.attention_mask, np.int32)
         if seg is not None:
             out["segment_ids"] = np.asarray(seg, np.int32)
         if batch.pixel_values is not None:

@@ -243,6 +243,7 @@ mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_softmax_op(const mx::array& x, bool causal = false, mx::StreamOrDevice s = {});
 mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, mx::StreamOrDevice s = {});
+mx::array dropout_op(const mx::array& x, const mx::array& key, float keep, mx::StreamOrDevice s = {});
 
 class FastExp : public Unary {
  public:
@@ -632,6 +633,80 @@ std::vector<mx::array> fused_head_op(const mx::array& h, const mx::array& weight
       {dense(h), dense(weight), dense(t), dense(w)});
 }
 
+
+// ------------------------------------------------------------------------------------- dropout
+
+// Dropout with a counter-based mask: element i is kept when hash(i, key) < keep * 2^32, so the mask is
+// a pure function of (key, i) and the VJP (the cotangent through the same mask) needs no saved mask.
+// The hash is a 32-bit integer finalizer (xor-shift-multiply, "lowbias32") of i mixed with the key's
+// two words: vectorisable, and uniform enough that the kept fraction matches keep to ~1e-4 on 1M draws.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+class Dropout : public CpuPrimitive {
+ public:
+  Dropout(mx::Stream s, float keep) : CpuPrimitive(s), keep_(keep) {}
+  const char* name() const override { return "MlxrlDropout"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& in = inputs[0];
+    const auto& key = inputs[1];
+    auto& out = outputs[0];
+    allocate_like(in, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(in);
+    encoder.set_input_array(key);
+    encoder.set_output_array(out);
+    const double limit = std::min(4294967295.0, std::floor(double(keep_) * 4294967296.0));
+    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), n = in.size(), k = key.data<uint32_t>(),
+                      threshold = static_cast<uint32_t>(limit), scale = 1.0f / keep_]() {
+      const uint32_t k0 = mix32(k[0] ^ 0x9e3779b9U), k1 = k[1];
+      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+        for (size_t i = b; i < e; ++i) {
+          uint32_t h = mix32(static_cast<uint32_t>(i) * 0x9e3779b1U + k0) ^ k1;
+          h = mix32(h + static_cast<uint32_t>(i >> 32));
+          dst[i] = h < threshold ? src[i] * scale : 0.0f;
+        }
+      });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> out;
+    for (int a : argnums)
+      out.push_back(a == 0 ? dropout_op(cotangents[0], primals[1], keep_, stream())
+                           : mx::zeros_like(primals[1], stream()));
+    return out;
+  }
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>&) override {
+    return {dropout_op(tangents[0], primals[1], keep_, stream())};
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const Dropout&>(other).keep_ == keep_;
+  }
+
+ private:
+  float keep_;
+};
+
+mx::array dropout_op(const mx::array& x, const mx::array& key, float keep, mx::StreamOrDevice s) {
+  auto stream = cpu_stream({&x}, s);
+  if (key.dtype() != mx::uint32 || key.size() != 2) throw std::invalid_argument("dropout's key is a uint32[2] array.");
+  if (!(keep > 0.0f && keep <= 1.0f)) throw std::invalid_argument("dropout keeps a fraction in (0, 1].");
+  return mx::array(x.shape(), mx::float32, std::make_shared<Dropout>(stream, keep),
+                   {dense(x, stream), dense(key, stream)});
+}
+
 template <class P>
 mx::array make_unary(const mx::array& x, mx::StreamOrDevice s) {
   auto stream = cpu_stream({&x}, s);
@@ -667,6 +742,9 @@ NB_MODULE(_cpu_math, m) {
   m.def("softmax", [](const mx::array& x, bool causal) { return fast_softmax_op(x, causal); }, nb::arg("x"),
         nb::arg("causal") = false,
         "Softmax over the last axis; causal: x is [..., L, S] scores and query i sees keys j <= i + S - L.");
+  m.def("softmax_grad", [](const mx::array& y, const mx::array& g, bool causal) { return softmax_grad_op(y, g, causal); },
+        nb::arg("y"), nb::arg("g"), nb::arg("causal") = false,
+        "The softmax's VJP from its output y and cotangent g: y (g - sum(g y, -1)) (causal as softmax).");
   m.def("adamw_step", &adamw_step_op, nb::arg("g"), nb::arg("w"), nb::arg("m"), nb::arg("v"), nb::arg("hyper"),
         nb::arg("weight_decay"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
         "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
@@ -676,5 +754,8 @@ NB_MODULE(_cpu_math, m) {
         nb::arg("inv_t"), nb::arg("mode"), nb::arg("chunk_rows"), nb::arg("with_entropy"), nb::arg("weight_grad"),
         "The LM head and a token-separable loss (mode 0 nll, 1 dft) over row chunks: (loss, logp, entropy, "
         "argmax, d_hidden, d_weight), the gradients of loss = sum w_i l_i.");
+  m.def("dropout", [](const mx::array& x, const mx::array& key, float keep) { return dropout_op(x, key, keep); },
+        nb::arg("x"), nb::arg("key"), nb::arg("keep"),
+        "x * mask / keep with mask_i = hash(key, i) < keep (a uint32[2] key: the same key, the same mask).");
   m.def("threads", &worker_count);
 }

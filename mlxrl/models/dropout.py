@@ -1,0 +1,80 @@
+"""Dropout whose mask is a function of an explicit key, so a checkpointed layer's recomputation in the
+backward drops the same elements as its forward did.
+
+`nn.utils.checkpoint` recomputes a layer in the backward by calling it again. MLX's `nn.Dropout` draws its
+mask from the global random state at call time, so the recomputed layer (and the gradient built from it)
+saw a different mask than the forward that produced the loss: with LoRA dropout and gradient
+checkpointing (both defaults) the gradient was not the loss's. PyTorch's checkpoint restores the RNG state
+for the same reason. Here `keyed` draws one key per layer call outside the checkpointed function and
+passes it in as an input; inside, every `Dropout` takes its key from that one in call order (`mx.random.split`),
+and the recomputation replays the same order, hence the same masks.
+
+On float32 CPU arrays the mask comes from the native kernel (`mlxrl.cpu.native`: a counter-based hash of
+the element index and the key, multi-threaded, and its VJP applies the same mask without keeping it);
+elsewhere from `mx.random.bernoulli` with that key, as `nn.Dropout` computes it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cpu import fastmath
+
+_KEYS: list[list[mx.array]] = []  # the keys of the checkpointed calls in progress (innermost last)
+
+
+def fresh_key() -> mx.array:
+    """A uint32[2] key drawn from MLX's global random state."""
+    return mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.int32).astype(mx.uint32)
+
+
+def _next_key() -> mx.array:
+    if not _KEYS:
+        return fresh_key()
+    cell = _KEYS[-1]
+    keys = mx.random.split(mx.stop_gradient(cell[0]))  # a key has no gradient (RandomBits has no VJP)
+    cell[0] = keys[0]
+    return keys[1]
+
+
+def keyed(module: nn.Module, fn, checkpoint: bool = False):
+    """`fn` (a call of `module`) run with one key for its `Dropout` masks, drawn per call; with `checkpoint`,
+    as `nn.utils.checkpoint(module, fn)` whose recomputation sees the same masks as the forward. The masks
+    are the same with and without checkpointing. In eval mode (no dropout) `fn` as it is."""
+    if not module.training:
+        return nn.utils.checkpoint(module, fn) if checkpoint else fn
+
+    def run(key, *args):
+        _KEYS.append([key])
+        try:
+            return fn(*args)
+        finally:
+            _KEYS.pop()
+
+    inner = nn.utils.checkpoint(module, run) if checkpoint else run
+    return lambda *args: inner(mx.stop_gradient(fresh_key()), *args)
+
+
+class Dropout(nn.Module):
+    """`nn.Dropout(p)` (zero each element with probability p, scale the rest by 1 / (1 - p), identity in
+    eval mode) with its key from the enclosing `keyed` call, or from the global random state outside one."""
+
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self._keep = 1.0 - p
+
+    def _extra_repr(self) -> str:
+        return f"p={1 - self._keep}"
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self._keep == 1.0 or not self.training:
+            return x
+        key = _next_key()
+        kernels = fastmath.kernels_for(x)
+        if kernels is not None:
+            return kernels.dropout(x, key, self._keep)
+        mask = mx.random.bernoulli(self._keep, x.shape, key=key)
+        return (mask * x) * (1 / self._keep)

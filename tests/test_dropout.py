@@ -1,0 +1,81 @@
+"""LoRA dropout under gradient checkpointing: the recomputed layer drops what the forward dropped.
+
+Against independent references: the same model without checkpointing (the gradient must not depend on
+it, as in PyTorch, whose checkpoint restores the RNG state), MLX's own `nn.Dropout` statistics (kept
+fraction, scale), and MLX's `nn.utils.checkpoint` + `nn.Dropout`, which this replaces because its
+gradient came from a different mask than its loss.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxrl.models import build_model
+from mlxrl.models.dropout import Dropout, keyed
+from mlxrl.models.lora import apply_lora
+
+CONFIG = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+
+
+def lora_grads(checkpointing: bool, seed: int = 3):
+    mx.random.seed(0)
+    model = build_model(CONFIG)
+    apply_lora(model, r=4, alpha=8, dropout=0.3)
+    for _, p in tree_flatten(model.trainable_parameters()):  # lora_b starts at 0: give it values
+        p[...] = mx.random.normal(p.shape) * 0.1
+    model.train()
+    model.language_model.gradient_checkpointing = checkpointing
+    ids = mx.array(np.random.default_rng(0).integers(0, 64, (2, 12)), mx.int32)
+    w = mx.random.normal((2, 12, 32))
+    mx.random.seed(seed)
+    loss, grads = nn.value_and_grad(model, lambda m: (m(input_ids=ids, return_hidden=True) * w).sum())(model)
+    return loss, dict(tree_flatten(grads))
+
+
+def test_checkpointing_keeps_the_dropout_masks(kernel_path):
+    """With LoRA dropout 0.3 the loss and every LoRA gradient are the same with and without gradient
+    checkpointing (the same seed), and another seed changes them (the masks are really drawn)."""
+    loss_off, off = lora_grads(False)
+    loss_on, on = lora_grads(True)
+    np.testing.assert_allclose(loss_on.item(), loss_off.item(), rtol=1e-5)
+    assert off.keys() == on.keys() and len(off) == 2 * 7 * 2
+    for name in off:
+        np.testing.assert_allclose(np.array(on[name]), np.array(off[name]), rtol=1e-4, atol=1e-6, err_msg=name)
+    loss_other, _ = lora_grads(True, seed=4)
+    assert abs(loss_other.item() - loss_on.item()) > 1e-3
+
+
+def test_mlx_checkpoint_redraws_the_mask():
+    """Why: MLX's checkpoint recomputes nn.Dropout with a new mask, so its gradient is not its loss's."""
+    x, w = mx.ones((1, 64)), mx.arange(64).astype(mx.float32)
+    drop = nn.Dropout(0.5)
+
+    def grad(fn):
+        mx.random.seed(0)
+        return np.array(mx.grad(lambda x: (fn(x) * w).sum())(x))
+
+    plain = grad(drop)
+    assert not np.array_equal(grad(mx.checkpoint(drop)), plain)
+    ours = Dropout(0.5)
+    np.testing.assert_array_equal(grad(keyed(ours, ours, checkpoint=True)), grad(keyed(ours, ours)))
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5])
+def test_dropout_statistics_and_eval_mode(kernel_path, p):
+    """Kept fraction 1 - p (within 5 sigma on 1M draws), kept values scaled by 1 / (1 - p) as nn.Dropout,
+    the VJP through the same mask, the identity in eval mode."""
+    x = mx.random.normal((1000, 1000))
+    drop = Dropout(p)
+    (y,), (g,) = mx.vjp(drop, [x], [mx.ones_like(x)])
+    kept = np.array(y != 0)
+    sigma = np.sqrt(p * (1 - p) / kept.size)
+    assert abs(kept.mean() - (1 - p)) < 5 * sigma
+    np.testing.assert_allclose(np.array(y)[kept], np.array(x)[kept] / (1 - p), rtol=1e-6)
+    np.testing.assert_array_equal(np.array(g) != 0, kept)
+    drop.eval()
+    assert drop(x) is x
