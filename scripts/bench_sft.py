@@ -194,6 +194,7 @@ def profile_ours(trainer, a) -> dict:
     from mlx.utils import tree_flatten
 
     from mlxrl.losses.head import head_logprobs
+    from mlxrl.trainers.engine import hidden_rows
 
     model = trainer.model
     make = trainer._batches_of(trainer.train_examples[: a.batch], 0, False, a.batch, lazy=True)[0]
@@ -210,12 +211,12 @@ def profile_ours(trainer, a) -> dict:
     num_items = mx.array(batch["trained_tokens"], dtype=mx.float32)
     state = [model.state, mx.random.state]
 
-    fwd = mx.compile(lambda arr: trainer.hidden_rows(model, arr), inputs=state, outputs=state)
+    fwd = mx.compile(lambda arr: hidden_rows(model, arr), inputs=state, outputs=state)
     res["trunk forward"], h = timeit(lambda: fwd(arrays))
     ct = mx.random.normal(h.shape) * 1e-3
     mx.eval(ct)
 
-    trunk_vg = nn.value_and_grad(model, lambda m, arr, c: (trainer.hidden_rows(m, arr) * c).sum())
+    trunk_vg = nn.value_and_grad(model, lambda m, arr, c: (hidden_rows(m, arr) * c).sum())
     trunk_step = mx.compile(lambda arr, c: trunk_vg(model, arr, c), inputs=state, outputs=state)
     res["trunk forward+backward"], grads = timeit(lambda: trunk_step(arrays, ct)[1])
 
