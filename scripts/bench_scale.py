@@ -1,0 +1,725 @@
+"""Real-scale benchmark: mlxrl vs TRL 1.16 vs mlx-lm 0.32's LoRA trainer, side by side, at the sizes users train.
+
+    python scripts/bench_scale.py --shapes qwen3-0.6b --modes lora --max_length 4096          # the LoRA table
+    python scripts/bench_scale.py --shapes qwen3-0.6b qwen3-1.7b --modes lora full --max_length 1024 4096
+    python scripts/bench_scale.py --shapes qwen3-0.6b --modes lora --quant 4 --max_length 4096  # + QLoRA (4-bit)
+    python scripts/bench_scale.py --shapes qwen3-vl-2b --modes lora --images 2 --image_px 448   # VL rows
+    python scripts/bench_scale.py --grpo                               # GRPO, TRL PR #2669's shape on 0.6B
+    python scripts/bench_scale.py --shapes qwen3-0.6b --layers 1 --max_length 128 --steps 1   # quick check
+    python scripts/bench_scale.py --grpo --layers 1 --prompt_length 64 --completion_length 8 --num_generations 2
+
+Checkpoints (random weights, real widths, depths and vocabulary; built offline with transformers in float32,
+saved with safetensors into `--ckpt_dir` and reused when present; `--layers N` cuts the text depth to N (and
+the vision depth to min(24, N), keeping the deepstack indexes below it, or the last block), widths kept):
+  qwen3-0.6b   Qwen3 text: 28 layers, hidden 1024, MLP 3072, 16/8 heads of 128, tied 151936 vocab (606M)
+  qwen3-1.7b   Qwen3 text: 28 layers, hidden 2048, MLP 6144, 16/8 heads of 128, tied 151936 vocab (1.7B)
+  qwen3-vl-2b  Qwen3-VL: text as qwen3-1.7b (mrope interleaved [24, 20, 20], rope_theta 5e6); vision depth 24,
+               hidden 1024, MLP 4096, 16 heads, patch 16, merge 2, temporal patch 2, out 2048, deepstack
+               [5, 11, 17]; the processor Qwen3-VL ships (min_pixels 256^2, max_pixels 4096^2, mean/std 0.5)
+
+Data: batch 1, one row of exactly `--max_length` real tokens trained at every step, identical on every side (a
+hash of the ids each side tokenized is printed; with one row, data order cannot differ, so the step-0 losses
+compare: LoRA's B starts at 0, so dropout does not touch step 0). The text row is bench_sft.py's: random English
+words, longer than max_length, truncated (keep_start) to it, every position trained. The VL row (qwen3-vl-2b):
+one user turn with `--images` random-noise images of `--image_px` square (448 -> 196 tokens each, 896 -> 784)
+first, then the same kind of words, truncated to max_length after the images; image tokens are labels too, as
+TRL's collator leaves them (ours does the same).
+
+Modes, the same on every side: `lora` (r 16, alpha 32 (mlx-lm: scale 2.0), dropout `--lora_dropout` (0.05,
+TRL's ModelConfig default), the seven projections q/k/v/o/gate/up/down of every language-model layer, lr
+`--lr_lora` 1e-4), `full` (every parameter, embedding and vision tower included; lr `--lr_full` 1e-5),
+`--quant 4|8` adds `qlora`: ours with load_in_4bit (8bit), group `--q_group_size` 64 (scales bfloat16;
+embedding / head stay float), mlx-lm with its `quantize_model` on the same checkpoint as `mlx_lm.convert`
+does (float32 scales here, since the checkpoint is float32; the tied embedding / head quantized too: MLX's CPU
+quantized matmul over the 151936-row head is slow; `--mlxlm_quant decoder` quantizes ours' set instead, the
+decoder linears only); TRL prints n/a (no bitsandbytes on CPU). Everywhere: float32 (TRL bf16=False),
+gradient checkpointing (TRL gradient_checkpointing=True, ours its default, mlx-lm grad_checkpoint=True), AdamW
+(betas 0.9/0.999, eps 1e-8, weight decay 0), linear decay to 0 over the run, no warm-up, seed 42, no saving, no
+evaluation, logging every step, torch 2 threads. Grad-norm clipping 1.0 on ours and TRL; mlx-lm's trainer has
+none. The QLoRA table puts the "qlora" row next to "lora" (the float base) on every side.
+
+Sides, each in its own subprocess:
+  ours     mlxrl.SFTTrainer (mlxrl.load; streamed LM head, compiled step, its defaults).
+  trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
+           AutoModelForCausalLM / Qwen3VLForConditionalGeneration; Qwen3VLProcessor with the PIL image
+           processor for VL: no torchvision here). Its process never imports mlxrl (see bench_sft.run_peak).
+  mlxlm    mlx_lm.tuner.trainer.train with its default loss (mlx_lm.utils.load_model on the same folder;
+           linear_to_lora_layers(rank 16, scale 2.0, dropout, keys = the seven projections, all layers);
+           full: model.unfreeze() (mlx-lm's CLI unfreezes the layers only; embedding and norms too here, as the
+           other sides train them)), rows tokenized with the same tokenizer files. Text only (no VL).
+           IMPORTANT: its process loads mlxrl's BLAS (`import mlxrl.cpu.blas`, which runs
+           `mlxrl.cpu.blas.setup_blas()`) BEFORE `mlx.core`: MLX's Linux CPU wheel otherwise runs a reference
+           BLAS ~30x slower. Nothing else of mlxrl is used there (no cache limit, no kernels).
+           mlx-lm pads a row to 1 + a multiple of 32 and its mask counts one target past the last token
+           (the padding), so on the same T-token row it forwards T tokens, as the others, and scores T
+           targets where ours and TRL score T - 1 (one LM-head row more, printed as "trained/step").
+
+Timing and memory: `--warmup` untimed steps (compilation, allocator, first touch), then s/step = median of
+`--steps` step-end to step-end intervals; tokens/s = real tokens per step / s per step. Peak RSS = the child's
+ru_maxrss, whole and above its size right before the model loads (after imports; rows made); MLX sides also
+`mx.get_peak_memory()` (reset after the model loads, so it includes the weights). MFU = model FLOPs per step /
+s per step / the fp32 GEMM peak measured in this run (bench_sft.py's: the best 2048^2 float32 matmul of MLX
+with mlxrl's BLAS or torch with 2 threads, best of 5, before and after the runs). Model FLOPs per step use
+bench_sft.model_flops (its docstring has the formula: projections, MLP, dense attention square, head on the
+trained rows, recomputed forward with checkpointing) split into trunk and head: full = 3 x (trunk + head);
+LoRA / QLoRA = 2 x (trunk + head) (no weight gradient for frozen weights) + 3 x the adapters' matmuls; both +
+one trunk (and adapter) forward for checkpointing; VL adds the vision tower's matmuls and attention (3x in full,
+1x in LoRA: nothing before it is trained). Our bucketed image patches (patch_buckets) are not counted.
+
+GRPO (`--grpo`, instead of SFT): TRL PR #2669's scaled shape on qwen3-0.6b: one prompt of `--prompt_length`
+2048 tokens per step, G = `--num_generations` 8 completions of at most `--completion_length` 256 tokens, LoRA as
+above (lr `--lr_lora`), float32, gradient checkpointing on, beta 0, loss dapo, temperature 1, one generation
+round + one optimizer step per step; ours with shared_prompt on and off vs TRL's GRPOTrainer (its transformers
+generate). Prompts, reward and the per-round timing are bench_grpo.py's (imported). No mlx-lm side.
+
+`--json out.json` writes every number. A side that fails (out of memory: the machine has 24 GB) is reported
+with its exit status and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+LORA_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEADS = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+             tie_word_embeddings=True)
+SHAPES = {  # name: (kind, hidden, MLP)
+    "qwen3-0.6b": ("text", 1024, 3072),
+    "qwen3-1.7b": ("text", 2048, 6144),
+    "qwen3-vl-2b": ("vl", 2048, 6144),
+}
+DEPTH, VISION_DEPTH, DEEPSTACK = 28, 24, (5, 11, 17)
+VL_PREPROCESSOR = dict(min_pixels=256 * 256, max_pixels=4096 * 4096, patch_size=16, temporal_patch_size=2,
+                       merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3, processor_class="Qwen3VLProcessor")
+
+
+def _script(name: str):
+    """A sibling script as a module (bench_sft, bench_grpo, tiny_checkpoints: stdlib-only at import)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SFT = _script("bench_sft")  # text_rows, model_flops, rss_gb, _peaks, _timed_trainer
+GRPO = _script("bench_grpo")  # reward_vowels, make_prompts, summarise, _args_common
+rss_gb = SFT.rss_gb
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def depths(layers: int | None) -> tuple[int, int, list[int]]:
+    """(text layers, vision blocks, deepstack indexes) for a --layers override (None: the real depths)."""
+    if not layers:
+        return DEPTH, VISION_DEPTH, list(DEEPSTACK)
+    vision = min(VISION_DEPTH, layers)
+    return layers, vision, [i for i in DEEPSTACK if i < vision] or [vision - 1]
+
+
+def ckpt_name(shape: str, layers: int | None) -> str:
+    return shape if not layers else f"{shape}-L{layers}"
+
+
+def build_checkpoint(s: dict) -> dict:
+    """Child: build and save one checkpoint (float32, safetensors, our tokenizer / chat template / VL processor)."""
+    import torch
+    import transformers as tf
+
+    tiny = _script("tiny_checkpoints")
+    sys.path.insert(0, str(ROOT))
+    from mlxrl.processing import (
+        QWEN3_VL_CHAT_TEMPLATE,
+        QWEN_CHAT_TEMPLATE,
+        ImageProcessor,
+        Processor,
+        build_qwen_tokenizer,
+    )
+
+    torch.set_num_threads(2)
+    kind, hidden, mlp = SHAPES[s["shape"]]
+    layers, vision_depth, deepstack = depths(s["layers"])
+    text = dict(HEADS, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, **tiny.TOKEN_IDS)
+    if kind == "text":
+        config = tf.Qwen3Config(**text, max_position_embeddings=40960,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+        cls, template, image_processor = tf.Qwen3ForCausalLM, QWEN_CHAT_TEMPLATE, None
+    else:
+        rope = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True}
+        text.update(max_position_embeddings=262144, rope_parameters=rope)
+        vision = dict(depth=vision_depth, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                      deepstack_visual_indexes=deepstack, hidden_act="gelu_pytorch_tanh", in_channels=3)
+        config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                  **tiny.VL_TOKEN_IDS, **tiny.TOKEN_IDS)
+        cls, template = tf.Qwen3VLForConditionalGeneration, QWEN3_VL_CHAT_TEMPLATE
+        image_processor = ImageProcessor.from_dict(VL_PREPROCESSOR)
+    config.dtype = torch.float32
+    torch.manual_seed(0)
+    model = cls(config).to(torch.float32).eval()  # transformers' init: Normal(0, 0.02), norms 1
+    model.tie_weights()
+    out = Path(s["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)  # safetensors
+    Processor(build_qwen_tokenizer(), image_processor, template).save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    (out / "bench_scale.json").write_text(json.dumps({"shape": s["shape"], "layers": s["layers"], "params": params}))
+    return {"params": params}
+
+
+# ---------------------------------------------------------------------------------------------- data
+def make_rows(s: dict) -> list[dict]:
+    """The rows of the run, the same in every child: one of bench_sft's text rows, or a VL row (images first,
+    then text), repeated once per step."""
+    n = s["steps"] + s["warmup"]
+    row = SFT.text_rows(1, s["max_length"])[0]
+    if s["vl"]:
+        import numpy as np
+        from PIL import Image
+
+        rng = np.random.default_rng(1)
+        images = [Image.fromarray(rng.integers(0, 256, (s["image_px"], s["image_px"], 3), dtype=np.uint8))
+                  for _ in range(s["images"])]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": row["text"]}]
+        row = {"messages": [{"role": "user", "content": content},
+                            {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}], "images": images}
+    return [row] * n  # one row every step: data order cannot differ between sides, step-0 losses compare
+
+
+def ids_hash(ids) -> str:
+    import numpy as np
+
+    return hashlib.sha1(np.asarray(ids, dtype=np.int64).reshape(-1).tobytes()).hexdigest()[:12]
+
+
+def _per_step(cumulative: list) -> list:
+    return [cumulative[0], *(y - x for x, y in zip(cumulative, cumulative[1:], strict=False))]
+
+
+# ---------------------------------------------------------------------------------------------- SFT children
+def run_ours(s: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft import SFTTrainer
+
+    rows = make_rows(s)
+    base = rss_gb()
+    model, processor = mlxrl.load(s["ckpt"])
+    kw = {}
+    if s["mode"] != "full":
+        kw = dict(use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=s["lora_dropout"])
+    if s["mode"] == "qlora":
+        kw.update({f"load_in_{s['bits']}bit": True, "q_group_size": s["q_group_size"]})
+    args = SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
+                     learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
+                     max_length=s["max_length"], gradient_checkpointing=True, seed=42, **kw)
+    stamps: list[float] = []
+    trainer = SFT._timed_trainer(SFTTrainer, stamps)(model, processor, args, train_dataset=rows)
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    trainer.train()
+    logs = [e for e in trainer.log_history if "loss" in e]
+    out = {"stamps": [t0, *stamps], "tokens": _per_step([e["num_tokens"] for e in logs]),
+           "loss": [e["loss"] for e in logs], "peak_rss_gb": rss_gb(), "base_rss_gb": base,
+           "mlx_peak_gb": mx.get_peak_memory() / 1e9,
+           "trainable": sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))}
+    try:  # internals that may move: best effort
+        first = trainer.train_examples[0]
+        out["row_hash"] = ids_hash(first.input_ids)
+        if first.image_grid_thw is not None:
+            out["grids"] = [[int(x) for x in g] for g in first.image_grid_thw]
+            out["image_tokens"] = int(sum(e - b for b, e in first.image_spans))
+        out["trained_per_step"] = sum(b["trained_tokens"] for b in trainer._batches_of([first], 0, False, 1))
+    except Exception as e:
+        out["note"] = f"row details unavailable: {e}"
+    return out
+
+
+def _hf_vl_processor(folder: str):
+    """transformers' Qwen3-VL processor with the PIL image processor and no video processor (that one needs
+    torchvision); imports transformers only (no mlxrl: torch keeps its own BLAS)."""
+    from transformers import AutoTokenizer, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class NoVideo(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, arg)
+
+    return NoVideo(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+                   tokenizer=AutoTokenizer.from_pretrained(folder), video_processor=None,
+                   chat_template=(Path(folder) / "chat_template.jinja").read_text())
+
+
+def _lora_config(s: dict, task_type: str = "CAUSAL_LM"):
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=s["lora_dropout"], target_modules=list(LORA_KEYS),
+                      bias="none", task_type=task_type)
+
+
+def run_trl(s: dict) -> dict:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    torch.set_num_threads(2)
+    rows = make_rows(s)
+    base = rss_gb()
+    if s["vl"]:
+        model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(s["ckpt"], dtype=torch.float32)
+        processing = _hf_vl_processor(s["ckpt"])
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(s["ckpt"], dtype=torch.float32)
+        processing = transformers.AutoTokenizer.from_pretrained(s["ckpt"])
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *args, **kw):
+            stamps.append(time.perf_counter())
+
+    args = SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
+                     learning_rate=s["lr"], logging_steps=1, save_strategy="no", report_to="none", bf16=False,
+                     use_cpu=True, gradient_checkpointing=True, max_length=s["max_length"], disable_tqdm=True,
+                     seed=42, dataloader_num_workers=0, optim="adamw_torch", max_grad_norm=1.0, weight_decay=0.0)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=processing,
+                         peft_config=_lora_config(s) if s["mode"] == "lora" else None, callbacks=[Stamp()])
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    t0 = time.perf_counter()
+    trainer.train()
+    peak = rss_gb()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    out = {"stamps": [t0, *stamps], "tokens": _per_step([e["num_tokens"] for e in logs]),
+           "loss": [e["loss"] for e in logs], "peak_rss_gb": peak, "base_rss_gb": base, "trainable": trainable}
+    batch = next(iter(trainer.get_train_dataloader()))  # after timing: the collated first row
+    out["row_hash"] = ids_hash(batch["input_ids"][0].tolist())
+    out["trained_per_step"] = int((batch["labels"][:, 1:] != -100).sum())
+    if "image_grid_thw" in batch:
+        out["grids"] = batch["image_grid_thw"].tolist()
+        out["image_tokens"] = int((batch["input_ids"][0] == model.config.image_token_id).sum())
+    return out
+
+
+class _Done(Exception):
+    """Raised by the mlx-lm callback after the last step: its train() would save the trainable weights."""
+
+
+def run_mlxlm(s: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import mlxrl.cpu.blas as blas  # noqa: I001  (mlxrl's BLAS, loaded BEFORE mlx.core: else a reference BLAS, ~30x slower)
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    import transformers
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.callbacks import TrainingCallback
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model, quantize_model
+
+    total, t = s["steps"] + s["warmup"], s["max_length"]
+    tok = transformers.AutoTokenizer.from_pretrained(s["ckpt"])
+    ids = [tok(r["text"], add_special_tokens=False)["input_ids"][:t] for r in make_rows(s)]
+    assert all(len(x) == t for x in ids), "a row is shorter than max_length"
+    base = rss_gb()
+    model, config = load_model(Path(s["ckpt"]))
+    if s["mode"] == "qlora":  # as mlx_lm.convert --quantize does (its default predicate: every divisible layer)
+        decoder = (lambda path, m: "embed_tokens" not in path) if s["mlxlm_quant"] == "decoder" else None
+        model, _ = quantize_model(model, config, group_size=s["q_group_size"], bits=s["bits"],
+                                  quant_predicate=decoder)
+    model.freeze()
+    if s["mode"] == "full":
+        model.unfreeze()
+    else:
+        linear_to_lora_layers(model, len(model.layers), {"rank": 16, "scale": 2.0, "dropout": s["lora_dropout"],
+                                                         "keys": [f"self_attn.{k}" for k in LORA_KEYS[:4]]
+                                                         + [f"mlp.{k}" for k in LORA_KEYS[4:]]})
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    opt = optim.AdamW(learning_rate=optim.linear_schedule(s["lr"], 0.0, total), betas=[0.9, 0.999], eps=1e-8,
+                      weight_decay=0.0)
+    stamps, losses, trained = [], [], []
+
+    class Stamp(TrainingCallback):
+        def on_train_loss_report(self, info):
+            stamps.append(time.perf_counter())
+            losses.append(info["train_loss"])
+            trained.append(info["trained_tokens"])
+            if info["iteration"] >= total:
+                raise _Done
+
+    targs = TrainingArgs(batch_size=1, iters=total, steps_per_report=1, steps_per_save=total + 1,
+                         max_seq_length=t + 1, grad_checkpoint=True,
+                         adapter_file=str(Path(s["out"]) / "adapters.safetensors"))
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    try:
+        train(model, opt, [(x, 0) for x in ids], args=targs, training_callback=Stamp())
+    except _Done:
+        pass
+    return {"stamps": [t0, *stamps], "tokens": [t] * len(stamps), "loss": losses, "peak_rss_gb": rss_gb(),
+            "base_rss_gb": base, "mlx_peak_gb": mx.get_peak_memory() / 1e9, "trainable": trainable,
+            "row_hash": ids_hash(ids[0]), "trained_per_step": _per_step(trained)[-1], "blas": blas.BLAS_IN_USE}
+
+
+# ---------------------------------------------------------------------------------------------- GRPO children
+def _grpo_common(s: dict) -> dict:
+    ns = argparse.Namespace(steps=s["steps"], warmup=s["warmup"], num_generations=s["G"],
+                            completion_length=s["C"])
+    return {**GRPO._args_common(ns), "learning_rate": s["lr"], "gradient_checkpointing": True}
+
+
+def run_grpo_ours(s: dict, shared: bool) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    rows = json.loads(Path(s["rows"]).read_text())
+    base = rss_gb()
+    model, processor = mlxrl.load(s["ckpt"])
+    stamps, rounds = [], []
+
+    class Timed(SFT._timed_trainer(GRPOTrainer, stamps)):
+        def generate_round(self, round_index):
+            t0 = time.perf_counter()
+            micro, metrics = super().generate_round(round_index)
+            rounds.append((time.perf_counter() - t0, metrics["generation_seconds"]))
+            return micro, metrics
+
+    args = GRPOConfig(output_dir=s["out"], save_steps=0, save_strategy="no", shared_prompt=shared, use_peft=True,
+                      lora_r=16, lora_alpha=32, lora_dropout=s["lora_dropout"], **_grpo_common(s))
+    trainer = Timed(model, processor, args, train_dataset=rows, reward_funcs=[GRPO.reward_vowels])
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    trainer.train()
+    lengths = [e["completions/mean_length"] for e in trainer.log_history if "completions/mean_length" in e]
+    return {"stamps": [t0, *stamps], "rounds": rounds, "peak_rss_gb": rss_gb(), "base_rss_gb": base,
+            "mlx_peak_gb": mx.get_peak_memory() / 1e9, "mean_length": lengths,
+            "loss": [e["loss"] for e in trainer.log_history if "loss" in e],
+            "trainable": sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))}
+
+
+def run_grpo_trl(s: dict) -> dict:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(2)
+    rows = json.loads(Path(s["rows"]).read_text())
+    base = rss_gb()
+    model = transformers.AutoModelForCausalLM.from_pretrained(s["ckpt"], dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(s["ckpt"])
+    stamps, rounds, pure = [], [], []
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, *args, **kwargs):
+            t0, n = time.perf_counter(), len(pure)
+            out = super()._generate_and_score_completions(*args, **kwargs)
+            rounds.append((time.perf_counter() - t0, sum(pure[n:])))
+            return out
+
+        def _generate(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._generate(*args, **kwargs)
+            pure.append(time.perf_counter() - t0)
+            return out
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            stamps.append(time.perf_counter())
+
+    args = GRPOConfig(output_dir=s["out"], save_strategy="no", report_to="none", bf16=False, use_cpu=True,
+                      **_grpo_common(s))
+    trainer = Timed(model=model, reward_funcs=[GRPO.reward_vowels], args=args, train_dataset=Dataset.from_list(rows),
+                    processing_class=tok, callbacks=[Stamp()], peft_config=_lora_config(s))
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    t0 = time.perf_counter()
+    trainer.train()
+    logs = trainer.state.log_history
+    return {"stamps": [t0, *stamps], "rounds": rounds, "peak_rss_gb": rss_gb(), "base_rss_gb": base,
+            "mean_length": [e["completions/mean_length"] for e in logs if "completions/mean_length" in e],
+            "loss": [e["loss"] for e in logs if "loss" in e], "trainable": trainable}
+
+
+CHILDREN = {"build": build_checkpoint, "ours": run_ours, "trl": run_trl, "mlxlm": run_mlxlm,
+            "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
+            "grpo_trl": run_grpo_trl}
+
+
+# ---------------------------------------------------------------------------------------------- parent
+def child(side: str, spec: dict, env: dict | None = None) -> dict:
+    """Run one side in its own process; a failure (an OOM kill included) comes back as {"error": ...}."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--side", side, "--spec", json.dumps(spec)],
+                          capture_output=True, text=True, env=env)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    print(f"[{side} done in {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+    if proc.returncode or not line:
+        why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}"
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        print(f"  {side} failed: {why}\n    " + "\n    ".join(tail), file=sys.stderr, flush=True)
+        return {"error": why, "tail": tail}
+    return json.loads(line[-1][len("RESULT "):])
+
+
+def checkpoint(root: Path, shape: str, layers: int | None, env) -> Path:
+    folder = root / ckpt_name(shape, layers)
+    marker = folder / "bench_scale.json"
+    if marker.exists() and (folder / "config.json").exists():
+        got = json.loads(marker.read_text())
+        if got.get("shape") == shape and got.get("layers") == layers:
+            return folder
+    t0 = time.perf_counter()
+    r = child("build", {"shape": shape, "layers": layers, "out": str(folder)}, env)
+    if "error" in r:
+        sys.exit(f"building {folder} failed: {r['error']}")
+    print(f"built {folder} ({r['params'] / 1e6:.0f}M parameters) in {time.perf_counter() - t0:.0f} s", flush=True)
+    return folder
+
+
+def vision_flops(config: dict, grids) -> float:
+    """Forward matmul FLOPs of the vision tower over images of grid (t, h, w) patches: patch embedding, per
+    block qkv / proj / MLP and attention (within each image), the merger and the deepstack mergers."""
+    v = config["vision_config"]
+    d, inter, m2 = v["hidden_size"], v["intermediate_size"], v["spatial_merge_size"] ** 2
+    pix = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2
+    total = 0.0
+    for t, h, w in grids:
+        n = t * h * w
+        block = 2 * n * d * 3 * d + 2 * n * d * d + 2 * 2 * n * d * inter + 2 * 2 * n * n * d
+        merger = 2 * (n / m2) * (m2 * d) ** 2 + 2 * (n / m2) * (m2 * d) * v["out_hidden_size"]
+        total += 2 * n * pix * d + v["depth"] * block + (1 + len(v.get("deepstack_visual_indexes", []))) * merger
+    return total
+
+
+def step_flops(config: dict, seq: int, trained: int, mode: str, grids=()) -> float:
+    """Model FLOPs of one training step (batch 1, gradient checkpointing on): see the module docstring."""
+    trunk = SFT.model_flops(config, 1, seq, 0, False) / 3  # forward
+    head = SFT.model_flops(config, 1, seq, trained, False) / 3 - trunk
+    if mode == "full":
+        total = 3 * (trunk + head) + trunk
+    else:
+        t = config.get("text_config", config)
+        d, inter, hd = t["hidden_size"], t["intermediate_size"], t.get("head_dim") or t["hidden_size"] // t[
+            "num_attention_heads"]
+        q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+        widths = (d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inter) + (inter + d)  # in + out of the seven
+        adapters = 2 * seq * 16 * widths * t["num_hidden_layers"]  # x -> A (r) -> B, forward
+        total = 2 * (trunk + head) + trunk + 4 * adapters
+    if grids:
+        total += vision_flops(config, grids) * (3 if mode == "full" else 1)
+    return total
+
+
+def summarise_sft(r: dict, warmup: int, max_length: int) -> dict:
+    st = r["stamps"]
+    steps = [y - x for x, y in zip(st[warmup:-1], st[warmup + 1:], strict=True)]
+    r["s_per_step"] = statistics.median(steps)
+    r["tokens_per_step"] = statistics.median(r["tokens"][warmup:]) if r["tokens"][warmup:] else max_length
+    r["tokens_per_s"] = r["tokens_per_step"] / r["s_per_step"]
+    return r
+
+
+NAMES = {"ours": "mlxrl", "trl": "TRL", "mlxlm": "mlx-lm", "grpo_shared": "mlxrl shared",
+         "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def run_sft(a, root: Path, tmp: Path, env) -> dict:
+    modes = list(a.modes) + (["qlora"] if a.quant else [])
+    peaks = [SFT._peaks(a.peak_n)]
+    print(f"fp32 matmul {a.peak_n}^2, best of 5: MLX ({peaks[0]['blas']}) {peaks[0]['mlx']:.1f}, "
+          f"torch {peaks[0]['torch']:.1f} GFLOP/s", flush=True)
+    results = []
+    for shape in a.shapes:
+        folder = checkpoint(root, shape, a.layers, env)
+        config = json.loads((folder / "config.json").read_text())
+        vl = SHAPES[shape][0] == "vl"
+        for t in a.max_length:
+            for mode in modes:
+                entry = {"shape": shape, "layers": depths(a.layers)[0], "max_length": t, "mode": mode, "sides": {}}
+                lr = a.lr_full if mode == "full" else a.lr_lora
+                for side in a.sides:
+                    if side == "trl" and mode == "qlora":
+                        entry["sides"][side] = {"na": "no bitsandbytes on CPU"}
+                        continue
+                    if side == "mlxlm" and vl:
+                        entry["sides"][side] = {"na": "mlx-lm's trainer is text-only"}
+                        continue
+                    spec = {"ckpt": str(folder), "out": str(tmp / f"{shape}-{t}-{mode}-{side}"), "mode": mode,
+                            "bits": a.quant, "q_group_size": a.q_group_size, "max_length": t, "steps": a.steps,
+                            "warmup": a.warmup, "lr": lr, "lora_dropout": a.lora_dropout, "vl": vl,
+                            "images": a.images, "image_px": a.image_px, "mlxlm_quant": a.mlxlm_quant}
+                    r = child(side, spec, env)
+                    if "error" not in r:
+                        r = summarise_sft(r, a.warmup, t)
+                        print(f"{shape} T={t} {mode} {NAMES[side]}: {r['s_per_step']:.2f} s/step, "
+                              f"{r['tokens_per_s']:.1f} tokens/s, peak RSS {r['peak_rss_gb']:.2f} GB, "
+                              f"losses {[round(x, 4) for x in r['loss']]}", flush=True)
+                    entry["sides"][side] = r
+                grids = next((r["grids"] for r in entry["sides"].values() if r.get("grids")), ())
+                trained = next((r["trained_per_step"] for s, r in entry["sides"].items()
+                                if s != "mlxlm" and r.get("trained_per_step")), t - 1)
+                entry["flops"] = step_flops(config, t, trained, mode, grids)
+                results.append(entry)
+    peaks.append(SFT._peaks(a.peak_n))
+    peak = max(max(p["mlx"], p["torch"]) for p in peaks)
+    print(f"fp32 matmul {a.peak_n}^2 after the runs: MLX {peaks[1]['mlx']:.1f}, torch {peaks[1]['torch']:.1f} "
+          f"GFLOP/s; peak used for MFU: {peak:.1f} GFLOP/s")
+    print_sft(a, results, peak)
+    return {"peaks": peaks, "peak_gflops": peak, "runs": results}
+
+
+def print_sft(a, results: list, peak: float) -> None:
+    depth = f"{a.layers} of {DEPTH} layers (--layers)" if a.layers else f"{DEPTH} layers"
+    print()
+    print(f"SFT step, random checkpoints ({depth}), batch 1, float32, gradient checkpointing on every side, AdamW, "
+          f"lr full {a.lr_full:g} / LoRA {a.lr_lora:g}, LoRA r16 alpha 32 dropout {a.lora_dropout:g} on the seven "
+          f"projections; median of {a.steps} step(s) after {a.warmup} warm-up; MFU vs {peak:.1f} GFLOP/s")
+    print(f"{'shape':12} {'T':>5} {'mode':5} {'side':7} {'s/step':>8} {'tokens/s':>9} {'peak RSS':>9} "
+          f"{'above base':>10} {'MLX peak':>9} {'MFU':>6} {'trainable':>10} {'tok/step':>8} {'trained':>8} "
+          f"{'row':>12}  loss")
+    for e in results:
+        for side, r in e["sides"].items():
+            head = f"{e['shape']:12} {e['max_length']:5} {e['mode']:5} {NAMES[side]:7}"
+            if "na" in r or "error" in r:
+                print(f"{head} {'n/a: ' + r['na'] if 'na' in r else 'failed: ' + r['error']}")
+                continue
+            mlx_peak = f"{r['mlx_peak_gb']:9.2f}" if "mlx_peak_gb" in r else f"{'-':>9}"
+            mfu = e["flops"] / r["s_per_step"] / 1e9 / peak
+            print(f"{head} {r['s_per_step']:8.2f} {r['tokens_per_s']:9.1f} {r['peak_rss_gb']:9.2f} "
+                  f"{r['peak_rss_gb'] - r['base_rss_gb']:10.2f} {mlx_peak} {mfu:6.1%} {r['trainable'] / 1e6:9.2f}M "
+                  f"{r['tokens_per_step']:8.0f} {r.get('trained_per_step', '?'):>8} {r.get('row_hash', '?'):>12}  "
+                  f"{' '.join(f'{x:.4f}' for x in r['loss'])}")
+        ok = {s: r for s, r in e["sides"].items() if "s_per_step" in r}
+        hashes = {r.get("row_hash") for r in ok.values()}
+        images = {NAMES[s]: r["image_tokens"] for s, r in ok.items() if "image_tokens" in r}
+        same = "yes" if len(hashes) == 1 and None not in hashes else f"NO {sorted(map(str, hashes))}"
+        line = f"  {e['flops'] / 1e12:.3f} TFLOP/step (model); rows identical: {same}"
+        if images:
+            line += f"; image tokens per row {images}"
+        if "ours" in ok:
+            o = ok["ours"]
+            for other in ("trl", "mlxlm"):
+                if other in ok:
+                    r = ok[other]
+                    line += (f"; ours/{NAMES[other]}: tokens/s {_ratio(o['tokens_per_s'], r['tokens_per_s'])}, "
+                             f"peak RSS {_ratio(o['peak_rss_gb'], r['peak_rss_gb'])} (above base "
+                             f"{_ratio(o['peak_rss_gb'] - o['base_rss_gb'], r['peak_rss_gb'] - r['base_rss_gb'])})")
+        print(line)
+
+
+def run_grpo(a, root: Path, tmp: Path, env) -> dict:
+    folder = checkpoint(root, a.grpo_shape, a.layers, env)
+    rows_path = tmp / "grpo_rows.json"
+    rows_path.write_text(json.dumps(GRPO.make_prompts(str(folder), a.steps + a.warmup, a.prompt_length)))
+    spec = {"ckpt": str(folder), "rows": str(rows_path), "steps": a.steps, "warmup": a.warmup,
+            "G": a.num_generations, "C": a.completion_length, "lr": a.lr_lora, "lora_dropout": a.lora_dropout}
+    res = {}
+    for side in a.grpo_sides:
+        r = child(side, {**spec, "out": str(tmp / side)}, env)
+        res[side] = r if "error" in r else GRPO.summarise(r, a.warmup)
+    depth = f"{a.layers} of {DEPTH} layers" if a.layers else f"{DEPTH} layers"
+    print()
+    print(f"GRPO step, {a.grpo_shape} ({depth}), LoRA r16 alpha 32 dropout {a.lora_dropout:g} lr {a.lr_lora:g}, fp32, "
+          f"gradient checkpointing on, beta 0, dapo: 1 prompt of {a.prompt_length} tokens x G={a.num_generations}, "
+          f"completion <= {a.completion_length}; median of {a.steps} step(s) after {a.warmup}")
+    print(f"{'side':15} {'s/step':>8} {'gen s':>8} {'pure gen s':>10} {'train s':>8} {'peak RSS':>9} "
+          f"{'above base':>10} {'MLX peak':>9} {'mean len':>8} {'step xTRL':>9} {'RSS xTRL':>8} "
+          f"{'trainable':>10}  loss")
+    t = res.get("grpo_trl")
+    t = t if t and "error" not in t else None
+    for side, r in res.items():
+        if "error" in r:
+            print(f"{NAMES[side]:15} failed: {r['error']}")
+            continue
+        mlx_peak = f"{r['mlx_peak_gb']:9.2f}" if "mlx_peak_gb" in r else f"{'-':>9}"
+        print(f"{NAMES[side]:15} {r['s_per_step']:8.2f} {r['gen_s']:8.2f} {r['pure_gen_s']:10.2f} {r['train_s']:8.2f} "
+              f"{r['peak_rss_gb']:9.2f} {r['peak_rss_gb'] - r['base_rss_gb']:10.2f} {mlx_peak} {r['len']:8.1f} "
+              f"{_ratio(r['s_per_step'], t and t['s_per_step']):>9} "
+              f"{_ratio(r['peak_rss_gb'], t and t['peak_rss_gb']):>8} {r['trainable'] / 1e6:9.2f}M  "
+              f"{' '.join(f'{x:.4g}' for x in r['loss'])}")
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b"], choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, help="cut the depth to N layers (widths kept) for quick runs")
+    ap.add_argument("--modes", nargs="*", default=["lora", "full"], choices=["lora", "full"],
+                    help="(none with --quant: QLoRA only)")
+    ap.add_argument("--quant", type=int, choices=[4, 8], help="also run QLoRA at this many bits (ours, mlx-lm)")
+    ap.add_argument("--q_group_size", type=int, default=64, choices=[32, 64, 128])
+    ap.add_argument("--mlxlm_quant", default="convert", choices=["convert", "decoder"],
+                    help="mlx-lm's QLoRA base: every layer as mlx_lm.convert quantizes (the tied embedding / head "
+                         "too), or the decoder linears only (ours' set)")
+    ap.add_argument("--max_length", type=int, nargs="+", default=[4096], help="tokens per row (batch 1)")
+    ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"], choices=["ours", "trl", "mlxlm"])
+    ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
+    ap.add_argument("--lr_full", type=float, default=1e-5)
+    ap.add_argument("--lr_lora", type=float, default=1e-4)
+    ap.add_argument("--lora_dropout", type=float, default=0.05, help="TRL's ModelConfig default")
+    ap.add_argument("--images", type=int, default=1, choices=[1, 2, 3, 4], help="images per VL row")
+    ap.add_argument("--image_px", type=int, default=448, help="VL image side in pixels (up to 896)")
+    ap.add_argument("--peak_n", type=int, default=2048, help="matmul size for the fp32 peak")
+    ap.add_argument("--grpo", action="store_true", help="run the GRPO benchmark (instead of SFT)")
+    ap.add_argument("--grpo_shape", default="qwen3-0.6b", choices=[k for k, v in SHAPES.items() if v[0] == "text"])
+    ap.add_argument("--grpo_sides", nargs="+", default=["grpo_shared", "grpo_unshared", "grpo_trl"],
+                    choices=["grpo_shared", "grpo_unshared", "grpo_trl"])
+    ap.add_argument("--prompt_length", type=int, default=2048, help="GRPO prompt tokens (P)")
+    ap.add_argument("--completion_length", type=int, default=256, help="GRPO max_completion_length (C)")
+    ap.add_argument("--num_generations", type=int, default=8, help="GRPO completions per prompt (G)")
+    ap.add_argument("--ckpt_dir", default=str(Path(tempfile.gettempdir()) / "mlxrl_bench_scale"),
+                    help="checkpoints are built here once and reused")
+    ap.add_argument("--huge_pages", action="store_true",
+                    help="run every side with glibc's malloc on huge pages (what mlxrl's CLIs set)")
+    ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--side", choices=list(CHILDREN), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.side:  # a child process
+        print("RESULT " + json.dumps(CHILDREN[a.side](json.loads(a.spec))), flush=True)
+        return
+    if a.image_px > 896 or a.image_px < 32:
+        ap.error("--image_px: 32 to 896")
+    env = None
+    if a.huge_pages:
+        tunables = os.environ.get("GLIBC_TUNABLES", "")
+        env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:glibc.malloc.hugetlb=1".lstrip(":")}
+    root = Path(a.ckpt_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = {"settings": {k: v for k, v in vars(a).items() if k not in ("side", "spec")}}
+        if a.grpo:
+            out["grpo"] = run_grpo(a, root, Path(tmp), env)
+        else:
+            out["sft"] = run_sft(a, root, Path(tmp), env)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
