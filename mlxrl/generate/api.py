@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 
@@ -46,6 +47,20 @@ def split_images(messages: list[dict], images=None) -> list:
 
 def _to_mx(pixel_values):
     return None if pixel_values is None else mx.array(np.asarray(pixel_values, dtype=np.float32))
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """The model in eval mode (no dropout) for a generation, then back in the mode it was in: a model
+    generating right after training is still in train mode, where LoRA dropout would make greedy replies
+    random."""
+    training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        if training:
+            model.train()
 
 
 class Generator:
@@ -111,7 +126,8 @@ class Generator:
         list of blocks; image blocks carry their picture as "image", or take the next of `images`)."""
         s = self.settings(**settings)
         ids, pv, grid, _ = self.encode(messages, images)
-        return self._reply(Context(self.model), ids, pv, grid, s, on_text)
+        with eval_mode(self.model):
+            return self._reply(Context(self.model), ids, pv, grid, s, on_text)
 
     def batch(self, conversations: list[list[dict]], **settings) -> list[Reply]:
         """Replies to many conversations at once: left-padded into one batch for `mlxrl.generation.generate`
@@ -137,9 +153,10 @@ class Generator:
                              "shorten it")
         t0 = time.perf_counter()
         mx.reset_peak_memory()
-        out = generate(self.model, **batch, num_generations=1, max_tokens=min(s.max_new_tokens, ctx - longest),
-                       temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                       stop_token_ids=s.stop_token_ids or (-1,), pad_token_id=END_OF_TEXT, seed=s.seed)
+        with eval_mode(self.model):
+            out = generate(self.model, **batch, num_generations=1, max_tokens=min(s.max_new_tokens, ctx - longest),
+                           temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                           stop_token_ids=s.stop_token_ids or (-1,), pad_token_id=END_OF_TEXT, seed=s.seed)
         ids, mask = np.asarray(out.completion_ids), np.asarray(out.completion_mask).astype(bool)
         finished = np.asarray(out.finished)
         elapsed, peak = time.perf_counter() - t0, mx.get_peak_memory() / 1e9
