@@ -131,7 +131,8 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
     On float32 CPU arrays with the native kernels, the same computation MLX's CPU path runs (it has
     no fused CPU kernel: scores, mask, softmax, values) with the native softmax, whose forward is
     ~10x MLX's there; a causal mask goes inside the softmax and its VJP, over blocks of queries
-    (`_causal_attention`); elsewhere MLX's own. One layer of the SFT benchmark's small model
+    (`mlxrl.cpu.attention`, which recomputes them in the backward);
+    elsewhere MLX's own. One layer of the SFT benchmark's small model
     (16/8 heads of 128, L 1024; `/tmp` snippet, one process each, noisy +-20%): attention forward
     117 -> 46-65 ms, forward+backward 373 -> 167-212 ms."""
     if not uses_native(q):
@@ -140,13 +141,12 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     q = q * scale
+    if isinstance(mask, str) and mask == "causal" and L <= S:  # blocks of queries, the mask inside the softmax
+        out = attention.causal_attention(q.reshape(B, Hkv, rep, L, D), k, v, kernels_for(q), CAUSAL_BLOCK)
+        return out.reshape(B, Hq, L, D)
     if rep > 1:  # [B, Hkv, rep, L, D] against [B, Hkv, 1, S, D]: no copies of k and v
         q = q.reshape(B, Hkv, rep, L, D)
         k, v = k[:, :, None], v[:, :, None]
-    if isinstance(mask, str) and mask == "causal" and L <= S:  # blocks of queries, the mask inside the softmax
-        out = attention.causal_attention(q.reshape(B, Hkv, rep, L, D), k.reshape(B, Hkv, S, D),
-                                         v.reshape(B, Hkv, S, D), kernels_for(q), CAUSAL_BLOCK)
-        return out.reshape(B, Hq, L, D)
     scores = q @ k.swapaxes(-1, -2)
     if isinstance(mask, str):
         if mask != "causal":
