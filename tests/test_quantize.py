@@ -306,7 +306,8 @@ def test_flags_and_their_one_line_errors(qwen3_mlx_lm):
     assert parse("--load_in_8bit", "--q_group_size", "128").q_group_size == 128
     for argv, message in [(("--load_in_4bit", "--load_in_8bit"), "choose one"),
                           (("--load_in_4bit", "--use_peft", "false"), "add --use_peft"),
-                          (("--load_in_8bit", "--q_group_size", "48"), "--q_group_size 48: must be 32, 64 or 128")]:
+                          (("--load_in_8bit", "--q_group_size", "48"), "--q_group_size 48: must be 32, 64 or 128"),
+                          (("--merge_quantized",), "merges LoRA adapters into a quantized base: add --use_peft")]:
         with pytest.raises(ConfigError, match=message):
             parse(*argv)
     with pytest.raises(ConfigError, match=r"add use_peft=True"):
@@ -339,3 +340,48 @@ def test_sft_cli_learns_over_a_4bit_base(tmp_path, capsys):
     tensors = mx.load(str(merged / "model.safetensors"))
     assert not any(k.endswith((".scales", ".biases")) for k in tensors)
     assert {v.dtype for v in tensors.values()} == {mx.float32}
+
+
+def test_merge_quantized_saves_what_mlx_lm_loads(tiny_checkpoint, tmp_path):
+    """`merge_quantized=True` (the CLI's --merge_quantized, mlx-lm's fuse) after a 4-bit LoRA run:
+    output_dir/merged-quantized is an MLX-quantized folder mlx-lm loads with mlxrl's logits, each layer
+    within one quantization step of dequantize(W) + scale B A, and the float `merge` written after it
+    still carries the adapter exactly (the quantized merge put the adapters back)."""
+    from mlx_lm import load as mlx_lm_load
+
+    from mlxrl.trainers.sft import SFTConfig, SFTTrainer
+
+    folder = tiny_checkpoint("qwen3")
+    model, processor = mlxrl.load(folder, dtype="float32")
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": "ok " * 3}]}
+            for i in range(8)]
+    args = SFTConfig(output_dir=str(tmp_path / "run"), load_in_4bit=True, use_peft=True, merge=True,
+                     merge_quantized=True, lora_dropout=0.0, learning_rate=2e-2, max_steps=4,
+                     per_device_train_batch_size=4, max_length=32, save_steps=0, disable_tqdm=True, seed=0)
+    SFTTrainer(model, processor, args, train_dataset=rows).train()
+
+    ref, _ = mlxrl.load(folder, dtype="float32")  # the 4-bit base with the trained adapter
+    Q.quantize_model(ref, bits=4, group_size=64)
+    lora.load_adapter(ref, tmp_path / "run")
+    adapted = ref(input_ids=IDS)
+    float_merged, _ = mlxrl.load(tmp_path / "run" / "merged")
+    assert rel(float_merged(input_ids=IDS), adapted) <= 1e-5
+
+    out = tmp_path / "run" / "merged-quantized"
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    ours, _ = mlxrl.load(out)
+    theirs, _ = mlx_lm_load(str(out))
+    assert rel(theirs(IDS), ours(input_ids=IDS)) <= 1e-5
+    floats = dict(float_merged.named_modules())
+    layers = Q.quantized_layers(ours)
+    assert len(layers) == 7 * len(ours.language_model.layers)
+    for path, q in layers:
+        w = floats[path].weight
+        deq = mx.dequantize(q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits)
+        step = mx.repeat(mx.abs(q.scales.astype(mx.float32)), q.group_size, axis=-1)  # scales may be < 0
+        assert bool(mx.all(mx.abs(deq - w) <= step + 1e-6)), path
+
+    with pytest.raises(MlxrlError, match="the base is not quantized"):
+        plain, _ = mlxrl.load(folder, dtype="float32")
+        SFTTrainer(plain, processor, SFTConfig(output_dir=str(tmp_path / "p"), use_peft=True, merge_quantized=True),
+                   train_dataset=rows)

@@ -16,6 +16,7 @@ paths are transformers' names. `load_adapter` reads both spellings.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -296,6 +297,27 @@ def merge_lora(model, dequantize: bool = True) -> None:
     _set_modules(model, [(p, m.fuse(dequantize=dequantize)) for p, m in lora_layers(model)])
     model.__dict__.pop("lora_config", None)
     use_fast_layers(model)
+
+
+@contextlib.contextmanager
+def merged(model, dequantize: bool = False):
+    """Within the block the model is merged as `merge_lora(model, dequantize)` makes it (to save it);
+    after it the adapters are back, unchanged. Only the adapted layers are swapped (each fused from
+    its own base and adapter), so with `dequantize=False` nothing else is converted: the merged
+    quantized model for an MLX-quantized save, with the float merge still to come."""
+    adapters = lora_layers(model)
+    config = model.__dict__.get("lora_config")
+    _set_modules(model, [(p, m.fuse(dequantize=dequantize)) for p, m in adapters])
+    model.__dict__.pop("lora_config", None)
+    try:
+        from .quantize import use_fast_layers
+
+        use_fast_layers(model)
+        yield model
+    finally:
+        _set_modules(model, adapters)
+        if config is not None:
+            model.__dict__["lora_config"] = config
 
 
 def trainable_count(model) -> tuple[int, int]:

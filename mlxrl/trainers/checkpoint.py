@@ -33,7 +33,8 @@ from ..hub import MlxrlError
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "trainer_state.json", "batch_source.safetensors")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_LEFTOVER_RE = re.compile(r"^\.(checkpoint-\d+|metrics\.jsonl|model|merged|adapter|mlxrl_save\.json)\.(?:tmp|old)-")
+_LEFTOVER_RE = re.compile(r"^\.(checkpoint-\d+|metrics\.jsonl|model|merged-quantized|merged|adapter|mlxrl_save\.json)"
+                          r"\.(?:tmp|old)-")
 # what the final LoRA save writes into output_dir (the adapter and the processor's files)
 FINAL_FILES = ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "chat_template.json", "special_tokens_map.json", "added_tokens.json",
@@ -292,7 +293,13 @@ def clean_leftovers(out: Path) -> list[Path]:
     return removed
 
 
-def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merge: bool) -> list[str]:
+def merged_folders(args) -> tuple[str, ...]:
+    """The merged models the final save of a LoRA run writes into output_dir (--merge, --merge_quantized)."""
+    return (("merged",) if getattr(args, "merge", False) else ()) + (
+        ("merged-quantized",) if getattr(args, "merge_quantized", False) else ())
+
+
+def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = ()) -> list[str]:
     """Refuse an output_dir holding another run (unless resuming one of its checkpoints or
     overwriting) or files of the user's that the final save would replace. Returns the other run's
     entries (for `start_run` to delete when overwriting)."""
@@ -312,20 +319,20 @@ def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merge: bool
             if (out / name).exists() and name not in ours:
                 raise MlxrlError(f"--output_dir {out} holds {name}, which mlxrl did not write and the final adapter "
                                  "save would replace: choose another --output_dir (nothing was changed)")
-        if merge:
-            check_save_target((out / "merged").resolve(), True, "")
+        for name in merged:
+            check_save_target((out / name).resolve(), True, "")
     else:
         check_save_target((out / "model").resolve(), True, "")
     return [] if resuming_here else found
 
 
-def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merge: bool) -> None:
+def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = ()) -> None:
     """At the start of train() on the writing rank: the checks of `check_run_dir`, our leftovers from
     a killed process removed, and with overwrite_output_dir the other run's checkpoints and
     metrics.jsonl deleted (checkpoint folders holding anything but our three files are left)."""
     out = Path(out)
     clean_leftovers(out)
-    found = check_run_dir(out, resume=resume, overwrite=overwrite, lora=lora, merge=merge)
+    found = check_run_dir(out, resume=resume, overwrite=overwrite, lora=lora, merged=merged)
     if not found or not overwrite:
         return
     for path in list_checkpoints(out):

@@ -93,6 +93,9 @@ class TrainConfig:
     freeze_vision_tower: bool = _f(False, "(mlxrl) keep the vision tower frozen in full fine-tuning")
     freeze_embeddings: bool = _f(False, "(mlxrl) keep the token embeddings (and a tied LM head) frozen")
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")
+    merge_quantized: bool = _f(False, "(mlxrl; mlx-lm's fuse) with use_peft over a quantized base: also save the "
+                                      "merged model re-quantized (MLX layout, mlx-lm loads it) in "
+                                      "output_dir/merged-quantized")
     # memory and speed (mlxrl)
     chunk_size: int | None = _f(None, "(mlxrl) vocab columns per streamed LM-head tile (default: 16 MB tiles)")
     seq_buckets: list[int] | None = _f(None, "(mlxrl) padded lengths (default: powers of two up to max_length)")
@@ -297,6 +300,9 @@ def check_quantization_flags(args, flags: bool = False) -> None:
     four, eight = getattr(args, "load_in_4bit", False), getattr(args, "load_in_8bit", False)
     if four and eight:
         raise ConfigError(f"{p}load_in_4bit and {p}load_in_8bit: choose one")
+    if getattr(args, "merge_quantized", False) and not getattr(args, "use_peft", False):
+        raise ConfigError(f"{p}merge_quantized merges LoRA adapters into a quantized base: add "
+                          f"{p}use_peft{'' if flags else '=True'} (with {p}load_in_4bit or an MLX-quantized model)")
     if (four or eight) and not getattr(args, "use_peft", False):
         flag = "load_in_4bit" if four else "load_in_8bit"
         raise ConfigError(f"{p}{flag} trains LoRA adapters over a frozen quantized base; full fine-tuning cannot "

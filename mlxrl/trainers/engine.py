@@ -97,7 +97,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         if self.is_main:  # before any work: a folder holding another run, or files the final save would replace
             checkpoint_lib.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
                                          overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
-                                         merge=bool(args.merge))
+                                         merged=checkpoint_lib.merged_folders(args))
         check_config(args)  # types, ranges, choices, refused TRL fields: one line each
         check_optim(args)
         check_trainable_dtypes(model)
@@ -127,6 +127,9 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def _setup_trainable(self):
         a, m = self.args, self.model
         quantize_lib.quantize_for(m, a)  # load_in_4bit / 8bit (a no-op when the CLI has quantized already)
+        if getattr(a, "merge_quantized", False) and not quantize_lib.is_quantized(m):
+            raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
+                             "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
         m.language_model.gradient_checkpointing = bool(a.gradient_checkpointing)
         if a.use_peft:
             lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
@@ -256,7 +259,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         if self.is_main:
             checkpoint_lib.start_run(self.output_dir, resume=args.resume_from_checkpoint,
                                      overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
-                                     merge=bool(args.merge))
+                                     merged=checkpoint_lib.merged_folders(args))
         steps_per_epoch, total = self._plan()
         self.total_steps = total
         self.optimizer = make_optimizer(args, total)

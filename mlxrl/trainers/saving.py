@@ -171,6 +171,9 @@ class Saving:
                     self.processor.save_pretrained(tmp)
 
             write_atomically(self.output_dir, write, what="the LoRA adapter", kind="adapter", into="adapter")
+            if getattr(args, "merge_quantized", False):  # first: the float merge below dequantizes the base
+                with lora_lib.merged(self.model, dequantize=False):
+                    save(self.model, self.processor, self.output_dir / "merged-quantized", overwrite=True)
             if args.merge:
                 lora_lib.merge_lora(self.model)
                 save(self.model, self.processor, self.output_dir / "merged", overwrite=True)
