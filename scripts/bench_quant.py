@@ -3,6 +3,7 @@
     python scripts/bench_quant.py matmul          # fp32 BLAS vs mx.quantized_matmul vs our CPU layer
     python scripts/bench_quant.py memory          # weight bytes of real Qwen shapes per quantization choice
     python scripts/bench_quant.py step --layers 28 --seq 128   # LoRA step, Qwen3-0.6B shape: float / 4-bit / mlx-lm
+    python scripts/bench_quant.py accuracy --max_steps 60      # held-out accuracy per choice of what to quantize
 
 `matmul`: [M, K] x [K, N] at K=1024, N=3072 (a 0.6B-model MLP), M rows from 1 (decoding) to 512
 (training), 4- and 8-bit, group 64. `memory`: analytic bytes (nothing is allocated) of Qwen3-0.6B,
@@ -11,6 +12,11 @@ Qwen3-VL-2B and Qwen3-8B in bfloat16 and with each choice of what to quantize (1
 decoder linears) training step (forward + backward + Adam, compiled, cross-entropy over full logits),
 float32 base, our 4-bit base (decoder linears) and mlx-lm's QLoRA (its `nn.quantize` of the same
 float weights, embedding and head included, and its LoRA layers): median seconds per step.
+`accuracy`: the embedded SFT demo (tiny Qwen3-VL, synthetic VQA, `python -m mlxrl.sft --load_in_4bit`'s
+settings, `--max_steps` LoRA steps) over each choice of base: float32, 8-bit, 4-bit decoder linears
+(the default) with group 32 / 64 / 128, 4-bit plus the vision tower, 4-bit plus the embedding / head
+(rounded to the 4-bit grid and back: the numbers a quantized head computes with); the base's logit
+error on held-out rows (relative, against float32) and the held-out exact match before and after.
 """
 
 from __future__ import annotations
@@ -174,15 +180,72 @@ def _time_steps(model, forward, targets, steps):
     return times
 
 
+def bench_accuracy(args):
+    import tempfile
+
+    from mlxrl import load_default
+    from mlxrl.cli import apply_overrides, demo_rows
+    import numpy as np
+
+    from mlxrl.evaluate import _encode, exact_match
+    from mlxrl.models.quantize import dequantize, quantize_model, weight_stats
+    from mlxrl.sft import DEMO_OVERRIDES, DEMO_TEST, DEMO_TRAIN
+    from mlxrl.trainers.flags import parse_config
+    from mlxrl.trainers.sft import SFTConfig, SFTTrainer
+
+    def head_rounded(model, bits=4, group=64):
+        emb = model.language_model.embed_tokens
+        q = mx.quantize(emb.weight, group_size=group, bits=bits)
+        emb.weight = dequantize(*q, group_size=group, bits=bits, dtype=emb.weight.dtype)
+
+    choices = [("float32 base", None, {}), ("8-bit decoder linears", 8, {}),
+               ("4-bit decoder linears, group 32", 4, {"group_size": 32}),
+               ("4-bit decoder linears (default)", 4, {}),
+               ("4-bit decoder linears, group 128", 4, {"group_size": 128}),
+               ("4-bit + vision tower", 4, {"vision": True}), ("4-bit + embedding / head", 4, {"head": True})]
+    print(f"embedded SFT demo, LoRA, {args.max_steps} steps; held-out exact match, logit error vs float32")
+    print(f"{'base':<34} {'weights MB':>10} {'bits/param':>10} {'logit err':>9} {'before':>7} {'after':>6}")
+    reference = None
+    for label, bits, kw in choices:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = parse_config(SFTConfig, ["--use_peft", "--max_steps", str(args.max_steps), "--output_dir", tmp,
+                                           "--disable_tqdm", "--logging_steps", str(args.max_steps)])
+            apply_overrides(cfg, {"use_peft", "max_steps", "output_dir", "disable_tqdm", "logging_steps"},
+                            DEMO_OVERRIDES)
+            model, processor = load_default(seed=cfg.seed)
+            if bits:
+                quantize_model(model, bits, kw.get("group_size", 64), vision=kw.get("vision", False))
+            if kw.get("head"):
+                head_rounded(model)
+            train = demo_rows(processor, DEMO_TRAIN, seed=cfg.seed, split="train")
+            test = demo_rows(processor, DEMO_TEST, seed=cfg.seed + 1, split="test")
+            batch, rows_at, pos, _ = _encode(processor, test[:16])  # the answers' positions
+            inputs = {k: mx.array(v if v.dtype == np.float32 else v.astype(np.int32)) for k, v in batch.items()}
+            hidden = model(**inputs, return_hidden=True)[mx.array(rows_at), mx.array(pos)]
+            logits = model.apply_lm_head(hidden).astype(mx.float32)
+            if reference is None:
+                reference = logits
+            err = float(mx.linalg.norm(logits - reference) / mx.linalg.norm(reference))
+            before = exact_match(model, processor, test)
+            SFTTrainer(model=model, processor=processor, args=cfg, train_dataset=train).train()
+            after = exact_match(model, processor, test)
+            stats = weight_stats(model)
+            bpp = f"{stats['bits_per_param']:.2f}" if bits else "32"
+            print(f"{label:<34} {stats['total_bytes'] / 1e6:>10.1f} {bpp:>10} {err:>9.2%} {before:>7.1%} "
+                  f"{after:>6.1%}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("matmul", "memory", "step"))
+    p.add_argument("what", choices=("matmul", "memory", "step", "accuracy"))
     p.add_argument("--layers", type=int, default=28, help="step: decoder layers of the 0.6B shape")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--max_steps", type=int, default=60, help="accuracy: LoRA steps of the embedded demo")
     args = p.parse_args(argv)
-    {"matmul": bench_matmul, "memory": bench_memory, "step": bench_step}[args.what](args)
+    {"matmul": bench_matmul, "memory": bench_memory, "step": bench_step,
+     "accuracy": bench_accuracy}[args.what](args)
 
 
 if __name__ == "__main__":
