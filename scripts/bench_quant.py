@@ -183,10 +183,10 @@ def _time_steps(model, forward, targets, steps):
 def bench_accuracy(args):
     import tempfile
 
-    from mlxrl import load_default
-    from mlxrl.cli import apply_overrides, demo_rows
     import numpy as np
 
+    from mlxrl import load_default
+    from mlxrl.cli import apply_overrides, demo_rows
     from mlxrl.evaluate import _encode, exact_match
     from mlxrl.models.quantize import dequantize, quantize_model, weight_stats
     from mlxrl.sft import DEMO_OVERRIDES, DEMO_TEST, DEMO_TRAIN
