@@ -200,3 +200,74 @@ def test_sum_squares_equals_float64(path):
         np.testing.assert_allclose(got.item(), (x.astype(np.float64) ** 2).sum(), rtol=rtol)
     x = mx.array(rng.normal(0, 1, (300, 400)).astype(np.float32)).T  # non-contiguous
     np.testing.assert_allclose(fastmath.sum_squares(x).item(), (np.array(x).astype(np.float64) ** 2).sum(), rtol=rtol)
+
+
+def _torch_decoder_ops():
+    """The decoder's RMSNorm, rotary embedding and SwiGLU product in float64 torch (the reference)."""
+    import torch
+
+    def rms_norm(x, w, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rotary(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def silu_mul(g, u):
+        return torch.nn.functional.silu(g) * u
+
+    return torch, rms_norm, rotary, silu_mul
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_decoder_ops_and_gradients_equal_float64_torch(path, compiled):
+    """RMSNorm, rotary (x a transposed view, cos / sin broadcast over heads, halves that differ) and
+    silu(g) u: values and the gradients of every input equal float64 torch autograd, on both paths."""
+    torch, t_rms, t_rot, t_silu = _torch_decoder_ops()
+    rng = np.random.default_rng(5)
+    B, L, H, D = 2, 9, 3, 16
+    arrays = {
+        "x": rng.normal(0, 2, (B, L, 40)), "w": rng.normal(1, 0.3, (40,)),
+        "q": rng.normal(0, 1, (B, L, H, D)), "cos": rng.normal(0, 1, (B, 1, L, D)),
+        "sin": rng.normal(0, 1, (B, 1, L, D)), "g": rng.normal(0, 3, (B, L, 40)), "u": rng.normal(0, 1, (B, L, 40)),
+    }
+    weights = {"rms": rng.normal(0, 1, (B, L, 40)), "rot": rng.normal(0, 1, (B, H, L, D)),
+               "silu": rng.normal(0, 1, (B, L, 40))}
+    eps = 1e-5
+
+    def ours(a):
+        rms = fastmath.rms_norm(a["x"], a["w"], eps)
+        rot = fastmath.rotary(a["q"].transpose(0, 2, 1, 3), a["cos"], a["sin"])
+        silu = fastmath.silu_mul(a["g"], a["u"])
+        return [rms, rot, silu]
+
+    def loss(a):
+        outs = ours(a)
+        return sum((o * mx.array(weights[k].astype(np.float32))).sum() for o, k in zip(outs, weights, strict=True))
+
+    a = {k: mx.array(v.astype(np.float32)) for k, v in arrays.items()}
+    grad_fn = mx.value_and_grad(loss)
+    value, grads = (mx.compile(grad_fn) if compiled else grad_fn)(a)
+    outs = ours(a)
+
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in arrays.items()}
+    t_outs = [t_rms(t["x"], t["w"], eps), t_rot(t["q"].transpose(1, 2), t["cos"], t["sin"]), t_silu(t["g"], t["u"])]
+    t_loss = sum((o * torch.tensor(weights[k])).sum() for o, k in zip(t_outs, weights, strict=True))
+    t_loss.backward()
+    for o, r in zip(outs, t_outs, strict=True):
+        np.testing.assert_allclose(np.array(o), r.detach().numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(value.item(), t_loss.item(), rtol=1e-4, atol=1e-3)
+    for k in arrays:
+        np.testing.assert_allclose(np.array(grads[k]), t[k].grad.numpy(), rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def test_decoder_ops_route_to_native_only_in_float32():
+    """bfloat16 (the graph path's dtype) takes MLX's ops, in its own dtype; float32 CPU the kernels."""
+    x = mx.ones((2, 3, 8))
+    w = mx.ones((8,))
+    y = fastmath.rms_norm(x.astype(mx.bfloat16), w.astype(mx.bfloat16), 1e-6)
+    assert y.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(fastmath.rms_norm(x, w, 1e-6)), rtol=1e-2)
+    assert fastmath.silu_mul(x.astype(mx.bfloat16), x.astype(mx.bfloat16)).dtype == mx.bfloat16
+    q = mx.ones((1, 2, 3, 8), dtype=mx.bfloat16)
+    assert fastmath.rotary(q, mx.ones((1, 1, 3, 8)), mx.zeros((1, 1, 3, 8))).dtype == mx.bfloat16

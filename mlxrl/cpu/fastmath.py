@@ -1,4 +1,5 @@
-"""Elementwise math that is fast on MLX's CPU backend: exp, sigmoid, SiLU, softmax.
+"""Elementwise math that is fast on MLX's CPU backend: exp, sigmoid, SiLU, softmax, the SwiGLU
+product, RMSNorm, rotary embedding.
 
 MLX's Linux CPU wheel evaluates `mx.exp` and `mx.sigmoid` an order of magnitude slower than a multiply:
 its kernels are scalar Cephes polynomials whose `fma` calls go through libm, the wheel being built for
@@ -81,6 +82,37 @@ def sigmoid(x: mx.array) -> mx.array:
 def silu(x: mx.array) -> mx.array:
     """x * sigmoid(x), as `mlx.nn.silu`."""
     return x * sigmoid(x)
+
+
+def _all_native(*arrays: mx.array):
+    """The native kernels when every array is float32 on the CPU, else None."""
+    k = kernels_for(arrays[0])
+    return k if k is not None and all(a.dtype == mx.float32 for a in arrays[1:]) else None
+
+
+def silu_mul(g: mx.array, u: mx.array) -> mx.array:
+    """silu(g) * u, the SwiGLU product; native: one pass forward, one for both gradients."""
+    k = _all_native(g, u) if g.shape == u.shape else None
+    return k.silu_mul(g, u) if k is not None else silu(g) * u
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """`mx.fast.rms_norm` (over the last axis); native: one pass per row forward and backward, the
+    weight's gradient summed over rows per core (MLX's CPU backend composes it from single-core ops)."""
+    k = _all_native(x, weight)
+    return k.rms_norm(x, weight, eps) if k is not None else mx.fast.rms_norm(x, weight, eps)
+
+
+def rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """x cos + rotate_half(x) sin for x [B, H, L, D] (rotate_half(x) = [-x2, x1], the halves of the
+    last axis), cos / sin broadcastable to x, in x's dtype. Native: one pass that reads x through
+    its strides (the heads' transposed view needs no copy) and whose VJP is the reverse rotation."""
+    k = _all_native(x, cos, sin) if x.ndim == 4 else None
+    if k is not None:
+        return k.rotary(x, cos, sin)
+    half = x.shape[-1] // 2
+    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
 
 
 def softmax(x: mx.array, axis: int = -1) -> mx.array:

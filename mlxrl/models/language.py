@@ -120,9 +120,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    half = x.shape[-1] // 2
-    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return (x * cos + rotated * sin).astype(x.dtype)
+    """x [B, H, L, D] rotated by cos / sin [B, 1, L, D] (`fastmath.rotary`: native on float32 CPU)."""
+    return fastmath.rotary(x, cos, sin)
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` (same parameter, same math) through `fastmath.rms_norm`: on float32 CPU arrays
+    one multi-threaded pass per row forward and backward instead of MLX's composed single-core ops."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return fastmath.rms_norm(x, self["weight"], self.eps)
 
 
 class Attention(nn.Module):
@@ -137,8 +144,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
         if config.qk_norm:
-            self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
 
     def __call__(self, x, cos, sin, mask, cache=None):
         B, L, _ = x.shape
@@ -163,7 +170,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def __call__(self, x):
-        return self.down_proj(fastmath.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fastmath.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -171,8 +178,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def __call__(self, x, cos, sin, mask, cache=None):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
@@ -224,7 +231,7 @@ class LanguageModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = [DecoderLayer(config) for _ in range(config.num_hidden_layers)]
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
 

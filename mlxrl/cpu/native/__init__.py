@@ -6,7 +6,9 @@ training step spends most of its non-matmul time there (the attention softmax, S
 exp). `cpu_math.cpp` holds vectorised, multi-threaded exp / sigmoid / softmax (last axis) as MLX
 primitives with VJPs and JVPs; `mlxrl.fastmath` routes float32 CPU arrays to them. It also holds the
 AdamW step (updating in place: no second copy of weights and moments) and the fused LM head
-(`mlxrl.losses.fused_head`: one reused tile, the weight gradient accumulated in place by the BLAS).
+(`mlxrl.losses.fused_head`: one reused tile, the weight gradient accumulated in place by the BLAS),
+counter-hash dropout, and the decoder's RMSNorm, rotary embedding and SwiGLU product with their VJPs
+(one multi-threaded pass each, where MLX runs several single-core ops).
 
 The module is built with the system's `g++` against the installed MLX's headers and library and
 nanobind (in MLX's nanobind domain, so `mx.array` crosses unchanged), with `-O3 -march=native`,

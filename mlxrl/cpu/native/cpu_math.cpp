@@ -1,6 +1,6 @@
-// mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, sum of squares, the AdamW step and
-// the fused LM head (loss + gradients over row chunks, its matmuls through the BLAS MLX uses), as
-// MLX primitives.
+// mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, sum of squares, the AdamW step,
+// the fused LM head (loss + gradients over row chunks, its matmuls through the BLAS MLX uses), dropout,
+// and the decoder's elementwise work (RMSNorm, rotary embedding, the SwiGLU product), as MLX primitives.
 //
 // Why: MLX's Linux CPU wheel is built for baseline x86-64, so its exp / sigmoid / softmax are scalar
 // loops whose fma calls go through libm (~0.05 G elements/s, against ~1.3 for a multiply). These
@@ -732,11 +732,342 @@ mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, m
                    {dense(y, stream), dense(gb, stream)});
 }
 
+
+// ------------------------------------------------------------------------- decoder elementwise work
+//
+// The decoder's non-matmul work, fused and spread over the cores (MLX runs each of its ops on one
+// core, one pass per op): RMSNorm (forward and its VJP), rotary embedding (forward = its VJP with
+// the rotation reversed) and the SwiGLU product silu(g) u (forward and VJP).
+
+// RMSNorm over rows of d: y = x r w, r = 1 / sqrt(mean(x^2) + eps).
+void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, size_t d, float eps) {
+  for (size_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * d;
+    float* yr = y + i * d;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (size_t k = 0; k < d; ++k) ss += xr[k] * xr[k];
+    const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+#pragma omp simd
+    for (size_t k = 0; k < d; ++k) yr[k] = xr[k] * r * w[k];
+  }
+}
+
+mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s = {});
+std::vector<mx::array> rms_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                        bool weight_grad, mx::Stream s);
+
+class RmsNorm : public CpuPrimitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
+  const char* name() const override { return "MlxrlRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const RmsNorm&>(other).eps_ == eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& out = outputs[0];
+    allocate_like(x, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(inputs[1]);
+    encoder.set_output_array(out);
+    const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
+    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), yp = out.data<float>(), rows, d,
+                      eps = eps_]() {
+      over_rows(rows, d, [=](size_t b, size_t n) { rms_norm_rows(xp + b * d, wp, yp + b * d, n, d, eps); });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    bool want_w = std::find(argnums.begin(), argnums.end(), 1) != argnums.end();
+    auto grads = rms_norm_grad_op(primals[0], primals[1], cotangents[0], eps_, want_w, stream());
+    std::vector<mx::array> out;
+    for (int a : argnums) out.push_back(a == 0 ? grads[0] : grads[1]);
+    return out;
+  }
+
+ private:
+  float eps_;
+};
+
+// The RMSNorm's VJP per row, with c = g w:  dx = r c - x r^3 mean(c x),  dw += g x r (summed over
+// rows: per worker into its own [d] partial, the partials then added in order).
+class RmsNormGrad : public CpuPrimitive {
+ public:
+  RmsNormGrad(mx::Stream s, float eps, bool weight_grad) : CpuPrimitive(s), eps_(eps), dw_(weight_grad) {}
+  const char* name() const override { return dw_ ? "MlxrlRmsNormGradW" : "MlxrlRmsNormGrad"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const RmsNormGrad&>(other).eps_ == eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (dw_) return {inputs[0].shape(), inputs[1].shape()};
+    return {inputs[0].shape()};
+  }
+  // inputs: x [..., d], w [d], g [..., d]; outputs: dx (, dw)
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& g = inputs[2];
+    if (!dw_ && g.is_donatable() && g.flags().row_contiguous && g.data_size() == g.size()) {
+      outputs[0].copy_shared_buffer(g);
+    } else {
+      outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    }
+    if (dw_) outputs[1].set_data(mx::allocator::malloc(outputs[1].nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
+    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), gp = g.data<float>(),
+                      dx = outputs[0].data<float>(), dw = dw_ ? outputs[1].data<float>() : nullptr, rows, d,
+                      eps = eps_]() {
+      const size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(1, d));
+      const size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, rows / grain));
+      std::vector<float> partial(dw != nullptr ? parts * d : 0, 0.0f);
+      parallel_for(rows, std::max<size_t>(grain, (rows + parts - 1) / parts), [&](size_t part, size_t b, size_t e) {
+        float* acc = dw != nullptr ? partial.data() + part * d : nullptr;
+        for (size_t i = b; i < e; ++i) {
+          const float* xr = xp + i * d;
+          const float* gr = gp + i * d;
+          float* o = dx + i * d;
+          float ss = 0.0f, cx = 0.0f;
+#pragma omp simd reduction(+ : ss, cx)
+          for (size_t k = 0; k < d; ++k) {
+            ss += xr[k] * xr[k];
+            cx += gr[k] * wp[k] * xr[k];
+          }
+          const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+          const float coef = r * r * r * cx / float(d);
+          if (acc != nullptr) {
+#pragma omp simd
+            for (size_t k = 0; k < d; ++k) acc[k] += gr[k] * xr[k] * r;
+          }
+#pragma omp simd
+          for (size_t k = 0; k < d; ++k) o[k] = r * gr[k] * wp[k] - coef * xr[k];
+        }
+      });
+      if (dw != nullptr) {
+        std::fill(dw, dw + d, 0.0f);
+        for (size_t p = 0; p < parts; ++p)
+          for (size_t k = 0; k < d; ++k) dw[k] += partial[p * d + k];
+      }
+    });
+  }
+
+ private:
+  float eps_;
+  bool dw_;
+};
+
+mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
+  auto stream = cpu_stream({&x, &w}, s);
+  if (x.ndim() == 0 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("rms_norm: x [..., d] and weight [d] expected.");
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {dense(x, stream), dense(w, stream)});
+}
+
+std::vector<mx::array> rms_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                        bool weight_grad, mx::Stream s) {
+  auto stream = cpu_stream({&x, &w}, s);
+  auto gd = dense(mx::broadcast_to(mx::astype(g, mx::float32, stream), x.shape(), stream), stream);
+  std::vector<mx::array> in{dense(x, stream), dense(w, stream), gd};
+  auto prim = std::make_shared<RmsNormGrad>(stream, eps, weight_grad);
+  if (!weight_grad) return {mx::array(x.shape(), mx::float32, prim, in)};
+  return mx::array::make_arrays({x.shape(), w.shape()}, {mx::float32, mx::float32}, prim, in);
+}
+
+// Rotary embedding of x [B, H, L, D] (any strides: the input is typically a transposed view of
+// [B, L, H, D]) with cos / sin broadcast to it (their strides, 0 along broadcast axes), written
+// contiguous:  y[:h] = x[:h] c[:h] - x[h:] s[:h],  y[h:] = x[h:] c[h:] + x[:h] s[h:]  (h = D / 2).
+// The VJP is the transposed rotation (`inverse`):  dx[:h] = g[:h] c[:h] + g[h:] s[h:],
+// dx[h:] = g[h:] c[h:] - g[:h] s[:h].
+struct Strides4 {
+  int64_t s[4];
+};
+Strides4 strides_of(const mx::array& a) {
+  Strides4 out{};
+  for (int i = 0; i < 4; ++i) out.s[i] = a.strides()[i];
+  return out;
+}
+
+mx::array rotary_op(const mx::array& x, const mx::array& cos, const mx::array& sin, bool inverse,
+                    mx::StreamOrDevice s = {});
+
+class Rotary : public CpuPrimitive {
+ public:
+  Rotary(mx::Stream s, bool inverse) : CpuPrimitive(s), inverse_(inverse) {}
+  const char* name() const override { return inverse_ ? "MlxrlRotaryInverse" : "MlxrlRotary"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& out = outputs[0];
+    allocate_like(x, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const auto& sh = x.shape();
+    encoder.dispatch([xp = x.data<float>(), cp = inputs[1].data<float>(), sp = inputs[2].data<float>(),
+                      yp = out.data<float>(), B = size_t(sh[0]), H = size_t(sh[1]), L = size_t(sh[2]),
+                      D = size_t(sh[3]), xs = strides_of(x), cs = strides_of(inputs[1]), ss = strides_of(inputs[2]),
+                      inv = inverse_]() {
+      const size_t half = D / 2, rows = B * H * L;
+      over_rows(rows, D, [=](size_t b0, size_t n) {
+        for (size_t row = b0; row < b0 + n; ++row) {
+          const size_t l = row % L, h = (row / L) % H, b = row / (L * H);
+          const float* xr = xp + b * xs.s[0] + h * xs.s[1] + l * xs.s[2];
+          const float* c = cp + b * cs.s[0] + h * cs.s[1] + l * cs.s[2];
+          const float* s = sp + b * ss.s[0] + h * ss.s[1] + l * ss.s[2];
+          float* y = yp + row * D;
+          const int64_t xd = xs.s[3], cd = cs.s[3], sd = ss.s[3];
+          if (xd == 1 && cd == 1 && sd == 1) {
+            if (!inv) {
+#pragma omp simd
+              for (size_t k = 0; k < half; ++k) {
+                y[k] = xr[k] * c[k] - xr[k + half] * s[k];
+                y[k + half] = xr[k + half] * c[k + half] + xr[k] * s[k + half];
+              }
+            } else {
+#pragma omp simd
+              for (size_t k = 0; k < half; ++k) {
+                y[k] = xr[k] * c[k] + xr[k + half] * s[k + half];
+                y[k + half] = xr[k + half] * c[k + half] - xr[k] * s[k];
+              }
+            }
+          } else {
+            for (size_t k = 0; k < half; ++k) {
+              const float x1 = xr[k * xd], x2 = xr[(k + half) * xd];
+              const float c1 = c[k * cd], c2 = c[(k + half) * cd], s1 = s[k * sd], s2 = s[(k + half) * sd];
+              y[k] = inv ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1;
+              y[k + half] = inv ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2;
+            }
+          }
+        }
+      });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> out;
+    auto st = stream();
+    const auto& x = primals[0];
+    const auto& g = cotangents[0];
+    const int half = x.shape(3) / 2;
+    for (int a : argnums) {
+      if (a == 0) {
+        out.push_back(rotary_op(g, primals[1], primals[2], !inverse_, st));
+        continue;
+      }
+      // cos / sin (not trained in a model; for completeness): d/dc = g x, d/ds = g rot(x), summed to
+      // their shape (the primals were broadcast to x's shape)
+      mx::array t = x;
+      if (a == 2) {  // the rotated x: [-x2, x1], or [x2, -x1] for the transposed rotation
+        auto x1 = mx::slice(x, {0, 0, 0, 0}, {x.shape(0), x.shape(1), x.shape(2), half}, st);
+        auto x2 = mx::slice(x, {0, 0, 0, half}, x.shape(), st);
+        t = inverse_ ? mx::concatenate({x2, mx::negative(x1, st)}, 3, st)
+                     : mx::concatenate({mx::negative(x2, st), x1}, 3, st);
+      }
+      out.push_back(mx::multiply(g, t, st));
+    }
+    return out;
+  }
+  bool is_equivalent(const mx::Primitive& other) const override { return CpuPrimitive::is_equivalent(other); }
+
+ private:
+  bool inverse_;
+};
+
+mx::array rotary_op(const mx::array& x, const mx::array& cos, const mx::array& sin, bool inverse,
+                    mx::StreamOrDevice s) {
+  auto stream = cpu_stream({&x, &cos, &sin}, s);
+  if (x.ndim() != 4 || x.shape(3) % 2 != 0) throw std::invalid_argument("rotary: x [B, H, L, D] with D even expected.");
+  return mx::array(x.shape(), mx::float32, std::make_shared<Rotary>(stream, inverse),
+                   {x, mx::broadcast_to(cos, x.shape(), stream), mx::broadcast_to(sin, x.shape(), stream)});
+}
+
+// The SwiGLU product silu(g) u = g sigmoid(g) u, and its VJP in one pass over (g, u, c):
+// du = c g s,  dg = c u s (1 + g (1 - s))  with s = sigmoid(g).
+std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, const mx::array& c, mx::Stream s);
+
+class SiluMul : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+  const char* name() const override { return "MlxrlSiluMul"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& g = inputs[0];
+    const auto& u = inputs[1];
+    auto& out = outputs[0];
+    if (u.is_donatable() && u.flags().row_contiguous && u.data_size() == u.size()) {
+      out.copy_shared_buffer(u);
+    } else {
+      allocate_like(g, out);
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(g);
+    encoder.set_input_array(u);
+    encoder.set_output_array(out);
+    encoder.dispatch([gp = g.data<float>(), up = u.data<float>(), yp = out.data<float>(), n = g.size()]() {
+      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+        for (size_t i = b; i < e; ++i) yp[i] = gp[i] / (1.0f + fast_exp(-gp[i])) * up[i];
+      });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    auto grads = silu_mul_grad_op(primals[0], primals[1], cotangents[0], stream());
+    std::vector<mx::array> out;
+    for (int a : argnums) out.push_back(grads[a]);
+    return out;
+  }
+};
+
+class SiluMulGrad : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+  const char* name() const override { return "MlxrlSiluMulGrad"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[0].shape()};
+  }
+  // inputs: g, u, c; outputs: dg, du
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    encoder.dispatch([gp = inputs[0].data<float>(), up = inputs[1].data<float>(), cp = inputs[2].data<float>(),
+                      dg = outputs[0].data<float>(), du = outputs[1].data<float>(), n = inputs[0].size()]() {
+      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+        for (size_t i = b; i < e; ++i) {
+          const float x = gp[i], sg = 1.0f / (1.0f + fast_exp(-x)), ci = cp[i];
+          du[i] = ci * x * sg;
+          dg[i] = ci * up[i] * sg * (1.0f + x * (1.0f - sg));
+        }
+      });
+    });
+  }
+};
+
+mx::array silu_mul_op(const mx::array& g, const mx::array& u, mx::StreamOrDevice s = {}) {
+  auto stream = cpu_stream({&g, &u}, s);
+  if (g.shape() != u.shape()) throw std::invalid_argument("silu_mul: g and u must share a shape.");
+  return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(stream), {dense(g, stream), dense(u, stream)});
+}
+
+std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, const mx::array& c, mx::Stream s) {
+  auto stream = cpu_stream({&g, &u}, s);
+  auto cd = dense(mx::broadcast_to(mx::astype(c, mx::float32, stream), g.shape(), stream), stream);
+  return mx::array::make_arrays({g.shape(), g.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<SiluMulGrad>(stream), {dense(g, stream), dense(u, stream), cd});
+}
+
 }  // namespace
 
 NB_MODULE(_cpu_math, m) {
   m.doc() = "mlxrl's vectorised, multi-threaded CPU kernels (float32): exp, sigmoid, softmax (last axis), "
-            "sum of squares, the AdamW step.";
+            "sum of squares, the AdamW step, the fused LM head, dropout, RMSNorm, rotary embedding, SwiGLU.";
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
   m.def("softmax", [](const mx::array& x, bool causal) { return fast_softmax_op(x, causal); }, nb::arg("x"),
@@ -757,5 +1088,13 @@ NB_MODULE(_cpu_math, m) {
   m.def("dropout", [](const mx::array& x, const mx::array& key, float keep) { return dropout_op(x, key, keep); },
         nb::arg("x"), nb::arg("key"), nb::arg("keep"),
         "x * mask / keep with mask_i = hash(key, i) < keep (a uint32[2] key: the same key, the same mask).");
+  m.def("rms_norm", [](const mx::array& x, const mx::array& w, float eps) { return rms_norm_op(x, w, eps); },
+        nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight.");
+  m.def("rotary", [](const mx::array& x, const mx::array& cos, const mx::array& sin) {
+          return rotary_op(x, cos, sin, false);
+        }, nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
+        "Rotary embedding of x [B, H, L, D] (any strides): x cos + rotate_half(x) sin, cos / sin broadcast to x.");
+  m.def("silu_mul", [](const mx::array& g, const mx::array& u) { return silu_mul_op(g, u); }, nb::arg("g"),
+        nb::arg("u"), "silu(g) * u (the SwiGLU product).");
   m.def("threads", &worker_count);
 }
