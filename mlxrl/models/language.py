@@ -305,14 +305,19 @@ class CausalLMHead:
 # up / silu / product, per token; and ~1.25 [H, L, L] score tensors per sequence (MLX's attention with
 # a mask is unfused on the CPU and keeps the probabilities).
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
+# The native CPU path's SwiGLU product is one primitive whose VJP recomputes the sigmoid: it keeps g and u
+# only, where MLX's ops also keep sigmoid(g) and silu(g) (measured per layer, 2 x 768 -> 1536 I: native
+# +2.0 floats per token per I, MLX's ops +4.0)
+SAVED_PER_TOKEN_NATIVE = {**SAVED_PER_TOKEN, "I": 3}
 SCORE_COPIES = 1.25
 
 
 def layer_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int, kv_heads: int, tokens: int,
-                      scores: int, elem: int) -> float:
+                      scores: int, elem: int, native: bool = False) -> float:
     """Bytes one decoder layer keeps for its backward: `tokens` positions, `scores` attention-score
-    elements per head (B L^2 for B rows of L), `elem` bytes per element."""
-    k = SAVED_PER_TOKEN
+    elements per head (B L^2 for B rows of L), `elem` bytes per element; `native`: the native CPU
+    kernels run the layer's elementwise work (`cpu.fastmath`)."""
+    k = SAVED_PER_TOKEN_NATIVE if native else SAVED_PER_TOKEN
     per_token = k["D"] * hidden + k["I"] * intermediate + k["Q"] * heads * head_dim + k["KV"] * kv_heads * head_dim
     return elem * tokens * per_token + elem * SCORE_COPIES * heads * scores
 

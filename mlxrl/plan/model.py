@@ -22,6 +22,7 @@ from .suggest import suggest_change
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
 GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
+BLOCK_SCORES = 0.5          # [block, L] score arrays per head in the blocked causal attention (fit: see causal_scores)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
@@ -165,9 +166,9 @@ class Shape:
     label: str = ""
 
 
-def _layer_saved(a: Arch, sh: Shape, s: int) -> float:
+def _layer_saved(a: Arch, sh: Shape, s: int, native: bool = False) -> float:
     """Bytes one decoder layer keeps for backward (no checkpointing): the decoder's own model."""
-    return layer_saved_bytes(a.D, a.I, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s)
+    return layer_saved_bytes(a.D, a.I, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s, native)
 
 
 def lora_dropout(args, trainer: str = "sft") -> float:
@@ -188,7 +189,7 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     """Activation bytes of the decoder during backward, INCLUDING the decoder layers' gradients:
     measured, a layer's weight gradients appear as its saved tensors are released, so the layers cost
     max(saved tensors, their gradients) rather than the sum."""
-    layer = _layer_saved(a, sh, s) + _lora_extra(a, args, sh.tokens, s, trainer)
+    layer = _layer_saved(a, sh, s, native_cpu(args)) + _lora_extra(a, args, sh.tokens, s, trainer)
     if getattr(args, "use_peft", False):
         layer *= LORA_SAVED
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
@@ -269,13 +270,32 @@ def grpo_prompt_length(args, prompt_length: int | None = None) -> int:
     return -(-P // 32) * 32
 
 
+def causal_scores(args, L: int) -> int:
+    """Attention-score elements per head of one SFT / DPO row of L tokens, in the units of
+    `layer_saved_bytes` (SCORE_COPIES of them per element). Right-padded rows attend with "causal"
+    (`data.batches.right_padded`); on the native CPU path that is the blocked attention
+    (`mlxrl.cpu.attention`), whose blocks of CAUSAL_BLOCK queries hold ~BLOCK_SCORES [block, L] score
+    arrays per head at once instead of the [L, L] square, so the term grows with L, not L^2. Packed or
+    padding-free rows (a segment mask) and the graph path keep the square. BLOCK_SCORES is fit on the
+    planner tests' small text model at L = 1024 / 2048 (SFT and DPO, checkpointing on and off: within
+    -13..+9%, except LoRA without checkpointing, +23%) and checked at real scale: the Qwen3-0.6B shape at
+    4096 tokens predicts 4.33 GB (LoRA) and 10.81 GB (full) against 4.36 / 11.26 GB measured
+    (`scripts/bench_scale.py`, MLX peak)."""
+    if getattr(args, "packing", False) or getattr(args, "padding_free", False) or not native_cpu(args):
+        return L * L
+    from ..cpu.fastmath import CAUSAL_BLOCK
+
+    return min(L * L, int(BLOCK_SCORES * min(CAUSAL_BLOCK, L) * L / SCORE_COPIES))
+
+
 def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None = None) -> Shape:
     """The forward of one micro-batch (extra_tokens: image tokens per sequence)."""
     L = int(getattr(args, "max_length", None) or 1024) + extra_tokens
     B = int(args.per_device_train_batch_size)
     scored = L - extra_tokens  # image tokens are never scored
     if trainer == "dpo":
-        return Shape(2 * B * L, 2 * B * L * L, 2 * B * scored, label=f"B={2 * B} (chosen + rejected) L={L}")
+        return Shape(2 * B * L, 2 * B * causal_scores(args, L), 2 * B * scored,
+                     label=f"B={2 * B} (chosen + rejected) L={L}")
     if trainer == "grpo":  # b completions; whole groups when b >= G, else a slice of one prompt's group
         P = grpo_prompt_length(args, prompt_length) + extra_tokens
         C = int(args.max_completion_length)
@@ -284,7 +304,7 @@ def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None 
             return Shape(B * (P + C), B * (P + C) ** 2, B * C, label=f"B={B} L={P + C} (prompt not shared)")
         return Shape(n_p * P + B * C, n_p * P * P + B * C * (P + C), B * C,
                      label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)")
-    return Shape(B * L, B * L * L, B * scored, label=f"B={B} L={L}")
+    return Shape(B * L, B * causal_scores(args, L), B * scored, label=f"B={B} L={L}")
 
 
 def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
