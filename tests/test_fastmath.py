@@ -271,3 +271,30 @@ def test_decoder_ops_route_to_native_only_in_float32():
     assert fastmath.silu_mul(x.astype(mx.bfloat16), x.astype(mx.bfloat16)).dtype == mx.bfloat16
     q = mx.ones((1, 2, 3, 8), dtype=mx.bfloat16)
     assert fastmath.rotary(q, mx.ones((1, 1, 3, 8)), mx.zeros((1, 1, 3, 8))).dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_decoder_ops_correct_when_buffers_are_donated(path, compiled):
+    """Inputs and cotangents that are temporaries (used once) give their buffers to the kernels'
+    outputs, which are then written in place; values and gradients still equal float64 torch."""
+    torch, t_rms, t_rot, t_silu = _torch_decoder_ops()
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 1, (2, 3, 5, 16))
+    cos, sin = rng.normal(0, 1, (2, 1, 5, 16)), rng.normal(0, 1, (2, 1, 5, 16))
+    w, g = rng.normal(1, 0.2, (16,)), rng.normal(0, 2, (2, 3, 5, 16))
+    weight = rng.normal(0, 1, (2, 3, 5, 16))
+    m = {k: mx.array(v.astype(np.float32)) for k, v in dict(cos=cos, sin=sin, w=w, g=g, weight=weight).items()}
+    ops = {
+        "rotary": (lambda a: fastmath.rotary(a * 2.0, m["cos"], m["sin"]), lambda a: t_rot(a * 2.0, cos_t, sin_t)),
+        "rms_norm": (lambda a: fastmath.rms_norm(a * 2.0, m["w"], 1e-6), lambda a: t_rms(a * 2.0, w_t, 1e-6)),
+        "silu_mul": (lambda a: fastmath.silu_mul(a * 2.0, m["g"] * 1.0), lambda a: t_silu(a * 2.0, g_t)),
+    }
+    cos_t, sin_t, w_t, g_t = (torch.tensor(v) for v in (cos, sin, w, g))
+    for name, (ours, ref) in ops.items():
+        fn = mx.value_and_grad(lambda a: (ours(a) * m["weight"]).sum())  # noqa: B023
+        value, grad = (mx.compile(fn) if compiled else fn)(mx.array(x.astype(np.float32)))
+        xt = torch.tensor(x, requires_grad=True)
+        t_value = (ref(xt) * torch.tensor(weight)).sum()
+        t_value.backward()
+        np.testing.assert_allclose(value.item(), t_value.item(), rtol=1e-4, atol=1e-3, err_msg=name)
+        np.testing.assert_allclose(np.array(grad), xt.grad.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)

@@ -921,17 +921,20 @@ class Rotary : public CpuPrimitive {
           float* y = yp + row * D;
           const int64_t xd = xs.s[3], cd = cs.s[3], sd = ss.s[3];
           if (xd == 1 && cd == 1 && sd == 1) {
+            // both halves are read before either is written: y may be x's buffer (donated)
             if (!inv) {
 #pragma omp simd
               for (size_t k = 0; k < half; ++k) {
-                y[k] = xr[k] * c[k] - xr[k + half] * s[k];
-                y[k + half] = xr[k + half] * c[k + half] + xr[k] * s[k + half];
+                const float x1 = xr[k], x2 = xr[k + half];
+                y[k] = x1 * c[k] - x2 * s[k];
+                y[k + half] = x2 * c[k + half] + x1 * s[k + half];
               }
             } else {
 #pragma omp simd
               for (size_t k = 0; k < half; ++k) {
-                y[k] = xr[k] * c[k] + xr[k + half] * s[k + half];
-                y[k + half] = xr[k + half] * c[k + half] - xr[k] * s[k];
+                const float x1 = xr[k], x2 = xr[k + half];
+                y[k] = x1 * c[k] + x2 * s[k + half];
+                y[k + half] = x2 * c[k + half] - x1 * s[k];
               }
             }
           } else {
