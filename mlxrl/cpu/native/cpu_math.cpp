@@ -189,6 +189,25 @@ void allocate_like(const mx::array& in, mx::array& out) {
   }
 }
 
+// The output takes `first`'s buffer when MLX may donate it, else `second`'s (allocate_like).
+void allocate_like_either(const mx::array& first, const mx::array& second, mx::array& out) {
+  if (first.is_donatable() && first.flags().row_contiguous && first.data_size() == first.size()) {
+    out.copy_shared_buffer(first);
+  } else {
+    allocate_like(second, out);
+  }
+}
+
+// One-output kernels: `out` takes inputs[0]'s buffer when it may (allocate_like), every array is
+// registered with the stream's encoder, which is returned for the dispatch.
+mx::cpu::CommandEncoder& encode_unary_output(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out) {
+  allocate_like(inputs[0], out);
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  return encoder;
+}
+
 using RangeFn = void (*)(const float*, float*, size_t);
 
 void run_elementwise(mx::Stream stream, const mx::array& in, mx::array& out, RangeFn fn) {
@@ -344,11 +363,7 @@ class SoftmaxGrad : public CpuPrimitive {
     const auto& y = inputs[0];
     const auto& g = inputs[1];
     auto& out = outputs[0];
-    if (g.is_donatable() && g.flags().row_contiguous && g.data_size() == g.size()) {
-      out.copy_shared_buffer(g);
-    } else {
-      allocate_like(y, out);
-    }
+    allocate_like_either(g, y, out);
     auto [rows, cols, causal_len] = row_shape(y, causal_);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(y);
@@ -768,11 +783,7 @@ class RmsNorm : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     auto& out = outputs[0];
-    allocate_like(x, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(inputs[1]);
-    encoder.set_output_array(out);
+    auto& encoder = encode_unary_output(stream(), inputs, out);
     const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
     encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), yp = out.data<float>(), rows, d,
                       eps = eps_]() {
@@ -809,10 +820,10 @@ class RmsNormGrad : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const auto& g = inputs[2];
-    if (!dw_ && g.is_donatable() && g.flags().row_contiguous && g.data_size() == g.size()) {
-      outputs[0].copy_shared_buffer(g);
-    } else {
+    if (dw_) {  // two outputs: each holds the inputs, so none is donatable
       outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+    } else {
+      allocate_like_either(g, x, outputs[0]);
     }
     if (dw_) outputs[1].set_data(mx::allocator::malloc(outputs[1].nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -902,10 +913,7 @@ class Rotary : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     auto& out = outputs[0];
-    allocate_like(x, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = encode_unary_output(stream(), inputs, out);
     const auto& sh = x.shape();
     encoder.dispatch([xp = x.data<float>(), cp = inputs[1].data<float>(), sp = inputs[2].data<float>(),
                       yp = out.data<float>(), B = size_t(sh[0]), H = size_t(sh[1]), L = size_t(sh[2]),
@@ -1001,11 +1009,7 @@ class SiluMul : public CpuPrimitive {
     const auto& g = inputs[0];
     const auto& u = inputs[1];
     auto& out = outputs[0];
-    if (u.is_donatable() && u.flags().row_contiguous && u.data_size() == u.size()) {
-      out.copy_shared_buffer(u);
-    } else {
-      allocate_like(g, out);
-    }
+    allocate_like_either(u, g, out);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(g);
     encoder.set_input_array(u);
