@@ -5,6 +5,8 @@
     python scripts/bench_scale.py --shapes qwen3-0.6b --modes lora --quant 4 --max_length 4096  # + QLoRA (4-bit)
     python scripts/bench_scale.py --shapes qwen3-vl-2b --modes lora --images 2 --image_px 448   # VL rows
     python scripts/bench_scale.py --grpo                               # GRPO, TRL PR #2669's shape on 0.6B
+    python scripts/bench_scale.py --frontier --budget_gb 20 --modes lora --steps 1 --warmup 0 \
+        --trl_lengths 5120 6144 --ours_lengths 12288      # the longest max_length under 20 GB (root: a cgroup)
     python scripts/bench_scale.py --shapes qwen3-0.6b --layers 1 --max_length 128 --steps 1   # quick check
     python scripts/bench_scale.py --grpo --layers 1 --prompt_length 64 --completion_length 8 --num_generations 2
 
@@ -71,6 +73,14 @@ GRPO (`--grpo`, instead of SFT): TRL PR #2669's scaled shape on qwen3-0.6b: one 
 above (lr `--lr_lora`), float32, gradient checkpointing on, beta 0, loss dapo, temperature 1, one generation
 round + one optimizer step per step; ours with shared_prompt on and off vs TRL's GRPOTrainer (its transformers
 generate). Prompts, reward and the per-round timing are bench_grpo.py's (imported). No mlx-lm side.
+
+Memory frontier (`--frontier --budget_gb G`): the longest max_length each side trains when it has G GB. Each
+side's process runs in a memory cgroup of G GB (1e9 bytes; no swap here), so a side over the budget is killed
+by the kernel's OOM killer, as on a machine with that much memory; that kill is its result. Ours: the planner's
+prediction first (the longest multiple of `--frontier_step` up to the model's max_position_embeddings whose
+predicted peak, mx.get_peak_memory(), is within G), then one real step at each `--ours_lengths` (default: that
+prediction); TRL / mlx-lm: one real step at each `--trl_lengths` / `--mlxlm_lengths`. `--budget_gb` alone runs
+the SFT table under the budget.
 
 `--json out.json` writes every number. A side that fails (out of memory: the machine has 24 GB) is reported
 with its exit status and the others go on.
@@ -219,14 +229,7 @@ def run_ours(s: dict) -> dict:
     rows = make_rows(s)
     base = rss_gb()
     model, processor = mlxrl.load(s["ckpt"])
-    kw = {}
-    if s["mode"] != "full":
-        kw = dict(use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=s["lora_dropout"])
-    if s["mode"] == "qlora":
-        kw.update({f"load_in_{s['bits']}bit": True, "q_group_size": s["q_group_size"]})
-    args = SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
-                     learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
-                     max_length=s["max_length"], gradient_checkpointing=True, seed=42, **kw)
+    args = _sft_args(s, SFTConfig, s["max_length"])
     stamps: list[float] = []
     trainer = SFT._timed_trainer(SFTTrainer, stamps)(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
@@ -247,6 +250,30 @@ def run_ours(s: dict) -> dict:
     except Exception as e:
         out["note"] = f"row details unavailable: {e}"
     return out
+
+
+def _sft_args(s: dict, SFTConfig, max_length: int):
+    """Our SFTConfig of the run (the one run_ours trains with)."""
+    kw = {}
+    if s["mode"] != "full":
+        kw = dict(use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=s["lora_dropout"])
+    if s["mode"] == "qlora":
+        kw.update({f"load_in_{s['bits']}bit": True, "q_group_size": s["q_group_size"]})
+    return SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
+                     learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
+                     max_length=max_length, gradient_checkpointing=True, seed=42, **kw)
+
+
+def run_plan(s: dict) -> dict:
+    """Child: our planner's predicted peak (bytes, mx.get_peak_memory()) of run_ours' run at each length."""
+    sys.path.insert(0, str(ROOT))
+    from mlxrl.plan.model import predict
+    from mlxrl.trainers.config import SFTConfig
+
+    images = s["images"] if s["vl"] else 0
+    return {"predicted": {t: predict(s["ckpt"], _sft_args(s, SFTConfig, t), "sft", images=images,
+                                     image_size=s["image_px"] if images else None, suggest=False).total
+                          for t in s["lengths"]}}
 
 
 def _hf_vl_processor(folder: str):
@@ -459,21 +486,74 @@ def run_grpo_trl(s: dict) -> dict:
             "loss": [e["loss"] for e in logs if "loss" in e], "trainable": trainable}
 
 
-CHILDREN = {"build": build_checkpoint, "ours": run_ours, "trl": run_trl, "mlxlm": run_mlxlm,
+CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours, "trl": run_trl, "mlxlm": run_mlxlm,
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
             "grpo_trl": run_grpo_trl}
 
 
 # ---------------------------------------------------------------------------------------------- parent
+class Budget:
+    """A memory cgroup that each side's process joins before it runs (`--budget_gb`): the kernel's OOM killer
+    ends a side that goes over, as on a machine with that much memory and no swap. cgroup v1
+    (memory.limit_in_bytes, memory.memsw.limit_in_bytes where swap accounting is on) or v2 (memory.max,
+    memory.swap.max 0); it needs write access to the cgroup tree (root in a container)."""
+
+    def __init__(self, gb: float):
+        self.gb, self.limit = gb, int(gb * 1e9)
+        v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+        name = f"mlxrl_bench_scale_{os.getpid()}"
+        try:
+            if (v1 / "memory.limit_in_bytes").exists():
+                self.dir = v1 / name
+                self.dir.mkdir(exist_ok=True)
+                (self.dir / "memory.limit_in_bytes").write_text(str(self.limit))
+                if (self.dir / "memory.memsw.limit_in_bytes").exists():
+                    (self.dir / "memory.memsw.limit_in_bytes").write_text(str(self.limit))
+            else:
+                self.dir = v2 / name
+                self.dir.mkdir(exist_ok=True)
+                (self.dir / "memory.max").write_text(str(self.limit))
+                if (self.dir / "memory.swap.max").exists():
+                    (self.dir / "memory.swap.max").write_text("0")
+        except OSError as e:
+            sys.exit(f"--budget_gb {gb:g}: cannot create a memory cgroup ({e}); run as root with the cgroup tree "
+                     "writable, or leave --budget_gb out")
+
+    def join(self) -> None:  # in the child, between fork and exec
+        (self.dir / "cgroup.procs").write_text(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        events = self.dir / "memory.events"  # v2
+        if events.exists():
+            return int(dict(x.split() for x in events.read_text().splitlines()).get("oom_kill", 0))
+        control = self.dir / "memory.oom_control"  # v1
+        if control.exists():
+            return int(dict(x.split() for x in control.read_text().splitlines()).get("oom_kill", 0))
+        return 0
+
+    def close(self) -> None:
+        try:
+            self.dir.rmdir()
+        except OSError:
+            pass
+
+
+BUDGET: Budget | None = None
+
+
 def child(side: str, spec: dict, env: dict | None = None) -> dict:
-    """Run one side in its own process; a failure (an OOM kill included) comes back as {"error": ...}."""
+    """Run one side in its own process (inside the --budget_gb cgroup when there is one); a failure (an OOM
+    kill included) comes back as {"error": ...}."""
     t0 = time.perf_counter()
+    kills = BUDGET.oom_kills() if BUDGET else 0
     proc = subprocess.run([sys.executable, __file__, "--side", side, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, preexec_fn=BUDGET.join if BUDGET else None)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     print(f"[{side} done in {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     if proc.returncode or not line:
         why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}"
+        if BUDGET and BUDGET.oom_kills() > kills:
+            why = f"out of memory: killed at the {BUDGET.gb:g} GB budget"
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
         print(f"  {side} failed: {why}\n    " + "\n    ".join(tail), file=sys.stderr, flush=True)
         return {"error": why, "tail": tail}
@@ -546,6 +626,83 @@ def _ratio(a: float, b: float | None) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
+def sft_spec(a, folder: Path, out: Path, mode: str, t: int, vl: bool) -> dict:
+    return {"ckpt": str(folder), "out": str(out), "mode": mode, "bits": a.quant, "q_group_size": a.q_group_size,
+            "max_length": t, "steps": a.steps, "warmup": a.warmup, "lr": a.lr_full if mode == "full" else a.lr_lora,
+            "lora_dropout": a.lora_dropout, "vl": vl, "images": a.images, "image_px": a.image_px,
+            "mlxlm_quant": a.mlxlm_quant}
+
+
+def run_frontier(a, root: Path, tmp: Path, env) -> dict:
+    """The memory frontier: the longest max_length each side trains under --budget_gb. Ours: the planner's
+    prediction (the longest multiple of --frontier_step up to the model's max_position_embeddings whose
+    predicted peak fits the budget), then one real step per --ours_lengths (default: that prediction); TRL and
+    mlx-lm: one real step per --trl_lengths / --mlxlm_lengths. Each step runs in the budget's cgroup: a side
+    over the budget is killed by the kernel, and that is its result."""
+    lengths = {"ours": a.ours_lengths, "trl": a.trl_lengths, "mlxlm": a.mlxlm_lengths}
+    results = []
+    for shape in a.shapes:
+        folder = checkpoint(root, shape, a.layers, env)
+        config = json.loads((folder / "config.json").read_text())
+        vl = SHAPES[shape][0] == "vl"
+        top = config.get("text_config", config)["max_position_embeddings"]
+        for mode in a.modes:
+            grid = list(range(a.frontier_step, top + 1, a.frontier_step))
+            asked = sorted(set(grid) | set(a.ours_lengths))
+            plan = child("plan", {**sft_spec(a, folder, tmp / "plan", mode, grid[0], vl), "lengths": asked}, env)
+            if "error" in plan:
+                sys.exit(f"the planner failed: {plan['error']}")
+            predicted = {int(t): b / 1e9 for t, b in plan["predicted"].items()}
+            fits = [t for t in grid if predicted[t] <= a.budget_gb]
+            longest = max(fits) if fits else None
+            entry = {"shape": shape, "mode": mode, "top": top, "predicted": predicted, "planner_longest": longest,
+                     "sides": {}}
+            print(f"{shape} {mode}: the planner's longest max_length under {a.budget_gb:g} GB: {longest} "
+                  f"(predicted MLX peak {predicted[longest]:.2f} GB; the model's context: {top})"
+                  if longest else f"{shape} {mode}: nothing fits {a.budget_gb:g} GB by the planner", flush=True)
+            for side in a.sides:
+                todo = lengths[side] or ([longest] if side == "ours" and longest else [])
+                if side == "mlxlm" and vl:
+                    todo = []
+                for t in todo:
+                    r = child(side, sft_spec(a, folder, tmp / f"{shape}-{t}-{mode}-{side}", mode, t, vl), env)
+                    if "error" not in r:
+                        r = summarise_sft(r, a.warmup, t)
+                    state = r.get("error") or f"trained, peak RSS {r['peak_rss_gb']:.2f} GB"
+                    print(f"{shape} {mode} {NAMES[side]} T={t}: {state}", flush=True)
+                    entry["sides"].setdefault(side, {})[t] = r
+            results.append(entry)
+    print_frontier(a, results)
+    return {"runs": results}
+
+
+def print_frontier(a, results: list) -> None:
+    print()
+    print(f"Memory frontier under {a.budget_gb:g} GB (each real step in a memory cgroup of that size, no swap; batch "
+          f"1, float32, gradient checkpointing, LoRA r16 on the seven projections / full as in the SFT table)")
+    print(f"{'shape':12} {'mode':5} {'side':7} {'T':>6} {'result':34} {'planner (MLX peak)':>18} {'s/step':>8}")
+    for e in results:
+        for side, runs in e["sides"].items():
+            for t, r in sorted(runs.items()):
+                pred = f"{e['predicted'][t]:.2f} GB" if side == "ours" and t in e["predicted"] else "-"
+                if "error" in r:
+                    res, sps = r["error"], "-"
+                else:
+                    mlx = f", MLX {r['mlx_peak_gb']:.2f}" if "mlx_peak_gb" in r else ""
+                    res, sps = f"fits: RSS {r['peak_rss_gb']:.2f} GB{mlx}", f"{r['s_per_step']:.0f}"
+                print(f"{e['shape']:12} {e['mode']:5} {NAMES[side]:7} {t:6} {res:34} {pred:>18} {sps:>8}")
+        best = {side: max((t for t, r in runs.items() if "error" not in r), default=None)
+                for side, runs in e["sides"].items()}
+        line = f"  planner: ours fits up to {e['planner_longest']} (the model's context is {e['top']})"
+        for side, t in best.items():
+            failed = min((t2 for t2, r in e["sides"][side].items() if "error" in r), default=None)
+            line += f"; {NAMES[side]} trained {t or 'nothing'}" + (f", failed at {failed}" if failed else "")
+        if best.get("ours") and best.get("trl"):
+            line += (f"; ours verified / TRL's longest: {best['ours'] / best['trl']:.2f}x, planned / TRL's: "
+                     f"{(e['planner_longest'] or 0) / best['trl']:.2f}x")
+        print(line)
+
+
 def run_sft(a, root: Path, tmp: Path, env) -> dict:
     modes = list(a.modes) + (["qlora"] if a.quant else [])
     peaks = [SFT._peaks(a.peak_n)]
@@ -559,7 +716,6 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
         for t in a.max_length:
             for mode in modes:
                 entry = {"shape": shape, "layers": depths(a.layers)[0], "max_length": t, "mode": mode, "sides": {}}
-                lr = a.lr_full if mode == "full" else a.lr_lora
                 for side in a.sides:
                     if side == "trl" and mode == "qlora":
                         entry["sides"][side] = {"na": "no bitsandbytes on CPU"}
@@ -567,11 +723,7 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
                     if side == "mlxlm" and vl:
                         entry["sides"][side] = {"na": "mlx-lm's trainer is text-only"}
                         continue
-                    spec = {"ckpt": str(folder), "out": str(tmp / f"{shape}-{t}-{mode}-{side}"), "mode": mode,
-                            "bits": a.quant, "q_group_size": a.q_group_size, "max_length": t, "steps": a.steps,
-                            "warmup": a.warmup, "lr": lr, "lora_dropout": a.lora_dropout, "vl": vl,
-                            "images": a.images, "image_px": a.image_px, "mlxlm_quant": a.mlxlm_quant}
-                    r = child(side, spec, env)
+                    r = child(side, sft_spec(a, folder, tmp / f"{shape}-{t}-{mode}-{side}", mode, t, vl), env)
                     if "error" not in r:
                         r = summarise_sft(r, a.warmup, t)
                         print(f"{shape} T={t} {mode} {NAMES[side]}: {r['s_per_step']:.2f} s/step, "
@@ -695,6 +847,17 @@ def main(argv=None):
                     help="checkpoints are built here once and reused")
     ap.add_argument("--huge_pages", action="store_true",
                     help="run every side with glibc's malloc on huge pages (what mlxrl's CLIs set)")
+    ap.add_argument("--budget_gb", type=float,
+                    help="run each side inside a memory cgroup of this many GB (1e9 bytes): over it, the kernel kills "
+                         "the side (needs root)")
+    ap.add_argument("--frontier", action="store_true",
+                    help="the memory frontier under --budget_gb: the planner's longest max_length, then real steps at "
+                         "--ours_lengths / --trl_lengths / --mlxlm_lengths (instead of the SFT table)")
+    ap.add_argument("--frontier_step", type=int, default=512, help="the planner's max_length grid")
+    ap.add_argument("--ours_lengths", type=int, nargs="*", default=[],
+                    help="frontier: our real steps (default: the planner's longest)")
+    ap.add_argument("--trl_lengths", type=int, nargs="*", default=[], help="frontier: TRL's real steps")
+    ap.add_argument("--mlxlm_lengths", type=int, nargs="*", default=[], help="frontier: mlx-lm's real steps")
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--side", choices=list(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -708,14 +871,22 @@ def main(argv=None):
     if a.huge_pages:
         tunables = os.environ.get("GLIBC_TUNABLES", "")
         env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:glibc.malloc.hugetlb=1".lstrip(":")}
+    if a.frontier and not a.budget_gb:
+        ap.error("--frontier needs --budget_gb")
+    global BUDGET
+    BUDGET = Budget(a.budget_gb) if a.budget_gb else None
     root = Path(a.ckpt_dir)
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = {"settings": {k: v for k, v in vars(a).items() if k not in ("side", "spec")}}
         if a.grpo:
             out["grpo"] = run_grpo(a, root, Path(tmp), env)
+        elif a.frontier:
+            out["frontier"] = run_frontier(a, root, Path(tmp), env)
         else:
             out["sft"] = run_sft(a, root, Path(tmp), env)
+    if BUDGET:
+        BUDGET.close()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.json}")
