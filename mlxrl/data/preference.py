@@ -196,7 +196,8 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
 
 # ---------------------------------------------------------------------------------------- batches
 
-def _row_bucket(n: int, minimum: int = 64) -> int:
+def row_bucket(n: int, minimum: int = 64) -> int:
+    """The scored rows of a DPO batch are padded to a power of two (at least 64): few compiled shapes."""
     return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
 
 
@@ -239,7 +240,7 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
     scored[:-1] = (flat_comp[1:] == 1) & (flat_seg[1:] == flat_seg[:-1])
     rows = np.flatnonzero(scored)
     seq_of = flat_seg[rows] - 1                                    # 0..2B-1
-    n_rows = _row_bucket(rows.size) if bucket_rows else rows.size
+    n_rows = row_bucket(rows.size) if bucket_rows else rows.size
     padded_rows = np.zeros(n_rows, np.int32)
     padded_rows[:rows.size] = rows
     targets = np.full(n_rows, IGNORE_INDEX, np.int32)

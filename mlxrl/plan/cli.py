@@ -18,7 +18,8 @@ def _extra(parser):
     parser.add_argument("--images", type=int, default=0, help="images per example (VL models)")
     parser.add_argument("--image_size", type=int, default=None, help="image side in pixels after resizing")
     parser.add_argument("--prompt_length", type=int, default=None,
-                        help=f"GRPO: prompt tokens (default {DEFAULT_PROMPT_LENGTH})")
+                        help=f"GRPO: prompt tokens (default {DEFAULT_PROMPT_LENGTH}); DPO: prompt tokens per pair, "
+                             "which the head does not score (default 0: every token scored, an upper bound)")
     parser.add_argument("--measure", action="store_true", help="run a few real steps on random weights and "
                                                                "print predicted vs measured peak memory")
     parser.add_argument("--sweep", action="store_true", help="with --measure: also max_length and LoRA rank")

@@ -51,14 +51,14 @@ def _text(rng, n: int, vocab: int) -> str:
 
 def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0, prompt_length: int | None = None
                    ) -> list[dict]:
-    """Rows that fill max_length exactly (SFT: text; DPO: prompt + chosen / rejected halves); GRPO: prompts
-    of prompt_length tokens (default 512)."""
+    """Rows that fill max_length exactly (SFT: text; DPO: a prompt of prompt_length tokens (default half of
+    max_length) + chosen / rejected); GRPO: prompts of prompt_length tokens (default 512)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     L = int(getattr(args, "max_length", None) or 1024)
     if trainer == "dpo":
-        p = L // 2
+        p = min(int(prompt_length), L - 2) if prompt_length else L // 2
         return [{"prompt": _text(rng, p, vocab), "chosen": _text(rng, L - p - 1, vocab),
                  "rejected": _text(rng, L - p - 1, vocab)} for _ in range(n)]
     if trainer == "grpo":
@@ -100,9 +100,10 @@ def _image_processor(cfg: dict, image_size: int):
 def image_rows(trainer: str, args, n: int, images: int, image_size: int, seed: int = 0,
                prompt_length: int | None = None) -> list[dict]:
     """Vision rows for `measure`: `images` noise pictures of `image_size` pixels a side in the user turn,
-    then text of about max_length tokens (one token per ' x'); DPO: prompt + chosen / rejected halves;
-    GRPO: the pictures and a prompt of prompt_length tokens. The text's length matches `_shape`, which
-    counts the image tokens on top of max_length / the prompt."""
+    then text of about max_length tokens (one token per " x"); DPO: a prompt of prompt_length tokens
+    (default half of max_length) + chosen / rejected; GRPO: the pictures and a prompt of prompt_length
+    tokens. The text's length matches `_shape`, which counts the image tokens on top of max_length / the
+    prompt."""
     import numpy as np
     from PIL import Image
 
@@ -123,7 +124,7 @@ def image_rows(trainer: str, args, n: int, images: int, image_size: int, seed: i
         return [{"prompt": [user(grpo_prompt_length(args, prompt_length) - 24)], "images": pictures()}
                 for _ in range(n)]
     if trainer == "dpo":
-        p = L // 2
+        p = min(int(prompt_length), L - 10) if prompt_length else L // 2
         return [{"prompt": [user(p - 24)], "chosen": [{"role": "assistant", "content": words(L - p - 8)}],
                  "rejected": [{"role": "assistant", "content": words(L - p - 8)}], "images": pictures()}
                 for _ in range(n)]

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from .. import optim as optim_lib
 from .. import runtime
+from ..data.preference import row_bucket
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
@@ -226,14 +227,17 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
                            bool(getattr(args, "compile", True)))
 
 
-def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool) -> float:
-    """Vision tower activations for `images` images per example of `image_size` pixels a side
-    (saved tensors as for a decoder layer, full attention within each image; with checkpointing one
-    input per block plus the recompute of one block; a frozen tower keeps about two layers of
-    temporaries). Checked against `measure` on the embedded Qwen3-VL (tests/test_plan.py); DPO with
-    LoRA and images is over-predicted (see README)."""
+def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool
+                 ) -> tuple[float, float]:
+    """Vision tower activations for `images` images per example of `image_size` pixels a side, as
+    (kept, temporaries): `kept` lives through the decoder's forward and backward (what a trained tower
+    saves: with checkpointing one input per block, without every block's saved tensors), `temporaries`
+    only while the tower itself runs (a frozen tower's forward, about two layers; a checkpointed tower's
+    recompute of one block in its backward), which is not when the decoder's head peaks. Saved tensors
+    per block as for a decoder layer, full attention within each image. Checked against `measure` on
+    the embedded Qwen3-VL (tests/test_plan.py)."""
     if not images or not a.vision or not image_size:
-        return 0.0
+        return 0.0, 0.0
     v = a.vision
     patches = (image_size // v["patch"]) ** 2  # per image, before merging
     P = B * images * patches
@@ -241,10 +245,10 @@ def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | N
     layer = s * P * per_token + s * SCORE_COPIES * B * images * v["heads"] * patches * patches
     trained = not (getattr(args, "use_peft", False) or getattr(args, "freeze_vision_tower", False))
     if not trained:
-        return 2 * layer  # a frozen tower keeps nothing for backward: about two layers of temporaries
-    if checkpointing:  # each block's input, and the recompute of one block at a time in the backward
-        return v["depth"] * s * P * v["D"] + CKPT_LAYERS * layer
-    return (v["depth"] + BACKWARD_LAYERS) * layer
+        return 0.0, 2 * layer  # a frozen tower keeps nothing for backward
+    if checkpointing:  # each block's input; the recompute of one block at a time in the tower's backward
+        return v["depth"] * s * P * v["D"], CKPT_LAYERS * layer
+    return (v["depth"] + BACKWARD_LAYERS) * layer, 0.0
 
 
 def image_tokens(a: Arch, images: int, image_size: int | None) -> int:
@@ -289,13 +293,18 @@ def causal_scores(args, L: int) -> int:
 
 
 def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None = None) -> Shape:
-    """The forward of one micro-batch (extra_tokens: image tokens per sequence)."""
+    """The forward of one micro-batch (extra_tokens: image tokens per sequence). prompt_length: GRPO's
+    prompt tokens (default 512); DPO's prompt tokens per pair, which the head does not score (default 0:
+    every token scored, an upper bound)."""
     L = int(getattr(args, "max_length", None) or 1024) + extra_tokens
     B = int(args.per_device_train_batch_size)
-    scored = L - extra_tokens  # image tokens are never scored
-    if trainer == "dpo":
-        return Shape(2 * B * L, 2 * B * causal_scores(args, L), 2 * B * scored,
-                     label=f"B={2 * B} (chosen + rejected) L={L}")
+    # SFT trains every token of a row, image tokens included (TRL's collator keeps them as labels); DPO's
+    # and GRPO's images belong to the prompt, which is not scored
+    scored = L if trainer == "sft" else L - extra_tokens
+    if trainer == "dpo":  # only the completions are scored: the prompt's tokens skip the head
+        scored = max(1, scored - int(prompt_length or 0))
+        return Shape(2 * B * L, 2 * B * causal_scores(args, L), row_bucket(2 * B * scored),
+                     label=f"B={2 * B} (chosen + rejected) L={L}" + (f", {scored} scored" if prompt_length else ""))
     if trainer == "grpo":  # b completions; whole groups when b >= G, else a slice of one prompt's group
         P = grpo_prompt_length(args, prompt_length) + extra_tokens
         C = int(args.max_completion_length)
@@ -314,7 +323,8 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     of `config` (a parsed config.json, a model id / folder, or None for the embedded default).
 
     images / image_size: images per example and their side in pixels (VL models).
-    prompt_length: GRPO prompt tokens (default 512).
+    prompt_length: GRPO prompt tokens (default 512); DPO: prompt tokens per pair, not scored by the head
+    (default 0: every token scored, an upper bound).
     memory_limit: overrides args.memory_limit ('8GB', bytes or a fraction of memory).
     """
     cfg = config if isinstance(config, dict) else load_config(config)
@@ -356,9 +366,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
                                           f"{', [V, D] weight grad' if a.head_trainable else ''}"))
     B = int(args.per_device_train_batch_size)
     sequences = max(1, B // int(args.num_generations)) if trainer == "grpo" else (2 * B if trainer == "dpo" else B)
-    img = vision_bytes(a, args, sequences, s, images, image_size, ckpt)
-    if img:
-        out.append(Row("images", img, f"{images} image(s)/example of {image_size}px: {L_img} tokens"))
+    img_kept, img_temps = vision_bytes(a, args, sequences, s, images, image_size, ckpt)
+    if img_kept or img_temps:
+        out.append(Row("images", max(img_kept, img_temps), f"{images} image(s)/example of {image_size}px: {L_img} "
+                       f"tokens; the tower keeps {fmt(img_kept)} through the decoder, {fmt(img_temps)} while it runs"))
     kv = gen_logits = 0
     if trainer == "grpo":
         G, C = int(args.num_generations), int(args.max_completion_length)
@@ -375,7 +386,9 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         out.append(Row("KV cache", kv, f"generation: {prompts} prompt(s) of {P} prefilled once + G={G} "
                                        f"completions of {C} (+ {fmt(gen_logits)} of sampling logits)"))
     steady = W + moments + ref
-    step = steady + other + accum_sum + act[ckpt] + head + img
+    # the tower's temporaries peak while it runs (before the decoder's forward, or after its backward),
+    # not next to the decoder's head
+    step = steady + other + accum_sum + img_kept + max(act[ckpt] + head, img_temps)
     clip = (getattr(args, "max_grad_norm", 0) or 0) > 0
     update = steady + optim_lib.update_peak_bytes(optim_name, T, a.largest_trainable, clip, s, bool(a.master_params))
     # generation: the weights, the KV cache and the [G, V] float32 logits of a decoding step
