@@ -78,9 +78,9 @@ Memory frontier (`--frontier --budget_gb G`): the longest max_length each side t
 side's process runs in a memory cgroup of G GB (1e9 bytes; no swap here), so a side over the budget is killed
 by the kernel's OOM killer, as on a machine with that much memory; that kill is its result. Ours: the planner's
 prediction first (the longest multiple of `--frontier_step` up to the model's max_position_embeddings whose
-predicted peak, mx.get_peak_memory(), is within G), then one real step at each `--ours_lengths` (default: that
-prediction); TRL / mlx-lm: one real step at each `--trl_lengths` / `--mlxlm_lengths`. `--budget_gb` alone runs
-the SFT table under the budget.
+predicted peak, mx.get_peak_memory(), plus the process's own RSS with mlxrl imported, is within G), then one
+real step at each `--ours_lengths` (default: that prediction); TRL / mlx-lm: one real step at each
+`--trl_lengths` / `--mlxlm_lengths`. `--budget_gb` alone runs the SFT table under the budget.
 
 `--json out.json` writes every number. A side that fails (out of memory: the machine has 24 GB) is reported
 with its exit status and the others go on.
@@ -265,15 +265,17 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
 
 
 def run_plan(s: dict) -> dict:
-    """Child: our planner's predicted peak (bytes, mx.get_peak_memory()) of run_ours' run at each length."""
+    """Child: our planner's predicted peak (bytes, mx.get_peak_memory()) of run_ours' run at each length, and
+    this process's RSS with mlxrl imported (run_ours' size before the model loads, which the planner leaves out)."""
     sys.path.insert(0, str(ROOT))
     from mlxrl.plan.model import predict
     from mlxrl.trainers.config import SFTConfig
 
     images = s["images"] if s["vl"] else 0
-    return {"predicted": {t: predict(s["ckpt"], _sft_args(s, SFTConfig, t), "sft", images=images,
-                                     image_size=s["image_px"] if images else None, suggest=False).total
-                          for t in s["lengths"]}}
+    size = s["image_px"] if images else None
+    predicted = {t: predict(s["ckpt"], _sft_args(s, SFTConfig, t), "sft", images=images, image_size=size,
+                            suggest=False).total for t in s["lengths"]}
+    return {"base_rss_gb": rss_gb(), "predicted": predicted}
 
 
 def _hf_vl_processor(folder: str):
@@ -653,12 +655,14 @@ def run_frontier(a, root: Path, tmp: Path, env) -> dict:
             if "error" in plan:
                 sys.exit(f"the planner failed: {plan['error']}")
             predicted = {int(t): b / 1e9 for t, b in plan["predicted"].items()}
-            fits = [t for t in grid if predicted[t] <= a.budget_gb]
+            base = plan["base_rss_gb"]  # the process itself (Python, MLX, mlxrl), next to MLX's peak in its RSS
+            fits = [t for t in grid if predicted[t] + base <= a.budget_gb]
             longest = max(fits) if fits else None
             entry = {"shape": shape, "mode": mode, "top": top, "predicted": predicted, "planner_longest": longest,
-                     "sides": {}}
+                     "process_gb": base, "sides": {}}
             print(f"{shape} {mode}: the planner's longest max_length under {a.budget_gb:g} GB: {longest} "
-                  f"(predicted MLX peak {predicted[longest]:.2f} GB; the model's context: {top})"
+                  f"(predicted MLX peak {predicted[longest]:.2f} GB + {base:.2f} GB of process; the model's "
+                  f"context: {top})"
                   if longest else f"{shape} {mode}: nothing fits {a.budget_gb:g} GB by the planner", flush=True)
             for side in a.sides:
                 todo = lengths[side] or ([longest] if side == "ours" and longest else [])
