@@ -525,12 +525,10 @@ class Budget:
         (self.dir / "cgroup.procs").write_text(str(os.getpid()))
 
     def oom_kills(self) -> int:
-        events = self.dir / "memory.events"  # v2
-        if events.exists():
-            return int(dict(x.split() for x in events.read_text().splitlines()).get("oom_kill", 0))
-        control = self.dir / "memory.oom_control"  # v1
-        if control.exists():
-            return int(dict(x.split() for x in control.read_text().splitlines()).get("oom_kill", 0))
+        for name in ("memory.events", "memory.oom_control"):  # v2, v1: "key value" lines, oom_kill among them
+            f = self.dir / name
+            if f.exists():
+                return int(dict(x.split() for x in f.read_text().splitlines()).get("oom_kill", 0))
         return 0
 
     def close(self) -> None:
@@ -638,9 +636,9 @@ def sft_spec(a, folder: Path, out: Path, mode: str, t: int, vl: bool) -> dict:
 def run_frontier(a, root: Path, tmp: Path, env) -> dict:
     """The memory frontier: the longest max_length each side trains under --budget_gb. Ours: the planner's
     prediction (the longest multiple of --frontier_step up to the model's max_position_embeddings whose
-    predicted peak fits the budget), then one real step per --ours_lengths (default: that prediction); TRL and
-    mlx-lm: one real step per --trl_lengths / --mlxlm_lengths. Each step runs in the budget's cgroup: a side
-    over the budget is killed by the kernel, and that is its result."""
+    predicted peak, plus the process's own RSS, fits the budget), then one real step per --ours_lengths
+    (default: that prediction); TRL and mlx-lm: one real step per --trl_lengths / --mlxlm_lengths. Each step
+    runs in the budget's cgroup: a side over the budget is killed by the kernel, and that is its result."""
     lengths = {"ours": a.ours_lengths, "trl": a.trl_lengths, "mlxlm": a.mlxlm_lengths}
     results = []
     for shape in a.shapes:
@@ -881,16 +879,18 @@ def main(argv=None):
     BUDGET = Budget(a.budget_gb) if a.budget_gb else None
     root = Path(a.ckpt_dir)
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = {"settings": {k: v for k, v in vars(a).items() if k not in ("side", "spec")}}
-        if a.grpo:
-            out["grpo"] = run_grpo(a, root, Path(tmp), env)
-        elif a.frontier:
-            out["frontier"] = run_frontier(a, root, Path(tmp), env)
-        else:
-            out["sft"] = run_sft(a, root, Path(tmp), env)
-    if BUDGET:
-        BUDGET.close()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = {"settings": {k: v for k, v in vars(a).items() if k not in ("side", "spec")}}
+            if a.grpo:
+                out["grpo"] = run_grpo(a, root, Path(tmp), env)
+            elif a.frontier:
+                out["frontier"] = run_frontier(a, root, Path(tmp), env)
+            else:
+                out["sft"] = run_sft(a, root, Path(tmp), env)
+    finally:  # the cgroup goes with the run, also when it stops early
+        if BUDGET:
+            BUDGET.close()
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {a.json}")
