@@ -79,3 +79,46 @@ def test_dropout_statistics_and_eval_mode(kernel_path, p):
     np.testing.assert_array_equal(np.array(g) != 0, kept)
     drop.eval()
     assert drop(x) is x
+
+
+@pytest.mark.parametrize("base", ["float32", "bfloat16", "4bit"])
+def test_lora_layer_is_mlx_lms(kernel_path, base):
+    """Our LoRA layer (the adapter product added inside the matmul when dtypes agree) gives mlx-lm's
+    `LoRALinear` output and gradients (input, A, B) on the same weights and dropout masks: a float32 base
+    (the addmm path), a bfloat16 base (float32 adapters: mlx-lm's formula) and a 4-bit base."""
+    from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
+
+    from mlxrl.models.lora import LoRALinear
+
+    mx.random.seed(1)
+    linear = nn.Linear(64, 48, bias=False)
+    if base == "bfloat16":
+        linear.set_dtype(mx.bfloat16)
+    elif base == "4bit":
+        linear = nn.QuantizedLinear.from_linear(linear, group_size=32, bits=4)
+    x = mx.random.normal((2, 5, 64)).astype(mx.bfloat16 if base == "bfloat16" else mx.float32)
+    a, b = mx.random.normal((64, 4)) * 0.2, mx.random.normal((4, 48)) * 0.2
+    results = []
+    for cls in (LoRALinear, MlxLmLoRALinear):
+        layer = cls.from_base(linear, r=4, dropout=0.3, scale=2.5)
+        assert type(layer) is cls
+        layer.dropout = Dropout(0.3)
+        layer.lora_a, layer.lora_b = a, b
+
+        def f(x, a, b, layer=layer):
+            layer.lora_a, layer.lora_b = a, b
+            out = layer(x)
+            return (out.astype(mx.float32) * mx.cos(mx.arange(out.size).reshape(out.shape))).sum(), out
+
+        mx.random.seed(7)  # the same dropout masks for both layers
+        _, grads = mx.value_and_grad(lambda *t: f(*t)[0], argnums=(0, 1, 2))(x, a, b)
+        mx.random.seed(7)
+        results.append((f(x, a, b)[1], grads))
+    (ours, g_ours), (ref, g_ref) = results
+    assert ours.dtype == ref.dtype == x.dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if base == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(ref.astype(mx.float32)), **tol)
+    for name, g1, g2 in zip(("x", "A", "B"), g_ours, g_ref, strict=True):
+        np.testing.assert_allclose(np.array(g1.astype(mx.float32)), np.array(g2.astype(mx.float32)), **tol,
+                                   err_msg=name)
+    assert float(mx.abs(g_ours[2]).max()) > 0.1  # B's gradient is not trivially zero

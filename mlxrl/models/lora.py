@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.dora import DoRALinear
-from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
 
 from ..hub import MlxrlError
 from .dropout import Dropout
@@ -45,6 +45,30 @@ def _in_features(layer) -> int:
     """Input width of a float or quantized linear (a quantized weight packs 32 // bits values per uint32)."""
     n = layer.weight.shape[-1]
     return n * 32 // layer.bits if isinstance(layer, nn.QuantizedLinear) else n
+
+
+class LoRALinear(MlxLmLoRALinear):
+    """mlx-lm's LoRA layer (same parameters, same function: W x + scale B A dropout(x)) whose adapter
+    product is added inside the second matmul when the base output and the adapters share a dtype (float32
+    training, any device): `mx.addmm(W x, scale (A dropout(x)), B)` is one GEMM with beta = 1 in place of a
+    GEMM, a scaling and an add over the [tokens, out] output, in the forward and in the checkpoint's
+    recomputation. The scale multiplies the [tokens, r] product, so neither AddMM's VJP (which would scale
+    its [tokens, out] cotangent once per operand for alpha != 1) nor the add touches a full-width array
+    more than once. With a bfloat16 base (adapters float32) the result is mlx-lm's, rounded as it rounds."""
+
+    @staticmethod
+    def from_base(linear, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
+        layer = LoRALinear(input_dims=_in_features(linear), output_dims=linear.weight.shape[0], r=r,
+                           dropout=dropout, scale=scale)
+        layer.linear = linear
+        return layer
+
+    def __call__(self, x):
+        y = self.linear(x)
+        u = self.dropout(x) @ self.lora_a
+        if y.dtype == u.dtype == self.lora_b.dtype:
+            return mx.addmm(y, u * self.scale, self.lora_b)
+        return y + (self.scale * (u @ self.lora_b)).astype(x.dtype)
 
 
 class QDoRALinear(DoRALinear):
@@ -144,7 +168,7 @@ def _set_modules(model, updates):
 
 
 def lora_layers(model) -> list[tuple[str, nn.Module]]:
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, (LoRALinear, DoRALinear))]
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, (MlxLmLoRALinear, DoRALinear))]
 
 
 def peft_state(model) -> dict[str, mx.array]:
@@ -165,7 +189,7 @@ def _exclude_modules(model, cfg):
     gate/up/down_proj), and any other same-named module we left alone (a conv called `proj`)."""
     targets, adapted = set(cfg["target_modules"]), set(cfg["paths"])
     skipped = [p for p, m in model.named_modules()
-               if p.split(".")[-1] in targets and p not in adapted and not isinstance(m, (LoRALinear, DoRALinear))]
+               if p.split(".")[-1] in targets and p not in adapted and not isinstance(m, (MlxLmLoRALinear, DoRALinear))]
     if not skipped:
         return None
     if all(_is_vision(p) for p in skipped) and not any(_is_vision(p) for p in adapted):
