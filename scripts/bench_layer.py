@@ -7,8 +7,10 @@ LoRA r16 α32 dropout 0.05 on its seven projections, float32 CPU), at L tokens, 
 1. The layer's forward + backward under gradient checkpointing (what the trainer runs per layer: the
    forward, then in the backward the recomputed forward and the backward), compiled, with the native
    decoder kernels (RMSNorm, rotary embedding, SwiGLU product; `mlxrl.cpu.fastmath`) against MLX's ops
-   for the same three, and our LoRA layer (the adapter product added inside the matmul, `mx.addmm`)
-   against mlx-lm's `LoRALinear.__call__` (matmul, scale, add), alternating, median of `--repeats`.
+   for the same three; our LoRA layer's dropout + A without its fusion (`Dropout.matmul` as dropout then
+   matmul: the dropped copy of x written and kept); and mlx-lm's `LoRALinear.__call__` in place of ours
+   (that copy, then matmul, scale, add, where ours adds inside the matmul, `mx.addmm`); alternating,
+   median of `--repeats`.
 2. Its parts, each timed alone: every projection's forward and input-gradient matmul (GFLOP/s against
    the fp32 GEMM peak measured here), the causal attention forward and forward + backward
    (`fastmath.scaled_dot_product_attention`, blocked), and inside the attention forward its score
@@ -101,28 +103,37 @@ def main():
     params = layer.trainable_parameters()
     native_ops = (fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul)
     ours_lora, mlxlm_lora = lora.LoRALinear.__call__, lora.MlxLmLoRALinear.__call__
-    variants = {"native decoder kernels": (native_ops, ours_lora), "MLX ops for them": (mlx_ops(), ours_lora),
-                "mlx-lm's LoRA add": (native_ops, mlxlm_lora)}
+    fused = dropout.Dropout.matmul
+
+    def copied(self, x, w):  # dropout(x) @ A as two steps: the dropped copy of x is written and kept
+        return self(x) @ w if self._keep < 1.0 and self.training else x @ w
+
+    variants = {"native decoder kernels": (native_ops, ours_lora, fused),
+                "MLX ops for them": (mlx_ops(), ours_lora, fused),
+                "dropped copy of x": (native_ops, ours_lora, copied),
+                "mlx-lm's LoRA layer": (native_ops, mlxlm_lora, copied)}
     times = {k: [] for k in variants}
     for _ in range(a.repeats):
-        for name, (ops, lora_call) in variants.items():
+        for name, (ops, lora_call, down) in variants.items():
             fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = ops
-            lora.LoRALinear.__call__ = lora_call
+            lora.LoRALinear.__call__, dropout.Dropout.matmul = lora_call, down
             step = mx.compile(mx.value_and_grad(loss, argnums=(0, 1)))
             mx.eval(step(params, x))
             t = time.perf_counter()
             mx.eval(step(params, x))
             times[name].append(time.perf_counter() - t)
     fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = native_ops
-    lora.LoRALinear.__call__ = ours_lora
+    lora.LoRALinear.__call__, dropout.Dropout.matmul = ours_lora, fused
     print(f"\n{a.shape} layer, L = {L}, LoRA r16 on 7 projections, forward + backward with checkpointing "
           f"(median of {a.repeats}, alternating):")
     layer_s = {k: statistics.median(v) for k, v in times.items()}
     for name, s in layer_s.items():
         print(f"  {name:<24} {s:7.2f} s   ({', '.join(f'{t:.2f}' for t in times[name])})")
     base = layer_s["MLX ops for them"] / layer_s["native decoder kernels"]
-    add = layer_s["mlx-lm's LoRA add"] / layer_s["native decoder kernels"]
-    print(f"  speed-up of the native kernels {base:.2f}x; of the adapter add inside the matmul (addmm) {add:.2f}x")
+    copy = layer_s["dropped copy of x"] / layer_s["native decoder kernels"]
+    mlxlm = layer_s["mlx-lm's LoRA layer"] / layer_s["native decoder kernels"]
+    print(f"  speed-up of the native decoder kernels {base:.2f}x; of the fused dropout + A {copy:.2f}x; of our "
+          f"LoRA layer (fused dropout + A, adapter added inside the matmul) over mlx-lm's {mlxlm:.2f}x")
 
     D, inter, Hq, Hkv, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                          cfg.num_key_value_heads, cfg.head_dim)

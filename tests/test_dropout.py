@@ -122,3 +122,31 @@ def test_lora_layer_is_mlx_lms(kernel_path, base):
         np.testing.assert_allclose(np.array(g1.astype(mx.float32)), np.array(g2.astype(mx.float32)), **tol,
                                    err_msg=name)
     assert float(mx.abs(g_ours[2]).max()) > 0.1  # B's gradient is not trivially zero
+
+
+@pytest.mark.parametrize("shape,r,p", [((3, 37, 96), 16, 0.3), ((50, 1000), 8, 0.05), ((1, 5, 7), 3, 0.5)])
+def test_fused_lora_down_is_dropout_then_matmul(kernel_path, shape, r, p):
+    """`Dropout.matmul(x, A)` (on the native path one kernel, no dropped copy of x) is `Dropout(x) @ A` with
+    the same key: the same output, input gradient and A gradient; eval mode is `x @ A`."""
+    mx.random.seed(0)
+    x, a = mx.random.normal(shape), mx.random.normal((shape[-1], r)) * 0.1
+    w = mx.cos(mx.arange(x.size // shape[-1] * r)).reshape(*shape[:-1], r)
+    drop = Dropout(p)
+    drop.train()
+
+    def run(fused):
+        def f(x, a):
+            return ((drop.matmul(x, a) if fused else drop(x) @ a) * w).sum()
+
+        mx.random.seed(5)
+        loss, grads = mx.value_and_grad(f, argnums=(0, 1))(x, a)
+        return loss, grads
+
+    (l1, (dx1, da1)), (l2, (dx2, da2)) = run(True), run(False)
+    np.testing.assert_allclose(l1.item(), l2.item(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(dx1), np.array(dx2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(da1), np.array(da2), rtol=1e-4, atol=1e-5)
+    dropped = float((np.array(dx2) == 0).mean())
+    assert abs(dropped - p) < 0.15  # the masks are really drawn: about p of x's gradient is zero
+    drop.eval()
+    np.testing.assert_allclose(np.array(drop.matmul(x, a)), np.array(x @ a), rtol=1e-6, atol=1e-6)

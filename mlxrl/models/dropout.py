@@ -78,3 +78,14 @@ class Dropout(nn.Module):
             return kernels.dropout(x, key, self._keep)
         mask = mx.random.bernoulli(self._keep, x.shape, key=key)
         return (mask * x) * (1 / self._keep)
+
+    def matmul(self, x: mx.array, w: mx.array) -> mx.array:
+        """`self(x) @ w` for a narrow w ([d, r]: LoRA's A), the same key and mask. On float32 CPU arrays one
+        native pass (`lora_down`) that never writes the dropped copy of x, so neither the forward, the
+        checkpoint's recomputation nor A's gradient (its VJP recomputes the mask) holds one."""
+        if self._keep == 1.0 or not self.training:
+            return x @ w
+        kernels = fastmath.kernels_for(x)
+        if kernels is not None and w.dtype == mx.float32 and w.ndim == 2:
+            return kernels.lora_down(x, _next_key(), w, self._keep)
+        return self(x) @ w

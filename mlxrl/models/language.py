@@ -324,9 +324,9 @@ def layer_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int,
 
 def lora_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int, tokens: int, rank: int,
                      elem: int, dropout: bool) -> float:
-    """What LoRA adds to a layer: with dropout each adapted layer's dropped-out input, and x A ([n, r]) per
-    adapter (seven projections); on a bf16 base (`elem` != 4) each adapted input's float32 cast (the
-    float32 adapters' x @ A) instead."""
+    """What LoRA adds to a layer: with `dropout` (a dropped copy: the graph path) each adapted layer's
+    dropped-out input, and x A ([n, r]) per adapter (seven projections); on a bf16 base (`elem` != 4)
+    each adapted input's float32 cast (the float32 adapters' x @ A) instead."""
     inputs = 5 * hidden + heads * head_dim + intermediate  # q, k, v, gate, up see D; o sees H*hd; down sees I
     if elem != 4:
         return 4 * tokens * (inputs + 7 * 2 * rank)

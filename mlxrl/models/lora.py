@@ -54,7 +54,9 @@ class LoRALinear(MlxLmLoRALinear):
     GEMM, a scaling and an add over the [tokens, out] output, in the forward and in the checkpoint's
     recomputation. The scale multiplies the [tokens, r] product, so neither AddMM's VJP (which would scale
     its [tokens, out] cotangent once per operand for alpha != 1) nor the add touches a full-width array
-    more than once. With a bfloat16 base (adapters float32) the result is mlx-lm's, rounded as it rounds."""
+    more than once. With a bfloat16 base (adapters float32) the result is mlx-lm's, rounded as it rounds.
+    The dropout and A are one step (`models.dropout.Dropout.matmul`): on float32 CPU arrays one native pass
+    with no dropped copy of x; elsewhere mlx-lm's `dropout(x) @ A`."""
 
     @staticmethod
     def from_base(linear, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
@@ -65,7 +67,8 @@ class LoRALinear(MlxLmLoRALinear):
 
     def __call__(self, x):
         y = self.linear(x)
-        u = self.dropout(x) @ self.lora_a
+        drop = self.dropout
+        u = drop.matmul(x, self.lora_a) if isinstance(drop, Dropout) else drop(x) @ self.lora_a
         if y.dtype == u.dtype == self.lora_b.dtype:
             return mx.addmm(y, u * self.scale, self.lora_b)
         return y + (self.scale * (u @ self.lora_b)).astype(x.dtype)

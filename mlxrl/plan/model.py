@@ -180,10 +180,12 @@ def lora_dropout(args, trainer: str = "sft") -> float:
 
 
 def _lora_extra(a: Arch, args, n: int, s: int, trainer: str = "sft") -> float:
-    """What LoRA adds to each layer (`models.language.lora_saved_bytes`)."""
+    """What LoRA adds to each layer (`models.language.lora_saved_bytes`; the native path's dropout is fused
+    into the down-projection, `Dropout.matmul`, and keeps no dropped copy)."""
     if not getattr(args, "use_peft", False):
         return 0.0
-    return lora_saved_bytes(a.D, a.I, a.heads, a.head_dim, n, args.lora_r, s, lora_dropout(args, trainer) > 0)
+    dropped = lora_dropout(args, trainer) > 0 and not native_cpu(args)
+    return lora_saved_bytes(a.D, a.I, a.heads, a.head_dim, n, args.lora_r, s, dropped)
 
 
 def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: str = "sft") -> float:

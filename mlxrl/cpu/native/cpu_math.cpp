@@ -664,6 +664,16 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
+// Element i of the mask for a key (k0 = mix32(key[0] ^ golden), k1 = key[1]): kept when below the threshold.
+inline uint32_t drop_hash(size_t i, uint32_t k0, uint32_t k1) {
+  uint32_t h = mix32(static_cast<uint32_t>(i) * 0x9e3779b1U + k0) ^ k1;
+  return mix32(h + static_cast<uint32_t>(i >> 32));
+}
+
+inline uint32_t drop_threshold(float keep) {
+  return static_cast<uint32_t>(std::min(4294967295.0, std::floor(double(keep) * 4294967296.0)));
+}
+
 class Dropout : public CpuPrimitive {
  public:
   Dropout(mx::Stream s, float keep) : CpuPrimitive(s), keep_(keep) {}
@@ -680,17 +690,12 @@ class Dropout : public CpuPrimitive {
     encoder.set_input_array(in);
     encoder.set_input_array(key);
     encoder.set_output_array(out);
-    const double limit = std::min(4294967295.0, std::floor(double(keep_) * 4294967296.0));
     encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), n = in.size(), k = key.data<uint32_t>(),
-                      threshold = static_cast<uint32_t>(limit), scale = 1.0f / keep_]() {
+                      threshold = drop_threshold(keep_), scale = 1.0f / keep_]() {
       const uint32_t k0 = mix32(k[0] ^ 0x9e3779b9U), k1 = k[1];
       parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
 #pragma omp simd
-        for (size_t i = b; i < e; ++i) {
-          uint32_t h = mix32(static_cast<uint32_t>(i) * 0x9e3779b1U + k0) ^ k1;
-          h = mix32(h + static_cast<uint32_t>(i >> 32));
-          dst[i] = h < threshold ? src[i] * scale : 0.0f;
-        }
+        for (size_t i = b; i < e; ++i) dst[i] = drop_hash(i, k0, k1) < threshold ? src[i] * scale : 0.0f;
       });
     });
   }
@@ -720,6 +725,210 @@ mx::array dropout_op(const mx::array& x, const mx::array& key, float keep, mx::S
   if (!(keep > 0.0f && keep <= 1.0f)) throw std::invalid_argument("dropout keeps a fraction in (0, 1].");
   return mx::array(x.shape(), mx::float32, std::make_shared<Dropout>(stream, keep),
                    {dense(x, stream), dense(key, stream)});
+}
+
+// ------------------------------------------------------------ LoRA's dropout + down-projection
+//
+// u = dropout(x) A for a LoRA adapter's A [d, r] (r small), x [..., d]: per row, the kept elements of x
+// (scaled by 1 / keep) times A's rows summed into the row's r outputs, so the [rows, d] dropout copy
+// that `dropout(x) @ A` writes, reads and keeps for A's gradient never exists. The mask is dropout_op's
+// (element i of x, the same hash and key), so the result is dropout(x) @ A. Its VJP is one pass too:
+// per row, the mask once, dx = mask (g A^T) / keep and dA += (mask x / keep)^T g (dA per worker, the
+// partials then added in order).
+
+mx::array lora_down_op(const mx::array& x, const mx::array& key, const mx::array& a, float keep,
+                       mx::StreamOrDevice s = {});
+
+// The row's mask as factors: scale where element (row_start + j) is kept, else 0.
+inline void mask_row(float* m, size_t row_start, size_t d, uint32_t k0, uint32_t k1, uint32_t threshold,
+                     float scale) {
+#pragma omp simd
+  for (size_t j = 0; j < d; ++j) m[j] = drop_hash(row_start + j, k0, k1) < threshold ? scale : 0.0f;
+}
+
+constexpr size_t kRowBlock = 4;  // rows per pass over A: four independent accumulator chains share each load
+
+// out[q, :] = xm[q, :] A for the n <= kRowBlock rows of xm [n, d], A [d, R].
+template <int R>
+void down_rows(const float* xm, const float* a, float* out, size_t n, size_t d) {
+  float acc[kRowBlock][R] = {};
+  for (size_t j = 0; j < d; ++j) {
+    const float* arow = a + j * R;
+    for (size_t q = 0; q < kRowBlock; ++q) {
+      const float v = q < n ? xm[q * d + j] : 0.0f;
+#pragma omp simd
+      for (int c = 0; c < R; ++c) acc[q][c] += v * arow[c];
+    }
+  }
+  for (size_t q = 0; q < n; ++q) std::copy(acc[q], acc[q] + R, out + q * R);
+}
+
+void down_rows_any(const float* xm, const float* a, float* out, size_t n, size_t d, size_t r) {
+  for (size_t q = 0; q < n; ++q) {
+    float* o = out + q * r;
+    std::fill(o, o + r, 0.0f);
+    for (size_t j = 0; j < d; ++j) {
+      const float v = xm[q * d + j];
+      const float* arow = a + j * r;
+#pragma omp simd
+      for (size_t c = 0; c < r; ++c) o[c] += v * arow[c];
+    }
+  }
+}
+
+class LoraDown : public CpuPrimitive {
+ public:
+  LoraDown(mx::Stream s, float keep) : CpuPrimitive(s), keep_(keep) {}
+  const char* name() const override { return "MlxrlLoraDown"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const LoraDown&>(other).keep_ == keep_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(1);
+    return {shape};
+  }
+  // inputs: x [..., d], key uint32[2], a [d, r]; output u [..., r]
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    const size_t d = inputs[2].shape(0), r = inputs[2].shape(1), rows = d == 0 ? 0 : inputs[0].size() / d;
+    encoder.dispatch([xp = inputs[0].data<float>(), k = inputs[1].data<uint32_t>(), ap = inputs[2].data<float>(),
+                      up = out.data<float>(), d, r, rows, threshold = drop_threshold(keep_), scale = 1.0f / keep_]() {
+      const uint32_t k0 = mix32(k[0] ^ 0x9e3779b9U), k1 = k[1];
+      parallel_for(rows, std::max<size_t>(kRowBlock, kGrain / std::max<size_t>(1, d)), [=](size_t, size_t b, size_t e) {
+        std::vector<float> xm(kRowBlock * d);
+        for (size_t t = b; t < e; t += kRowBlock) {
+          const size_t n = std::min(kRowBlock, e - t);
+          for (size_t q = 0; q < n; ++q) {  // the block's rows, masked and scaled
+            float* row = xm.data() + q * d;
+            mask_row(row, (t + q) * d, d, k0, k1, threshold, scale);
+            const float* xr = xp + (t + q) * d;
+#pragma omp simd
+            for (size_t j = 0; j < d; ++j) row[j] *= xr[j];
+          }
+          switch (r) {  // the usual ranks with the accumulators in registers
+            case 8: down_rows<8>(xm.data(), ap, up + t * r, n, d); break;
+            case 16: down_rows<16>(xm.data(), ap, up + t * r, n, d); break;
+            case 32: down_rows<32>(xm.data(), ap, up + t * r, n, d); break;
+            case 64: down_rows<64>(xm.data(), ap, up + t * r, n, d); break;
+            default: down_rows_any(xm.data(), ap, up + t * r, n, d, r);
+          }
+        }
+      });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override;
+
+ private:
+  float keep_;
+};
+
+// inputs: x [..., d], key, a [d, r], g [..., r]; outputs: dx [..., d], da [d, r]
+class LoraDownGrad : public CpuPrimitive {
+ public:
+  LoraDownGrad(mx::Stream s, float keep) : CpuPrimitive(s), keep_(keep) {}
+  const char* name() const override { return "MlxrlLoraDownGrad"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const LoraDownGrad&>(other).keep_ == keep_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[2].shape()};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    for (auto& o : outputs) encoder.set_output_array(o);
+    const size_t d = inputs[2].shape(0), r = inputs[2].shape(1), rows = d == 0 ? 0 : inputs[0].size() / d;
+    encoder.dispatch([xp = inputs[0].data<float>(), k = inputs[1].data<uint32_t>(), ap = inputs[2].data<float>(),
+                      gp = inputs[3].data<float>(), dx = outputs[0].data<float>(), da = outputs[1].data<float>(),
+                      d, r, rows, threshold = drop_threshold(keep_), scale = 1.0f / keep_]() {
+      const uint32_t k0 = mix32(k[0] ^ 0x9e3779b9U), k1 = k[1];
+      std::vector<float> at(r * d);  // A^T [r, d]: the row loops below run over d
+      for (size_t j = 0; j < d; ++j)
+        for (size_t c = 0; c < r; ++c) at[c * d + j] = ap[j * r + c];
+      const size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(1, d));
+      const size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, rows / grain));
+      std::vector<float> partial(parts * r * d, 0.0f);  // dA^T [r, d] per worker
+      parallel_for(rows, std::max<size_t>(grain, (rows + parts - 1) / parts), [&](size_t part, size_t b, size_t e) {
+        std::vector<float> m(kRowBlock * d), xm(kRowBlock * d, 0.0f);
+        float* acc = partial.data() + part * r * d;
+        const float* atp = at.data();
+        for (size_t t = b; t < e; t += kRowBlock) {
+          const size_t n = std::min(kRowBlock, e - t);
+          for (size_t q = 0; q < n; ++q) {
+            float* mq = m.data() + q * d;
+            float* xq = xm.data() + q * d;
+            const float* xr = xp + (t + q) * d;
+            mask_row(mq, (t + q) * d, d, k0, k1, threshold, scale);
+#pragma omp simd
+            for (size_t j = 0; j < d; ++j) xq[j] = xr[j] * mq[j];
+          }
+          for (size_t q = n; q < kRowBlock; ++q) std::fill(xm.begin() + q * d, xm.begin() + (q + 1) * d, 0.0f);
+          for (size_t q = 0; q < n; ++q) {  // dx = mask (g A^T) / keep: the row stays in L1 over A^T's r rows
+            const float* gr = gp + (t + q) * r;
+            const float* mq = m.data() + q * d;
+            float* o = dx + (t + q) * d;
+            std::fill(o, o + d, 0.0f);
+            for (size_t c = 0; c < r; ++c) {
+              const float gc = gr[c];
+              const float* ar = atp + c * d;
+#pragma omp simd
+              for (size_t j = 0; j < d; ++j) o[j] += gc * ar[j];
+            }
+#pragma omp simd
+            for (size_t j = 0; j < d; ++j) o[j] *= mq[j];
+          }
+          const float* g0 = gp + t * r;  // dA^T += g^T (mask x / keep), the block's rows at once
+          const float *x0 = xm.data(), *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
+          for (size_t c = 0; c < r; ++c) {
+            const float c0 = g0[c], c1 = n > 1 ? g0[r + c] : 0.0f, c2 = n > 2 ? g0[2 * r + c] : 0.0f,
+                        c3 = n > 3 ? g0[3 * r + c] : 0.0f;
+            float* arow = acc + c * d;
+#pragma omp simd
+            for (size_t j = 0; j < d; ++j) arow[j] += c0 * x0[j] + c1 * x1[j] + c2 * x2[j] + c3 * x3[j];
+          }
+        }
+      });
+      for (size_t j = 0; j < d; ++j)
+        for (size_t c = 0; c < r; ++c) {
+          float sum = 0.0f;
+          for (size_t p = 0; p < parts; ++p) sum += partial[(p * r + c) * d + j];
+          da[j * r + c] = sum;
+        }
+    });
+  }
+
+ private:
+  float keep_;
+};
+
+std::vector<mx::array> LoraDown::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                     const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  auto g = dense(mx::astype(cotangents[0], mx::float32, stream()), stream());
+  auto grads = mx::array::make_arrays({primals[0].shape(), primals[2].shape()}, {mx::float32, mx::float32},
+                                      std::make_shared<LoraDownGrad>(stream(), keep_),
+                                      {primals[0], primals[1], primals[2], g});
+  std::vector<mx::array> out;
+  for (int a : argnums) out.push_back(a == 0 ? grads[0] : a == 2 ? grads[1] : mx::zeros_like(primals[1], stream()));
+  return out;
+}
+
+mx::array lora_down_op(const mx::array& x, const mx::array& key, const mx::array& a, float keep, mx::StreamOrDevice s) {
+  auto stream = cpu_stream({&x, &a}, s);
+  if (key.dtype() != mx::uint32 || key.size() != 2) throw std::invalid_argument("lora_down's key is a uint32[2] array.");
+  if (!(keep > 0.0f && keep <= 1.0f)) throw std::invalid_argument("lora_down keeps a fraction in (0, 1].");
+  if (x.ndim() < 1 || a.ndim() != 2 || x.shape(-1) != a.shape(0))
+    throw std::invalid_argument("lora_down: x [..., d] and a [d, r] expected.");
+  auto shape = x.shape();
+  shape.back() = a.shape(1);
+  return mx::array(shape, mx::float32, std::make_shared<LoraDown>(stream, keep),
+                   {dense(x, stream), dense(key, stream), dense(a, stream)});
 }
 
 template <class P>
@@ -1074,7 +1283,8 @@ std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, 
 
 NB_MODULE(_cpu_math, m) {
   m.doc() = "mlxrl's vectorised, multi-threaded CPU kernels (float32): exp, sigmoid, softmax (last axis), "
-            "sum of squares, the AdamW step, the fused LM head, dropout, RMSNorm, rotary embedding, SwiGLU.";
+            "sum of squares, the AdamW step, the fused LM head, dropout (and LoRA's dropout + down-projection), "
+            "RMSNorm, rotary embedding, SwiGLU.";
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
   m.def("softmax", [](const mx::array& x, bool causal) { return fast_softmax_op(x, causal); }, nb::arg("x"),
@@ -1095,6 +1305,10 @@ NB_MODULE(_cpu_math, m) {
   m.def("dropout", [](const mx::array& x, const mx::array& key, float keep) { return dropout_op(x, key, keep); },
         nb::arg("x"), nb::arg("key"), nb::arg("keep"),
         "x * mask / keep with mask_i = hash(key, i) < keep (a uint32[2] key: the same key, the same mask).");
+  m.def("lora_down", [](const mx::array& x, const mx::array& key, const mx::array& a, float keep) {
+          return lora_down_op(x, key, a, keep);
+        }, nb::arg("x"), nb::arg("key"), nb::arg("a"), nb::arg("keep"),
+        "dropout(x, key, keep) @ a for a LoRA adapter's a [d, r], without the dropout copy (dropout's mask).");
   m.def("rms_norm", [](const mx::array& x, const mx::array& w, float eps) { return rms_norm_op(x, w, eps); },
         nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight.");
   m.def("rotary", [](const mx::array& x, const mx::array& cos, const mx::array& sin) {
