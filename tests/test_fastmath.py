@@ -298,3 +298,23 @@ def test_decoder_ops_correct_when_buffers_are_donated(path, compiled):
         t_value.backward()
         np.testing.assert_allclose(value.item(), t_value.item(), rtol=1e-4, atol=1e-3, err_msg=name)
         np.testing.assert_allclose(np.array(grad), xt.grad.numpy(), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_gelu_approx_equals_float64_torch_formula(path):
+    """`fastmath.gelu_approx` (native: x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))) is torch's
+    gelu(approximate="tanh") computed in float64 (value and gradient), as `nn.gelu_approx` is."""
+    import mlx.nn as nn
+    import torch
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.normal(0, 3, 20_000), [-30.0, -10.0, 0.0, 10.0, 30.0]]).astype(np.float32)
+    t = torch.tensor(x.astype(np.float64), requires_grad=True)
+    ref = torch.nn.functional.gelu(t, approximate="tanh")
+    ref.sum().backward()
+    got = fastmath.gelu_approx(mx.array(x))
+    grad = mx.grad(lambda a: fastmath.gelu_approx(a).sum())(mx.array(x))
+    np.testing.assert_allclose(np.array(got), ref.detach().numpy(), rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(np.array(grad), t.grad.numpy(), rtol=1e-4, atol=2e-6)
+    mlx_ref = np.array(nn.gelu_approx(mx.array(x)))
+    err, mlx_err = (np.abs(a - ref.detach().numpy()).max() for a in (np.array(got), mlx_ref))
+    assert err <= max(1e-6, 2 * mlx_err), (err, mlx_err)

@@ -21,6 +21,7 @@ give exactly 0, above 88.72 +inf, NaN stays NaN.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import attention, native
 
@@ -82,6 +83,19 @@ def sigmoid(x: mx.array) -> mx.array:
 def silu(x: mx.array) -> mx.array:
     """x * sigmoid(x), as `mlx.nn.silu`."""
     return x * sigmoid(x)
+
+
+GELU_TANH = 2 * 0.7978845608028654  # 2 sqrt(2 / pi): 0.5 (1 + tanh(z)) = sigmoid(2 z)
+
+
+def gelu_approx(x: mx.array) -> mx.array:
+    """GELU's tanh approximation (`mlx.nn.gelu_approx`, torch's gelu(approximate="tanh")), written on
+    float32 CPU arrays as x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), the same function through the
+    native sigmoid (MLX's CPU tanh is a scalar loop: ~6x slower over a vision MLP's [6272, 4096]);
+    elsewhere MLX's own."""
+    if not uses_native(x):
+        return nn.gelu_approx(x)
+    return x * sigmoid(GELU_TANH * (x + 0.044715 * x * x * x))
 
 
 def _all_native(*arrays: mx.array):

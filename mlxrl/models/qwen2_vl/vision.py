@@ -114,7 +114,7 @@ def quick_gelu(x: mx.array) -> mx.array:
     return x * fastmath.sigmoid(1.702 * x)
 
 
-ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": fastmath.silu, "gelu_pytorch_tanh": nn.gelu_approx}
+ACT = {"quick_gelu": quick_gelu, "gelu": nn.gelu, "silu": fastmath.silu, "gelu_pytorch_tanh": fastmath.gelu_approx}
 
 
 def segment_groups(seg: np.ndarray, name: str) -> dict[str, object]:

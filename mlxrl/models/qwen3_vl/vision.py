@@ -69,7 +69,7 @@ def _quick_gelu(x: mx.array) -> mx.array:
 
 
 ACTIVATIONS = {
-    "gelu_pytorch_tanh": nn.gelu_approx,  # tanh approximation, same formula as torch's
+    "gelu_pytorch_tanh": fastmath.gelu_approx,  # tanh approximation, same function as torch's
     "gelu": nn.gelu,
     "silu": fastmath.silu,
     "quick_gelu": _quick_gelu,
