@@ -664,15 +664,21 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// Element i of the mask for a key (k0 = mix32(key[0] ^ golden), k1 = key[1]): kept when below the threshold.
-inline uint32_t drop_hash(size_t i, uint32_t k0, uint32_t k1) {
-  uint32_t h = mix32(static_cast<uint32_t>(i) * 0x9e3779b1U + k0) ^ k1;
-  return mix32(h + static_cast<uint32_t>(i >> 32));
-}
-
-inline uint32_t drop_threshold(float keep) {
-  return static_cast<uint32_t>(std::min(4294967295.0, std::floor(double(keep) * 4294967296.0)));
-}
+// The mask of a uint32[2] key and a kept fraction: element i is kept (and scaled by 1 / keep) when its hash
+// is below keep * 2^32. Built inside a kernel's dispatch, where the key's data is readable.
+struct DropMask {
+  uint32_t k0, k1, threshold;
+  float scale;
+  DropMask(const uint32_t* key, float keep)
+      : k0(mix32(key[0] ^ 0x9e3779b9U)),
+        k1(key[1]),
+        threshold(static_cast<uint32_t>(std::min(4294967295.0, std::floor(double(keep) * 4294967296.0)))),
+        scale(1.0f / keep) {}
+  bool kept(size_t i) const {
+    uint32_t h = mix32(static_cast<uint32_t>(i) * 0x9e3779b1U + k0) ^ k1;
+    return mix32(h + static_cast<uint32_t>(i >> 32)) < threshold;
+  }
+};
 
 class Dropout : public CpuPrimitive {
  public:
@@ -691,11 +697,11 @@ class Dropout : public CpuPrimitive {
     encoder.set_input_array(key);
     encoder.set_output_array(out);
     encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), n = in.size(), k = key.data<uint32_t>(),
-                      threshold = drop_threshold(keep_), scale = 1.0f / keep_]() {
-      const uint32_t k0 = mix32(k[0] ^ 0x9e3779b9U), k1 = k[1];
+                      keep = keep_]() {
       parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+        const DropMask mask(k, keep);  // a local (not a capture the stores could alias): vectorises
 #pragma omp simd
-        for (size_t i = b; i < e; ++i) dst[i] = drop_hash(i, k0, k1) < threshold ? src[i] * scale : 0.0f;
+        for (size_t i = b; i < e; ++i) dst[i] = mask.kept(i) ? src[i] * mask.scale : 0.0f;
       });
     });
   }
@@ -739,14 +745,25 @@ mx::array dropout_op(const mx::array& x, const mx::array& key, float keep, mx::S
 mx::array lora_down_op(const mx::array& x, const mx::array& key, const mx::array& a, float keep,
                        mx::StreamOrDevice s = {});
 
-// The row's mask as factors: scale where element (row_start + j) is kept, else 0.
-inline void mask_row(float* m, size_t row_start, size_t d, uint32_t k0, uint32_t k1, uint32_t threshold,
-                     float scale) {
-#pragma omp simd
-  for (size_t j = 0; j < d; ++j) m[j] = drop_hash(row_start + j, k0, k1) < threshold ? scale : 0.0f;
-}
-
 constexpr size_t kRowBlock = 4;  // rows per pass over A: four independent accumulator chains share each load
+
+// Rows t .. t + n of x [rows, d] through the mask: m [n, d] the factors (1 / keep where kept, else 0) and
+// xm [n, d] = x m; xm's rows n .. kRowBlock are zeroed (a partial block adds nothing). The mask is taken by
+// value: a local the stores below cannot alias, so its fields stay in registers and the loop vectorises.
+void mask_rows(const DropMask mask, const float* x, size_t t, size_t n, size_t d, float* m, float* xm) {
+  for (size_t q = 0; q < n; ++q) {
+    const size_t start = (t + q) * d;
+    const float* xr = x + start;
+    float* mq = m + q * d;
+    float* xq = xm + q * d;
+#pragma omp simd
+    for (size_t j = 0; j < d; ++j) {
+      mq[j] = mask.kept(start + j) ? mask.scale : 0.0f;
+      xq[j] = xr[j] * mq[j];
+    }
+  }
+  std::fill(xm + n * d, xm + kRowBlock * d, 0.0f);
+}
 
 // out[q, :] = xm[q, :] A for the n <= kRowBlock rows of xm [n, d], A [d, R].
 template <int R>
@@ -797,19 +814,13 @@ class LoraDown : public CpuPrimitive {
     encoder.set_output_array(out);
     const size_t d = inputs[2].shape(0), r = inputs[2].shape(1), rows = d == 0 ? 0 : inputs[0].size() / d;
     encoder.dispatch([xp = inputs[0].data<float>(), k = inputs[1].data<uint32_t>(), ap = inputs[2].data<float>(),
-                      up = out.data<float>(), d, r, rows, threshold = drop_threshold(keep_), scale = 1.0f / keep_]() {
-      const uint32_t k0 = mix32(k[0] ^ 0x9e3779b9U), k1 = k[1];
+                      up = out.data<float>(), d, r, rows, keep = keep_]() {
+      const DropMask mask(k, keep);
       parallel_for(rows, std::max<size_t>(kRowBlock, kGrain / std::max<size_t>(1, d)), [=](size_t, size_t b, size_t e) {
-        std::vector<float> xm(kRowBlock * d);
+        std::vector<float> m(kRowBlock * d), xm(kRowBlock * d);
         for (size_t t = b; t < e; t += kRowBlock) {
           const size_t n = std::min(kRowBlock, e - t);
-          for (size_t q = 0; q < n; ++q) {  // the block's rows, masked and scaled
-            float* row = xm.data() + q * d;
-            mask_row(row, (t + q) * d, d, k0, k1, threshold, scale);
-            const float* xr = xp + (t + q) * d;
-#pragma omp simd
-            for (size_t j = 0; j < d; ++j) row[j] *= xr[j];
-          }
+          mask_rows(mask, xp, t, n, d, m.data(), xm.data());
           switch (r) {  // the usual ranks with the accumulators in registers
             case 8: down_rows<8>(xm.data(), ap, up + t * r, n, d); break;
             case 16: down_rows<16>(xm.data(), ap, up + t * r, n, d); break;
@@ -847,8 +858,8 @@ class LoraDownGrad : public CpuPrimitive {
     const size_t d = inputs[2].shape(0), r = inputs[2].shape(1), rows = d == 0 ? 0 : inputs[0].size() / d;
     encoder.dispatch([xp = inputs[0].data<float>(), k = inputs[1].data<uint32_t>(), ap = inputs[2].data<float>(),
                       gp = inputs[3].data<float>(), dx = outputs[0].data<float>(), da = outputs[1].data<float>(),
-                      d, r, rows, threshold = drop_threshold(keep_), scale = 1.0f / keep_]() {
-      const uint32_t k0 = mix32(k[0] ^ 0x9e3779b9U), k1 = k[1];
+                      d, r, rows, keep = keep_]() {
+      const DropMask mask(k, keep);
       std::vector<float> at(r * d);  // A^T [r, d]: the row loops below run over d
       for (size_t j = 0; j < d; ++j)
         for (size_t c = 0; c < r; ++c) at[c * d + j] = ap[j * r + c];
@@ -856,20 +867,12 @@ class LoraDownGrad : public CpuPrimitive {
       const size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, rows / grain));
       std::vector<float> partial(parts * r * d, 0.0f);  // dA^T [r, d] per worker
       parallel_for(rows, std::max<size_t>(grain, (rows + parts - 1) / parts), [&](size_t part, size_t b, size_t e) {
-        std::vector<float> m(kRowBlock * d), xm(kRowBlock * d, 0.0f);
+        std::vector<float> m(kRowBlock * d), xm(kRowBlock * d);
         float* acc = partial.data() + part * r * d;
         const float* atp = at.data();
         for (size_t t = b; t < e; t += kRowBlock) {
           const size_t n = std::min(kRowBlock, e - t);
-          for (size_t q = 0; q < n; ++q) {
-            float* mq = m.data() + q * d;
-            float* xq = xm.data() + q * d;
-            const float* xr = xp + (t + q) * d;
-            mask_row(mq, (t + q) * d, d, k0, k1, threshold, scale);
-#pragma omp simd
-            for (size_t j = 0; j < d; ++j) xq[j] = xr[j] * mq[j];
-          }
-          for (size_t q = n; q < kRowBlock; ++q) std::fill(xm.begin() + q * d, xm.begin() + (q + 1) * d, 0.0f);
+          mask_rows(mask, xp, t, n, d, m.data(), xm.data());
           for (size_t q = 0; q < n; ++q) {  // dx = mask (g A^T) / keep: the row stays in L1 over A^T's r rows
             const float* gr = gp + (t + q) * r;
             const float* mq = m.data() + q * d;
@@ -884,6 +887,7 @@ class LoraDownGrad : public CpuPrimitive {
 #pragma omp simd
             for (size_t j = 0; j < d; ++j) o[j] *= mq[j];
           }
+          static_assert(kRowBlock == 4, "the dA update below names the block's four rows");
           const float* g0 = gp + t * r;  // dA^T += g^T (mask x / keep), the block's rows at once
           const float *x0 = xm.data(), *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
           for (size_t c = 0; c < r; ++c) {
