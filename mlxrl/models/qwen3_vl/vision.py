@@ -26,8 +26,7 @@ import mlx.core as mx  # mlxrl/__init__ (fast BLAS) has run by the time this pac
 import mlx.nn as nn
 import numpy as np
 
-from ...cpu import fastmath
-from ..qwen2_vl.vision import attend, run_block, segment_groups, segment_layout, to_mx
+from ..qwen2_vl.vision import ACT, attend, run_block, segment_groups, segment_layout, to_mx
 
 
 @dataclass
@@ -64,16 +63,6 @@ class VisionConfig:
         return self.hidden_size // self.num_heads
 
 
-def _quick_gelu(x: mx.array) -> mx.array:
-    return x * fastmath.sigmoid(1.702 * x)
-
-
-ACTIVATIONS = {
-    "gelu_pytorch_tanh": fastmath.gelu_approx,  # tanh approximation, same function as torch's
-    "gelu": nn.gelu,
-    "silu": fastmath.silu,
-    "quick_gelu": _quick_gelu,
-}
 
 
 class Conv3dProj(nn.Module):
@@ -133,7 +122,7 @@ class MLP(nn.Module):
         super().__init__()
         self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = ACT[config.hidden_act]
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
