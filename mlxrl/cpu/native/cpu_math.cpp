@@ -18,6 +18,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -1283,6 +1284,409 @@ std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, 
                                 std::make_shared<SiluMulGrad>(stream), {dense(g, stream), dense(u, stream), cd});
 }
 
+// ----------------------------------------------------------------------------- flash attention
+
+// Attention without the score square (FlashAttention's memory shape): per (batch, kv-head) and block of
+// queries, the block's scores against the keys it sees stay in a per-worker buffer (64 rows x the keys,
+// ~1 MB at 4096 keys: in L2), the softmax runs over them in place and P V follows; only the output and
+// each row's log-sum-exp are written. The backward recomputes P = exp(S - lse) per block and builds
+// dq, dk, dv with the same tiles. The matmuls are a register-tiled micro-kernel (C [8, 32] += A B, 16
+// accumulators of 16 floats, B packed in panels of 32 columns, k blocked by 128 so a panel block stays in
+// L1): the BLAS would pack and zero more than it multiplies at these sizes (K = head_dim = 64-128), and
+// each call would send the block's scores through memory.
+
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));  // 16 floats, unaligned loads / stores
+constexpr int kPanel = 32;                                          // packed B panels: 32 columns
+constexpr int kDepth = 128;                                         // k per pass over a panel
+
+inline size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+// C[MR, 16 NV] (+)= A B for A(i, k) = a[i ai + k ak] and B a panel (K rows of kPanel floats).
+template <int MR, int NV>
+inline void tile_kernel(int K, const float* a, size_t ai, size_t ak, const float* b, float* c, size_t ldc, bool acc) {
+  vf16 r[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) {
+      if (acc) {
+        r[i][v] = *reinterpret_cast<const vf16*>(c + i * ldc + 16 * v);
+      } else {
+        r[i][v] = vf16{} ;
+      }
+    }
+  for (int k = 0; k < K; ++k) {
+    const float* bk = b + size_t(k) * kPanel;
+    vf16 bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = *reinterpret_cast<const vf16*>(bk + 16 * v);
+    const float* ak_ = a + size_t(k) * ak;
+    for (int i = 0; i < MR; ++i) {
+      const float x = ak_[i * ai];
+      for (int v = 0; v < NV; ++v) r[i][v] += x * bv[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) *reinterpret_cast<vf16*>(c + i * ldc + 16 * v) = r[i][v];
+}
+
+template <int NV>
+inline void tile_rows(int M, int K, const float* a, size_t ai, size_t ak, const float* b, float* c, size_t ldc,
+                      bool acc) {
+  int i = 0;
+  for (; i + 8 <= M; i += 8) tile_kernel<8, NV>(K, a + i * ai, ai, ak, b, c + i * ldc, ldc, acc);
+  const float* ar = a + i * ai;
+  float* cr = c + i * ldc;
+  switch (M - i) {
+    case 7: tile_kernel<7, NV>(K, ar, ai, ak, b, cr, ldc, acc); break;
+    case 6: tile_kernel<6, NV>(K, ar, ai, ak, b, cr, ldc, acc); break;
+    case 5: tile_kernel<5, NV>(K, ar, ai, ak, b, cr, ldc, acc); break;
+    case 4: tile_kernel<4, NV>(K, ar, ai, ak, b, cr, ldc, acc); break;
+    case 3: tile_kernel<3, NV>(K, ar, ai, ak, b, cr, ldc, acc); break;
+    case 2: tile_kernel<2, NV>(K, ar, ai, ak, b, cr, ldc, acc); break;
+    case 1: tile_kernel<1, NV>(K, ar, ai, ak, b, cr, ldc, acc); break;
+    default: break;
+  }
+}
+
+// C[M, N] (+)= A[M, K] B[K, N]: A(i, k) = a[i ai + k ak]; B packed by pack_panels (panels of K rows x
+// kPanel, `panel` floats apart); N a multiple of 16, C's rows ldc apart.
+void panel_gemm(int M, int N, int K, const float* a, size_t ai, size_t ak, const float* b, size_t panel, float* c,
+                size_t ldc, bool acc) {
+  if (K == 0) {
+    if (!acc)
+      for (int i = 0; i < M; ++i) std::fill(c + i * ldc, c + i * ldc + N, 0.0f);
+    return;
+  }
+  for (int k0 = 0; k0 < K; k0 += kDepth) {
+    const int kk = std::min(kDepth, K - k0);
+    const bool add = acc || k0 > 0;
+    for (int j0 = 0; j0 < N; j0 += kPanel) {
+      const float* bp = b + size_t(j0 / kPanel) * panel + size_t(k0) * kPanel;
+      const float* ap = a + size_t(k0) * ak;
+      if (N - j0 >= kPanel) {
+        tile_rows<2>(M, kk, ap, ai, ak, bp, c + j0, ldc, add);
+      } else {
+        tile_rows<1>(M, kk, ap, ai, ak, bp, c + j0, ldc, add);
+      }
+    }
+  }
+}
+
+// Packs B(k, j) = src[k sk + j sj] (k < K, j < N) into panels of kPanel columns, K rows each, zero past N.
+void pack_panels(const float* src, size_t sk, size_t sj, int K, int N, float* dst) {
+  const int panels = int(round_up(N, kPanel) / kPanel);
+  for (int p = 0; p < panels; ++p) {
+    float* d = dst + size_t(p) * K * kPanel;
+    for (int k = 0; k < K; ++k)
+      for (int jj = 0; jj < kPanel; ++jj) {
+        const int j = p * kPanel + jj;
+        d[size_t(k) * kPanel + jj] = j < N ? src[k * sk + j * sj] : 0.0f;
+      }
+  }
+}
+
+// Float scratch from MLX's allocator (its buffer cache: the next call reuses the pages), made on the
+// dispatching thread and freed when it goes out of scope.
+class Scratch {
+ public:
+  float* take(size_t n) {
+    bufs_.push_back(mx::allocator::malloc(sizeof(float) * std::max<size_t>(n, 1)));
+    return static_cast<float*>(bufs_.back().buffer().raw_ptr());
+  }
+
+ private:
+  std::vector<mx::allocator::Data> bufs_;
+};
+
+// Runs fn(worker, item) for item in [0, n) on min(workers, n) threads, items taken in order as workers
+// free up (the first items should be the longest).
+template <class F>
+void parallel_items(size_t n, size_t workers, F fn) {
+  workers = std::max<size_t>(1, std::min(workers, n));
+  std::atomic<size_t> next{0};
+  auto run = [&](size_t w) {
+    for (size_t i = next++; i < n; i = next++) fn(w, i);
+  };
+  std::vector<std::thread> threads;
+  for (size_t w = 1; w < workers; ++w) threads.emplace_back(run, w);
+  run(0);
+  for (auto& t : threads) t.join();
+}
+
+// q [B, G, rep, L, D] (scaled), k / v [B, G, S, D]: G kv-heads, each shared by rep query heads; causal:
+// query i sees keys j <= i + S - L. A block is bq queries of every head of a group, stacked as rep x bq
+// rows (row h bq + t is query r0 + t of head h), so the group's k / v panels serve ~64 rows at a time.
+struct AttnDims {
+  int B, G, rep, L, S, D;
+  bool causal;
+  int Dp, bq, rows, blocks;
+  size_t lds;  // the score buffer's row stride: past a multiple of the cache's alias stride
+  AttnDims(const mx::array& q, const mx::array& k, bool c)
+      : B(q.shape(0)), G(q.shape(1)), rep(q.shape(2)), L(q.shape(3)), S(k.shape(2)), D(q.shape(4)), causal(c) {
+    Dp = int(round_up(D, 16));
+    bq = std::max(1, 64 / std::max(1, rep));
+    bq = std::min(bq, std::max(1, L));
+    rows = rep * bq;
+    blocks = L == 0 ? 0 : (L + bq - 1) / bq;
+    lds = round_up(std::max(S, 1), kPanel) + 16;
+  }
+  int seen(int r1) const { return causal ? std::min(S, r1 + S - L) : S; }  // keys a block ending at r1 sees
+  int limit(int i) const { return causal ? std::min(S, i + S - L + 1) : S; }  // keys query i sees
+};
+
+// The rows of block [r0, r1) of one group of x [.., rep, L, D] (group offset x0) into tile [rep n, Dp]
+// (zero past D), and back (first D columns, row i times scale[i] when scale is given).
+void gather_rows(const AttnDims& d, const float* x0, int r0, int n, float* tile) {
+  for (int h = 0; h < d.rep; ++h)
+    for (int t = 0; t < n; ++t) {
+      const float* src = x0 + (size_t(h) * d.L + r0 + t) * d.D;
+      float* dst = tile + size_t(h * n + t) * d.Dp;
+      std::copy(src, src + d.D, dst);
+      std::fill(dst + d.D, dst + d.Dp, 0.0f);
+    }
+}
+
+void scatter_rows(const AttnDims& d, const float* tile, int r0, int n, float* x0, const float* scale) {
+  for (int h = 0; h < d.rep; ++h)
+    for (int t = 0; t < n; ++t) {
+      const int i = h * n + t;
+      const float* src = tile + size_t(i) * d.Dp;
+      float* dst = x0 + (size_t(h) * d.L + r0 + t) * d.D;
+      if (scale == nullptr) {
+        std::copy(src, src + d.D, dst);
+      } else {
+        const float s = scale[i];
+#pragma omp simd
+        for (int c = 0; c < d.D; ++c) dst[c] = src[c] * s;
+      }
+    }
+}
+
+std::vector<mx::array> flash_attention_grad_op(const std::vector<mx::array>& inputs, bool causal, mx::Stream s);
+
+// inputs q, k, v; outputs o [B, G, rep, L, D], lse [B, G, rep, L]
+class FlashAttention : public CpuPrimitive {
+ public:
+  FlashAttention(mx::Stream s, bool causal) : CpuPrimitive(s), causal_(causal) {}
+  const char* name() const override { return causal_ ? "MlxrlCausalFlashAttention" : "MlxrlFlashAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other);  // the name carries causal
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto lse = inputs[0].shape();
+    lse.pop_back();
+    return {inputs[0].shape(), lse};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    encoder.dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
+                      kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = outputs[0].data<float>(),
+                      lp = outputs[1].data<float>()]() {
+      const size_t heads = size_t(d.B) * d.G;
+      if (heads == 0 || d.blocks == 0) return;
+      const size_t kt_size = size_t(d.D) * round_up(d.S, kPanel), v_size = size_t(d.S) * round_up(d.Dp, kPanel);
+      const size_t workers = std::min<size_t>(worker_count(), heads * d.blocks);
+      Scratch scratch;
+      float* kt = scratch.take(heads * kt_size);  // k^T per group: panels of D rows x 32 keys
+      float* vpk = scratch.take(heads * v_size);  // v per group: panels of S rows x 32 columns
+      std::vector<float*> qtile(workers), stile(workers), otile(workers);
+      for (size_t w = 0; w < workers; ++w) {
+        qtile[w] = scratch.take(size_t(d.rows) * d.Dp);
+        otile[w] = scratch.take(size_t(d.rows) * d.Dp);
+        stile[w] = scratch.take(size_t(d.rows) * d.lds);
+      }
+      parallel_items(heads, workers, [&](size_t, size_t g) {
+        const float* k0 = kp + g * d.S * d.D;
+        pack_panels(k0, 1, d.D, d.D, d.S, kt + g * kt_size);
+        pack_panels(vp + g * d.S * d.D, d.D, 1, d.S, d.D, vpk + g * v_size);
+      });
+      // items: (group, block), the blocks that see the most keys first
+      const size_t items = heads * d.blocks;
+      parallel_items(items, workers, [&](size_t w, size_t item) {
+        const size_t g = item % heads;
+        const int blk = d.causal ? d.blocks - 1 - int(item / heads) : int(item / heads);
+        const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
+        const int seen = d.seen(r0 + n), ncols = int(round_up(seen, 16));
+        const size_t group = g * d.rep * d.L;  // the group's first row of q / o / lse
+        float *qt = qtile[w], *st = stile[w], *ot = otile[w];
+        gather_rows(d, qp + group * d.D, r0, n, qt);
+        panel_gemm(rows, ncols, d.D, qt, d.Dp, 1, kt + g * kt_size, size_t(d.D) * kPanel, st, d.lds, false);
+        float inv[256];
+        float* inv_p = rows <= 256 ? inv : nullptr;
+        std::vector<float> inv_v;
+        if (inv_p == nullptr) {
+          inv_v.resize(rows);
+          inv_p = inv_v.data();
+        }
+        for (int i = 0; i < rows; ++i) {
+          const int h = i / n, t = i % n, lim = d.limit(r0 + t);
+          float* x = st + size_t(i) * d.lds;
+          float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+          for (int j = 0; j < lim; ++j) m = std::max(m, x[j]);
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int j = 0; j < lim; ++j) {
+            const float e = fast_exp(x[j] - m);
+            x[j] = e;
+            sum += e;
+          }
+          std::fill(x + lim, x + seen, 0.0f);
+          inv_p[i] = 1.0f / sum;
+          lp[group + size_t(h) * d.L + r0 + t] = m + std::log(sum);
+        }
+        panel_gemm(rows, d.Dp, seen, st, d.lds, 1, vpk + g * v_size, size_t(d.S) * kPanel, ot, d.Dp, false);
+        scatter_rows(d, ot, r0, n, op + group * d.D, inv_p);
+      });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override {
+    auto s = stream();
+    auto d_o = dense(mx::astype(cotangents[0], mx::float32, s), s);
+    auto grads = flash_attention_grad_op({primals[0], primals[1], primals[2], outputs[0], outputs[1], d_o}, causal_, s);
+    std::vector<mx::array> out;
+    for (int a : argnums) out.push_back(grads[a]);
+    return out;
+  }
+
+ private:
+  bool causal_;
+};
+
+// inputs q, k, v, o, lse, dO; outputs dq, dk, dv. Per group (one worker each): k^T, k and v^T packed
+// once, dk / dv accumulated over the blocks in [S, Dp] buffers; per block
+//   P = exp(S - lse),  dP = dO v^T,  dS = P (dP - rowsum(dO o)),  dq = dS k,  dv += P^T dO,  dk += dS^T q.
+class FlashAttentionGrad : public CpuPrimitive {
+ public:
+  FlashAttentionGrad(mx::Stream s, bool causal) : CpuPrimitive(s), causal_(causal) {}
+  const char* name() const override { return causal_ ? "MlxrlCausalFlashAttentionGrad" : "MlxrlFlashAttentionGrad"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[1].shape(), inputs[2].shape()};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    encoder.dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
+                      kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = inputs[3].data<float>(),
+                      lp = inputs[4].data<float>(), gp = inputs[5].data<float>(), dq = outputs[0].data<float>(),
+                      dk = outputs[1].data<float>(), dv = outputs[2].data<float>()]() {
+      const size_t heads = size_t(d.B) * d.G;
+      if (heads == 0) return;
+      const size_t SD = size_t(d.S) * d.D;
+      if (d.blocks == 0) {  // no queries: no gradient for k, v
+        std::fill(dk, dk + heads * SD, 0.0f);
+        std::fill(dv, dv + heads * SD, 0.0f);
+        return;
+      }
+      const size_t Spad = round_up(d.S, kPanel), Dpp = round_up(d.Dp, kPanel), Rp = size_t(d.rows);
+      const size_t workers = std::min<size_t>(worker_count(), heads);
+      Scratch scratch;
+      struct Work {
+        float *kt, *kk, *vt, *dkacc, *dvacc, *qt, *gt, *qpk, *gpk, *st, *pt, *dqt, *delta;
+      };
+      std::vector<Work> work(workers);
+      for (auto& w : work) {
+        w.kt = scratch.take(size_t(d.D) * Spad);    // k^T panels (scores)
+        w.vt = scratch.take(size_t(d.D) * Spad);    // v^T panels (dP)
+        w.kk = scratch.take(size_t(d.S) * Dpp);     // k panels (dq)
+        w.dkacc = scratch.take(size_t(d.S) * d.Dp);
+        w.dvacc = scratch.take(size_t(d.S) * d.Dp);
+        w.qt = scratch.take(size_t(d.rows) * d.Dp);
+        w.gt = scratch.take(size_t(d.rows) * d.Dp);
+        w.qpk = scratch.take(Rp * Dpp);             // the block's q, as panels (dk)
+        w.gpk = scratch.take(Rp * Dpp);             // the block's dO, as panels (dv)
+        w.st = scratch.take(size_t(d.rows) * d.lds);  // scores, then P
+        w.pt = scratch.take(size_t(d.rows) * d.lds);  // dP, then dS
+        w.dqt = scratch.take(size_t(d.rows) * d.Dp);
+        w.delta = scratch.take(size_t(d.rows));
+      }
+      parallel_items(heads, workers, [&](size_t wi, size_t g) {
+        Work& w = work[wi];
+        const float *k0 = kp + g * SD, *v0 = vp + g * SD;
+        pack_panels(k0, 1, d.D, d.D, d.S, w.kt);
+        pack_panels(v0, 1, d.D, d.D, d.S, w.vt);
+        pack_panels(k0, d.D, 1, d.S, d.D, w.kk);
+        std::fill(w.dkacc, w.dkacc + size_t(d.S) * d.Dp, 0.0f);
+        std::fill(w.dvacc, w.dvacc + size_t(d.S) * d.Dp, 0.0f);
+        const size_t group = g * d.rep * d.L;
+        for (int blk = d.blocks - 1; blk >= 0; --blk) {
+          const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
+          const int seen = d.seen(r0 + n), ncols = int(round_up(seen, 16));
+          gather_rows(d, qp + group * d.D, r0, n, w.qt);
+          gather_rows(d, gp + group * d.D, r0, n, w.gt);
+          for (int h = 0; h < d.rep; ++h)  // delta = rowsum(dO o)
+            for (int t = 0; t < n; ++t) {
+              const float* orow = op + (group + size_t(h) * d.L + r0 + t) * d.D;
+              const float* grow = w.gt + size_t(h * n + t) * d.Dp;
+              float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+              for (int c = 0; c < d.D; ++c) s += orow[c] * grow[c];
+              w.delta[h * n + t] = s;
+            }
+          panel_gemm(rows, ncols, d.D, w.qt, d.Dp, 1, w.kt, size_t(d.D) * kPanel, w.st, d.lds, false);
+          panel_gemm(rows, ncols, d.D, w.gt, d.Dp, 1, w.vt, size_t(d.D) * kPanel, w.pt, d.lds, false);
+          for (int i = 0; i < rows; ++i) {
+            const int h = i / n, t = i % n, lim = d.limit(r0 + t);
+            const float l = lp[group + size_t(h) * d.L + r0 + t], de = w.delta[i];
+            float* x = w.st + size_t(i) * d.lds;
+            float* y = w.pt + size_t(i) * d.lds;
+#pragma omp simd
+            for (int j = 0; j < lim; ++j) {
+              const float p = fast_exp(x[j] - l);
+              x[j] = p;
+              y[j] = p * (y[j] - de);
+            }
+            std::fill(x + lim, x + seen, 0.0f);
+            std::fill(y + lim, y + seen, 0.0f);
+          }
+          // dq = dS k
+          panel_gemm(rows, d.Dp, seen, w.pt, d.lds, 1, w.kk, size_t(d.S) * kPanel, w.dqt, d.Dp, false);
+          scatter_rows(d, w.dqt, r0, n, dq + group * d.D, nullptr);
+          // dv += P^T dO, dk += dS^T q (A read transposed: A(i, k) = P[k lds + i])
+          pack_panels(w.gt, d.Dp, 1, rows, d.Dp, w.gpk);
+          pack_panels(w.qt, d.Dp, 1, rows, d.Dp, w.qpk);
+          panel_gemm(seen, d.Dp, rows, w.st, 1, d.lds, w.gpk, size_t(rows) * kPanel, w.dvacc, d.Dp, true);
+          panel_gemm(seen, d.Dp, rows, w.pt, 1, d.lds, w.qpk, size_t(rows) * kPanel, w.dkacc, d.Dp, true);
+        }
+        for (int j = 0; j < d.S; ++j) {
+          std::copy(w.dkacc + size_t(j) * d.Dp, w.dkacc + size_t(j) * d.Dp + d.D, dk + g * SD + size_t(j) * d.D);
+          std::copy(w.dvacc + size_t(j) * d.Dp, w.dvacc + size_t(j) * d.Dp + d.D, dv + g * SD + size_t(j) * d.D);
+        }
+      });
+    });
+  }
+
+ private:
+  bool causal_;
+};
+
+std::vector<mx::array> flash_attention_grad_op(const std::vector<mx::array>& inputs, bool causal, mx::Stream s) {
+  std::vector<mx::array> dense_inputs;
+  for (auto& a : inputs) dense_inputs.push_back(dense(a, s));
+  return mx::array::make_arrays({inputs[0].shape(), inputs[1].shape(), inputs[2].shape()},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<FlashAttentionGrad>(s, causal), dense_inputs);
+}
+
+mx::array flash_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, bool causal,
+                             mx::StreamOrDevice s = {}) {
+  auto stream = cpu_stream({&q, &k, &v}, s);
+  if (q.ndim() != 5 || k.ndim() != 4 || v.shape() != k.shape() || q.shape(0) != k.shape(0) ||
+      q.shape(1) != k.shape(1) || q.shape(4) != k.shape(3))
+    throw std::invalid_argument("flash_attention: q [B, G, rep, L, D], k and v [B, G, S, D] expected.");
+  if (causal && q.shape(3) > k.shape(2))
+    throw std::invalid_argument("flash_attention: causal attention needs L <= S (queries are the last L keys).");
+  auto lse = q.shape();
+  lse.pop_back();
+  return mx::array::make_arrays({q.shape(), lse}, {mx::float32, mx::float32},
+                                std::make_shared<FlashAttention>(stream, causal),
+                                {dense(q, stream), dense(k, stream), dense(v, stream)})[0];
+}
+
 }  // namespace
 
 NB_MODULE(_cpu_math, m) {
@@ -1321,5 +1725,10 @@ NB_MODULE(_cpu_math, m) {
         "Rotary embedding of x [B, H, L, D] (any strides): x cos + rotate_half(x) sin, cos / sin broadcast to x.");
   m.def("silu_mul", [](const mx::array& g, const mx::array& u) { return silu_mul_op(g, u); }, nb::arg("g"),
         nb::arg("u"), "silu(g) * u (the SwiGLU product).");
+  m.def("flash_attention", [](const mx::array& q, const mx::array& k, const mx::array& v, bool causal) {
+          return flash_attention_op(q, k, v, causal);
+        }, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("causal"),
+        "softmax(q k^T) v for scaled q [B, G, rep, L, D] and k / v [B, G, S, D] without the score square "
+        "(causal: query i sees keys j <= i + S - L); its VJP recomputes the scores per block of queries.");
   m.def("threads", &worker_count);
 }
