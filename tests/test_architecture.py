@@ -123,6 +123,6 @@ def test_importing_mlxrl_imports_no_trainer_and_sets_nothing():
             "from mlxrl import SFTTrainer; print(SFTTrainer.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     first, second = out.stdout.splitlines()[:2]
-    cpu = ["mlxrl.cpu", "mlxrl.cpu.attention", "mlxrl.cpu.blas", "mlxrl.cpu.fastmath", "mlxrl.cpu.native"]
+    cpu = ["mlxrl.cpu", "mlxrl.cpu.blas", "mlxrl.cpu.fastmath", "mlxrl.cpu.native"]
     assert first == str(cpu), out.stderr
     assert second == "mlxrl.trainers.sft"

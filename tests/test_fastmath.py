@@ -132,15 +132,16 @@ def test_failed_build_warns_and_falls_back(tmp_path):
 
 
 @pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "additive", "per-head"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
-@pytest.mark.parametrize("block", [256, 2])
-def test_attention_equals_mlx_sdpa(path, mask_kind, heads, block, monkeypatch):
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("shape", [(5, 9, 16), (70, 75, 24), (130, 130, 8)])
+def test_attention_equals_mlx_sdpa(path, mask_kind, heads, shape):
     """Values and gradients of q, k, v against mx.fast.scaled_dot_product_attention, grouped-query
-    heads, queries shorter than keys (a cache offset); causal attention in one block and in blocks
-    of 2 query rows (each scoring only the keys it sees)."""
-    monkeypatch.setattr(fastmath, "CAUSAL_BLOCK", block)
+    heads, queries shorter than keys (a cache offset). On the native path, no mask and "causal" with
+    at least FLASH_MIN_QUERIES queries take the FlashAttention kernel: blocks of queries that end
+    mid-way, a head_dim that is not a multiple of 16 (24, 8), up to 3 query heads per kv-head;
+    (5, 9, 16) the scores path."""
     rng = np.random.default_rng(3)
-    (hq, hkv), B, L, S, D = heads, 2, 5, 9, 16
+    (hq, hkv), B, (L, S, D) = heads, 2, shape
     q, k, v = (mx.array(rng.normal(0, 1, shape).astype(np.float32))
                for shape in [(B, hq, L, D), (B, hkv, S, D), (B, hkv, S, D)])
     keep = rng.random((B, 1, L, S)) > 0.3
@@ -158,6 +159,33 @@ def test_attention_equals_mlx_sdpa(path, mask_kind, heads, block, monkeypatch):
     np.testing.assert_allclose(v1.item(), v2.item(), rtol=1e-5, atol=1e-5)
     for a, b in zip(g1, g2, strict=True):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+def test_flash_attention_keeps_no_score_array():
+    """The native causal attention's forward + backward peak above its inputs stays below half of one
+    [Hq, L, L] float32 score square, where the same computation through materialised scores (a boolean
+    causal mask: the scores path) holds more than two such squares."""
+    if native.load() is None:
+        pytest.skip("no native kernels")
+    rng = np.random.default_rng(0)
+    B, hq, hkv, L, D = 1, 8, 4, 1024, 64
+    q, k, v, w = (mx.array(rng.normal(0, 1, s).astype(np.float32))
+                  for s in [(B, hq, L, D), (B, hkv, L, D), (B, hkv, L, D), (B, hq, L, D)])
+    square = hq * L * L * 4
+    causal = mx.array(np.tril(np.ones((L, L), dtype=bool)))
+
+    def peak(mask):
+        f = lambda q, k, v: (fastmath.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask) * w).sum()
+        mx.eval(q, k, v, w)
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(mx.grad(f, argnums=(0, 1, 2))(q, k, v))
+        return mx.get_peak_memory() - base
+
+    flash, scores = peak("causal"), peak(causal)
+    assert flash < 0.5 * square, (flash, square)
+    assert scores > 2 * square, (scores, square)
 
 
 def test_causal_softmax_equals_masked_softmax():

@@ -32,7 +32,7 @@ SFT_CASES = [
     ("small", dict(max_length=64, per_device_train_batch_size=4, gradient_checkpointing=True, use_peft=True,
                    lora_r=32)),
     ("small", dict(max_length=128, per_device_train_batch_size=2, optim="adafactor")),
-    # long rows: the blocked causal attention (native CPU path), scores linear in L
+    # long rows: the native CPU path's FlashAttention keeps no score array
     ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True)),
     ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True)),
 ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import attention, native
+from . import native
 
 LOG2E = 1.4426950408889634
 MAGIC = 12582912.0  # 1.5 * 2**23: t + MAGIC rounds t (|t| < 2**22) to an integer in the low mantissa bits
@@ -167,28 +167,32 @@ def logsumexp(x: mx.array, axis: int = -1, keepdims: bool = False) -> mx.array:
     return out if keepdims else out.squeeze(axis)
 
 
-CAUSAL_BLOCK = 256  # query rows per block of the causal attention (`mlxrl.cpu.attention`)
+FLASH_MIN_QUERIES = 16  # below (decoding, short prefills) the scores path: one pass over the keys either way
 
 
 def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` (q [B, Hq, L, D], k / v [B, Hkv, S, D], grouped-query
     heads, mask None, "causal", boolean or additive, broadcastable to [B, Hq, L, S]).
 
-    On float32 CPU arrays with the native kernels, the same computation MLX's CPU path runs (it has
-    no fused CPU kernel: scores, mask, softmax, values) with the native softmax, whose forward is
-    ~10x MLX's there; a causal mask goes inside the softmax and its VJP, over blocks of queries
-    (`mlxrl.cpu.attention`, which recomputes them in the backward);
-    elsewhere MLX's own. One layer of the SFT benchmark's small model
-    (16/8 heads of 128, L 1024; `/tmp` snippet, one process each, noisy +-20%): attention forward
-    117 -> 46-65 ms, forward+backward 373 -> 167-212 ms."""
+    On float32 CPU arrays with the native kernels: without a mask or with "causal" (L <= S), at least
+    FLASH_MIN_QUERIES queries, the native FlashAttention kernel (`flash_attention` in
+    `native/cpu_math.cpp`): per block of queries of a kv-head group, the scores stay in a per-core
+    buffer, the softmax runs over them in place and only the output and each row's log-sum-exp are
+    kept; its VJP recomputes each block's probabilities. No [L, S] array exists, forward or backward,
+    and the matmuls run in a register-tiled micro-kernel (`python scripts/bench_attention.py`: time and
+    peak against the materialised scores and MLX's own, figures in README). With an array mask (padded
+    or packed rows) or for decoding: scores, mask, the native softmax, values (MLX's CPU path has no
+    fused kernel either). Elsewhere MLX's own."""
     if not uses_native(q):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     q = q * scale
-    if isinstance(mask, str) and mask == "causal" and L <= S:  # blocks of queries, the mask inside the softmax
-        out = attention.causal_attention(q.reshape(B, Hkv, rep, L, D), k, v, kernels_for(q), CAUSAL_BLOCK)
+    causal = isinstance(mask, str) and mask == "causal"
+    flash = (mask is None or (causal and L <= S)) and S > 0 and L >= FLASH_MIN_QUERIES
+    if flash and k.dtype == mx.float32 and v.dtype == mx.float32:
+        out = kernels_for(q).flash_attention(q.reshape(B, Hkv, rep, L, D), k, v, causal)
         return out.reshape(B, Hq, L, D)
     if rep > 1:  # [B, Hkv, rep, L, D] against [B, Hkv, 1, S, D]: no copies of k and v
         q = q.reshape(B, Hkv, rep, L, D)

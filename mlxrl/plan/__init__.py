@@ -20,7 +20,9 @@ The model of one optimizer step (all sizes in bytes; s = bytes per element of th
 The peak is the larger of the two phases. Activations per decoder layer, measured on MLX 0.32 (CPU):
 saved tensors of ~(4D + 5I + 4 H*hd + 3 KV*hd) elements per token (norm inputs/outputs, q/k/v before
 and after q/k-norm and rotary, attention output, gate/up/silu/product) plus ~1.25 [B, H, L, L] score
-tensors (MLX's unfused attention with a mask keeps the probabilities); without checkpointing n_layers
+tensors where attention materialises them (the graph path, and packed or padding-free rows: MLX's
+unfused attention with a mask keeps the probabilities; none under the native CPU path's FlashAttention
+kernel); without checkpointing n_layers
 of them live at once plus ~1.1 layer of backward temporaries, with checkpointing one [B, L, D] input
 per layer plus ~2.9 layers (the recompute and its backward). The streamed head keeps a few
 [rows, chunk] float32 tiles; a trained LM head adds ~2 [V, D] arrays (the tile gradients and their

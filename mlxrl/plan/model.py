@@ -23,7 +23,6 @@ from .suggest import suggest_change
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
 GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
-BLOCK_SCORES = 0.5          # [block, L] score arrays per head in the blocked causal attention (fit: see causal_scores)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
@@ -236,7 +235,8 @@ def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | N
     saves: with checkpointing one input per block, without every block's saved tensors), `temporaries`
     only while the tower itself runs (a frozen tower's forward, about two layers; a checkpointed tower's
     recompute of one block in its backward), which is not when the decoder's head peaks. Saved tensors
-    per block as for a decoder layer, full attention within each image. Checked against `measure` on
+    per block as for a decoder layer, full attention within each image (no score square on the native
+    CPU path: see causal_scores). Checked against `measure` on
     the embedded Qwen3-VL (tests/test_plan.py)."""
     if not images or not a.vision or not image_size:
         return 0.0, 0.0
@@ -244,7 +244,12 @@ def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | N
     patches = (image_size // v["patch"]) ** 2  # per image, before merging
     P = B * images * patches
     per_token = 4 * v["D"] + 3 * v["I"] + 4 * v["D"]
-    layer = s * P * per_token + s * SCORE_COPIES * B * images * v["heads"] * patches * patches
+    # full attention within each image: the score square per head, except on the native CPU path,
+    # whose FlashAttention kernel keeps none (images of at least FLASH_MIN_QUERIES patches)
+    from ..cpu.fastmath import FLASH_MIN_QUERIES
+
+    squares = 0 if native_cpu(args) and patches >= FLASH_MIN_QUERIES else patches * patches
+    layer = s * P * per_token + s * SCORE_COPIES * B * images * v["heads"] * squares
     trained = not (getattr(args, "use_peft", False) or getattr(args, "freeze_vision_tower", False))
     if not trained:
         return 0.0, 2 * layer  # a frozen tower keeps nothing for backward
@@ -279,19 +284,13 @@ def grpo_prompt_length(args, prompt_length: int | None = None) -> int:
 def causal_scores(args, L: int) -> int:
     """Attention-score elements per head of one SFT / DPO row of L tokens, in the units of
     `layer_saved_bytes` (SCORE_COPIES of them per element). Right-padded rows attend with "causal"
-    (`data.batches.right_padded`); on the native CPU path that is the blocked attention
-    (`mlxrl.cpu.attention`), whose blocks of CAUSAL_BLOCK queries hold ~BLOCK_SCORES [block, L] score
-    arrays per head at once instead of the [L, L] square, so the term grows with L, not L^2. Packed or
-    padding-free rows (a segment mask) and the graph path keep the square. BLOCK_SCORES is fit on the
-    planner tests' small text model at L = 1024 / 2048 (SFT and DPO, checkpointing on and off: within
-    -13..+9%, except LoRA without checkpointing, +23%) and checked at real scale: the Qwen3-0.6B shape at
-    4096 tokens predicts 4.33 GB (LoRA) and 10.81 GB (full) against 4.36 / 11.26 GB measured
-    (`scripts/bench_scale.py`, MLX peak)."""
+    (`data.batches.right_padded`); on the native CPU path that is the FlashAttention kernel
+    (`fastmath.scaled_dot_product_attention`), which keeps no score array, forward or backward (its
+    per-core block buffers are a few MB): 0. Packed or padding-free rows (a segment mask) and the graph
+    path keep the [L, L] square."""
     if getattr(args, "packing", False) or getattr(args, "padding_free", False) or not native_cpu(args):
         return L * L
-    from ..cpu.fastmath import CAUSAL_BLOCK
-
-    return min(L * L, int(BLOCK_SCORES * min(CAUSAL_BLOCK, L) * L / SCORE_COPIES))
+    return 0
 
 
 def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None = None) -> Shape:
