@@ -10,11 +10,12 @@ LoRA r16 α32 dropout 0.05 on its seven projections, float32 CPU), at L tokens, 
    for the same three; our LoRA layer's dropout + A without its fusion (`Dropout.matmul` as dropout then
    matmul: the dropped copy of x written and kept); and mlx-lm's `LoRALinear.__call__` in place of ours
    (that copy, then matmul, scale, add, where ours adds inside the matmul, `mx.addmm`); alternating,
-   median of `--repeats`.
+   median of `--repeats`; and the attention with its scores kept (a boolean causal mask: the scores path,
+   [H, L, L] scores, mask, native softmax, values) in place of the FlashAttention kernel.
 2. Its parts, each timed alone: every projection's forward and input-gradient matmul (GFLOP/s against
-   the fp32 GEMM peak measured here), the causal attention forward and forward + backward
-   (`fastmath.scaled_dot_product_attention`, blocked), and inside the attention forward its score
-   matmuls (q k^T, K = head_dim), its softmax and its probability-value matmuls, summed over the blocks.
+   the fp32 GEMM peak measured here), and the causal attention forward and forward + backward
+   (`fastmath.scaled_dot_product_attention`: the native FlashAttention kernel; `scripts/bench_attention.py`
+   compares it with the scores path and MLX's own).
 3. The model of the layer's time: 2 forwards + 1 backward of the projections at their measured rates,
    attention forward + forward-and-backward, and the rest (norms, rotary, SiLU, LoRA's small matmuls,
    residual adds, copies) as the difference.
@@ -28,7 +29,7 @@ import mlxrl  # noqa: F401  (first: the fast BLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxrl.cpu import attention, fastmath, native
+from mlxrl.cpu import fastmath, native
 from mlxrl.models import dropout, lora
 from mlxrl.models.language import DecoderLayer, RotaryEmbedding, TextConfig
 
@@ -108,15 +109,23 @@ def main():
     def copied(self, x, w):  # dropout(x) @ A as two steps: the dropped copy of x is written and kept
         return self(x) @ w if self._keep < 1.0 and self.training else x @ w
 
-    variants = {"native decoder kernels": (native_ops, ours_lora, fused),
-                "MLX ops for them": (mlx_ops(), ours_lora, fused),
-                "dropped copy of x": (native_ops, ours_lora, copied),
-                "mlx-lm's LoRA layer": (native_ops, mlxlm_lora, copied)}
+    flash = fastmath.scaled_dot_product_attention
+    causal_mask = mx.arange(L)[:, None] >= mx.arange(L)[None]
+
+    def scores_kept(q, k, v, *, scale, mask=None):  # the scores path: a boolean mask, [H, L, L] scores
+        return flash(q, k, v, scale=scale, mask=causal_mask if isinstance(mask, str) else mask)
+
+    variants = {"native decoder kernels": (native_ops, ours_lora, fused, flash),
+                "MLX ops for them": (mlx_ops(), ours_lora, fused, flash),
+                "dropped copy of x": (native_ops, ours_lora, copied, flash),
+                "mlx-lm's LoRA layer": (native_ops, mlxlm_lora, copied, flash),
+                "attention scores kept": (native_ops, ours_lora, fused, scores_kept)}
     times = {k: [] for k in variants}
     for _ in range(a.repeats):
-        for name, (ops, lora_call, down) in variants.items():
+        for name, (ops, lora_call, down, attention) in variants.items():
             fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = ops
             lora.LoRALinear.__call__, dropout.Dropout.matmul = lora_call, down
+            fastmath.scaled_dot_product_attention = attention
             step = mx.compile(mx.value_and_grad(loss, argnums=(0, 1)))
             mx.eval(step(params, x))
             t = time.perf_counter()
@@ -124,6 +133,7 @@ def main():
             times[name].append(time.perf_counter() - t)
     fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = native_ops
     lora.LoRALinear.__call__, dropout.Dropout.matmul = ours_lora, fused
+    fastmath.scaled_dot_product_attention = flash
     print(f"\n{a.shape} layer, L = {L}, LoRA r16 on 7 projections, forward + backward with checkpointing "
           f"(median of {a.repeats}, alternating):")
     layer_s = {k: statistics.median(v) for k, v in times.items()}
@@ -132,8 +142,10 @@ def main():
     base = layer_s["MLX ops for them"] / layer_s["native decoder kernels"]
     copy = layer_s["dropped copy of x"] / layer_s["native decoder kernels"]
     mlxlm = layer_s["mlx-lm's LoRA layer"] / layer_s["native decoder kernels"]
+    kept = layer_s["attention scores kept"] / layer_s["native decoder kernels"]
     print(f"  speed-up of the native decoder kernels {base:.2f}x; of the fused dropout + A {copy:.2f}x; of our "
-          f"LoRA layer (fused dropout + A, adapter added inside the matmul) over mlx-lm's {mlxlm:.2f}x")
+          f"LoRA layer (fused dropout + A, adapter added inside the matmul) over mlx-lm's {mlxlm:.2f}x; of the "
+          f"FlashAttention kernel over the scores kept {kept:.2f}x")
 
     D, inter, Hq, Hkv, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                          cfg.num_key_value_heads, cfg.head_dim)
@@ -164,29 +176,12 @@ def main():
 
     fwd = mx.compile(attend)
     fwd_bwd = mx.compile(mx.grad(lambda q, k, v: (attend(q, k, v) * q).sum(), argnums=(0, 1, 2)))
-    causal_flops = 2 * 2 * Hq * hd * L * (L + fastmath.CAUSAL_BLOCK) / 2  # q k^T and p v over the blocks
+    causal_flops = 2 * 2 * Hq * hd * L * (L + 1) / 2  # q k^T and p v over the causal half
     att_f = median_time(lambda: fwd(q, k, v), a.repeats)
     att_fb = median_time(lambda: fwd_bwd(q, k, v), a.repeats)
-    print(f"\ncausal attention ({Hq}/{Hkv} heads of {hd}, blocks of {fastmath.CAUSAL_BLOCK} queries): "
+    print(f"\ncausal attention ({Hq}/{Hkv} heads of {hd}, the FlashAttention kernel): "
           f"forward {att_f * 1e3:.0f} ms ({causal_flops / att_f / 1e9:.1f} GFLOP/s), forward + backward "
           f"{att_fb * 1e3:.0f} ms ({3.5 * causal_flops / att_fb / 1e9:.1f} GFLOP/s: 1 + 2.5 forwards of matmuls)")
-    kernels = native.load()
-    rep = Hq // Hkv
-    score_s = soft_s = pv_s = 0.0
-    for r0, r1, seen in attention.blocks(L, L, fastmath.CAUSAL_BLOCK):
-        rows = mx.random.normal((1, Hkv, rep * (r1 - r0), hd))
-        kb, vb = k[..., :seen, :], v[..., :seen, :]
-        s = rows @ kb.swapaxes(-1, -2)
-        mx.eval(rows, s)
-        score_s += median_time(lambda: rows @ kb.swapaxes(-1, -2), 1)  # noqa: B023
-        shaped = s.reshape(1, Hkv, rep, r1 - r0, seen)
-        soft_s += median_time(lambda: kernels.softmax(shaped, causal=True), 1)  # noqa: B023
-        p = kernels.softmax(shaped, causal=True).reshape(s.shape)
-        mx.eval(p)
-        pv_s += median_time(lambda: p @ vb, 1)  # noqa: B023
-    half = causal_flops / 2
-    print(f"  inside the forward: q k^T {score_s * 1e3:.0f} ms ({half / score_s / 1e9:.1f} GFLOP/s, K = {hd}), "
-          f"softmax {soft_s * 1e3:.0f} ms, p v {pv_s * 1e3:.0f} ms ({half / pv_s / 1e9:.1f} GFLOP/s)")
 
     model_s = linear_s + att_f + att_fb
     rest = layer_s["native decoder kernels"] - model_s
