@@ -70,17 +70,22 @@ inline int32_t float_to_bits(float f) {
   return b;
 }
 
-inline float fast_exp(float x) {
-  float t = std::min(std::max(x, kLow), kHigh) * kLog2e;
-  float r = t + kMagic;
-  float f = t - (r - kMagic);
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
+// Cephes' 2^f for f in [-0.5, 0.5] (degree 6, the coefficients MLX's exp uses), on a float or a vector.
+template <class T>
+inline T exp2_poly(T f) {
+  T p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  return p * f + 1.0f;
+}
+
+inline float fast_exp(float x) {
+  float t = std::min(std::max(x, kLow), kHigh) * kLog2e;
+  float r = t + kMagic;
+  float f = t - (r - kMagic);
+  float p = exp2_poly(f);
   float scale = bits_to_float((float_to_bits(r) - (kMagicBits - 127)) << 23);
   float y = p * scale;
   y = x > kOverflow ? std::numeric_limits<float>::infinity() : y;
@@ -103,14 +108,7 @@ inline vf16 vexp(vf16 x) {
   t = t > splat(kHigh) ? splat(kHigh) : t;
   t *= kLog2e;
   const vf16 r = t + kMagic;
-  const vf16 f = t - (r - kMagic);
-  vf16 p = splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  const vf16 p = exp2_poly(t - (r - kMagic));
   const vi16 bits = (reinterpret_cast<const vi16&>(r) - (kMagicBits - 127)) << 23;
   const vf16 y = p * reinterpret_cast<const vf16&>(bits);
   return x != x ? x : y;
@@ -282,6 +280,17 @@ mx::cpu::CommandEncoder& encode_unary_output(mx::Stream s, const std::vector<mx:
   return encoder;
 }
 
+// Multi-output kernels: every output gets a fresh buffer, every array is registered with the stream's
+// encoder, which is returned for the dispatch.
+mx::cpu::CommandEncoder& encode_outputs(mx::Stream s, const std::vector<mx::array>& inputs,
+                                        std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& a : outputs) encoder.set_output_array(a);
+  return encoder;
+}
+
 using RangeFn = void (*)(const float*, float*, size_t);
 
 void run_elementwise(mx::Stream stream, const mx::array& in, mx::array& out, RangeFn fn) {
@@ -313,6 +322,21 @@ class Unary : public CpuPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+};
+
+// A primitive with a causal flag; its name, which is_equivalent compares, carries the flag.
+template <class Base>
+class WithCausal : public Base {
+ public:
+  WithCausal(mx::Stream s, bool causal, const char* plain, const char* masked)
+      : Base(s), causal_(causal), names_{plain, masked} {}
+  const char* name() const override { return names_[causal_ ? 1 : 0]; }
+
+ protected:
+  bool causal_;
+
+ private:
+  const char* names_[2];
 };
 
 // The CPU stream for a kernel over `arrays`: float32 only (the Python side falls back to MLX's ops
@@ -391,10 +415,9 @@ void over_rows(size_t rows, size_t cols, F fn) {
                [=](size_t, size_t b, size_t e) { fn(b, e - b); });
 }
 
-class FastSoftmax : public Unary {
+class FastSoftmax : public WithCausal<Unary> {
  public:
-  FastSoftmax(mx::Stream s, bool causal) : Unary(s), causal_(causal) {}
-  const char* name() const override { return causal_ ? "MlxrlCausalSoftmax" : "MlxrlSoftmax"; }
+  FastSoftmax(mx::Stream s, bool causal) : WithCausal(s, causal, "MlxrlSoftmax", "MlxrlCausalSoftmax") {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& in = inputs[0];
     auto& out = outputs[0];
@@ -417,19 +440,12 @@ class FastSoftmax : public Unary {
                              const std::vector<int>&) override {
     return {softmax_grad_op(fast_softmax_op(primals[0], causal_, stream()), tangents[0], causal_, stream())};
   }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return Unary::is_equivalent(other);  // the name carries the flag
-  }
-
- private:
-  bool causal_;
 };
 
 // y (g - sum(g y, -1)): the softmax's VJP (and JVP) in one pass per row; y, g [..., L, S].
-class SoftmaxGrad : public CpuPrimitive {
+class SoftmaxGrad : public WithCausal<CpuPrimitive> {
  public:
-  SoftmaxGrad(mx::Stream s, bool causal) : CpuPrimitive(s), causal_(causal) {}
-  const char* name() const override { return causal_ ? "MlxrlCausalSoftmaxGrad" : "MlxrlSoftmaxGrad"; }
+  SoftmaxGrad(mx::Stream s, bool causal) : WithCausal(s, causal, "MlxrlSoftmaxGrad", "MlxrlCausalSoftmaxGrad") {}
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
@@ -468,10 +484,6 @@ class SoftmaxGrad : public CpuPrimitive {
     }
     return out;
   }
-  bool is_equivalent(const mx::Primitive& other) const override { return CpuPrimitive::is_equivalent(other); }
-
- private:
-  bool causal_;
 };
 
 // sum(x^2) of a float32 array as a float32 scalar (the gradient norm's square), accumulated in
@@ -1267,7 +1279,6 @@ class Rotary : public CpuPrimitive {
     }
     return out;
   }
-  bool is_equivalent(const mx::Primitive& other) const override { return CpuPrimitive::is_equivalent(other); }
 
  private:
   bool inverse_;
@@ -1535,24 +1546,17 @@ void scatter_rows(const AttnDims& d, const float* tile, int r0, int n, float* x0
 std::vector<mx::array> flash_attention_grad_op(const std::vector<mx::array>& inputs, bool causal, mx::Stream s);
 
 // inputs q, k, v; outputs o [B, G, rep, L, D], lse [B, G, rep, L]
-class FlashAttention : public CpuPrimitive {
+class FlashAttention : public WithCausal<CpuPrimitive> {
  public:
-  FlashAttention(mx::Stream s, bool causal) : CpuPrimitive(s), causal_(causal) {}
-  const char* name() const override { return causal_ ? "MlxrlCausalFlashAttention" : "MlxrlFlashAttention"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return CpuPrimitive::is_equivalent(other);  // the name carries causal
-  }
+  FlashAttention(mx::Stream s, bool causal)
+      : WithCausal(s, causal, "MlxrlFlashAttention", "MlxrlCausalFlashAttention") {}
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto lse = inputs[0].shape();
     lse.pop_back();
     return {inputs[0].shape(), lse};
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    encoder.dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
+    encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
                       kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = outputs[0].data<float>(),
                       lp = outputs[1].data<float>()]() {
       const size_t heads = size_t(d.B) * d.G;
@@ -1613,27 +1617,20 @@ class FlashAttention : public CpuPrimitive {
     for (int a : argnums) out.push_back(grads[a]);
     return out;
   }
-
- private:
-  bool causal_;
 };
 
 // inputs q, k, v, o, lse, dO; outputs dq, dk, dv. Per group (one worker each): k^T, k and v^T packed
 // once, dk / dv accumulated over the blocks in [S, Dp] buffers; per block
 //   P = exp(S - lse),  dP = dO v^T,  dS = P (dP - rowsum(dO o)),  dq = dS k,  dv += P^T dO,  dk += dS^T q.
-class FlashAttentionGrad : public CpuPrimitive {
+class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
  public:
-  FlashAttentionGrad(mx::Stream s, bool causal) : CpuPrimitive(s), causal_(causal) {}
-  const char* name() const override { return causal_ ? "MlxrlCausalFlashAttentionGrad" : "MlxrlFlashAttentionGrad"; }
+  FlashAttentionGrad(mx::Stream s, bool causal)
+      : WithCausal(s, causal, "MlxrlFlashAttentionGrad", "MlxrlCausalFlashAttentionGrad") {}
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[1].shape(), inputs[2].shape()};
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    encoder.dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
+    encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
                       kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = inputs[3].data<float>(),
                       lp = inputs[4].data<float>(), gp = inputs[5].data<float>(), dq = outputs[0].data<float>(),
                       dk = outputs[1].data<float>(), dv = outputs[2].data<float>()]() {
@@ -1725,9 +1722,6 @@ class FlashAttentionGrad : public CpuPrimitive {
       });
     });
   }
-
- private:
-  bool causal_;
 };
 
 std::vector<mx::array> flash_attention_grad_op(const std::vector<mx::array>& inputs, bool causal, mx::Stream s) {
