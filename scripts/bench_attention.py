@@ -1,10 +1,10 @@
 """The native CPU path's attention, side by side in one process: the FlashAttention kernel
 (`fastmath.scaled_dot_product_attention` with mask "causal" or none), the same computation with its
-scores kept (a boolean mask: [B, Hq, L, L] scores, mask, native softmax, values, what MLX's graph
-differentiates), and MLX's own `mx.fast.scaled_dot_product_attention` (its CPU fallback composes the same
-ops with MLX's softmax). Forward and forward + backward, alternating sides, median of `--repeats`; time,
-GFLOP/s (model FLOPs: q k^T and p v, the causal half when causal; the backward counts 2.5 forwards) and
-MLX's peak above the inputs, with the ratios.
+scores kept (a boolean mask, all true without a causal one: [B, Hq, L, L] scores, mask, native softmax,
+values, what MLX's graph differentiates), and MLX's own `mx.fast.scaled_dot_product_attention` (its CPU
+fallback composes the same ops with MLX's softmax). Forward and forward + backward, alternating sides,
+median of `--repeats`; time, GFLOP/s (model FLOPs: q k^T and p v, the causal half when causal; the
+backward counts 2.5 forwards) and MLX's peak above the inputs, with the ratios.
 
     python scripts/bench_attention.py                                       # Qwen3-0.6B's heads at 4096, causal
     python scripts/bench_attention.py --heads 16 16 --head_dim 64 --length 3136 --batch 2 --full
@@ -41,22 +41,11 @@ def main():
     mx.eval(q, k, v, w)
     scale = D**-0.5
     mask = None if a.full else "causal"
-    square = mx.arange(L)[:, None] >= mx.arange(L)[None]
+    # the scores path: a boolean mask (all true without one) makes fastmath materialise the scores
+    square = mx.ones((L, L), dtype=mx.bool_) if a.full else mx.arange(L)[:, None] >= mx.arange(L)[None]
     sides = {"flash": lambda q, k, v: fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
-             "scores": lambda q, k, v: fastmath.scaled_dot_product_attention(
-                 q, k, v, scale=scale, mask=None if a.full else square),
+             "scores": lambda q, k, v: fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=square),
              "mlx": lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)}
-    if a.full:  # without a mask the scores path is only taken below FLASH_MIN_QUERIES: force it
-        fastmath_min = fastmath.FLASH_MIN_QUERIES
-
-        def scores_full(q, k, v):
-            fastmath.FLASH_MIN_QUERIES = L + 1
-            try:
-                return fastmath.scaled_dot_product_attention(q, k, v, scale=scale)
-            finally:
-                fastmath.FLASH_MIN_QUERIES = fastmath_min
-
-        sides["scores"] = scores_full
     flops = 2 * 2 * B * Hq * D * L * (L if a.full else (L + 1) / 2)
     runs = {}
     for name in a.sides:

@@ -638,10 +638,7 @@ class FusedHead : public CpuPrimitive {
   // inputs: h [N, D], W [V, D], t [N] int32, w [N]; outputs: loss [], logp, ent [N], argmax [N] int32,
   // dh [N, D], dW [V, D] ([0] without the weight gradient)
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
+    auto& encoder = encode_outputs(stream(), inputs, outputs);
     const int n = inputs[0].shape(0), d = inputs[0].shape(1), v = inputs[1].shape(0);
     encoder.dispatch([h = inputs[0].data<float>(), W = inputs[1].data<float>(), t = inputs[2].data<int32_t>(),
                       w = inputs[3].data<float>(), loss = outputs[0].data<float>(), logp = outputs[1].data<float>(),
@@ -935,10 +932,7 @@ class LoraDownGrad : public CpuPrimitive {
     return {inputs[0].shape(), inputs[2].shape()};
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    for (auto& o : outputs) encoder.set_output_array(o);
+    auto& encoder = encode_outputs(stream(), inputs, outputs);
     const size_t d = inputs[2].shape(0), r = inputs[2].shape(1), rows = d == 0 ? 0 : inputs[0].size() / d;
     encoder.dispatch([xp = inputs[0].data<float>(), k = inputs[1].data<uint32_t>(), ap = inputs[2].data<float>(),
                       gp = inputs[3].data<float>(), dx = outputs[0].data<float>(), da = outputs[1].data<float>(),
@@ -1335,10 +1329,7 @@ class SiluMulGrad : public CpuPrimitive {
   }
   // inputs: g, u, c; outputs: dg, du
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
+    auto& encoder = encode_outputs(stream(), inputs, outputs);
     encoder.dispatch([gp = inputs[0].data<float>(), up = inputs[1].data<float>(), cp = inputs[2].data<float>(),
                       dg = outputs[0].data<float>(), du = outputs[1].data<float>(), n = inputs[0].size()]() {
       parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
@@ -1388,17 +1379,11 @@ inline void tile_kernel(int K, const float* a, size_t ai, size_t ak, const float
                         bool acc) {
   vf16 r[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) {
-      if (acc) {
-        r[i][v] = *reinterpret_cast<const vf16*>(c + i * ldc + 16 * v);
-      } else {
-        r[i][v] = vf16{} ;
-      }
-    }
+    for (int v = 0; v < NV; ++v) r[i][v] = acc ? load16(c + i * ldc + 16 * v) : vf16{};
   for (int k = 0; k < K; ++k) {
     const float* bk = b + size_t(k) * ldb;
     vf16 bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = *reinterpret_cast<const vf16*>(bk + 16 * v);
+    for (int v = 0; v < NV; ++v) bv[v] = load16(bk + 16 * v);
     const float* ak_ = a + size_t(k) * ak;
     for (int i = 0; i < MR; ++i) {
       const float x = ak_[i * ai];
@@ -1406,7 +1391,7 @@ inline void tile_kernel(int K, const float* a, size_t ai, size_t ak, const float
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) *reinterpret_cast<vf16*>(c + i * ldc + 16 * v) = r[i][v];
+    for (int v = 0; v < NV; ++v) store16(c + i * ldc + 16 * v, r[i][v]);
 }
 
 template <int NV>
@@ -1566,11 +1551,12 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
       Scratch scratch;
       float* kt = scratch.take(heads * kt_size);  // k^T per group: panels of D rows x 32 keys
       float* vpk = scratch.take(heads * v_size);  // v per group: panels of S rows x 32 columns
-      std::vector<float*> qtile(workers), stile(workers), otile(workers);
+      std::vector<float*> qtile(workers), stile(workers), otile(workers), itile(workers);
       for (size_t w = 0; w < workers; ++w) {
         qtile[w] = scratch.take(size_t(d.rows) * d.Dp);
         otile[w] = scratch.take(size_t(d.rows) * d.Dp);
         stile[w] = scratch.take(size_t(d.rows) * d.lds);
+        itile[w] = scratch.take(size_t(d.rows));  // 1 / each row's sum
       }
       parallel_items(heads, workers, [&](size_t, size_t g) {
         const float* k0 = kp + g * d.S * d.D;
@@ -1585,26 +1571,19 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
         const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
         const int seen = d.seen(r0 + n), ncols = int(round_up(seen, 16));
         const size_t group = g * d.rep * d.L;  // the group's first row of q / o / lse
-        float *qt = qtile[w], *st = stile[w], *ot = otile[w];
+        float *qt = qtile[w], *st = stile[w], *ot = otile[w], *inv = itile[w];
         gather_rows(d, qp + group * d.D, r0, n, qt);
         panel_gemm(rows, ncols, d.D, qt, d.Dp, 1, kt + g * kt_size, kPanel, size_t(d.D) * kPanel, st, d.lds, false);
-        float inv[256];
-        float* inv_p = rows <= 256 ? inv : nullptr;
-        std::vector<float> inv_v;
-        if (inv_p == nullptr) {
-          inv_v.resize(rows);
-          inv_p = inv_v.data();
-        }
         for (int i = 0; i < rows; ++i) {
           const int h = i / n, t = i % n, lim = d.limit(r0 + t);
           float* x = st + size_t(i) * d.lds;
           const float m = row_max(x, lim), sum = exp_shift_sum(x, x, lim, m);
           std::fill(x + lim, x + seen, 0.0f);
-          inv_p[i] = 1.0f / sum;
+          inv[i] = 1.0f / sum;
           lp[group + size_t(h) * d.L + r0 + t] = m + std::log(sum);
         }
         panel_gemm(rows, d.Dp, seen, st, d.lds, 1, vpk + g * v_size, kPanel, size_t(d.S) * kPanel, ot, d.Dp, false);
-        scatter_rows(d, ot, r0, n, op + group * d.D, inv_p);
+        scatter_rows(d, ot, r0, n, op + group * d.D, inv);
       });
     });
   }
@@ -1620,7 +1599,7 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
 };
 
 // inputs q, k, v, o, lse, dO; outputs dq, dk, dv. Per group (one worker each): k^T, k and v^T packed
-// once, dk / dv accumulated over the blocks in [S, Dp] buffers; per block
+// once, dk^T / dv^T accumulated over the blocks in [Dp, keys] buffers and transposed at the end; per block
 //   P = exp(S - lse),  dP = dO v^T,  dS = P (dP - rowsum(dO o)),  dq = dS k,  dv += P^T dO,  dk += dS^T q.
 class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
  public:
