@@ -8,9 +8,10 @@
 How it runs:
 
 * **prefill once per prompt.** The P prompts (and their images: the vision tower runs once per
-  prompt) go through the model once, filling mlx-lm `KVCache`s of batch P. Each cache entry is then
-  repeated G times along the batch (rows are prompt-major: prompt 0's G samples, then prompt 1's),
-  so decoding runs P*G rows while the prompt was forwarded P times, not P*G times.
+  prompt) go through the model once, filling mlx-lm `KVCache`s of batch P. Decoding runs P*G rows
+  (prompt-major: prompt 0's G samples, then prompt 1's) over a `SharedPrefixCache` per layer, which
+  keeps the prompt's keys / values once and the samples' own tokens in a `KVCache` of batch P*G: the
+  prompt is forwarded P times, not P*G, and its cache is held and read once, not G times.
 * **positions.** Prompts may be left- or right-padded (right padding is moved to the left first).
   Text models get positions `cumsum(mask) - 1`; Qwen-VL models get M-RoPE positions from
   `mrope_positions`, and the next token of each row sits at its max position + 1 (the real length
@@ -230,6 +231,57 @@ class Generation:
         return self.completion_mask.sum(axis=1)
 
 
+class SharedPrefixCache:
+    """One layer's KV cache for G samples per prompt that holds the prompt's keys / values once.
+
+    prefix keys / values [P, Hkv, Lp, D] (the prefill's), the samples' own in an mlx-lm `KVCache` of
+    batch P*G (prompt-major). `offset` is the length a sample's row has seen (Lp + its own tokens), as
+    a `KVCache` over the repeated prompt would report. `attention` is that row's attention over
+    prompt + own tokens, computed without repeating the prompt: the queries of a prompt's G samples
+    (and of the query heads sharing a kv head) are stacked into one [G * rep * L, D] block against
+    the prompt's keys, the scores of both parts go through one softmax, and the probabilities
+    multiply each part's values. Per decoding step the prompt's keys and values are read once per
+    prompt instead of G times, and the cache holds P * Lp + P * G * T positions instead of
+    P * G * (Lp + T)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, group: int):
+        from mlx_lm.models.cache import KVCache
+
+        self.prefix_keys, self.prefix_values, self.group = keys, values, group
+        self.samples = KVCache()
+
+    @property
+    def offset(self) -> int:
+        return self.prefix_keys.shape[2] + self.samples.offset
+
+    def attention(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
+        """q [P*G, Hq, L, D], the new k / v [P*G, Hkv, L, D]; mask None or boolean / additive,
+        broadcastable to [P*G, 1, L, Lp + T] (prompt keys, then the samples' own)."""
+        ks, vs = self.samples.update_and_fetch(k, v)
+        kp, vp = self.prefix_keys, self.prefix_values
+        n, Hq, L, D = q.shape
+        P, Hkv, Lp = kp.shape[:3]
+        G, rep, T = self.group, Hq // Hkv, ks.shape[2]
+        q = (q * scale).reshape(P, G, Hkv, rep, L, D)
+        stacked = q.transpose(0, 2, 1, 3, 4, 5).reshape(P, Hkv, G * rep * L, D)
+        s_prompt = (stacked @ kp.swapaxes(-1, -2)).reshape(P, Hkv, G, rep, L, Lp)
+        s_prompt = s_prompt.transpose(0, 2, 1, 3, 4, 5).reshape(n, Hkv, rep, L, Lp)
+        s_own = q.reshape(n, Hkv, rep, L, D) @ ks[:, :, None].swapaxes(-1, -2)  # [n, Hkv, rep, L, T]
+        scores = mx.concatenate([s_prompt, s_own], axis=-1)
+        if mask is not None:
+            if isinstance(mask, str):
+                mask = mx.arange(Lp + T - L, Lp + T)[:, None] >= mx.arange(Lp + T)[None]
+            m = mask[:, :, None] if mask.ndim == 4 else mask  # [n | 1, 1, 1, L, S]
+            scores = (mx.where(m, scores, mx.finfo(scores.dtype).min) if m.dtype == mx.bool_
+                      else scores + m.astype(scores.dtype))
+        probs = fastmath.softmax(scores).astype(vp.dtype)
+        p_prompt = probs[..., :Lp].reshape(P, G, Hkv, rep, L, Lp).transpose(0, 2, 1, 3, 4, 5)
+        out = (p_prompt.reshape(P, Hkv, G * rep * L, Lp) @ vp).reshape(P, Hkv, G, rep, L, D)
+        out = out.transpose(0, 2, 1, 3, 4, 5).reshape(n, Hkv, rep, L, D)
+        out = out + probs[..., Lp:] @ vs[:, :, None]
+        return out.reshape(n, Hq, L, D)
+
+
 def _model_kwargs(model, pixel_values, image_grid_thw, vision_meta) -> dict:
     if not is_vl(model):
         if pixel_values is not None:
@@ -297,9 +349,7 @@ def generate(
                    return_hidden=True, **_model_kwargs(model, pixel_values, image_grid_thw, vision_meta))
     logits = _next_logits(model, hidden)
     if rep > 1:  # share the prompt's keys/values with its G samples
-        for c in cache:
-            c.keys = mx.repeat(c.keys[..., :c.offset, :], rep, axis=0)
-            c.values = mx.repeat(c.values[..., :c.offset, :], rep, axis=0)
+        cache = [SharedPrefixCache(c.keys[..., :c.offset, :], c.values[..., :c.offset, :], rep) for c in cache]
         logits = mx.repeat(logits, rep, axis=0)
         attention_mask = mx.repeat(attention_mask, rep, axis=0)
         next_pos = mx.repeat(next_pos, rep, axis=0)

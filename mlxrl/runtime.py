@@ -2,12 +2,14 @@
 
 Importing mlxrl changes nothing but the BLAS MLX loads on Linux (`mlxrl.cpu.blas`, which must run
 before ``mlx.core``). `setup()` is called by every trainer (at construction) and every CLI
-(`setup(cli=True)`, first thing): it sets MLX's CPU buffer cache (`default_cache_limit`), and for a
-CLI re-executes `python -m mlxrl.<cli>` once with malloc's huge pages (`cpu.blas.reexec_with_huge_pages`).
+(`setup(cli=True)`, first thing): it sets MLX's CPU buffer cache (`default_cache_limit`), has glibc's
+malloc keep freed memory for reuse (`keep_freed_memory`), and for a CLI re-executes
+`python -m mlxrl.<cli>` once with malloc's huge pages (`cpu.blas.reexec_with_huge_pages`).
 
 Environment:
   MLXRL_DTYPE=float32|bfloat16|float16                      (default: float32 on CPU, bf16 on GPU)
   MLXRL_CACHE_LIMIT=256MB                                   (MLX's CPU buffer cache; see default_cache_limit)
+  MLXRL_KEEP_FREED=0                                        (malloc unmaps large blocks; see keep_freed_memory)
   (the BLAS and huge-page variables: see mlxrl.cpu.blas)
 """
 
@@ -109,6 +111,33 @@ def default_cache_limit() -> None:
     mx.set_cache_limit(parse_size(value, device_memory_bytes()) if value else CPU_CACHE_LIMIT)
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 1 << 30  # blocks below this come from malloc's heap and are reused after free
+
+
+def keep_freed_memory() -> bool:
+    """On CPU with glibc, have malloc serve blocks up to MMAP_THRESHOLD from its heap and keep freed
+    memory there for reuse (env MLXRL_KEEP_FREED=0: off). True when set.
+
+    glibc maps every block over its mmap threshold (at most 32 MB by default) with a fresh `mmap` and
+    unmaps it on free, so each layer's [tokens, width] activations, recomputed and freed every step,
+    are faulted in page by page and zeroed by the kernel again and again. MLX's CPU allocator keeps
+    freed buffers only up to its cache limit and only for an exact size (`default_cache_limit`); the
+    heap reuses any freed range for any size. Resident memory stays at the heap's high-water mark
+    instead of falling back between steps: the peak is what it was (measured in README, "Runtime")."""
+    if default_device_kind() == "gpu" or not sys.platform.startswith("linux") \
+            or os.environ.get("MLXRL_KEEP_FREED", "1") == "0":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+                    and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+
+
 def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> dict:
     """MLX's counterparts of PYTORCH_MPS_HIGH_WATERMARK_RATIO and friends.
 
@@ -147,11 +176,13 @@ def setup(cli: bool = False) -> None:
     """What mlxrl changes in the process, done when asked instead of at import: a CLI
     (`cli=True`, called first thing in its main) re-executes itself with malloc's huge pages (only
     for `python -m mlxrl...`; the new process sees the tunable and goes on); the first call sets
-    MLX's CPU buffer cache (`default_cache_limit`; a trainer's --cache_limit is applied after it)."""
+    MLX's CPU buffer cache (`default_cache_limit`; a trainer's --cache_limit is applied after it)
+    and malloc's reuse of freed memory (`keep_freed_memory`)."""
     global _SET_UP
     if cli:
         blas.reexec_with_huge_pages()
     if not _SET_UP:
         default_cache_limit()
+        keep_freed_memory()
         _SET_UP = True
 

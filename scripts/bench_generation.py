@@ -1,6 +1,8 @@
-"""Prompt sharing, measured: generation with one prefill per prompt (KV cache shared by its G samples)
-vs a prefill per sample, and the prompt-shared training forward+backward (P + G*C tokens) vs the
-repeated one (G*(P+C) tokens), on the tiny default model and a larger random Qwen3-VL config.
+"""Prompt sharing, measured: generation with one prefill per prompt whose keys / values its G samples
+read from one copy (`SharedPrefixCache`), vs a prefill per sample and vs one prefill whose cache is then
+repeated G times along the batch (what `generate` did before the shared cache); and the prompt-shared
+training forward+backward (P + G*C tokens) vs the repeated one (G*(P+C) tokens), on the tiny default
+model and a larger random Qwen3-VL config.
 
     python scripts/bench_generation.py [--prompts 2] [--G 8] [--prompt-len 256] [--completion-len 64]
                                        [--sizes default larger] [--repeats 2]
@@ -70,10 +72,20 @@ rows = [prompt(i, Lp - 16 * i) for i in range(P)]
 batch = processor(text=[r[0] for r in rows], images=[[r[1]] for r in rows], padding_side="left")
 imgs = dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
 
+if method == "gen_repeated_cache":  # the prompt prefilled once, its cache then repeated G times along the batch
+    from mlx_lm.models.cache import KVCache
+    import mlxrl.generation as generation
+
+    def repeated_cache(keys, values, group):
+        c = KVCache()
+        c.update_and_fetch(mx.repeat(keys, group, axis=0), mx.repeat(values, group, axis=0))
+        return c
+    generation.SharedPrefixCache = repeated_cache
+
 def run():
-    if method in ("gen_shared", "gen_per_sample"):
+    if method in ("gen_shared", "gen_per_sample", "gen_repeated_cache"):
         out = generate(model, **batch, num_generations=G, max_tokens=C, temperature=1.0, stop_token_ids=[],
-                       seed=0, shared_prefill=method == "gen_shared")
+                       seed=0, shared_prefill=method != "gen_per_sample")
         mx.eval(out.completion_ids)
         return out.completion_ids.size
     fn = shared_prompt_logprobs if method == "train_shared" else repeated_logprobs
@@ -118,15 +130,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print(f"P={args.prompts} prompts (VL, one image each) x G={args.G}, prompt ~{args.prompt_len} tokens, "
           f"completion {args.completion_len} tokens, float32")
-    print(f"{'model':<22} {'what':<26} {'time s':>8} {'tok/s':>9} {'peak MB':>9} {'time x':>7} {'peak x':>7}")
+    print(f"{'model':<22} {'what':<37} {'time s':>8} {'tok/s':>9} {'peak MB':>9} {'time x':>7} {'peak x':>7}")
     for size in args.sizes:
-        pairs = [("generation", "gen_per_sample", "gen_shared"), ("train fwd+bwd", "train_repeated", "train_shared")]
-        for what, base_m, ours_m in pairs:
-            base, ours = measure(size, base_m, args), measure(size, ours_m, args)
+        groups = [("generation", [("per sample", "gen_per_sample"), ("prompt cache repeated", "gen_repeated_cache"),
+                                  ("shared prompt", "gen_shared")]),
+                  ("train fwd+bwd", [("per sample", "train_repeated"), ("shared prompt", "train_shared")])]
+        for what, methods in groups:
+            runs = [(f"{what}: {name}", measure(size, m, args)) for name, m in methods]
+            base = runs[0][1]
             label = f"{size} ({base['params'] / 1e6:.0f}M)"
-            for name, r in ((f"{what}: per sample", base), (f"{what}: shared prompt", ours)):
+            for name, r in runs:
                 tx, px = r["time"] / base["time"], r["peak"] / max(base["peak"], 1)
-                print(f"{label:<22} {name:<26} {r['time']:8.2f} {r['tokens'] / r['time']:9.1f} "
+                print(f"{label:<22} {name:<37} {r['time']:8.2f} {r['tokens'] / r['time']:9.1f} "
                       f"{r['peak'] / 2**20:9.1f} {tx:7.2f} {px:7.2f}", flush=True)
 
 

@@ -90,6 +90,45 @@ def test_import_sets_no_limit_and_setup_sets_the_cpu_cache():
         assert int(got[0]) == 128 << 20
 
 
+KEEP_FREED_CHILD = """
+import ctypes
+import mlxrl, mlx.core as mx
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+
+def mapped_and_heap():  # while a 64 MB MLX array is alive: malloc's mmapped bytes, its heap's bytes
+    a = mx.zeros((64 << 20) // 4) + 1
+    mx.eval(a)
+    info = libc.mallinfo2()
+    return info.hblkhd, info.arena
+
+before = mapped_and_heap()
+mlxrl.runtime.setup()
+print(*before, *mapped_and_heap())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or runtime.default_device_kind() != "cpu",
+                    reason="glibc's malloc on the CPU path")
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_setup_keeps_freed_memory_in_mallocs_heap(keep):
+    """Before `runtime.setup()` glibc maps a 64 MB block with mmap (unmapped again on free); after it the
+    block comes from malloc's heap, where freed memory is reused. MLXRL_KEEP_FREED=0 leaves malloc alone."""
+    env = {**os.environ, "MLXRL_KEEP_FREED": keep}
+    out = subprocess.run([sys.executable, "-c", KEEP_FREED_CHILD], env=env, capture_output=True, text=True)
+    mapped0, heap0, mapped1, heap1 = map(int, out.stdout.split())
+    assert mapped0 >= 64 << 20 and heap0 < 64 << 20
+    if keep == "1":
+        assert mapped1 < 64 << 20 <= heap1
+    else:
+        assert mapped1 >= 64 << 20 and heap1 < 64 << 20
+
+
 def test_huge_pages_env_sets_the_tunable_once():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sys.platform.startswith("linux") or not thp.exists() or "[never]" in thp.read_text():

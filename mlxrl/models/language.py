@@ -156,9 +156,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)
         k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if hasattr(cache, "attention"):  # decoding over a prompt stored once for its samples (generation.py)
+            out = cache.attention(q, k, v, scale=self.scale, mask=mask)
+        else:
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
+            out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
