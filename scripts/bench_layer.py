@@ -25,7 +25,7 @@ import argparse  # noqa: I001  (mlxrl must come before mlx.core)
 import statistics
 import time
 
-import mlxrl  # noqa: F401  (first: the fast BLAS before mlx.core)
+import mlxrl  # (first: the fast BLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -74,6 +74,7 @@ def main():
     a = ap.parse_args()
     if native.load() is None:
         raise SystemExit("the native kernels are not available here (MLXRL_NATIVE=0, not Linux, or no compiler)")
+    mlxrl.runtime.setup()  # as the trainers: MLX's CPU buffer cache, malloc keeping freed memory
     L = a.length
     cfg = TextConfig.from_dict({**SHAPES[a.shape], "num_hidden_layers": 1, "vocab_size": 151936, "qk_norm": True})
     mx.random.seed(0)
