@@ -177,39 +177,29 @@ void sigmoid_range(const float* in, float* out, size_t n) {
 }
 
 // Softmax of `rows` rows of `cols`: max, exp(x - max) summed, scaled by 1 / sum (as mx.softmax:
-// a row of all -inf gives NaN). Causal (causal_len > 0, the rows being [..., causal_len, cols]
-// blocks): row r sees the columns j <= r % causal_len + cols - causal_len and the others are 0, as
-// a masked softmax gives (the masked columns are never read, and their exp is not computed).
-void softmax_rows(const float* in, float* out, size_t first_row, size_t rows, size_t cols, size_t causal_len) {
+// a row of all -inf gives NaN).
+void softmax_rows(const float* in, float* out, size_t rows, size_t cols) {
   for (size_t r = 0; r < rows; ++r) {
     const float* x = in + r * cols;
     float* y = out + r * cols;
-    size_t n = cols;
-    if (causal_len > 0) n = std::min(cols, (first_row + r) % causal_len + cols - causal_len + 1);
-    const float m = row_max(x, n);
-    const float s = exp_shift_sum(x, y, n, m);
-    float inv = 1.0f / s;
+    const float m = row_max(x, cols);
+    const float inv = 1.0f / exp_shift_sum(x, y, cols, m);
 #pragma omp simd
-    for (size_t i = 0; i < n; ++i) y[i] *= inv;
-    std::fill(y + n, y + cols, 0.0f);
+    for (size_t i = 0; i < cols; ++i) y[i] *= inv;
   }
 }
 
-// The softmax's VJP per row: dx = y (g - sum(g y)); causal rows as above (dx is 0 where y is).
-void softmax_grad_rows(const float* y, const float* g, float* out, size_t first_row, size_t rows, size_t cols,
-                       size_t causal_len) {
+// The softmax's VJP per row: dx = y (g - sum(g y)).
+void softmax_grad_rows(const float* y, const float* g, float* out, size_t rows, size_t cols) {
   for (size_t r = 0; r < rows; ++r) {
     const float* yr = y + r * cols;
     const float* gr = g + r * cols;
     float* o = out + r * cols;
-    size_t n = cols;
-    if (causal_len > 0) n = std::min(cols, (first_row + r) % causal_len + cols - causal_len + 1);
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (size_t i = 0; i < n; ++i) dot += gr[i] * yr[i];
+    for (size_t i = 0; i < cols; ++i) dot += gr[i] * yr[i];
 #pragma omp simd
-    for (size_t i = 0; i < n; ++i) o[i] = yr[i] * (gr[i] - dot);
-    std::fill(o + n, o + cols, 0.0f);
+    for (size_t i = 0; i < cols; ++i) o[i] = yr[i] * (gr[i] - dot);
   }
 }
 
@@ -358,8 +348,8 @@ mx::array dense(const mx::array& a, mx::Stream s) {
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s = {});
-mx::array fast_softmax_op(const mx::array& x, bool causal = false, mx::StreamOrDevice s = {});
-mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, mx::StreamOrDevice s = {});
+mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s = {});
+mx::array softmax_grad_op(const mx::array& y, const mx::array& g, mx::StreamOrDevice s = {});
 mx::array dropout_op(const mx::array& x, const mx::array& key, float keep, mx::StreamOrDevice s = {});
 
 class FastExp : public Unary {
@@ -399,13 +389,13 @@ class FastSigmoid : public Unary {
   }
 };
 
-// Rows, columns and (causal) query-block length of softmax scores x [..., L, cols].
+// Rows and columns of x [..., cols].
 struct RowShape {
-  size_t rows, cols, causal_len;
+  size_t rows, cols;
 };
-RowShape row_shape(const mx::array& x, bool causal) {
+RowShape row_shape(const mx::array& x) {
   size_t cols = x.shape().back();
-  return {cols == 0 ? 0 : x.size() / cols, cols, causal ? static_cast<size_t>(x.shape(-2)) : 0};
+  return {cols == 0 ? 0 : x.size() / cols, cols};
 }
 
 // fn(first_row, n_rows) over [0, rows) in parallel parts of at least kGrain elements.
@@ -415,37 +405,37 @@ void over_rows(size_t rows, size_t cols, F fn) {
                [=](size_t, size_t b, size_t e) { fn(b, e - b); });
 }
 
-class FastSoftmax : public WithCausal<Unary> {
+class FastSoftmax : public Unary {
  public:
-  FastSoftmax(mx::Stream s, bool causal) : WithCausal(s, causal, "MlxrlSoftmax", "MlxrlCausalSoftmax") {}
+  explicit FastSoftmax(mx::Stream s) : Unary(s) {}
+  const char* name() const override { return "MlxrlSoftmax"; }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& in = inputs[0];
     auto& out = outputs[0];
     allocate_like(in, out);
-    auto [rows, cols, causal_len] = row_shape(in, causal_);
+    auto [rows, cols] = row_shape(in);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(in);
     encoder.set_output_array(out);
-    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
-      over_rows(rows, cols, [=](size_t b, size_t n) {
-        softmax_rows(src + b * cols, dst + b * cols, b, n, cols, causal_len);
-      });
+    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols]() {
+      over_rows(rows, cols, [=](size_t b, size_t n) { softmax_rows(src + b * cols, dst + b * cols, n, cols); });
     });
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>& cotangents,
                              const std::vector<int>&, const std::vector<mx::array>& outputs) override {
-    return {softmax_grad_op(outputs[0], cotangents[0], causal_, stream())};
+    return {softmax_grad_op(outputs[0], cotangents[0], stream())};
   }
   std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
                              const std::vector<int>&) override {
-    return {softmax_grad_op(fast_softmax_op(primals[0], causal_, stream()), tangents[0], causal_, stream())};
+    return {softmax_grad_op(fast_softmax_op(primals[0], stream()), tangents[0], stream())};
   }
 };
 
 // y (g - sum(g y, -1)): the softmax's VJP (and JVP) in one pass per row; y, g [..., L, S].
-class SoftmaxGrad : public WithCausal<CpuPrimitive> {
+class SoftmaxGrad : public CpuPrimitive {
  public:
-  SoftmaxGrad(mx::Stream s, bool causal) : WithCausal(s, causal, "MlxrlSoftmaxGrad", "MlxrlCausalSoftmaxGrad") {}
+  explicit SoftmaxGrad(mx::Stream s) : CpuPrimitive(s) {}
+  const char* name() const override { return "MlxrlSoftmaxGrad"; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
@@ -454,14 +444,14 @@ class SoftmaxGrad : public WithCausal<CpuPrimitive> {
     const auto& g = inputs[1];
     auto& out = outputs[0];
     allocate_like_either(g, y, out);
-    auto [rows, cols, causal_len] = row_shape(y, causal_);
+    auto [rows, cols] = row_shape(y);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(y);
     encoder.set_input_array(g);
     encoder.set_output_array(out);
-    encoder.dispatch([yp = y.data<float>(), gp = g.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
+    encoder.dispatch([yp = y.data<float>(), gp = g.data<float>(), dst = out.data<float>(), rows, cols]() {
       over_rows(rows, cols, [=](size_t b, size_t n) {
-        softmax_grad_rows(yp + b * cols, gp + b * cols, dst + b * cols, b, n, cols, causal_len);
+        softmax_grad_rows(yp + b * cols, gp + b * cols, dst + b * cols, n, cols);
       });
     });
   }
@@ -475,7 +465,7 @@ class SoftmaxGrad : public WithCausal<CpuPrimitive> {
     auto s = stream();
     for (int a : argnums) {
       if (a == 1) {
-        out.push_back(softmax_grad_op(y, c, causal_, s));
+        out.push_back(softmax_grad_op(y, c, s));
       } else {  // d/dy of y (g - sum(g y)) . c = c (g - sum(g y)) - g sum(c y)
         auto gy = mx::sum(mx::multiply(g, y, s), -1, true, s);
         auto cy = mx::sum(mx::multiply(c, y, s), -1, true, s);
@@ -1022,19 +1012,17 @@ mx::array make_unary(const mx::array& x, mx::StreamOrDevice s) {
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s) { return make_unary<FastExp>(x, s); }
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s) { return make_unary<FastSigmoid>(x, s); }
-mx::array fast_softmax_op(const mx::array& x, bool causal, mx::StreamOrDevice s) {
+mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s) {
   if (x.ndim() == 0) throw std::invalid_argument("softmax needs at least one axis.");
-  if (causal && (x.ndim() < 2 || x.shape(-2) > x.shape(-1)))
-    throw std::invalid_argument("causal softmax needs [..., L, S] scores with L <= S.");
   auto stream = cpu_stream({&x}, s);
   auto in = dense(x, stream);
-  return mx::array(in.shape(), mx::float32, std::make_shared<FastSoftmax>(stream, causal), {in});
+  return mx::array(in.shape(), mx::float32, std::make_shared<FastSoftmax>(stream), {in});
 }
 
-mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, mx::StreamOrDevice s) {
+mx::array softmax_grad_op(const mx::array& y, const mx::array& g, mx::StreamOrDevice s) {
   auto stream = cpu_stream({&y, &g}, s);
   auto gb = mx::broadcast_to(mx::astype(g, mx::float32, stream), y.shape(), stream);
-  return mx::array(y.shape(), mx::float32, std::make_shared<SoftmaxGrad>(stream, causal),
+  return mx::array(y.shape(), mx::float32, std::make_shared<SoftmaxGrad>(stream),
                    {dense(y, stream), dense(gb, stream)});
 }
 
@@ -1734,12 +1722,9 @@ NB_MODULE(_cpu_math, m) {
             "RMSNorm, rotary embedding, SwiGLU.";
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
-  m.def("softmax", [](const mx::array& x, bool causal) { return fast_softmax_op(x, causal); }, nb::arg("x"),
-        nb::arg("causal") = false,
-        "Softmax over the last axis; causal: x is [..., L, S] scores and query i sees keys j <= i + S - L.");
-  m.def("softmax_grad", [](const mx::array& y, const mx::array& g, bool causal) { return softmax_grad_op(y, g, causal); },
-        nb::arg("y"), nb::arg("g"), nb::arg("causal") = false,
-        "The softmax's VJP from its output y and cotangent g: y (g - sum(g y, -1)) (causal as softmax).");
+  m.def("softmax", [](const mx::array& x) { return fast_softmax_op(x); }, nb::arg("x"), "Softmax over the last axis.");
+  m.def("softmax_grad", [](const mx::array& y, const mx::array& g) { return softmax_grad_op(y, g); }, nb::arg("y"),
+        nb::arg("g"), "The softmax's VJP from its output y and cotangent g: y (g - sum(g y, -1)).");
   m.def("adamw_step", &adamw_step_op, nb::arg("g"), nb::arg("w"), nb::arg("m"), nb::arg("v"), nb::arg("hyper"),
         nb::arg("weight_decay"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
         "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
