@@ -161,6 +161,63 @@ def test_attention_equals_mlx_sdpa(path, mask_kind, heads, shape):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
+def test_flash_attention_lse_and_key_windows_equal_masked_reference(causal, heads):
+    """The native kernel's output and log-sum-exp with per-row key windows (`fastmath.flash_attention`,
+    what the prompt-shared forward uses) against the same computed with MLX's ops: scores, the window
+    and causal mask, softmax. Values and the gradients of q, k, v from cotangents on both outputs (the
+    lse's enters the kernel's backward); windows cut mid-block, one covers everything, one leaves the
+    first queries of a causal row without keys (output 0, lse -inf, no gradient)."""
+    if native.load() is None:
+        pytest.skip("native kernels not built")
+    rng = np.random.default_rng(11)
+    (hq, hkv), B, L, D = heads, 3, 37, 40
+    S = 37 if causal else 53
+    q, k, v = (mx.array(rng.normal(0, 1, sh).astype(np.float32))
+               for sh in [(B, hq, L, D), (B, hkv, S, D), (B, hkv, S, D)])
+    bounds = mx.array([[5, S - 3], [0, S], [19, 30]], dtype=mx.int32)
+    wo = mx.array(rng.normal(0, 1, (B, hq, L, D)).astype(np.float32))
+    wl = mx.array(rng.normal(0, 1, (B, hq, L)).astype(np.float32))
+    j = mx.arange(S)[None, None, None]
+    see = (j >= bounds[:, 0, None, None, None]) & (j < bounds[:, 1, None, None, None])
+    if causal:
+        see = see & (j <= mx.arange(L)[None, None, :, None] + S - L)
+    empty = ~see.any(axis=-1)  # [B, 1, L]
+    scale = D**-0.5
+
+    def reference(q, k, v):
+        s = (q * scale) @ mx.repeat(k, hq // hkv, axis=1).swapaxes(-1, -2)
+        m = mx.stop_gradient(mx.where(see, s, -mx.inf).max(axis=-1, keepdims=True))
+        m = mx.where(mx.isfinite(m), m, 0.0)
+        e = mx.where(see, mx.exp(s - m), 0.0)
+        total = e.sum(axis=-1, keepdims=True)
+        safe = mx.where(total > 0, total, 1.0)
+        out = (e / safe) @ mx.repeat(v, hq // hkv, axis=1)
+        lse = mx.where(total > 0, m + mx.log(safe), -mx.inf)[..., 0]
+        return out, lse
+
+    def ours(q, k, v):
+        return fastmath.flash_attention(q, k, v, scale=scale, causal=causal, bounds=bounds)
+
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            return (out * wo).sum() + (mx.where(empty, 0.0, lse) * wl).sum()
+        return mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    (o1, l1), (o2, l2) = ours(q, k, v), reference(q, k, v)
+    np.testing.assert_allclose(np.array(o1), np.array(o2), rtol=1e-4, atol=1e-5)
+    finite = ~np.array(mx.broadcast_to(empty, l2.shape))
+    np.testing.assert_allclose(np.array(l1)[finite], np.array(l2)[finite], rtol=1e-5, atol=1e-5)
+    assert bool(empty.any()) == causal and np.isneginf(np.array(l1)[~finite]).all()
+    assert not np.array(o1)[~finite].any()
+    (v1, g1), (v2, g2) = loss(ours), loss(reference)
+    np.testing.assert_allclose(v1.item(), v2.item(), rtol=1e-5, atol=1e-4)
+    for a, b in zip(g1, g2, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
 def test_flash_attention_keeps_no_score_array():
     """The native causal attention's forward + backward peak above its inputs stays below half of one
     [Hq, L, L] float32 score square, where the same computation through materialised scores (a boolean
