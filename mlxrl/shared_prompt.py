@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .cpu import fastmath
 from .generation import continue_positions, is_vl, prompt_positions, repeat_prompts
 from .losses.head import head_logprobs
 from .models import dropout
@@ -40,26 +41,62 @@ from .tokens import IGNORE_INDEX
 
 
 class _Capture:
-    """Stands in for a KV cache in the prompt's pass through a layer: keeps the layer's K/V."""
+    """Stands in for a KV cache in the prompt's pass through a layer: keeps the layer's K/V. Its
+    attention is causal over each prompt's real keys: the native FlashAttention kernel with the
+    prompts' key windows (`bounds`) where it runs, else the attention with the padding mask."""
 
     keys = values = None
 
-    def update_and_fetch(self, keys, values):
-        self.keys, self.values = keys, values
-        return keys, values
+    def __init__(self, bounds: mx.array):
+        self.bounds = bounds
+
+    def attention(self, q, k, v, *, scale, mask=None):
+        self.keys, self.values = k, v
+        fast = fastmath.flash_attention(q, k, v, scale=scale, causal=True, bounds=self.bounds)
+        if fast is not None:
+            return fast[0]
+        return fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 class _SharedPrefix:
-    """Stands in for a KV cache in the completions' pass: prepends the prompt's K/V, repeated G
-    times along the batch (prompt-major), to the completion rows' own K/V."""
+    """Stands in for a KV cache in the completions' pass: each completion row attends to its prompt's
+    K/V (the prompt's real keys) and, causally, to its own.
 
-    def __init__(self, keys, values, group: int):
-        self.keys, self.values, self.group = keys, values, group
+    Where the native FlashAttention kernel runs, as two attentions merged by their log-sum-exps: the
+    queries of a prompt's G completions (and of the heads sharing a kv head) stacked into one block
+    against the prompt's keys [P, Hkv, Lp, D], windowed to its real keys (`bounds`), and each row
+    against its own keys, causally; out = (o_p e^(lse_p) + o_c e^(lse_c)) / (e^(lse_p) + e^(lse_c)).
+    Neither the prompt's K/V repeated G times nor the [P*G, Hq, C, Lp + C] scores exist, forward or
+    backward. Elsewhere: the prompt's K/V repeated G times along the batch (prompt-major) and
+    prepended to the row's own, under the mask."""
 
-    def update_and_fetch(self, keys, values):
+    def __init__(self, keys, values, group: int, bounds: mx.array):
+        self.keys, self.values, self.group, self.bounds = keys, values, group, bounds
+
+    def _flash(self, q, k, v, scale):
+        n, Hq, C, D = q.shape
+        P, Hkv, Lp, _ = self.keys.shape
+        G, rep = self.group, Hq // Hkv
+        stacked = q.reshape(P, G, Hkv, rep, C, D).transpose(0, 2, 1, 3, 4, 5).reshape(P, Hq * G, C, D)
+        prompt = fastmath.flash_attention(stacked, self.keys, self.values, scale=scale, bounds=self.bounds)
+        own = fastmath.flash_attention(q, k, v, scale=scale, causal=True)
+        if prompt is None or own is None:
+            return None
+        o_p = prompt[0].reshape(P, Hkv, G, rep, C, D).transpose(0, 2, 1, 3, 4, 5).reshape(n, Hq, C, D)
+        lse_p = prompt[1].reshape(P, Hkv, G, rep, C).transpose(0, 2, 1, 3, 4).reshape(n, Hq, C)
+        o_c, lse_c = own
+        m = mx.maximum(lse_p, lse_c)  # finite: a row always sees its own first key
+        w_p, w_c = mx.exp(lse_p - m)[..., None], mx.exp(lse_c - m)[..., None]
+        return (o_p * w_p + o_c * w_c) / (w_p + w_c)
+
+    def attention(self, q, k, v, *, scale, mask=None):
+        fast = self._flash(q, k, v, scale)
+        if fast is not None:
+            return fast
         kp = mx.repeat(self.keys, self.group, axis=0)  # [P*G, H, Lp, D]
         vp = mx.repeat(self.values, self.group, axis=0)
-        return mx.concatenate([kp, keys], axis=2), mx.concatenate([vp, values], axis=2)
+        k, v = mx.concatenate([kp, k], axis=2), mx.concatenate([vp, v], axis=2)
+        return fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def _embeddings(model, prompt_ids, completion_ids, pixel_values, image_grid_thw, vision_meta):
@@ -127,10 +164,13 @@ def shared_prompt_hidden(
         vis_mask, feats = deepstack
         vis_idx = mx.maximum(mx.cumsum(vis_mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(vis_mask.shape)
 
+    # each prompt's real keys [first, last + 1): the native kernel's windows (left or right padding)
+    bounds = mx.stack([prompt_mask.argmax(axis=1).astype(mx.int32), _last_real(prompt_mask) + 1], axis=1)
+
     def run_layer(layer, hp, hc, cp, sp, cc, sc):
-        cap = _Capture()
+        cap = _Capture(bounds)
         hp = layer(hp, cp, sp, mask_p, cap)  # the prompt once: P rows
-        hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G))  # its G completions
+        hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G, bounds))  # its G completions
         return hp, hc
 
     for i, layer in enumerate(lm.layers):

@@ -161,6 +161,63 @@ def test_attention_equals_mlx_sdpa(path, mask_kind, heads, shape):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
+def test_flash_attention_lse_and_key_windows_equal_masked_reference(causal, heads):
+    """The native kernel's output and log-sum-exp with per-row key windows (`fastmath.flash_attention`,
+    what the prompt-shared forward uses) against the same computed with MLX's ops: scores, the window
+    and causal mask, softmax. Values and the gradients of q, k, v from cotangents on both outputs (the
+    lse's enters the kernel's backward); windows cut mid-block, one covers everything, one leaves the
+    first queries of a causal row without keys (output 0, lse -inf, no gradient)."""
+    if native.load() is None:
+        pytest.skip("native kernels not built")
+    rng = np.random.default_rng(11)
+    (hq, hkv), B, L, D = heads, 3, 37, 40
+    S = 37 if causal else 53
+    q, k, v = (mx.array(rng.normal(0, 1, sh).astype(np.float32))
+               for sh in [(B, hq, L, D), (B, hkv, S, D), (B, hkv, S, D)])
+    bounds = mx.array([[5, S - 3], [0, S], [19, 30]], dtype=mx.int32)
+    wo = mx.array(rng.normal(0, 1, (B, hq, L, D)).astype(np.float32))
+    wl = mx.array(rng.normal(0, 1, (B, hq, L)).astype(np.float32))
+    j = mx.arange(S)[None, None, None]
+    see = (j >= bounds[:, 0, None, None, None]) & (j < bounds[:, 1, None, None, None])
+    if causal:
+        see = see & (j <= mx.arange(L)[None, None, :, None] + S - L)
+    empty = ~see.any(axis=-1)  # [B, 1, L]
+    scale = D**-0.5
+
+    def reference(q, k, v):
+        s = (q * scale) @ mx.repeat(k, hq // hkv, axis=1).swapaxes(-1, -2)
+        m = mx.stop_gradient(mx.where(see, s, -mx.inf).max(axis=-1, keepdims=True))
+        m = mx.where(mx.isfinite(m), m, 0.0)
+        e = mx.where(see, mx.exp(s - m), 0.0)
+        total = e.sum(axis=-1, keepdims=True)
+        safe = mx.where(total > 0, total, 1.0)
+        out = (e / safe) @ mx.repeat(v, hq // hkv, axis=1)
+        lse = mx.where(total > 0, m + mx.log(safe), -mx.inf)[..., 0]
+        return out, lse
+
+    def ours(q, k, v):
+        return fastmath.flash_attention(q, k, v, scale=scale, causal=causal, bounds=bounds)
+
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            return (out * wo).sum() + (mx.where(empty, 0.0, lse) * wl).sum()
+        return mx.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    (o1, l1), (o2, l2) = ours(q, k, v), reference(q, k, v)
+    np.testing.assert_allclose(np.array(o1), np.array(o2), rtol=1e-4, atol=1e-5)
+    finite = ~np.array(mx.broadcast_to(empty, l2.shape))
+    np.testing.assert_allclose(np.array(l1)[finite], np.array(l2)[finite], rtol=1e-5, atol=1e-5)
+    assert bool(empty.any()) == causal and np.isneginf(np.array(l1)[~finite]).all()
+    assert not np.array(o1)[~finite].any()
+    (v1, g1), (v2, g2) = loss(ours), loss(reference)
+    np.testing.assert_allclose(v1.item(), v2.item(), rtol=1e-5, atol=1e-4)
+    for a, b in zip(g1, g2, strict=True):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
 def test_flash_attention_keeps_no_score_array():
     """The native causal attention's forward + backward peak above its inputs stays below half of one
     [Hq, L, L] float32 score square, where the same computation through materialised scores (a boolean
@@ -188,34 +245,17 @@ def test_flash_attention_keeps_no_score_array():
     assert scores > 2 * square, (scores, square)
 
 
-def test_causal_softmax_equals_masked_softmax():
-    """The native causal softmax (query i of L sees keys j <= i + S - L) against MLX's softmax of
-    the masked scores: values, VJP, JVP, and the second-order VJP of its VJP."""
-    k = native.load()
-    assert k is not None
+def test_softmax_second_order_equals_mlx(path):
+    """The VJP of the softmax's VJP (SoftmaxGrad's own VJP, both arguments) against MLX's softmax."""
     rng = np.random.default_rng(5)
-    for L, S in [(7, 7), (4, 9), (1, 5)]:
-        x = mx.array(rng.normal(0, 3, (2, 3, L, S)).astype(np.float32))
-        g = mx.array(rng.normal(0, 1, (2, 3, L, S)).astype(np.float32))
-        keep = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    x = mx.array(rng.normal(0, 3, (2, 3, 4, 9)).astype(np.float32))
+    g = mx.array(rng.normal(0, 1, (2, 3, 4, 9)).astype(np.float32))
 
-        def ref(x, keep=keep):
-            return mx.softmax(mx.where(keep, x, -mx.inf), axis=-1, precise=True)
+    def second(fn):  # d/dx of <vjp(fn)(x, g), g>
+        return mx.grad(lambda y: (mx.vjp(fn, [y], [g])[1][0] * g).sum())(x)
 
-        def ours(x):
-            return k.softmax(x, causal=True)
-
-        np.testing.assert_allclose(np.array(ours(x)), np.array(ref(x)), rtol=1e-5, atol=1e-7)
-        for f in (mx.vjp, mx.jvp):
-            a, b = f(ours, [x], [g])[1][0], f(ref, [x], [g])[1][0]
-            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-6)
-
-        def second(fn, x=x, g=g):  # d/dx of <vjp(fn)(x, g), g>: the VJP of the softmax's VJP
-            return mx.grad(lambda y: (mx.vjp(fn, [y], [g])[1][0] * g).sum())(x)
-
-        np.testing.assert_allclose(np.array(second(ours)), np.array(second(ref)), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="L <= S"):
-        k.softmax(mx.zeros((3, 2)), causal=True)
+    ref = second(lambda a: mx.softmax(a, axis=-1, precise=True))
+    np.testing.assert_allclose(np.array(second(fastmath.softmax)), np.array(ref), rtol=1e-4, atol=1e-5)
 
 
 def test_sum_squares_equals_float64(path):

@@ -216,8 +216,8 @@ def assert_grads_close(a: dict, b: dict):
         assert diff <= TOL * scale, f"{k}: max abs diff {diff} (scale {scale})"
 
 
-def shared_vs_repeated(model, processor, arch, G=3, C=5, seed=0):
-    batch = prompts(processor, is_vl(arch))
+def shared_vs_repeated(model, processor, arch, G=3, C=5, seed=0, padding_side="left"):
+    batch = prompts(processor, is_vl(arch), padding_side)
     n = batch["input_ids"].shape[0] * G
     comp_ids, comp_mask = completions(n, C, seed)
     weights = mx.array(np.random.default_rng(seed + 1).standard_normal((n, C)).astype(np.float32))
@@ -238,6 +238,18 @@ def test_shared_forward_equals_repeated_logps_and_grads(arch_model):
     if is_vl(arch):
         vision = [k for k in g_s if k.startswith(("visual.", "model.visual."))]
         assert vision and max(mx.abs(g_s[k]).max().item() for k in vision) > 0
+
+
+@pytest.mark.usefixtures("kernel_path")
+def test_shared_forward_right_padded_prompts_equal_repeated(tiny_checkpoint):
+    """Right-padded prompts (their real keys at the start of the row: the native kernel's key windows
+    end before the padding) give the repeated forward's log-probs and gradients."""
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3_vl"), dtype="float32")
+    (lp_s, ent_s, g_s), (lp_r, ent_r, g_r) = shared_vs_repeated(model, processor, "qwen3_vl", seed=5,
+                                                                padding_side="right")
+    assert mx.abs(lp_s - lp_r).max().item() <= TOL
+    assert mx.abs(ent_s - ent_r).max().item() <= TOL
+    assert_grads_close(g_s, g_r)
 
 
 def test_shared_forward_lora_and_checkpointing(tiny_checkpoint):

@@ -170,6 +170,23 @@ def logsumexp(x: mx.array, axis: int = -1, keepdims: bool = False) -> mx.array:
 FLASH_MIN_QUERIES = 16  # below (decoding, short prefills) the scores path: one pass over the keys either way
 
 
+def flash_attention(q, k, v, *, scale: float, causal: bool = False, bounds: mx.array | None = None):
+    """The native FlashAttention kernel's softmax(q k^T scale) v and its rows' log-sum-exp, both
+    differentiable: (out [B, Hq, L, D], lse [B, Hq, L]), q [B, Hq, L, D], k / v [B, Hkv, S, D]
+    (grouped heads). causal: query i sees keys j <= i + S - L. bounds int [B, 2]: batch row b sees
+    keys [start, end) only (a padded row's real keys); a query that sees none gets 0 and lse -inf.
+    None where the kernel does not run (not float32 on the CPU, no native build). The log-sum-exp lets
+    a caller merge attentions over disjoint key sets (`shared_prompt`): out = sum_i out_i exp(lse_i - lse)."""
+    k_ = kernels_for(q)
+    if k_ is None or k.dtype != mx.float32 or v.dtype != mx.float32:
+        return None
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    out, lse = k_.flash_attention((q * scale).reshape(B, Hkv, Hq // Hkv, L, D), k, v, causal,
+                                  bounds=bounds, return_lse=True)
+    return out.reshape(B, Hq, L, D), lse.reshape(B, Hq, L)
+
+
 def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` (q [B, Hq, L, D], k / v [B, Hkv, S, D], grouped-query
     heads, mask None, "causal", boolean or additive, broadcastable to [B, Hq, L, S]).

@@ -25,10 +25,12 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
@@ -177,39 +179,29 @@ void sigmoid_range(const float* in, float* out, size_t n) {
 }
 
 // Softmax of `rows` rows of `cols`: max, exp(x - max) summed, scaled by 1 / sum (as mx.softmax:
-// a row of all -inf gives NaN). Causal (causal_len > 0, the rows being [..., causal_len, cols]
-// blocks): row r sees the columns j <= r % causal_len + cols - causal_len and the others are 0, as
-// a masked softmax gives (the masked columns are never read, and their exp is not computed).
-void softmax_rows(const float* in, float* out, size_t first_row, size_t rows, size_t cols, size_t causal_len) {
+// a row of all -inf gives NaN).
+void softmax_rows(const float* in, float* out, size_t rows, size_t cols) {
   for (size_t r = 0; r < rows; ++r) {
     const float* x = in + r * cols;
     float* y = out + r * cols;
-    size_t n = cols;
-    if (causal_len > 0) n = std::min(cols, (first_row + r) % causal_len + cols - causal_len + 1);
-    const float m = row_max(x, n);
-    const float s = exp_shift_sum(x, y, n, m);
-    float inv = 1.0f / s;
+    const float m = row_max(x, cols);
+    const float inv = 1.0f / exp_shift_sum(x, y, cols, m);
 #pragma omp simd
-    for (size_t i = 0; i < n; ++i) y[i] *= inv;
-    std::fill(y + n, y + cols, 0.0f);
+    for (size_t i = 0; i < cols; ++i) y[i] *= inv;
   }
 }
 
-// The softmax's VJP per row: dx = y (g - sum(g y)); causal rows as above (dx is 0 where y is).
-void softmax_grad_rows(const float* y, const float* g, float* out, size_t first_row, size_t rows, size_t cols,
-                       size_t causal_len) {
+// The softmax's VJP per row: dx = y (g - sum(g y)).
+void softmax_grad_rows(const float* y, const float* g, float* out, size_t rows, size_t cols) {
   for (size_t r = 0; r < rows; ++r) {
     const float* yr = y + r * cols;
     const float* gr = g + r * cols;
     float* o = out + r * cols;
-    size_t n = cols;
-    if (causal_len > 0) n = std::min(cols, (first_row + r) % causal_len + cols - causal_len + 1);
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (size_t i = 0; i < n; ++i) dot += gr[i] * yr[i];
+    for (size_t i = 0; i < cols; ++i) dot += gr[i] * yr[i];
 #pragma omp simd
-    for (size_t i = 0; i < n; ++i) o[i] = yr[i] * (gr[i] - dot);
-    std::fill(o + n, o + cols, 0.0f);
+    for (size_t i = 0; i < cols; ++i) o[i] = yr[i] * (gr[i] - dot);
   }
 }
 
@@ -358,8 +350,8 @@ mx::array dense(const mx::array& a, mx::Stream s) {
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s = {});
-mx::array fast_softmax_op(const mx::array& x, bool causal = false, mx::StreamOrDevice s = {});
-mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, mx::StreamOrDevice s = {});
+mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s = {});
+mx::array softmax_grad_op(const mx::array& y, const mx::array& g, mx::StreamOrDevice s = {});
 mx::array dropout_op(const mx::array& x, const mx::array& key, float keep, mx::StreamOrDevice s = {});
 
 class FastExp : public Unary {
@@ -399,13 +391,13 @@ class FastSigmoid : public Unary {
   }
 };
 
-// Rows, columns and (causal) query-block length of softmax scores x [..., L, cols].
+// Rows and columns of x [..., cols].
 struct RowShape {
-  size_t rows, cols, causal_len;
+  size_t rows, cols;
 };
-RowShape row_shape(const mx::array& x, bool causal) {
+RowShape row_shape(const mx::array& x) {
   size_t cols = x.shape().back();
-  return {cols == 0 ? 0 : x.size() / cols, cols, causal ? static_cast<size_t>(x.shape(-2)) : 0};
+  return {cols == 0 ? 0 : x.size() / cols, cols};
 }
 
 // fn(first_row, n_rows) over [0, rows) in parallel parts of at least kGrain elements.
@@ -415,37 +407,37 @@ void over_rows(size_t rows, size_t cols, F fn) {
                [=](size_t, size_t b, size_t e) { fn(b, e - b); });
 }
 
-class FastSoftmax : public WithCausal<Unary> {
+class FastSoftmax : public Unary {
  public:
-  FastSoftmax(mx::Stream s, bool causal) : WithCausal(s, causal, "MlxrlSoftmax", "MlxrlCausalSoftmax") {}
+  explicit FastSoftmax(mx::Stream s) : Unary(s) {}
+  const char* name() const override { return "MlxrlSoftmax"; }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& in = inputs[0];
     auto& out = outputs[0];
     allocate_like(in, out);
-    auto [rows, cols, causal_len] = row_shape(in, causal_);
+    auto [rows, cols] = row_shape(in);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(in);
     encoder.set_output_array(out);
-    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
-      over_rows(rows, cols, [=](size_t b, size_t n) {
-        softmax_rows(src + b * cols, dst + b * cols, b, n, cols, causal_len);
-      });
+    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, cols]() {
+      over_rows(rows, cols, [=](size_t b, size_t n) { softmax_rows(src + b * cols, dst + b * cols, n, cols); });
     });
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>& cotangents,
                              const std::vector<int>&, const std::vector<mx::array>& outputs) override {
-    return {softmax_grad_op(outputs[0], cotangents[0], causal_, stream())};
+    return {softmax_grad_op(outputs[0], cotangents[0], stream())};
   }
   std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
                              const std::vector<int>&) override {
-    return {softmax_grad_op(fast_softmax_op(primals[0], causal_, stream()), tangents[0], causal_, stream())};
+    return {softmax_grad_op(fast_softmax_op(primals[0], stream()), tangents[0], stream())};
   }
 };
 
 // y (g - sum(g y, -1)): the softmax's VJP (and JVP) in one pass per row; y, g [..., L, S].
-class SoftmaxGrad : public WithCausal<CpuPrimitive> {
+class SoftmaxGrad : public CpuPrimitive {
  public:
-  SoftmaxGrad(mx::Stream s, bool causal) : WithCausal(s, causal, "MlxrlSoftmaxGrad", "MlxrlCausalSoftmaxGrad") {}
+  explicit SoftmaxGrad(mx::Stream s) : CpuPrimitive(s) {}
+  const char* name() const override { return "MlxrlSoftmaxGrad"; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
@@ -454,14 +446,14 @@ class SoftmaxGrad : public WithCausal<CpuPrimitive> {
     const auto& g = inputs[1];
     auto& out = outputs[0];
     allocate_like_either(g, y, out);
-    auto [rows, cols, causal_len] = row_shape(y, causal_);
+    auto [rows, cols] = row_shape(y);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(y);
     encoder.set_input_array(g);
     encoder.set_output_array(out);
-    encoder.dispatch([yp = y.data<float>(), gp = g.data<float>(), dst = out.data<float>(), rows, cols, causal_len]() {
+    encoder.dispatch([yp = y.data<float>(), gp = g.data<float>(), dst = out.data<float>(), rows, cols]() {
       over_rows(rows, cols, [=](size_t b, size_t n) {
-        softmax_grad_rows(yp + b * cols, gp + b * cols, dst + b * cols, b, n, cols, causal_len);
+        softmax_grad_rows(yp + b * cols, gp + b * cols, dst + b * cols, n, cols);
       });
     });
   }
@@ -475,7 +467,7 @@ class SoftmaxGrad : public WithCausal<CpuPrimitive> {
     auto s = stream();
     for (int a : argnums) {
       if (a == 1) {
-        out.push_back(softmax_grad_op(y, c, causal_, s));
+        out.push_back(softmax_grad_op(y, c, s));
       } else {  // d/dy of y (g - sum(g y)) . c = c (g - sum(g y)) - g sum(c y)
         auto gy = mx::sum(mx::multiply(g, y, s), -1, true, s);
         auto cy = mx::sum(mx::multiply(c, y, s), -1, true, s);
@@ -1022,19 +1014,17 @@ mx::array make_unary(const mx::array& x, mx::StreamOrDevice s) {
 
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s) { return make_unary<FastExp>(x, s); }
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s) { return make_unary<FastSigmoid>(x, s); }
-mx::array fast_softmax_op(const mx::array& x, bool causal, mx::StreamOrDevice s) {
+mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s) {
   if (x.ndim() == 0) throw std::invalid_argument("softmax needs at least one axis.");
-  if (causal && (x.ndim() < 2 || x.shape(-2) > x.shape(-1)))
-    throw std::invalid_argument("causal softmax needs [..., L, S] scores with L <= S.");
   auto stream = cpu_stream({&x}, s);
   auto in = dense(x, stream);
-  return mx::array(in.shape(), mx::float32, std::make_shared<FastSoftmax>(stream, causal), {in});
+  return mx::array(in.shape(), mx::float32, std::make_shared<FastSoftmax>(stream), {in});
 }
 
-mx::array softmax_grad_op(const mx::array& y, const mx::array& g, bool causal, mx::StreamOrDevice s) {
+mx::array softmax_grad_op(const mx::array& y, const mx::array& g, mx::StreamOrDevice s) {
   auto stream = cpu_stream({&y, &g}, s);
   auto gb = mx::broadcast_to(mx::astype(g, mx::float32, stream), y.shape(), stream);
-  return mx::array(y.shape(), mx::float32, std::make_shared<SoftmaxGrad>(stream, causal),
+  return mx::array(y.shape(), mx::float32, std::make_shared<SoftmaxGrad>(stream),
                    {dense(y, stream), dense(gb, stream)});
 }
 
@@ -1500,6 +1490,14 @@ struct AttnDims {
   int limit(int i) const { return causal ? std::min(S, i + S - L + 1) : S; }  // keys query i sees
 };
 
+// The keys [start, end) batch row b attends to (bounds int32 [B, 2]; none: all S), clamped to [0, S].
+struct KeyWindow {
+  int start, end;
+  KeyWindow(const int32_t* bounds, int b, int S)
+      : start(bounds ? std::clamp(bounds[2 * b], 0, S) : 0),
+        end(bounds ? std::clamp(bounds[2 * b + 1], start, S) : S) {}
+};
+
 // The rows of block [r0, r1) of one group of x [.., rep, L, D] (group offset x0) into tile [rep n, Dp]
 // (zero past D), and back (first D columns, row i times scale[i] when scale is given).
 void gather_rows(const AttnDims& d, const float* x0, int r0, int n, float* tile) {
@@ -1530,7 +1528,8 @@ void scatter_rows(const AttnDims& d, const float* tile, int r0, int n, float* x0
 
 std::vector<mx::array> flash_attention_grad_op(const std::vector<mx::array>& inputs, bool causal, mx::Stream s);
 
-// inputs q, k, v; outputs o [B, G, rep, L, D], lse [B, G, rep, L]
+// inputs q, k, v[, bounds]; outputs o [B, G, rep, L, D], lse [B, G, rep, L]. bounds int32 [B, 2]: batch row b
+// sees keys [start, end) only (a padded row's keys); a query that sees no key gets o = 0 and lse = -inf.
 class FlashAttention : public WithCausal<CpuPrimitive> {
  public:
   FlashAttention(mx::Stream s, bool causal)
@@ -1543,7 +1542,7 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
                       kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = outputs[0].data<float>(),
-                      lp = outputs[1].data<float>()]() {
+                      lp = outputs[1].data<float>(), bp = inputs.size() > 3 ? inputs[3].data<int32_t>() : nullptr]() {
       const size_t heads = size_t(d.B) * d.G;
       if (heads == 0 || d.blocks == 0) return;
       const size_t kt_size = size_t(d.D) * round_up(d.S, kPanel), v_size = size_t(d.S) * round_up(d.Dp, kPanel);
@@ -1567,20 +1566,30 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
       const size_t items = heads * d.blocks;
       parallel_items(items, workers, [&](size_t w, size_t item) {
         const size_t g = item % heads;
+        const KeyWindow win(bp, int(g / d.G), d.S);
         const int blk = d.causal ? d.blocks - 1 - int(item / heads) : int(item / heads);
         const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
-        const int seen = d.seen(r0 + n), ncols = int(round_up(seen, 16));
+        const int seen = std::min(win.end, d.seen(r0 + n)), ncols = int(round_up(seen, 16));
         const size_t group = g * d.rep * d.L;  // the group's first row of q / o / lse
         float *qt = qtile[w], *st = stile[w], *ot = otile[w], *inv = itile[w];
         gather_rows(d, qp + group * d.D, r0, n, qt);
         panel_gemm(rows, ncols, d.D, qt, d.Dp, 1, kt + g * kt_size, kPanel, size_t(d.D) * kPanel, st, d.lds, false);
         for (int i = 0; i < rows; ++i) {
-          const int h = i / n, t = i % n, lim = d.limit(r0 + t);
+          const int h = i / n, t = i % n, lim = std::min(win.end, d.limit(r0 + t));
           float* x = st + size_t(i) * d.lds;
-          const float m = row_max(x, lim), sum = exp_shift_sum(x, x, lim, m);
+          float& l = lp[group + size_t(h) * d.L + r0 + t];
+          if (lim <= win.start) {  // no key: o = 0
+            std::fill(x, x + seen, 0.0f);
+            inv[i] = 0.0f;
+            l = -std::numeric_limits<float>::infinity();
+            continue;
+          }
+          const float m = row_max(x + win.start, lim - win.start);
+          const float sum = exp_shift_sum(x + win.start, x + win.start, lim - win.start, m);
+          std::fill(x, x + win.start, 0.0f);
           std::fill(x + lim, x + seen, 0.0f);
           inv[i] = 1.0f / sum;
-          lp[group + size_t(h) * d.L + r0 + t] = m + std::log(sum);
+          l = m + std::log(sum);
         }
         panel_gemm(rows, d.Dp, seen, st, d.lds, 1, vpk + g * v_size, kPanel, size_t(d.S) * kPanel, ot, d.Dp, false);
         scatter_rows(d, ot, r0, n, op + group * d.D, inv);
@@ -1590,17 +1599,20 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override {
     auto s = stream();
-    auto d_o = dense(mx::astype(cotangents[0], mx::float32, s), s);
-    auto grads = flash_attention_grad_op({primals[0], primals[1], primals[2], outputs[0], outputs[1], d_o}, causal_, s);
+    std::vector<mx::array> in{primals[0], primals[1], primals[2], outputs[0], outputs[1],
+                              mx::astype(cotangents[0], mx::float32, s), mx::astype(cotangents[1], mx::float32, s)};
+    if (primals.size() > 3) in.push_back(primals[3]);
+    auto grads = flash_attention_grad_op(in, causal_, s);
     std::vector<mx::array> out;
-    for (int a : argnums) out.push_back(grads[a]);
+    for (int a : argnums) out.push_back(a < 3 ? grads[a] : mx::zeros_like(primals[a], s));
     return out;
   }
 };
 
-// inputs q, k, v, o, lse, dO; outputs dq, dk, dv. Per group (one worker each): k^T, k and v^T packed
-// once, dk^T / dv^T accumulated over the blocks in [Dp, keys] buffers and transposed at the end; per block
-//   P = exp(S - lse),  dP = dO v^T,  dS = P (dP - rowsum(dO o)),  dq = dS k,  dv += P^T dO,  dk += dS^T q.
+// inputs q, k, v, o, lse, dO, dlse[, bounds]; outputs dq, dk, dv. Per group (one worker each): k^T, k and v^T
+// packed once, dk^T / dv^T accumulated over the blocks in [Dp, keys] buffers and transposed at the end; per
+// block P = exp(S - lse), dP = dO v^T, dS = P (dP - rowsum(dO o) + dlse), dq = dS k, dv += P^T dO,
+// dk += dS^T q (d lse / dS = P: the cotangent of lse adds to every key's term).
 class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
  public:
   FlashAttentionGrad(mx::Stream s, bool causal)
@@ -1611,7 +1623,8 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
                       kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = inputs[3].data<float>(),
-                      lp = inputs[4].data<float>(), gp = inputs[5].data<float>(), dq = outputs[0].data<float>(),
+                      lp = inputs[4].data<float>(), gp = inputs[5].data<float>(), dlp = inputs[6].data<float>(),
+                      bp = inputs.size() > 7 ? inputs[7].data<int32_t>() : nullptr, dq = outputs[0].data<float>(),
                       dk = outputs[1].data<float>(), dv = outputs[2].data<float>()]() {
       const size_t heads = size_t(d.B) * d.G;
       if (heads == 0) return;
@@ -1650,28 +1663,37 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
         std::fill(w.dkt, w.dkt + size_t(d.Dp) * ldt, 0.0f);
         std::fill(w.dvt, w.dvt + size_t(d.Dp) * ldt, 0.0f);
         const size_t group = g * d.rep * d.L;
+        const KeyWindow win(bp, int(g / d.G), d.S);
         for (int blk = d.blocks - 1; blk >= 0; --blk) {
           const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
-          const int seen = d.seen(r0 + n), ncols = int(round_up(seen, 16));
+          const int seen = std::min(win.end, d.seen(r0 + n)), ncols = int(round_up(seen, 16));
           gather_rows(d, qp + group * d.D, r0, n, w.qt);
           gather_rows(d, gp + group * d.D, r0, n, w.gt);
-          for (int h = 0; h < d.rep; ++h)  // delta = rowsum(dO o)
+          for (int h = 0; h < d.rep; ++h)  // delta = rowsum(dO o) - dlse
             for (int t = 0; t < n; ++t) {
-              const float* orow = op + (group + size_t(h) * d.L + r0 + t) * d.D;
+              const size_t row = group + size_t(h) * d.L + r0 + t;
+              const float* orow = op + row * d.D;
               const float* grow = w.gt + size_t(h * n + t) * d.Dp;
               float s = 0.0f;
 #pragma omp simd reduction(+ : s)
               for (int c = 0; c < d.D; ++c) s += orow[c] * grow[c];
-              w.delta[h * n + t] = s;
+              w.delta[h * n + t] = s - dlp[row];
             }
           panel_gemm(rows, ncols, d.D, w.qt, d.Dp, 1, w.kt, kPanel, size_t(d.D) * kPanel, w.st, d.lds, false);
           panel_gemm(rows, ncols, d.D, w.gt, d.Dp, 1, w.vt, kPanel, size_t(d.D) * kPanel, w.pt, d.lds, false);
           for (int i = 0; i < rows; ++i) {
-            const int h = i / n, t = i % n, lim = d.limit(r0 + t);
+            const int h = i / n, t = i % n, lim = std::min(win.end, d.limit(r0 + t));
             const float l = lp[group + size_t(h) * d.L + r0 + t], de = w.delta[i];
             float* x = w.st + size_t(i) * d.lds;
             float* y = w.pt + size_t(i) * d.lds;
-            int j = 0;
+            if (lim <= win.start) {  // no key: P = dS = 0
+              std::fill(x, x + ncols, 0.0f);
+              std::fill(y, y + ncols, 0.0f);
+              continue;
+            }
+            std::fill(x, x + win.start, 0.0f);
+            std::fill(y, y + win.start, 0.0f);
+            int j = win.start;
             for (; j + 16 <= lim; j += 16) {
               const vf16 p = vexp(load16(x + j) - l);
               store16(x + j, p);
@@ -1705,25 +1727,30 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
 
 std::vector<mx::array> flash_attention_grad_op(const std::vector<mx::array>& inputs, bool causal, mx::Stream s) {
   std::vector<mx::array> dense_inputs;
-  for (auto& a : inputs) dense_inputs.push_back(dense(a, s));
+  for (auto& a : inputs) dense_inputs.push_back(dense(a, s));  // (dO and dlse: float32 already)
   return mx::array::make_arrays({inputs[0].shape(), inputs[1].shape(), inputs[2].shape()},
                                 {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<FlashAttentionGrad>(s, causal), dense_inputs);
 }
 
-mx::array flash_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, bool causal,
-                             mx::StreamOrDevice s = {}) {
+std::vector<mx::array> flash_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, bool causal,
+                                          const std::optional<mx::array>& bounds, mx::StreamOrDevice s = {}) {
   auto stream = cpu_stream({&q, &k, &v}, s);
   if (q.ndim() != 5 || k.ndim() != 4 || v.shape() != k.shape() || q.shape(0) != k.shape(0) ||
       q.shape(1) != k.shape(1) || q.shape(4) != k.shape(3))
     throw std::invalid_argument("flash_attention: q [B, G, rep, L, D], k and v [B, G, S, D] expected.");
   if (causal && q.shape(3) > k.shape(2))
     throw std::invalid_argument("flash_attention: causal attention needs L <= S (queries are the last L keys).");
+  std::vector<mx::array> in{dense(q, stream), dense(k, stream), dense(v, stream)};
+  if (bounds) {
+    if (bounds->ndim() != 2 || bounds->shape(0) != q.shape(0) || bounds->shape(1) != 2)
+      throw std::invalid_argument("flash_attention: bounds are [B, 2] (each row's first and past-last key).");
+    in.push_back(dense(mx::astype(*bounds, mx::int32, stream), stream));
+  }
   auto lse = q.shape();
   lse.pop_back();
   return mx::array::make_arrays({q.shape(), lse}, {mx::float32, mx::float32},
-                                std::make_shared<FlashAttention>(stream, causal),
-                                {dense(q, stream), dense(k, stream), dense(v, stream)})[0];
+                                std::make_shared<FlashAttention>(stream, causal), in);
 }
 
 }  // namespace
@@ -1734,12 +1761,9 @@ NB_MODULE(_cpu_math, m) {
             "RMSNorm, rotary embedding, SwiGLU.";
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
-  m.def("softmax", [](const mx::array& x, bool causal) { return fast_softmax_op(x, causal); }, nb::arg("x"),
-        nb::arg("causal") = false,
-        "Softmax over the last axis; causal: x is [..., L, S] scores and query i sees keys j <= i + S - L.");
-  m.def("softmax_grad", [](const mx::array& y, const mx::array& g, bool causal) { return softmax_grad_op(y, g, causal); },
-        nb::arg("y"), nb::arg("g"), nb::arg("causal") = false,
-        "The softmax's VJP from its output y and cotangent g: y (g - sum(g y, -1)) (causal as softmax).");
+  m.def("softmax", [](const mx::array& x) { return fast_softmax_op(x); }, nb::arg("x"), "Softmax over the last axis.");
+  m.def("softmax_grad", [](const mx::array& y, const mx::array& g) { return softmax_grad_op(y, g); }, nb::arg("y"),
+        nb::arg("g"), "The softmax's VJP from its output y and cotangent g: y (g - sum(g y, -1)).");
   m.def("adamw_step", &adamw_step_op, nb::arg("g"), nb::arg("w"), nb::arg("m"), nb::arg("v"), nb::arg("hyper"),
         nb::arg("weight_decay"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
         "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
@@ -1764,10 +1788,15 @@ NB_MODULE(_cpu_math, m) {
         "Rotary embedding of x [B, H, L, D] (any strides): x cos + rotate_half(x) sin, cos / sin broadcast to x.");
   m.def("silu_mul", [](const mx::array& g, const mx::array& u) { return silu_mul_op(g, u); }, nb::arg("g"),
         nb::arg("u"), "silu(g) * u (the SwiGLU product).");
-  m.def("flash_attention", [](const mx::array& q, const mx::array& k, const mx::array& v, bool causal) {
-          return flash_attention_op(q, k, v, causal);
-        }, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("causal"),
+  m.def("flash_attention", [](const mx::array& q, const mx::array& k, const mx::array& v, bool causal,
+                              const std::optional<mx::array>& bounds, bool return_lse) -> nb::object {
+          auto out = flash_attention_op(q, k, v, causal, bounds);
+          return return_lse ? nb::cast(out) : nb::cast(out[0]);
+        }, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("causal"), nb::arg("bounds") = nb::none(),
+        nb::arg("return_lse") = false,
         "softmax(q k^T) v for scaled q [B, G, rep, L, D] and k / v [B, G, S, D] without the score square "
-        "(causal: query i sees keys j <= i + S - L); its VJP recomputes the scores per block of queries.");
+        "(causal: query i sees keys j <= i + S - L; bounds int32 [B, 2]: row b sees keys [start, end) only, "
+        "a query seeing none gives 0 and lse -inf); return_lse: [o, the rows' log-sum-exp [B, G, rep, L]], "
+        "both differentiable. Its VJP recomputes the scores per block of queries.");
   m.def("threads", &worker_count);
 }
