@@ -312,7 +312,10 @@ def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None 
         n_p = max(1, B // int(args.num_generations))
         if not getattr(args, "shared_prompt", True):  # every completion row carries its own prompt
             return Shape(B * (P + C), B * (P + C) ** 2, B * C, label=f"B={B} L={P + C} (prompt not shared)")
-        return Shape(n_p * P + B * C, n_p * P * P + B * C * (P + C), B * C,
+        # the native CPU path's shared forward runs both attentions through the FlashAttention kernel
+        # (shared_prompt: key windows, two calls merged by log-sum-exp): no score array
+        scores = 0 if native_cpu(args) else n_p * P * P + B * C * (P + C)
+        return Shape(n_p * P + B * C, scores, B * C,
                      label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)")
     return Shape(B * L, B * causal_scores(args, L), B * scored, label=f"B={B} L={L}")
 
