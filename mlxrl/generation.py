@@ -240,7 +240,8 @@ class SharedPrefixCache:
     prompt + own tokens, computed without repeating the prompt: the queries of a prompt's G samples
     (and of the query heads sharing a kv head) are stacked into one [G * rep * L, D] block against
     the prompt's keys, the scores of both parts go through one softmax, and the probabilities
-    multiply each part's values. Per decoding step the prompt's keys and values are read once per
+    multiply each part's values, all in float32 as the fused attention keeps them (a bf16 cache is
+    widened one layer at a time). Per decoding step the prompt's keys and values are read once per
     prompt instead of G times, and the cache holds P * Lp + P * G * T positions instead of
     P * G * (Lp + T)."""
 
@@ -258,7 +259,9 @@ class SharedPrefixCache:
         """q [P*G, Hq, L, D], the new k / v [P*G, Hkv, L, D]; mask None or boolean / additive,
         broadcastable to [P*G, 1, L, Lp + T] (prompt keys, then the samples' own)."""
         ks, vs = self.samples.update_and_fetch(k, v)
-        kp, vp = self.prefix_keys, self.prefix_values
+        dtype = q.dtype  # scores, softmax and the weighted sums in float32, as the fused attention keeps them
+        q, ks, vs = q.astype(mx.float32), ks.astype(mx.float32), vs.astype(mx.float32)
+        kp, vp = self.prefix_keys.astype(mx.float32), self.prefix_values.astype(mx.float32)
         n, Hq, L, D = q.shape
         P, Hkv, Lp = kp.shape[:3]
         G, rep, T = self.group, Hq // Hkv, ks.shape[2]
@@ -274,12 +277,12 @@ class SharedPrefixCache:
             m = mask[:, :, None] if mask.ndim == 4 else mask  # [n | 1, 1, 1, L, S]
             scores = (mx.where(m, scores, mx.finfo(scores.dtype).min) if m.dtype == mx.bool_
                       else scores + m.astype(scores.dtype))
-        probs = fastmath.softmax(scores).astype(vp.dtype)
+        probs = fastmath.softmax(scores)
         p_prompt = probs[..., :Lp].reshape(P, G, Hkv, rep, L, Lp).transpose(0, 2, 1, 3, 4, 5)
         out = (p_prompt.reshape(P, Hkv, G * rep * L, Lp) @ vp).reshape(P, Hkv, G, rep, L, D)
         out = out.transpose(0, 2, 1, 3, 4, 5).reshape(n, Hkv, rep, L, D)
         out = out + probs[..., Lp:] @ vs[:, :, None]
-        return out.reshape(n, Hq, L, D)
+        return out.reshape(n, Hq, L, D).astype(dtype)
 
 
 def _model_kwargs(model, pixel_values, image_grid_thw, vision_meta) -> dict:
