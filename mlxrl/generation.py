@@ -264,20 +264,16 @@ class SharedPrefixCache:
         kp, vp = self.prefix_keys.astype(mx.float32), self.prefix_values.astype(mx.float32)
         n, Hq, L, D = q.shape
         P, Hkv, Lp = kp.shape[:3]
-        G, rep, T = self.group, Hq // Hkv, ks.shape[2]
+        G, rep = self.group, Hq // Hkv
         q = (q * scale).reshape(P, G, Hkv, rep, L, D)
         stacked = q.transpose(0, 2, 1, 3, 4, 5).reshape(P, Hkv, G * rep * L, D)
         s_prompt = (stacked @ kp.swapaxes(-1, -2)).reshape(P, Hkv, G, rep, L, Lp)
         s_prompt = s_prompt.transpose(0, 2, 1, 3, 4, 5).reshape(n, Hkv, rep, L, Lp)
         s_own = q.reshape(n, Hkv, rep, L, D) @ ks[:, :, None].swapaxes(-1, -2)  # [n, Hkv, rep, L, T]
         scores = mx.concatenate([s_prompt, s_own], axis=-1)
-        if mask is not None:
-            if isinstance(mask, str):
-                mask = mx.arange(Lp + T - L, Lp + T)[:, None] >= mx.arange(Lp + T)[None]
-            m = mask[:, :, None] if mask.ndim == 4 else mask  # [n | 1, 1, 1, L, S]
-            scores = (mx.where(m, scores, mx.finfo(scores.dtype).min) if m.dtype == mx.bool_
-                      else scores + m.astype(scores.dtype))
-        probs = fastmath.softmax(scores)
+        if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
+            mask = mask[:, :, None]  # [n | 1, 1, L, S] -> [n | 1, 1, 1, L, S]
+        probs = fastmath.softmax(fastmath.masked_scores(scores, mask))
         p_prompt = probs[..., :Lp].reshape(P, G, Hkv, rep, L, Lp).transpose(0, 2, 1, 3, 4, 5)
         out = (p_prompt.reshape(P, Hkv, G * rep * L, Lp) @ vp).reshape(P, Hkv, G, rep, L, D)
         out = out.transpose(0, 2, 1, 3, 4, 5).reshape(n, Hkv, rep, L, D)

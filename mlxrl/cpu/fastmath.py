@@ -187,6 +187,21 @@ def flash_attention(q, k, v, *, scale: float, causal: bool = False, bounds: mx.a
     return out.reshape(B, Hq, L, D), lse.reshape(B, Hq, L)
 
 
+def masked_scores(scores: mx.array, mask) -> mx.array:
+    """Attention scores [..., L, S] under mask: None; "causal" (query i of the last L sees keys
+    j <= i + S - L); boolean (False: the dtype's min); or additive, broadcastable to the scores."""
+    if mask is None:
+        return scores
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an array, got {mask!r}")
+        L, S = scores.shape[-2:]
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    return scores + mask.astype(scores.dtype)
+
+
 def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.array:
     """`mx.fast.scaled_dot_product_attention` (q [B, Hq, L, D], k / v [B, Hkv, S, D], grouped-query
     heads, mask None, "causal", boolean or additive, broadcastable to [B, Hq, L, S]).
@@ -215,16 +230,8 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
         q = q.reshape(B, Hkv, rep, L, D)
         k, v = k[:, :, None], v[:, :, None]
     scores = q @ k.swapaxes(-1, -2)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f"mask must be None, 'causal' or an array, got {mask!r}")
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
-    if mask is not None:
-        if rep > 1 and mask.ndim == 4:  # [B, Hq | 1, L, S] -> [B, Hkv | 1, rep | 1, L, S]
-            mask = mask.reshape(mask.shape[0], Hkv, rep, L, S) if mask.shape[1] == Hq else mask[:, :, None]
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask.astype(scores.dtype)
-    out = softmax(scores) @ v
+    if rep > 1 and not isinstance(mask, str) and mask is not None and mask.ndim == 4:
+        # [B, Hq | 1, L, S] -> [B, Hkv | 1, rep | 1, L, S]
+        mask = mask.reshape(mask.shape[0], Hkv, rep, L, S) if mask.shape[1] == Hq else mask[:, :, None]
+    out = softmax(masked_scores(scores, mask)) @ v
     return out.reshape(B, Hq, L, D) if rep > 1 else out

@@ -156,7 +156,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)
         k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
-        if hasattr(cache, "attention"):  # decoding over a prompt stored once for its samples (generation.py)
+        if hasattr(cache, "attention"):  # a cache that attends itself: a prompt shared by its samples
+            # (generation.SharedPrefixCache; shared_prompt's prompt and completion passes)
             out = cache.attention(q, k, v, scale=self.scale, mask=mask)
         else:
             if cache is not None:
