@@ -174,7 +174,8 @@ def shared_prompt_hidden(
         return hp, hc
 
     for i, layer in enumerate(lm.layers):
-        fn = dropout.keyed(layer, lambda *a, _l=layer: run_layer(_l, *a), checkpoint=lm.gradient_checkpointing)
+        fn = dropout.keyed(layer, lambda *a, _l=layer: run_layer(_l, *a), checkpoint=lm.gradient_checkpointing,
+                           keep_attention=lm.keep_attention)
         hp, hc = fn(hp, hc, cos_p, sin_p, cos_c, sin_c)
         if deepstack is not None and i < len(feats):
             hp = hp + mx.where(vis_mask[..., None], feats[i][vis_idx].astype(hp.dtype), 0)

@@ -10,8 +10,9 @@ LoRA r16 α32 dropout 0.05 on its seven projections, float32 CPU), at L tokens, 
    for the same three; our LoRA layer's dropout + A without its fusion (`Dropout.matmul` as dropout then
    matmul: the dropped copy of x written and kept); and mlx-lm's `LoRALinear.__call__` in place of ours
    (that copy, then matmul, scale, add, where ours adds inside the matmul, `mx.addmm`); alternating,
-   median of `--repeats`; and the attention with its scores kept (a boolean causal mask: the scores path,
-   [H, L, L] scores, mask, native softmax, values) in place of the FlashAttention kernel.
+   median of `--repeats`; the attention with its scores kept (a boolean causal mask: the scores path,
+   [H, L, L] scores, mask, native softmax, values) in place of the FlashAttention kernel; and
+   `keep_attention` (the recompute reuses the forward's attention output and log-sum-exp).
 2. Its parts, each timed alone: every projection's forward and input-gradient matmul (GFLOP/s against
    the fp32 GEMM peak measured here), and the causal attention forward and forward + backward
    (`fastmath.scaled_dot_product_attention`: the native FlashAttention kernel; `scripts/bench_attention.py`
@@ -98,9 +99,12 @@ def main():
     x = mx.random.normal((1, L, cfg.hidden_size)) * 0.5
     mx.eval(x, cos, sin)
 
+    keep = {"attention": False}  # keep_attention: the recompute reuses the forward's attention output
+
     def loss(params, x):
         layer.update(params)
-        return dropout.keyed(layer, lambda h: layer(h, cos, sin, "causal"), checkpoint=True)(x).sum()
+        return dropout.keyed(layer, lambda h: layer(h, cos, sin, "causal"), checkpoint=True,
+                             keep_attention=keep["attention"])(x).sum()
 
     params = layer.trainable_parameters()
     native_ops = (fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul)
@@ -116,14 +120,15 @@ def main():
     def scores_kept(q, k, v, *, scale, mask=None):  # the scores path: a boolean mask, [H, L, L] scores
         return flash(q, k, v, scale=scale, mask=causal_mask if isinstance(mask, str) else mask)
 
-    variants = {"native decoder kernels": (native_ops, ours_lora, fused, flash),
-                "MLX ops for them": (mlx_ops(), ours_lora, fused, flash),
-                "dropped copy of x": (native_ops, ours_lora, copied, flash),
-                "mlx-lm's LoRA layer": (native_ops, mlxlm_lora, copied, flash),
-                "attention scores kept": (native_ops, ours_lora, fused, scores_kept)}
+    variants = {"native decoder kernels": (native_ops, ours_lora, fused, flash, False),
+                "MLX ops for them": (mlx_ops(), ours_lora, fused, flash, False),
+                "dropped copy of x": (native_ops, ours_lora, copied, flash, False),
+                "mlx-lm's LoRA layer": (native_ops, mlxlm_lora, copied, flash, False),
+                "attention scores kept": (native_ops, ours_lora, fused, scores_kept, False),
+                "keep_attention": (native_ops, ours_lora, fused, flash, True)}
     times = {k: [] for k in variants}
     for _ in range(a.repeats):
-        for name, (ops, lora_call, down, attention) in variants.items():
+        for name, (ops, lora_call, down, attention, keep["attention"]) in variants.items():
             fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = ops
             lora.LoRALinear.__call__, dropout.Dropout.matmul = lora_call, down
             fastmath.scaled_dot_product_attention = attention
@@ -135,6 +140,7 @@ def main():
     fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = native_ops
     lora.LoRALinear.__call__, dropout.Dropout.matmul = ours_lora, fused
     fastmath.scaled_dot_product_attention = flash
+    keep["attention"] = False
     print(f"\n{a.shape} layer, L = {L}, LoRA r16 on 7 projections, forward + backward with checkpointing "
           f"(median of {a.repeats}, alternating):")
     layer_s = {k: statistics.median(v) for k, v in times.items()}
@@ -144,9 +150,12 @@ def main():
     copy = layer_s["dropped copy of x"] / layer_s["native decoder kernels"]
     mlxlm = layer_s["mlx-lm's LoRA layer"] / layer_s["native decoder kernels"]
     kept = layer_s["attention scores kept"] / layer_s["native decoder kernels"]
+    reuse = layer_s["native decoder kernels"] / layer_s["keep_attention"]
     print(f"  speed-up of the native decoder kernels {base:.2f}x; of the fused dropout + A {copy:.2f}x; of our "
           f"LoRA layer (fused dropout + A, adapter added inside the matmul) over mlx-lm's {mlxlm:.2f}x; of the "
-          f"FlashAttention kernel over the scores kept {kept:.2f}x")
+          f"FlashAttention kernel over the scores kept {kept:.2f}x; of keep_attention (the recompute reuses the "
+          f"forward's attention output: +{4 * L * cfg.num_attention_heads * (cfg.head_dim + 1) / 1e6:.1f} MB kept per "
+          f"layer) {reuse:.2f}x")
 
     D, inter, Hq, Hkv, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                          cfg.num_key_value_heads, cfg.head_dim)

@@ -42,6 +42,8 @@ none. The QLoRA table puts the "qlora" row next to "lora" (the float base) on ev
 
 Sides, each in its own subprocess:
   ours     mlxrl.SFTTrainer (mlxrl.load; streamed LM head, compiled step, its defaults).
+  ours_keep  the same with keep_attention=True (each checkpointed layer's attention output and log-sum-exp
+           kept from the forward: the recompute skips the attention; more memory).
   trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
            AutoModelForCausalLM / Qwen3VLForConditionalGeneration; Qwen3VLProcessor with the PIL image
            processor for VL: no torchvision here). Its process never imports mlxrl (see bench_sft.run_peak).
@@ -261,7 +263,8 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
         kw.update({f"load_in_{s['bits']}bit": True, "q_group_size": s["q_group_size"]})
     return SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
                      learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
-                     max_length=max_length, gradient_checkpointing=True, seed=42, **kw)
+                     max_length=max_length, gradient_checkpointing=True, seed=42,
+                     keep_attention=s.get("keep_attention", False), **kw)
 
 
 def run_plan(s: dict) -> dict:
@@ -488,7 +491,8 @@ def run_grpo_trl(s: dict) -> dict:
             "loss": [e["loss"] for e in logs if "loss" in e], "trainable": trainable}
 
 
-CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours, "trl": run_trl, "mlxlm": run_mlxlm,
+CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours,
+            "ours_keep": lambda s: run_ours({**s, "keep_attention": True}), "trl": run_trl, "mlxlm": run_mlxlm,
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
             "grpo_trl": run_grpo_trl}
 
@@ -618,7 +622,7 @@ def summarise_sft(r: dict, warmup: int, max_length: int) -> dict:
     return r
 
 
-NAMES = {"ours": "mlxrl", "trl": "TRL", "mlxlm": "mlx-lm", "grpo_shared": "mlxrl shared",
+NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "trl": "TRL", "mlxlm": "mlx-lm", "grpo_shared": "mlxrl shared",
          "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
 
 
@@ -773,12 +777,15 @@ def print_sft(a, results: list, peak: float) -> None:
         line = f"  {e['flops'] / 1e12:.3f} TFLOP/step (model); rows identical: {same}"
         if images:
             line += f"; image tokens per row {images}"
-        if "ours" in ok:
-            o = ok["ours"]
+        for mine in ("ours", "ours_keep"):
+            if mine not in ok:
+                continue
+            o = ok[mine]
             for other in ("trl", "mlxlm"):
                 if other in ok:
                     r = ok[other]
-                    line += (f"; ours/{NAMES[other]}: tokens/s {_ratio(o['tokens_per_s'], r['tokens_per_s'])}, "
+                    line += (f"; {NAMES[mine]}/{NAMES[other]}: tokens/s "
+                             f"{_ratio(o['tokens_per_s'], r['tokens_per_s'])}, "
                              f"peak RSS {_ratio(o['peak_rss_gb'], r['peak_rss_gb'])} (above base "
                              f"{_ratio(o['peak_rss_gb'] - o['base_rss_gb'], r['peak_rss_gb'] - r['base_rss_gb'])})")
         print(line)
@@ -829,7 +836,9 @@ def main(argv=None):
                     help="mlx-lm's QLoRA base: every layer as mlx_lm.convert quantizes (the tied embedding / head "
                          "too), or the decoder linears only (ours' set)")
     ap.add_argument("--max_length", type=int, nargs="+", default=[4096], help="tokens per row (batch 1)")
-    ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"], choices=["ours", "trl", "mlxlm"])
+    ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"],
+                    choices=["ours", "ours_keep", "trl", "mlxlm"],
+                    help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output)")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     ap.add_argument("--lr_full", type=float, default=1e-5)

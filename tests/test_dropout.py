@@ -22,7 +22,7 @@ CONFIG = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_si
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
 
 
-def lora_grads(checkpointing: bool, seed: int = 3):
+def lora_grads(checkpointing: bool, seed: int = 3, keep_attention: bool = False, length: int = 12):
     mx.random.seed(0)
     model = build_model(CONFIG)
     apply_lora(model, r=4, alpha=8, dropout=0.3)
@@ -30,8 +30,9 @@ def lora_grads(checkpointing: bool, seed: int = 3):
         p[...] = mx.random.normal(p.shape) * 0.1
     model.train()
     model.language_model.gradient_checkpointing = checkpointing
-    ids = mx.array(np.random.default_rng(0).integers(0, 64, (2, 12)), mx.int32)
-    w = mx.random.normal((2, 12, 32))
+    model.language_model.keep_attention = keep_attention
+    ids = mx.array(np.random.default_rng(0).integers(0, 64, (2, length)), mx.int32)
+    w = mx.random.normal((2, length, 32))
     mx.random.seed(seed)
     loss, grads = nn.value_and_grad(model, lambda m: (m(input_ids=ids, return_hidden=True) * w).sum())(model)
     return loss, dict(tree_flatten(grads))
@@ -48,6 +49,45 @@ def test_checkpointing_keeps_the_dropout_masks(kernel_path):
         np.testing.assert_allclose(np.array(on[name]), np.array(off[name]), rtol=1e-4, atol=1e-6, err_msg=name)
     loss_other, _ = lora_grads(True, seed=4)
     assert abs(loss_other.item() - loss_on.item()) > 1e-3
+
+
+def test_keep_attention_replays_the_forwards_attention(kernel_path, monkeypatch):
+    """keep_attention: the checkpointed layers' recomputation reuses the forward's FlashAttention output
+    (the kernel's forward runs once per layer, not twice) and the loss and every LoRA gradient are those
+    of recomputing it and of no checkpointing (40 tokens: the causal rows take the kernel). On the graph
+    path (no kernel) the attention is recomputed, with the same results."""
+    from mlxrl.cpu import fastmath
+
+    loss_off, off = lora_grads(False, length=40)
+    calls = []
+    real = fastmath.kernels_for
+
+    class Counting:  # the native module with its FlashAttention forward counted
+        def __init__(self, k):
+            self._k = k
+
+        def __getattr__(self, name):
+            return getattr(self._k, name)
+
+        def flash_attention(self, *a, **kw):
+            calls.append(1)
+            return self._k.flash_attention(*a, **kw)
+
+    monkeypatch.setattr(fastmath, "kernels_for", lambda x: None if real(x) is None else Counting(real(x)))
+    results = {}
+    for keep in (False, True):
+        calls.clear()
+        results[keep] = lora_grads(True, keep_attention=keep, length=40)
+        results[keep] += (len(calls),)
+    layers = CONFIG["num_hidden_layers"]
+    if kernel_path == "native":
+        assert results[False][2] == 2 * layers and results[True][2] == layers
+    else:
+        assert results[False][2] == results[True][2] == 0
+    for loss, grads, _ in results.values():
+        np.testing.assert_allclose(loss.item(), loss_off.item(), rtol=1e-5)
+        for name in off:
+            np.testing.assert_allclose(np.array(grads[name]), np.array(off[name]), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_mlx_checkpoint_redraws_the_mask():

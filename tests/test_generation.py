@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 from pictures import picture
 
 import mlxrl
+from mlxrl.cpu import fastmath
 from mlxrl.generation import filter_logprobs, generate, sample_tokens
 from mlxrl.models.lora import apply_lora
 from mlxrl.shared_prompt import repeated_logprobs, shared_prompt_logprobs
@@ -266,9 +267,21 @@ def test_shared_forward_lora_and_checkpointing(tiny_checkpoint):
     assert_grads_close(g_s, g_r)
     model.language_model.gradient_checkpointing = True
     lp_c, _, g_c = shared_vs_repeated(model, processor, "qwen3_vl", seed=3)[0]
-    model.language_model.gradient_checkpointing = False
     assert mx.abs(lp_c - lp_s).max().item() <= TOL
     assert_grads_close(g_c, g_s)
+    # keep_attention: the recomputation replays the kernel's kept outputs (prompt pass and both completion
+    # attentions of every layer), with the same log-probs and gradients
+    replays = []
+    attend = fastmath.KeptAttention.attend
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastmath.KeptAttention, "attend", lambda self, *a: replays.append(self.replay) or attend(self, *a))
+        model.language_model.keep_attention = True
+        lp_k, _, g_k = shared_vs_repeated(model, processor, "qwen3_vl", seed=3)[0]
+    model.language_model.gradient_checkpointing = model.language_model.keep_attention = False
+    layers = len(model.language_model.layers)
+    assert replays.count(False) == replays.count(True) == 3 * layers
+    assert mx.abs(lp_k - lp_s).max().item() <= TOL
+    assert_grads_close(g_k, g_s)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl"])

@@ -35,6 +35,9 @@ SFT_CASES = [
     # long rows: the native CPU path's FlashAttention keeps no score array
     ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True)),
     ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True)),
+    # keep_attention: each checkpointed layer's attention output and log-sum-exp kept for the backward
+    ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True,
+                   keep_attention=True)),
 ]
 DPO_CASES = [
     ("default", dict(max_length=32, per_device_train_batch_size=1, use_peft=True)),

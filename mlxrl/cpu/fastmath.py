@@ -167,6 +167,51 @@ def logsumexp(x: mx.array, axis: int = -1, keepdims: bool = False) -> mx.array:
     return out if keepdims else out.squeeze(axis)
 
 
+class KeptAttention:
+    """The FlashAttention outputs of one checkpointed call, kept from its forward for the recomputation
+    of that call in the backward (`models.dropout.keyed(..., keep_attention=True)`).
+
+    Gradient checkpointing recomputes a layer in the backward to rebuild what its gradient needs. For the
+    attention that is the output o and the rows' log-sum-exp (the kernel's backward recomputes the scores
+    per block from q, k, v and lse): ~40% of a layer's forward at 4k tokens for L x Hq x (D + 1) floats.
+    The forward trace (`replay` False) runs the kernel and keeps (o, lse) in call order; the recomputation
+    (`replay` True) gets o back as a function of its new q, k, v whose VJP is the kernel's backward from
+    the kept o and lse, so the attention's forward runs once per step. q, k and v are recomputed as
+    before (their projections' gradients need the layer's input anyway)."""
+
+    def __init__(self):
+        self.kept: list = []
+        self.replay = False
+        self._next = 0
+
+    def attend(self, kernels, q, k, v, causal: bool, bounds=None) -> tuple[mx.array, mx.array]:
+        """The kernel's (out, lse) for q [B, G, rep, L, D] (scaled), k / v [B, G, S, D]: computed and kept in
+        the forward, the kept ones (differentiable in q, k, v) in the recomputation."""
+        if not self.replay:
+            out, lse = kernels.flash_attention(q, k, v, causal, bounds=bounds, return_lse=True)
+            self.kept.append((mx.stop_gradient(out), mx.stop_gradient(lse)))
+            return out, lse
+        o, lse = self.kept[self._next]
+        self.kept[self._next] = None  # the replayed graph holds them from here on
+        self._next += 1
+        if o.shape != q.shape:
+            raise RuntimeError(f"KeptAttention: the recomputation's attention {q.shape} is not the forward's {o.shape}")
+
+        @mx.custom_function
+        def replayed(q, k, v):
+            return o, lse
+
+        @replayed.vjp
+        def replayed_vjp(primals, cotangents, outputs):
+            d_out, d_lse = cotangents
+            return tuple(kernels.flash_attention_grad(*primals, o, lse, d_out, d_lse, causal, bounds=bounds))
+
+        return replayed(q, k, v)
+
+
+KEEPERS: list[KeptAttention] = []  # the checkpointed calls in progress that keep their attention (innermost last)
+
+
 FLASH_MIN_QUERIES = 16  # below (decoding, short prefills) the scores path: one pass over the keys either way
 
 
@@ -182,8 +227,11 @@ def flash_attention(q, k, v, *, scale: float, causal: bool = False, bounds: mx.a
         return None
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
-    out, lse = k_.flash_attention((q * scale).reshape(B, Hkv, Hq // Hkv, L, D), k, v, causal,
-                                  bounds=bounds, return_lse=True)
+    q5 = (q * scale).reshape(B, Hkv, Hq // Hkv, L, D)
+    if KEEPERS:
+        out, lse = KEEPERS[-1].attend(k_, q5, k, v, causal, bounds)
+    else:
+        out, lse = k_.flash_attention(q5, k, v, causal, bounds=bounds, return_lse=True)
     return out.reshape(B, Hq, L, D), lse.reshape(B, Hq, L)
 
 
@@ -224,8 +272,10 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
     causal = isinstance(mask, str) and mask == "causal"
     flash = (mask is None or (causal and L <= S)) and S > 0 and L >= FLASH_MIN_QUERIES
     if flash and k.dtype == mx.float32 and v.dtype == mx.float32:
-        out = kernels_for(q).flash_attention(q.reshape(B, Hkv, rep, L, D), k, v, causal)
-        return out.reshape(B, Hq, L, D)
+        q5, kernels = q.reshape(B, Hkv, rep, L, D), kernels_for(q)
+        if KEEPERS:
+            return KEEPERS[-1].attend(kernels, q5, k, v, causal)[0].reshape(B, Hq, L, D)
+        return kernels.flash_attention(q5, k, v, causal).reshape(B, Hq, L, D)
     if rep > 1:  # [B, Hkv, rep, L, D] against [B, Hkv, 1, S, D]: no copies of k and v
         q = q.reshape(B, Hkv, rep, L, D)
         k, v = k[:, :, None], v[:, :, None]

@@ -38,22 +38,41 @@ def _next_key() -> mx.array:
     return keys[1]
 
 
-def keyed(module: nn.Module, fn, checkpoint: bool = False):
+def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool = False):
     """`fn` (a call of `module`) run with one key for its `Dropout` masks, drawn per call; with `checkpoint`,
     as `nn.utils.checkpoint(module, fn)` whose recomputation sees the same masks as the forward. The masks
-    are the same with and without checkpointing. In eval mode (no dropout) `fn` as it is."""
-    if not module.training:
+    are the same with and without checkpointing. In eval mode (no dropout, no key) `fn` as it is.
+
+    keep_attention (with checkpoint, in training): the recomputation reuses the forward's FlashAttention
+    outputs instead of running the attention again (`fastmath.KeptAttention`; the native kernel path only,
+    elsewhere the attention is recomputed). `mx.checkpoint` traces `fn` twice per call: the forward, then
+    the recomputation when the backward is built; each call gets its own keeper, which tells them apart."""
+    keep, training = checkpoint and keep_attention, module.training
+    if not training and not keep:
         return nn.utils.checkpoint(module, fn) if checkpoint else fn
 
-    def run(key, *args):
-        _KEYS.append([key])
-        try:
-            return fn(*args)
-        finally:
-            _KEYS.pop()
+    def call(*args):
+        keeper = fastmath.KeptAttention() if keep else None
 
-    inner = nn.utils.checkpoint(module, run) if checkpoint else run
-    return lambda *args: inner(mx.stop_gradient(fresh_key()), *args)
+        def run(key, *args):
+            if training:
+                _KEYS.append([key])
+            if keeper is not None:
+                fastmath.KEEPERS.append(keeper)
+            try:
+                return fn(*args)
+            finally:
+                if training:
+                    _KEYS.pop()
+                if keeper is not None:
+                    fastmath.KEEPERS.pop()
+                    keeper.replay = True  # the next trace of this call is the backward's recomputation
+
+        inner = nn.utils.checkpoint(module, run) if checkpoint else run
+        key = fresh_key() if training else mx.zeros((2,), mx.uint32)  # eval: no masks, no draw
+        return inner(mx.stop_gradient(key), *args)
+
+    return call
 
 
 class Dropout(nn.Module):

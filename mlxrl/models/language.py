@@ -238,6 +238,7 @@ class LanguageModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
+        self.keep_attention = False  # with checkpointing: the recomputation reuses the forward's attention
 
     def __call__(
         self,
@@ -264,7 +265,7 @@ class LanguageModel(nn.Module):
                 # one dropout key per layer call; with checkpointing the layer is recomputed in backward
                 # with the same masks (`dropout.keyed`); mask may be the string "causal", so close over it
                 run = dropout.keyed(layer, lambda x, c_, s_, _l=layer: _l(x, c_, s_, mask),
-                                    checkpoint=self.gradient_checkpointing)
+                                    checkpoint=self.gradient_checkpointing, keep_attention=self.keep_attention)
                 h = run(h, cos, sin)
             else:
                 h = layer(h, cos, sin, mask, c)

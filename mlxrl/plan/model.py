@@ -195,10 +195,19 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     if getattr(args, "use_peft", False):
         layer *= LORA_SAVED
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
-    kept = a.layers * (s * sh.tokens * a.D if checkpointing else layer)
+    kept = a.layers * (s * sh.tokens * a.D + kept_attention_bytes(a, args, sh) if checkpointing else layer)
     ckpt = GRPO_CKPT_LAYERS if trainer == "grpo" else CKPT_LAYERS
     extra = (ckpt if checkpointing else BACKWARD_LAYERS) * layer
     return max(kept, a.layer_trainable_bytes) + extra + edges
+
+
+def kept_attention_bytes(a: Arch, args, sh: Shape) -> int:
+    """What `keep_attention` keeps per checkpointed layer from its forward for its backward: the
+    FlashAttention output and the rows' log-sum-exp, float32 (`fastmath.KeptAttention`), where the kernel
+    runs (the native CPU path, no score array); elsewhere the attention is recomputed: 0."""
+    if not getattr(args, "keep_attention", False) or sh.scores or not native_cpu(args):
+        return 0
+    return 4 * sh.tokens * a.heads * (a.head_dim + 1)
 
 
 def native_cpu(args) -> bool:

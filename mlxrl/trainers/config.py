@@ -72,6 +72,11 @@ class TrainConfig:
     run_name: str | None = _f(None, "run name for W&B")
     logging_dir: str | None = _f(None, "TensorBoard log folder (default: output_dir/runs)")
     gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward (less memory, more compute)")
+    keep_attention: bool = _f(False, "(mlxrl) with gradient_checkpointing: keep each decoder layer's attention output "
+                                     "and log-sum-exp from the forward instead of recomputing the attention in the "
+                                     "backward (faster at long sequences; 4 x tokens x q heads x (head_dim + 1) bytes "
+                                     "more per layer; the native CPU kernel path, elsewhere the attention is "
+                                     "recomputed)")
     dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU); float16 cannot train "
                                  "(no loss scaling): use bfloat16")
     master_weights: bool = _f(True, "(mlxrl) with a bf16 model: keep a float32 master copy of the trainable weights "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import secrets
 import signal
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -131,6 +132,10 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
                              "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
         m.language_model.gradient_checkpointing = bool(a.gradient_checkpointing)
+        m.language_model.keep_attention = bool(a.keep_attention)
+        if a.keep_attention and not a.gradient_checkpointing:
+            warnings.warn("keep_attention has no effect without gradient_checkpointing (nothing is recomputed)",
+                          stacklevel=2)
         if a.use_peft:
             lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
                                 target_modules=a.lora_target_modules, use_dora=a.use_dora)

@@ -77,10 +77,10 @@ def build_key(nanobind_version: str) -> str:
 
 
 def _paths():
-    import mlx
+    import mlx.core
     import nanobind
 
-    mlx_dir = Path(mlx.__path__[0])
+    mlx_dir = Path(mlx.core.__file__).parent  # not mlx.__path__[0]: a namespace package (any folder named mlx)
     nb_dir = Path(nanobind.__file__).parent
     includes = [sysconfig.get_paths()["include"], str(nb_dir / "include"),
                 str(nb_dir / "ext" / "robin_map" / "include")]

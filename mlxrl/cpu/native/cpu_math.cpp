@@ -1798,5 +1798,16 @@ NB_MODULE(_cpu_math, m) {
         "(causal: query i sees keys j <= i + S - L; bounds int32 [B, 2]: row b sees keys [start, end) only, "
         "a query seeing none gives 0 and lse -inf); return_lse: [o, the rows' log-sum-exp [B, G, rep, L]], "
         "both differentiable. Its VJP recomputes the scores per block of queries.");
+  m.def("flash_attention_grad", [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& o,
+                                   const mx::array& lse, const mx::array& d_out, const mx::array& d_lse, bool causal,
+                                   const std::optional<mx::array>& bounds) {
+          auto s = cpu_stream({&q, &k, &v, &o, &lse});
+          std::vector<mx::array> in{q, k, v, o, lse, mx::astype(d_out, mx::float32, s), mx::astype(d_lse, mx::float32, s)};
+          if (bounds) in.push_back(mx::astype(*bounds, mx::int32, s));
+          return flash_attention_grad_op(in, causal, s);
+        }, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("lse"), nb::arg("d_out"), nb::arg("d_lse"),
+        nb::arg("causal"), nb::arg("bounds") = nb::none(),
+        "flash_attention's VJP from its inputs, outputs (o, lse) and their cotangents: [dq, dk, dv] (the scores "
+        "recomputed per block of queries, as in the backward of flash_attention).");
   m.def("threads", &worker_count);
 }
