@@ -22,7 +22,8 @@ CONFIG = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_si
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
 
 
-def lora_grads(checkpointing: bool, seed: int = 3, keep_attention: bool = False, length: int = 12):
+def lora_grads(checkpointing: bool, seed: int = 3, keep_attention: bool = False, length: int = 12,
+               compiled: bool = False):
     mx.random.seed(0)
     model = build_model(CONFIG)
     apply_lora(model, r=4, alpha=8, dropout=0.3)
@@ -34,7 +35,13 @@ def lora_grads(checkpointing: bool, seed: int = 3, keep_attention: bool = False,
     ids = mx.array(np.random.default_rng(0).integers(0, 64, (2, length)), mx.int32)
     w = mx.random.normal((2, length, 32))
     mx.random.seed(seed)
-    loss, grads = nn.value_and_grad(model, lambda m: (m(input_ids=ids, return_hidden=True) * w).sum())(model)
+    step = nn.value_and_grad(model, lambda m: (m(input_ids=ids, return_hidden=True) * w).sum())
+    if compiled:  # as the trainers: the random state is compiled state too (the dropout keys)
+        state = [model.state, mx.random.state]
+        compiled_step = mx.compile(lambda: step(model), inputs=state, outputs=state)
+        loss, grads = compiled_step()
+    else:
+        loss, grads = step(model)
     return loss, dict(tree_flatten(grads))
 
 
@@ -75,15 +82,15 @@ def test_keep_attention_replays_the_forwards_attention(kernel_path, monkeypatch)
 
     monkeypatch.setattr(fastmath, "kernels_for", lambda x: None if real(x) is None else Counting(real(x)))
     results = {}
-    for keep in (False, True):
+    for keep, compiled in ((False, False), (True, False), (True, True)):
         calls.clear()
-        results[keep] = lora_grads(True, keep_attention=keep, length=40)
-        results[keep] += (len(calls),)
+        results[keep, compiled] = lora_grads(True, keep_attention=keep, length=40, compiled=compiled)
+        results[keep, compiled] += (len(calls),)
     layers = CONFIG["num_hidden_layers"]
     if kernel_path == "native":
-        assert results[False][2] == 2 * layers and results[True][2] == layers
+        assert results[False, False][2] == 2 * layers and results[True, False][2] == results[True, True][2] == layers
     else:
-        assert results[False][2] == results[True][2] == 0
+        assert all(r[2] == 0 for r in results.values())
     for loss, grads, _ in results.values():
         np.testing.assert_allclose(loss.item(), loss_off.item(), rtol=1e-5)
         for name in off:
