@@ -3,7 +3,8 @@
 Against independent references: the same model without checkpointing (the gradient must not depend on
 it, as in PyTorch, whose checkpoint restores the RNG state), MLX's own `nn.Dropout` statistics (kept
 fraction, scale), and MLX's `nn.utils.checkpoint` + `nn.Dropout`, which this replaces because its
-gradient came from a different mask than its loss.
+gradient came from a different mask than its loss. keep_attention (the recompute reuses the forward's
+FlashAttention output) against the recomputed attention and no checkpointing.
 """
 
 from __future__ import annotations
@@ -95,6 +96,38 @@ def test_keep_attention_replays_the_forwards_attention(kernel_path, monkeypatch)
         np.testing.assert_allclose(loss.item(), loss_off.item(), rtol=1e-5)
         for name in off:
             np.testing.assert_allclose(np.array(grads[name]), np.array(off[name]), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_trainer_keep_attention(tiny_checkpoint, tmp_path, kernel_path):
+    """SFT with keep_attention trains the same steps as without it (LoRA dropout 0.3, checkpointing on,
+    rows above the kernel's 16 queries); where the kernel does not run the flag says it does nothing."""
+    import warnings
+
+    import mlxrl
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft import SFTTrainer
+
+    rows = [{"prompt": f"Count the words of sentence {i}, one by one, slowly and carefully:",
+             "completion": " one two three four five six seven eight nine ten"} for i in range(4)]
+    runs = {}
+    for keep in (False, True):
+        model, processor = mlxrl.load(tiny_checkpoint("qwen3"), dtype="float32")
+        args = SFTConfig(output_dir=str(tmp_path / f"keep{keep}"), use_peft=True, lora_r=4, lora_dropout=0.3,
+                         max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
+                         save_strategy="no", disable_tqdm=True, gradient_checkpointing=True, keep_attention=keep)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = SFTTrainer(model, processor, args, train_dataset=rows)
+        noted = any("keep_attention has no effect" in str(w.message) for w in caught)
+        assert noted == (keep and kernel_path == "graph")
+        trainer.train()
+        runs[keep] = ([e["loss"] for e in trainer.log_history if "loss" in e],
+                      dict(tree_flatten(model.trainable_parameters())))
+    (loss_off, p_off), (loss_on, p_on) = runs[False], runs[True]
+    assert len(loss_off) == 2
+    np.testing.assert_allclose(loss_on, loss_off, rtol=1e-5)
+    for name in p_off:
+        np.testing.assert_allclose(np.array(p_on[name]), np.array(p_off[name]), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_mlx_checkpoint_redraws_the_mask():

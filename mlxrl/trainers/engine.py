@@ -136,6 +136,9 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         if a.keep_attention and not a.gradient_checkpointing:
             warnings.warn("keep_attention has no effect without gradient_checkpointing (nothing is recomputed)",
                           stacklevel=2)
+        elif a.keep_attention and fastmath.kernels_for(m.language_model.norm.weight) is None:
+            warnings.warn("keep_attention has no effect here: the attention output is kept by the native CPU "
+                          "FlashAttention kernel (float32 on the CPU); this run recomputes it", stacklevel=2)
         if a.use_peft:
             lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
                                 target_modules=a.lora_target_modules, use_dora=a.use_dora)
