@@ -173,7 +173,8 @@ class KeptAttention:
 
     Gradient checkpointing recomputes a layer in the backward to rebuild what its gradient needs. For the
     attention that is the output o and the rows' log-sum-exp (the kernel's backward recomputes the scores
-    per block from q, k, v and lse): ~40% of a layer's forward at 4k tokens for L x Hq x (D + 1) floats.
+    per block from q, k, v and lse): a third of a layer's forward at 4k tokens, more at longer rows
+    (`scripts/bench_layer.py`), for L x Hq x (D + 1) floats.
     The forward trace (`replay` False) runs the kernel and keeps (o, lse) in call order; the recomputation
     (`replay` True) gets o back as a function of its new q, k, v whose VJP is the kernel's backward from
     the kept o and lse, so the attention's forward runs once per step. q, k and v are recomputed as

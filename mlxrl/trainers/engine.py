@@ -131,14 +131,11 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         if getattr(a, "merge_quantized", False) and not quantize_lib.is_quantized(m):
             raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
                              "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
-        m.language_model.gradient_checkpointing = bool(a.gradient_checkpointing)
-        m.language_model.keep_attention = bool(a.keep_attention)
-        if a.keep_attention and not a.gradient_checkpointing:
-            warnings.warn("keep_attention has no effect without gradient_checkpointing (nothing is recomputed)",
-                          stacklevel=2)
-        elif a.keep_attention and fastmath.kernels_for(m.language_model.norm.weight) is None:
-            warnings.warn("keep_attention has no effect here: the attention output is kept by the native CPU "
-                          "FlashAttention kernel (float32 on the CPU); this run recomputes it", stacklevel=2)
+        lm = m.language_model
+        lm.gradient_checkpointing, lm.keep_attention = bool(a.gradient_checkpointing), bool(a.keep_attention)
+        if a.keep_attention and (not a.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
+            warnings.warn("keep_attention has no effect in this run: it needs gradient_checkpointing and the native "
+                          "CPU FlashAttention kernel (float32 on the CPU)", stacklevel=2)
         if a.use_peft:
             lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
                                 target_modules=a.lora_target_modules, use_dora=a.use_dora)
