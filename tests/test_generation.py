@@ -279,7 +279,8 @@ def test_shared_forward_lora_and_checkpointing(tiny_checkpoint):
         lp_k, _, g_k = shared_vs_repeated(model, processor, "qwen3_vl", seed=3)[0]
     model.language_model.gradient_checkpointing = model.language_model.keep_attention = False
     layers = len(model.language_model.layers)
-    assert replays.count(False) == replays.count(True) == 3 * layers
+    kernel = fastmath.kernels_for(mx.zeros((1,))) is not None  # MLXRL_NATIVE=0: no kernel, nothing kept
+    assert replays.count(False) == replays.count(True) == (3 * layers if kernel else 0)
     assert mx.abs(lp_k - lp_s).max().item() <= TOL
     assert_grads_close(g_k, g_s)
 

@@ -183,7 +183,6 @@ class KeptAttention:
     def __init__(self):
         self.kept: list = []
         self.replay = False
-        self._next = 0
 
     def attend(self, kernels, q, k, v, causal: bool, bounds=None) -> tuple[mx.array, mx.array]:
         """The kernel's (out, lse) for q [B, G, rep, L, D] (scaled), k / v [B, G, S, D]: computed and kept in
@@ -192,9 +191,7 @@ class KeptAttention:
             out, lse = kernels.flash_attention(q, k, v, causal, bounds=bounds, return_lse=True)
             self.kept.append((mx.stop_gradient(out), mx.stop_gradient(lse)))
             return out, lse
-        o, lse = self.kept[self._next]
-        self.kept[self._next] = None  # the replayed graph holds them from here on
-        self._next += 1
+        o, lse = self.kept.pop(0)  # in call order; the replayed graph holds them from here on
         if o.shape != q.shape:
             raise RuntimeError(f"KeptAttention: the recomputation's attention {q.shape} is not the forward's {o.shape}")
 
@@ -213,6 +210,14 @@ class KeptAttention:
 KEEPERS: list[KeptAttention] = []  # the checkpointed calls in progress that keep their attention (innermost last)
 
 
+def _kernel_attention(kernels, q, k, v, causal: bool, bounds=None) -> tuple[mx.array, mx.array]:
+    """The kernel's (out, lse) for scaled q [B, G, rep, L, D], k / v [B, G, S, D]: through the innermost
+    checkpointed call's KeptAttention when there is one."""
+    if KEEPERS:
+        return KEEPERS[-1].attend(kernels, q, k, v, causal, bounds)
+    return kernels.flash_attention(q, k, v, causal, bounds=bounds, return_lse=True)
+
+
 FLASH_MIN_QUERIES = 16  # below (decoding, short prefills) the scores path: one pass over the keys either way
 
 
@@ -228,11 +233,7 @@ def flash_attention(q, k, v, *, scale: float, causal: bool = False, bounds: mx.a
         return None
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
-    q5 = (q * scale).reshape(B, Hkv, Hq // Hkv, L, D)
-    if KEEPERS:
-        out, lse = KEEPERS[-1].attend(k_, q5, k, v, causal, bounds)
-    else:
-        out, lse = k_.flash_attention(q5, k, v, causal, bounds=bounds, return_lse=True)
+    out, lse = _kernel_attention(k_, (q * scale).reshape(B, Hkv, Hq // Hkv, L, D), k, v, causal, bounds)
     return out.reshape(B, Hq, L, D), lse.reshape(B, Hq, L)
 
 
@@ -273,10 +274,8 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
     causal = isinstance(mask, str) and mask == "causal"
     flash = (mask is None or (causal and L <= S)) and S > 0 and L >= FLASH_MIN_QUERIES
     if flash and k.dtype == mx.float32 and v.dtype == mx.float32:
-        q5, kernels = q.reshape(B, Hkv, rep, L, D), kernels_for(q)
-        if KEEPERS:
-            return KEEPERS[-1].attend(kernels, q5, k, v, causal)[0].reshape(B, Hq, L, D)
-        return kernels.flash_attention(q5, k, v, causal).reshape(B, Hq, L, D)
+        out, _ = _kernel_attention(kernels_for(q), q.reshape(B, Hkv, rep, L, D), k, v, causal)
+        return out.reshape(B, Hq, L, D)
     if rep > 1:  # [B, Hkv, rep, L, D] against [B, Hkv, 1, S, D]: no copies of k and v
         q = q.reshape(B, Hkv, rep, L, D)
         k, v = k[:, :, None], v[:, :, None]
