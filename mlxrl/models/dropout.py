@@ -16,6 +16,8 @@ elsewhere from `mx.random.bernoulli` with that key, as `nn.Dropout` computes it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -29,13 +31,28 @@ def fresh_key() -> mx.array:
     return mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.int32).astype(mx.uint32)
 
 
-def _next_key() -> mx.array:
+def next_key() -> mx.array:
+    """The next key of the enclosing `keyed` call (or `scope`), in call order; a fresh one outside any."""
     if not _KEYS:
         return fresh_key()
     cell = _KEYS[-1]
     keys = mx.random.split(mx.stop_gradient(cell[0]))  # a key has no gradient (RandomBits has no VJP)
     cell[0] = keys[0]
     return keys[1]
+
+
+@contextmanager
+def scope(key: mx.array | None):
+    """Inside, `Dropout` takes its keys from `key` (split in call order) as inside a `keyed` call; None: no
+    change. `models.tiled` runs each tile of a token-wise module under its own key, forward and backward."""
+    if key is None:
+        yield
+        return
+    _KEYS.append([key])
+    try:
+        yield
+    finally:
+        _KEYS.pop()
 
 
 def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool = False):
@@ -55,15 +72,12 @@ def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool 
         keeper = fastmath.KeptAttention() if keep else None
 
         def run(key, *args):
-            if training:
-                _KEYS.append([key])
             if keeper is not None:
                 fastmath.KEEPERS.append(keeper)
             try:
-                return fn(*args)
+                with scope(key if training else None):
+                    return fn(*args)
             finally:
-                if training:
-                    _KEYS.pop()
                 if keeper is not None:
                     fastmath.KEEPERS.pop()
                     keeper.replay = True  # the next trace of this call is the backward's recomputation
@@ -91,7 +105,7 @@ class Dropout(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if self._keep == 1.0 or not self.training:
             return x
-        key = _next_key()
+        key = next_key()
         kernels = fastmath.kernels_for(x)
         if kernels is not None:
             return kernels.dropout(x, key, self._keep)
@@ -106,5 +120,5 @@ class Dropout(nn.Module):
             return x @ w
         kernels = fastmath.kernels_for(x)
         if kernels is not None and w.dtype == mx.float32 and w.ndim == 2:
-            return kernels.lora_down(x, _next_key(), w, self._keep)
+            return kernels.lora_down(x, next_key(), w, self._keep)
         return self(x) @ w

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from ..cpu import fastmath
 from . import dropout
+from .tiled import tiled
 
 
 @dataclass
@@ -172,8 +173,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tile_tokens = 0  # > 0: run over the positions in tiles of this many (`models.tiled`)
 
     def __call__(self, x):
+        return tiled(self, self.swiglu, x, self.tile_tokens)
+
+    def swiglu(self, x):
         return self.down_proj(fastmath.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -239,6 +244,12 @@ class LanguageModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.keep_attention = False  # with checkpointing: the recomputation reuses the forward's attention
+
+    def tile_mlp(self, tokens: int) -> None:
+        """Run every layer's MLP in tiles of `tokens` positions, recomputed tile by tile in the backward
+        (`models.tiled`); 0: over whole sequences."""
+        for layer in self.layers:
+            layer.mlp.tile_tokens = int(tokens)
 
     def __call__(
         self,

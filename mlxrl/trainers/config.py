@@ -77,6 +77,11 @@ class TrainConfig:
                                      "backward (faster at long sequences; 4 x tokens x q heads x (head_dim + 1) bytes "
                                      "more per layer; the native CPU kernel path, elsewhere the attention is "
                                      "recomputed)")
+    tiled_mlp: bool | None = _f(None, "(mlxrl) run each decoder layer's MLP over the sequence in tiles of "
+                                      "tiled_mlp_tokens positions, recomputed tile by tile in the backward, so no "
+                                      "[tokens, intermediate] array exists for the whole sequence (default: on with "
+                                      "gradient_checkpointing, where it costs no extra compute)")
+    tiled_mlp_tokens: int | None = _f(None, "(mlxrl) positions per MLP tile (default: the model's hidden size)")
     dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU); float16 cannot train "
                                  "(no loss scaling): use bfloat16")
     master_weights: bool = _f(True, "(mlxrl) with a bf16 model: keep a float32 master copy of the trainable weights "
@@ -188,6 +193,7 @@ RANGES = {
     "lora_dropout": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
     "q_group_size": _range(lambda v: v in (32, 64, 128), "32, 64 or 128 (the group sizes of mx.quantize)"),
     "chunk_size": _POSITIVE_INT,
+    "tiled_mlp_tokens": _POSITIVE_INT,
     "seq_buckets": _range(lambda v: v >= 1, ">= 1 each"),
     "max_compiled_shapes": _NON_NEGATIVE,
     "max_length": _range(lambda v: v >= 1, ">= 1 tokens (leave it unset for no truncation)"),

@@ -1,15 +1,14 @@
 """The one training engine shared by SFT, DPO and GRPO: the only training loop.
 
-A trainer supplies a batch source (`sources`: SFT's and DPO's datasets through `make_batches(epoch)`,
-GRPO's generation rounds through `make_source()`) and a pure `loss(model, batch, normalizer) -> (loss,
-metrics)`; the engine owns everything else: trainable parameters (full / LoRA / frozen vision), the
-optimizer with its schedule, gradient accumulation (losses normalised by the trained items of the
-whole accumulated batch, as TRL), grad-norm clipping, an `mx.compile`d step per shape bucket (state =
-model, optimizer, random state; one `mx.eval` per micro-batch), evaluation, resumable checkpoints
-(`saving`: trainable weights, optimizer state, step, data position and the source's state; the RNG
-is reseeded from (seed, step) every step, so resuming reproduces the uninterrupted run), logging with
-TRL's metric names plus tokens/s and peak memory (`reporting`), a progress bar, metrics.jsonl, and
-data parallel sums over the ranks (`distributed`).
+A trainer supplies a batch source (`sources`: SFT's and DPO's datasets through `make_batches(epoch)`, GRPO's
+generation rounds through `make_source()`) and a pure `loss(model, batch, normalizer) -> (loss, metrics)`; the
+engine owns everything else: trainable parameters (full / LoRA / frozen vision), the optimizer with its schedule,
+gradient accumulation (losses normalised by the trained items of the whole accumulated batch, as TRL), grad-norm
+clipping, an `mx.compile`d step per shape bucket (state = model, optimizer, random state; one `mx.eval` per
+micro-batch), evaluation, resumable checkpoints (`saving`: trainable weights, optimizer state, step, data position
+and the source's state; the RNG is reseeded from (seed, step) every step, so resuming reproduces the uninterrupted
+run), logging with TRL's metric names plus tokens/s and peak memory (`reporting`), a progress bar, metrics.jsonl,
+and data parallel sums over the ranks (`distributed`).
 
 Nothing is lost (see `checkpoint` and `mlxrl.atomic`): every folder is written aside and renamed into
 place; an output_dir holding another run is refused; Ctrl-C and (in one process) SIGTERM stop at the
@@ -36,6 +35,7 @@ from ..data.batches import pad_image_patches
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
+from ..models.tiled import tile_tokens_for
 from ..optim import make_optimizer
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
@@ -133,6 +133,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
                              "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
         lm = m.language_model
         lm.gradient_checkpointing, lm.keep_attention = bool(a.gradient_checkpointing), bool(a.keep_attention)
+        lm.tile_mlp(tile_tokens_for(a, lm.config.hidden_size))
         if a.keep_attention and (not a.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
             warnings.warn("keep_attention has no effect in this run: it needs gradient_checkpointing and the native "
                           "CPU FlashAttention kernel (float32 on the CPU)", stacklevel=2)
