@@ -44,6 +44,8 @@ Sides, each in its own subprocess:
   ours     mlxrl.SFTTrainer (mlxrl.load; streamed LM head, compiled step, its defaults).
   ours_keep  the same with keep_attention=True (each checkpointed layer's attention output and log-sum-exp
            kept from the forward: the recompute skips the attention; more memory).
+  ours_untiled  the same with tiled_mlp=False (each layer's MLP over the whole row at once: the tiled MLP's
+           memory saving and its cost, side by side).
   trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
            AutoModelForCausalLM / Qwen3VLForConditionalGeneration; Qwen3VLProcessor with the PIL image
            processor for VL: no torchvision here). Its process never imports mlxrl (see bench_sft.run_peak).
@@ -264,7 +266,7 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
     return SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
                      learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
                      max_length=max_length, gradient_checkpointing=True, seed=42,
-                     keep_attention=s.get("keep_attention", False), **kw)
+                     keep_attention=s.get("keep_attention", False), tiled_mlp=s.get("tiled_mlp"), **kw)
 
 
 def run_plan(s: dict) -> dict:
@@ -492,7 +494,8 @@ def run_grpo_trl(s: dict) -> dict:
 
 
 CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours,
-            "ours_keep": lambda s: run_ours({**s, "keep_attention": True}), "trl": run_trl, "mlxlm": run_mlxlm,
+            "ours_keep": lambda s: run_ours({**s, "keep_attention": True}),
+            "ours_untiled": lambda s: run_ours({**s, "tiled_mlp": False}), "trl": run_trl, "mlxlm": run_mlxlm,
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
             "grpo_trl": run_grpo_trl}
 
@@ -622,8 +625,8 @@ def summarise_sft(r: dict, warmup: int, max_length: int) -> dict:
     return r
 
 
-NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "trl": "TRL", "mlxlm": "mlx-lm", "grpo_shared": "mlxrl shared",
-         "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
+NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "ours_untiled": "mlxrl untiled", "trl": "TRL", "mlxlm": "mlx-lm",
+         "grpo_shared": "mlxrl shared", "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
 
 
 def _ratio(a: float, b: float | None) -> str:
@@ -667,7 +670,7 @@ def run_frontier(a, root: Path, tmp: Path, env) -> dict:
                   f"context: {top})"
                   if longest else f"{shape} {mode}: nothing fits {a.budget_gb:g} GB by the planner", flush=True)
             for side in a.sides:
-                todo = lengths[side] or ([longest] if side == "ours" and longest else [])
+                todo = lengths.get(side) or ([longest] if side == "ours" and longest else [])
                 if side == "mlxlm" and vl:
                     todo = []
                 for t in todo:
@@ -777,7 +780,7 @@ def print_sft(a, results: list, peak: float) -> None:
         line = f"  {e['flops'] / 1e12:.3f} TFLOP/step (model); rows identical: {same}"
         if images:
             line += f"; image tokens per row {images}"
-        for mine in ("ours", "ours_keep"):
+        for mine in ("ours", "ours_keep", "ours_untiled"):
             if mine not in ok:
                 continue
             o = ok[mine]
@@ -837,8 +840,9 @@ def main(argv=None):
                          "too), or the decoder linears only (ours' set)")
     ap.add_argument("--max_length", type=int, nargs="+", default=[4096], help="tokens per row (batch 1)")
     ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"],
-                    choices=["ours", "ours_keep", "trl", "mlxlm"],
-                    help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output)")
+                    choices=["ours", "ours_keep", "ours_untiled", "trl", "mlxlm"],
+                    help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output); "
+                         "ours_untiled: mlxrl with tiled_mlp=False")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     ap.add_argument("--lr_full", type=float, default=1e-5)

@@ -329,21 +329,28 @@ SCORE_COPIES = 1.25
 
 
 def layer_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int, kv_heads: int, tokens: int,
-                      scores: int, elem: int, native: bool = False) -> float:
+                      scores: int, elem: int, native: bool = False, mlp_tokens: int | None = None) -> float:
     """Bytes one decoder layer keeps for its backward: `tokens` positions, `scores` attention-score
     elements per head (B L^2 for B rows of L), `elem` bytes per element; `native`: the native CPU
-    kernels run the layer's elementwise work (`cpu.fastmath`)."""
+    kernels run the layer's elementwise work (`cpu.fastmath`); `mlp_tokens`: the positions whose MLP
+    [tokens, intermediate] arrays exist at once (the tiled MLP, `models.tiled`: one tile per call; default
+    all)."""
     k = SAVED_PER_TOKEN_NATIVE if native else SAVED_PER_TOKEN
-    per_token = k["D"] * hidden + k["I"] * intermediate + k["Q"] * heads * head_dim + k["KV"] * kv_heads * head_dim
-    return elem * tokens * per_token + elem * SCORE_COPIES * heads * scores
+    per_token = k["D"] * hidden + k["Q"] * heads * head_dim + k["KV"] * kv_heads * head_dim
+    mlp_tokens = tokens if mlp_tokens is None else mlp_tokens
+    return elem * (tokens * per_token + mlp_tokens * k["I"] * intermediate) + elem * SCORE_COPIES * heads * scores
 
 
 def lora_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int, tokens: int, rank: int,
-                     elem: int, dropout: bool) -> float:
+                     elem: int, dropout: bool, mlp_tokens: int | None = None) -> float:
     """What LoRA adds to a layer: with `dropout` (a dropped copy: the graph path) each adapted layer's
     dropped-out input, and x A ([n, r]) per adapter (seven projections); on a bf16 base (`elem` != 4)
-    each adapted input's float32 cast (the float32 adapters' x @ A) instead."""
-    inputs = 5 * hidden + heads * head_dim + intermediate  # q, k, v, gate, up see D; o sees H*hd; down sees I
+    each adapted input's float32 cast (the float32 adapters' x @ A) instead. `mlp_tokens`: the positions
+    the MLP's three adapters hold at once (as `layer_saved_bytes`)."""
+    mlp_tokens = tokens if mlp_tokens is None else mlp_tokens
+    # q, k, v see D; o sees H*hd; the MLP's gate and up see D, down sees I
+    attn, mlp = 3 * hidden + heads * head_dim, 2 * hidden + intermediate
     if elem != 4:
-        return 4 * tokens * (inputs + 7 * 2 * rank)
-    return elem * tokens * ((inputs if dropout else 0) + 7 * 2 * rank)
+        return 4 * (tokens * (attn + 4 * 2 * rank) + mlp_tokens * (mlp + 3 * 2 * rank))
+    dropped = (tokens * attn + mlp_tokens * mlp) if dropout else 0
+    return elem * (dropped + (tokens * 4 + mlp_tokens * 3) * 2 * rank)

@@ -9,13 +9,15 @@ from .report import dtype_bytes
 
 def _candidates(args, trainer: str):
     """Changes in the order of how little they change the run: same result (chunk size, the attention
-    recomputed, checkpointing, smaller micro-batches with more accumulation), then bf16 weights without a
-    float32 master copy (stochastic rounding), a smaller adapter, LoRA instead of full fine-tuning, a shorter
-    max_length, fewer generations, and last a 4-bit base (QLoRA)."""
+    recomputed, the MLP in tiles, checkpointing, smaller micro-batches with more accumulation), then bf16
+    weights without a float32 master copy (stochastic rounding), a smaller adapter, LoRA instead of full
+    fine-tuning, a shorter max_length, fewer generations, and last a 4-bit base (QLoRA)."""
     yield {"chunk_size": 1024}
     yield {"chunk_size": 256}
     if getattr(args, "keep_attention", False):
         yield {"keep_attention": False}
+    if getattr(args, "tiled_mlp", None) is False:
+        yield {"tiled_mlp": True}
     if not args.gradient_checkpointing:
         yield {"gradient_checkpointing": True}
     b = int(args.per_device_train_batch_size)
