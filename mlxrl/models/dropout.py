@@ -58,7 +58,8 @@ def scope(key: mx.array | None):
 def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool = False):
     """`fn` (a call of `module`) run with one key for its `Dropout` masks, drawn per call; with `checkpoint`,
     as `nn.utils.checkpoint(module, fn)` whose recomputation sees the same masks as the forward. The masks
-    are the same with and without checkpointing. In eval mode (no dropout, no key) `fn` as it is.
+    are the same with and without checkpointing (a tiled MLP, `models.tiled`, draws one key per tile: the
+    same tiles give the same masks). In eval mode (no dropout, no key) `fn` as it is.
 
     keep_attention (with checkpoint, in training): the recomputation reuses the forward's FlashAttention
     outputs instead of running the attention again (`fastmath.KeptAttention`; the native kernel path only,
