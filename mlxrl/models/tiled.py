@@ -50,9 +50,7 @@ def tiled(module: nn.Module, call, x: mx.array, tokens: int) -> mx.array:
     with the tile-by-tile recomputing backward described above. Returns call(x) (same shape as a plain call
     would give) up to float rounding; x with no more than `tokens` positions is a plain call."""
     lead, width = x.shape[:-1], x.shape[-1]
-    n = 1
-    for d in lead:
-        n *= d
+    n = x.size // width  # positions
     if tokens <= 0 or n <= tokens:
         return call(x)
     bounds = tile_bounds(n, tokens)
