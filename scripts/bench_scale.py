@@ -8,6 +8,7 @@
     python scripts/bench_scale.py --frontier --budget_gb 20 --modes lora --steps 1 --warmup 0 \
         --trl_lengths 5120 6144 --ours_lengths 12288      # the longest max_length under 20 GB (root: a cgroup)
     python scripts/bench_scale.py --shapes qwen3-0.6b --layers 1 --max_length 128 --steps 1   # quick check
+    python scripts/bench_scale.py --gpu --modes lora --sides ours trl mlxlm --max_length 4096 16384  # on a GPU
     python scripts/bench_scale.py --grpo --layers 1 --prompt_length 64 --completion_length 8 --num_generations 2
 
 Checkpoints (random weights, real widths, depths and vocabulary; built offline with transformers in float32,
@@ -71,6 +72,14 @@ trained rows, recomputed forward with checkpointing) split into trunk and head: 
 LoRA / QLoRA = 2 x (trunk + head) (no weight gradient for frozen weights) + 3 x the adapters' matmuls; both +
 one trunk (and adapter) forward for checkpointing; VL adds the vision tower's matmuls and attention (3x in full,
 1x in LoRA: nothing before it is trained). Our bucketed image patches (patch_buckets) are not counted.
+
+On a GPU (`--gpu`: MLX's default device, Metal or CUDA, and torch's CUDA device; SFT only): bfloat16 compute on
+every side, as users train there. Ours: `dtype bfloat16` (LoRA: the base bf16, the adapters float32; full: bf16
+weights with float32 master copies); TRL: bf16=True (torch autocast) with the model loaded in bfloat16 for LoRA
+(what its `dtype auto` gives for a bf16 checkpoint; PEFT keeps the adapters float32) and in float32 for full
+(AMP: float32 weights and optimizer, bf16 matmuls); mlx-lm: the weights cast to bfloat16 (`set_dtype`) before
+its LoRA layers. Memory: the device's peak (`mx.get_peak_memory()` / `torch.cuda.max_memory_allocated()`)
+decides the ratios; MFU is against the bf16 matmul peak (`--peak_n`, default 8192 there) measured in the run.
 
 GRPO (`--grpo`, instead of SFT): TRL PR #2669's scaled shape on qwen3-0.6b: one prompt of `--prompt_length`
 2048 tokens per step, G = `--num_generations` 8 completions of at most `--completion_length` 256 tokens, LoRA as
@@ -217,6 +226,19 @@ def ids_hash(ids) -> str:
     return hashlib.sha1(np.asarray(ids, dtype=np.int64).reshape(-1).tobytes()).hexdigest()[:12]
 
 
+class Stamps(list):
+    """Step-end times; each one is also reported on stderr as it happens (seen live with --live: how far a
+    slow or stuck side got, the first step's compilation included)."""
+
+    def __init__(self, side: str):
+        super().__init__()
+        self.side, self.t0 = side, time.perf_counter()
+
+    def append(self, t: float) -> None:
+        super().append(t)
+        print(f"[{self.side}] step {len(self)} ended at {t - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def _per_step(cumulative: list) -> list:
     return [cumulative[0], *(y - x for x, y in zip(cumulative, cumulative[1:], strict=False))]
 
@@ -234,7 +256,7 @@ def run_ours(s: dict) -> dict:
     base = rss_gb()
     model, processor = mlxrl.load(s["ckpt"])
     args = _sft_args(s, SFTConfig, s["max_length"])
-    stamps: list[float] = []
+    stamps = Stamps("ours")
     trainer = SFT._timed_trainer(SFTTrainer, stamps)(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
@@ -242,8 +264,10 @@ def run_ours(s: dict) -> dict:
     logs = [e for e in trainer.log_history if "loss" in e]
     out = {"stamps": [t0, *stamps], "tokens": _per_step([e["num_tokens"] for e in logs]),
            "loss": [e["loss"] for e in logs], "peak_rss_gb": rss_gb(), "base_rss_gb": base,
-           "mlx_peak_gb": mx.get_peak_memory() / 1e9,
+           "mlx_peak_gb": mx.get_peak_memory() / 1e9, "device": str(mx.default_device()),
            "trainable": sum(v.size for _, v in tree_flatten(trainer.model.trainable_parameters()))}
+    if s.get("gpu"):
+        out["device_peak_gb"] = out["mlx_peak_gb"]
     try:  # internals that may move: best effort
         first = trainer.train_examples[0]
         out["row_hash"] = ids_hash(first.input_ids)
@@ -263,6 +287,8 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
         kw = dict(use_peft=True, lora_r=16, lora_alpha=32, lora_dropout=s["lora_dropout"])
     if s["mode"] == "qlora":
         kw.update({f"load_in_{s['bits']}bit": True, "q_group_size": s["q_group_size"]})
+    if s.get("gpu"):
+        kw["dtype"] = "bfloat16"
     return SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
                      learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
                      max_length=max_length, gradient_checkpointing=True, seed=42,
@@ -314,23 +340,27 @@ def run_trl(s: dict) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(2)
+    gpu = bool(s.get("gpu"))
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu: torch sees no CUDA device")
+    dtype = torch.bfloat16 if gpu and s["mode"] != "full" else torch.float32  # full on a GPU: AMP
     rows = make_rows(s)
     base = rss_gb()
     if s["vl"]:
-        model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(s["ckpt"], dtype=torch.float32)
+        model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(s["ckpt"], dtype=dtype)
         processing = _hf_vl_processor(s["ckpt"])
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(s["ckpt"], dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(s["ckpt"], dtype=dtype)
         processing = transformers.AutoTokenizer.from_pretrained(s["ckpt"])
-    stamps: list[float] = []
+    stamps = Stamps("trl")
 
     class Stamp(TrainerCallback):
         def on_step_end(self, *args, **kw):
             stamps.append(time.perf_counter())
 
     args = SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
-                     learning_rate=s["lr"], logging_steps=1, save_strategy="no", report_to="none", bf16=False,
-                     use_cpu=True, gradient_checkpointing=True, max_length=s["max_length"], disable_tqdm=True,
+                     learning_rate=s["lr"], logging_steps=1, save_strategy="no", report_to="none", bf16=gpu,
+                     use_cpu=not gpu, gradient_checkpointing=True, max_length=s["max_length"], disable_tqdm=True,
                      seed=42, dataloader_num_workers=0, optim="adamw_torch", max_grad_norm=1.0, weight_decay=0.0)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=processing,
                          peft_config=_lora_config(s) if s["mode"] == "lora" else None, callbacks=[Stamp()])
@@ -341,6 +371,9 @@ def run_trl(s: dict) -> dict:
     logs = [e for e in trainer.state.log_history if "loss" in e]
     out = {"stamps": [t0, *stamps], "tokens": _per_step([e["num_tokens"] for e in logs]),
            "loss": [e["loss"] for e in logs], "peak_rss_gb": peak, "base_rss_gb": base, "trainable": trainable}
+    if gpu:
+        out["device_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        out["device"] = torch.cuda.get_device_name()
     batch = next(iter(trainer.get_train_dataloader()))  # after timing: the collated first row
     out["row_hash"] = ids_hash(batch["input_ids"][0].tolist())
     out["trained_per_step"] = int((batch["labels"][:, 1:] != -100).sum())
@@ -372,6 +405,8 @@ def run_mlxlm(s: dict) -> dict:
     assert all(len(x) == t for x in ids), "a row is shorter than max_length"
     base = rss_gb()
     model, config = load_model(Path(s["ckpt"]))
+    if s.get("gpu"):  # as a bf16 checkpoint loads
+        model.set_dtype(mx.bfloat16)
     if s["mode"] == "qlora":  # as mlx_lm.convert --quantize does (its default predicate: every divisible layer)
         decoder = (lambda path, m: "embed_tokens" not in path) if s["mlxlm_quant"] == "decoder" else None
         model, _ = quantize_model(model, config, group_size=s["q_group_size"], bits=s["bits"],
@@ -407,7 +442,37 @@ def run_mlxlm(s: dict) -> dict:
         pass
     return {"stamps": [t0, *stamps], "tokens": [t] * len(stamps), "loss": losses, "peak_rss_gb": rss_gb(),
             "base_rss_gb": base, "mlx_peak_gb": mx.get_peak_memory() / 1e9, "trainable": trainable,
-            "row_hash": ids_hash(ids[0]), "trained_per_step": _per_step(trained)[-1], "blas": blas.BLAS_IN_USE}
+            "row_hash": ids_hash(ids[0]), "trained_per_step": _per_step(trained)[-1], "blas": blas.BLAS_IN_USE,
+            **({"device_peak_gb": mx.get_peak_memory() / 1e9} if s.get("gpu") else {})}
+
+
+def run_gpu_peak(s: dict) -> dict:
+    """Child: the best bf16 n x n matmul of MLX on its default device and of torch on CUDA, TFLOP/s (best of 5
+    timed products after 3 warm-ups; the GPU side's MFU denominator)."""
+    sys.path.insert(0, str(ROOT))
+    import mlxrl  # noqa: F401, I001
+    import mlx.core as mx
+    import torch
+
+    n, flops, res = s["n"], 2 * s["n"] ** 3, {}
+    a = mx.random.normal((n, n)).astype(mx.bfloat16)
+    times = []
+    for _ in range(8):
+        t0 = time.perf_counter()
+        mx.eval(a @ a)
+        times.append(time.perf_counter() - t0)
+    res["mlx"] = flops / min(times[3:]) / 1e12
+    if torch.cuda.is_available():
+        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        times = []
+        for _ in range(8):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            x @ x
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        res["torch"] = flops / min(times[3:]) / 1e12
+    return {**res, "mlx_device": str(mx.default_device())}
 
 
 # ---------------------------------------------------------------------------------------------- GRPO children
@@ -497,7 +562,7 @@ CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours,
             "ours_keep": lambda s: run_ours({**s, "keep_attention": True}),
             "ours_untiled": lambda s: run_ours({**s, "tiled_mlp": False}), "trl": run_trl, "mlxlm": run_mlxlm,
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
-            "grpo_trl": run_grpo_trl}
+            "grpo_trl": run_grpo_trl, "gpu_peak": run_gpu_peak}
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -546,6 +611,7 @@ class Budget:
 
 
 BUDGET: Budget | None = None
+LIVE = False  # --live: each side's stderr (its step stamps, warnings, a traceback) passes through as it comes
 
 
 def child(side: str, spec: dict, env: dict | None = None) -> dict:
@@ -554,7 +620,8 @@ def child(side: str, spec: dict, env: dict | None = None) -> dict:
     t0 = time.perf_counter()
     kills = BUDGET.oom_kills() if BUDGET else 0
     proc = subprocess.run([sys.executable, __file__, "--side", side, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, preexec_fn=BUDGET.join if BUDGET else None)
+                          stdout=subprocess.PIPE, stderr=None if LIVE else subprocess.PIPE, text=True, env=env,
+                          preexec_fn=BUDGET.join if BUDGET else None)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     print(f"[{side} done in {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
     if proc.returncode or not line:
@@ -637,7 +704,7 @@ def sft_spec(a, folder: Path, out: Path, mode: str, t: int, vl: bool) -> dict:
     return {"ckpt": str(folder), "out": str(out), "mode": mode, "bits": a.quant, "q_group_size": a.q_group_size,
             "max_length": t, "steps": a.steps, "warmup": a.warmup, "lr": a.lr_full if mode == "full" else a.lr_lora,
             "lora_dropout": a.lora_dropout, "vl": vl, "images": a.images, "image_px": a.image_px,
-            "mlxlm_quant": a.mlxlm_quant}
+            "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu}
 
 
 def run_frontier(a, root: Path, tmp: Path, env) -> dict:
@@ -714,9 +781,14 @@ def print_frontier(a, results: list) -> None:
 
 def run_sft(a, root: Path, tmp: Path, env) -> dict:
     modes = list(a.modes) + (["qlora"] if a.quant else [])
-    peaks = [SFT._peaks(a.peak_n)]
-    print(f"fp32 matmul {a.peak_n}^2, best of 5: MLX ({peaks[0]['blas']}) {peaks[0]['mlx']:.1f}, "
-          f"torch {peaks[0]['torch']:.1f} GFLOP/s", flush=True)
+    if a.gpu:  # TFLOP/s -> GFLOP/s, as the CPU figures
+        peaks = [{k: v * 1e3 if k in ("mlx", "torch") else v for k, v in child("gpu_peak", {"n": a.peak_n}).items()}]
+        print(f"bf16 matmul {a.peak_n}^2, best of 5: MLX ({peaks[0].get('mlx_device')}) {peaks[0]['mlx']:.0f}, "
+              f"torch {peaks[0].get('torch', 0):.0f} GFLOP/s", flush=True)
+    else:
+        peaks = [SFT._peaks(a.peak_n)]
+        print(f"fp32 matmul {a.peak_n}^2, best of 5: MLX ({peaks[0]['blas']}) {peaks[0]['mlx']:.1f}, "
+              f"torch {peaks[0]['torch']:.1f} GFLOP/s", flush=True)
     results = []
     for shape in a.shapes:
         folder = checkpoint(root, shape, a.layers, env)
@@ -735,8 +807,9 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
                     r = child(side, sft_spec(a, folder, tmp / f"{shape}-{t}-{mode}-{side}", mode, t, vl), env)
                     if "error" not in r:
                         r = summarise_sft(r, a.warmup, t)
+                        dev = f", device peak {r['device_peak_gb']:.2f} GB" if "device_peak_gb" in r else ""
                         print(f"{shape} T={t} {mode} {NAMES[side]}: {r['s_per_step']:.2f} s/step, "
-                              f"{r['tokens_per_s']:.1f} tokens/s, peak RSS {r['peak_rss_gb']:.2f} GB, "
+                              f"{r['tokens_per_s']:.1f} tokens/s, peak RSS {r['peak_rss_gb']:.2f} GB{dev}, "
                               f"losses {[round(x, 4) for x in r['loss']]}", flush=True)
                     entry["sides"][side] = r
                 grids = next((r["grids"] for r in entry["sides"].values() if r.get("grids")), ())
@@ -744,10 +817,11 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
                                 if s != "mlxlm" and r.get("trained_per_step")), t - 1)
                 entry["flops"] = step_flops(config, t, trained, mode, grids)
                 results.append(entry)
-    peaks.append(SFT._peaks(a.peak_n))
-    peak = max(max(p["mlx"], p["torch"]) for p in peaks)
-    print(f"fp32 matmul {a.peak_n}^2 after the runs: MLX {peaks[1]['mlx']:.1f}, torch {peaks[1]['torch']:.1f} "
-          f"GFLOP/s; peak used for MFU: {peak:.1f} GFLOP/s")
+    if not a.gpu:
+        peaks.append(SFT._peaks(a.peak_n))
+    peak = max(max(p["mlx"], p.get("torch", 0)) for p in peaks)
+    print(f"{'bf16' if a.gpu else 'fp32'} matmul {a.peak_n}^2 after the runs: MLX {peaks[-1]['mlx']:.1f}, "
+          f"torch {peaks[-1].get('torch', 0):.1f} GFLOP/s; peak used for MFU: {peak:.1f} GFLOP/s")
     print_sft(a, results, peak)
     return {"peaks": peaks, "peak_gflops": peak, "runs": results}
 
@@ -755,19 +829,21 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
 def print_sft(a, results: list, peak: float) -> None:
     depth = f"{a.layers} of {DEPTH} layers (--layers)" if a.layers else f"{DEPTH} layers"
     print()
-    print(f"SFT step, random checkpoints ({depth}), batch 1, float32, gradient checkpointing on every side, AdamW, "
+    where = "bfloat16 on the GPU (--gpu)" if a.gpu else "float32"
+    print(f"SFT step, random checkpoints ({depth}), batch 1, {where}, gradient checkpointing on every side, AdamW, "
           f"lr full {a.lr_full:g} / LoRA {a.lr_lora:g}, LoRA r16 alpha 32 dropout {a.lora_dropout:g} on the seven "
           f"projections; median of {a.steps} step(s) after {a.warmup} warm-up; MFU vs {peak:.1f} GFLOP/s")
     print(f"{'shape':12} {'T':>5} {'mode':5} {'side':7} {'s/step':>8} {'tokens/s':>9} {'peak RSS':>9} "
-          f"{'above base':>10} {'MLX peak':>9} {'MFU':>6} {'trainable':>10} {'tok/step':>8} {'trained':>8} "
-          f"{'row':>12}  loss")
+          f"{'above base':>10} {'dev peak' if a.gpu else 'MLX peak':>9} {'MFU':>6} {'trainable':>10} "
+          f"{'tok/step':>8} {'trained':>8} {'row':>12}  loss")
     for e in results:
         for side, r in e["sides"].items():
             head = f"{e['shape']:12} {e['max_length']:5} {e['mode']:5} {NAMES[side]:7}"
             if "na" in r or "error" in r:
                 print(f"{head} {'n/a: ' + r['na'] if 'na' in r else 'failed: ' + r['error']}")
                 continue
-            mlx_peak = f"{r['mlx_peak_gb']:9.2f}" if "mlx_peak_gb" in r else f"{'-':>9}"
+            key = "device_peak_gb" if a.gpu else "mlx_peak_gb"
+            mlx_peak = f"{r[key]:9.2f}" if key in r else f"{'-':>9}"
             mfu = e["flops"] / r["s_per_step"] / 1e9 / peak
             print(f"{head} {r['s_per_step']:8.2f} {r['tokens_per_s']:9.1f} {r['peak_rss_gb']:9.2f} "
                   f"{r['peak_rss_gb'] - r['base_rss_gb']:10.2f} {mlx_peak} {mfu:6.1%} {r['trainable'] / 1e6:9.2f}M "
@@ -787,6 +863,11 @@ def print_sft(a, results: list, peak: float) -> None:
             for other in ("trl", "mlxlm"):
                 if other in ok:
                     r = ok[other]
+                    if a.gpu and "device_peak_gb" in o and "device_peak_gb" in r:
+                        line += (f"; {NAMES[mine]}/{NAMES[other]}: tokens/s "
+                                 f"{_ratio(o['tokens_per_s'], r['tokens_per_s'])}, device peak "
+                                 f"{_ratio(o['device_peak_gb'], r['device_peak_gb'])}")
+                        continue
                     line += (f"; {NAMES[mine]}/{NAMES[other]}: tokens/s "
                              f"{_ratio(o['tokens_per_s'], r['tokens_per_s'])}, "
                              f"peak RSS {_ratio(o['peak_rss_gb'], r['peak_rss_gb'])} (above base "
@@ -850,7 +931,9 @@ def main(argv=None):
     ap.add_argument("--lora_dropout", type=float, default=0.05, help="TRL's ModelConfig default")
     ap.add_argument("--images", type=int, default=1, choices=[1, 2, 3, 4], help="images per VL row")
     ap.add_argument("--image_px", type=int, default=448, help="VL image side in pixels (up to 896)")
-    ap.add_argument("--peak_n", type=int, default=2048, help="matmul size for the fp32 peak")
+    ap.add_argument("--peak_n", type=int, help="matmul size for the MFU peak (default 2048 fp32; --gpu: 8192 bf16)")
+    ap.add_argument("--gpu", action="store_true", help="SFT on MLX's default device and torch's CUDA, bfloat16")
+    ap.add_argument("--live", action="store_true", help="pass each side's stderr through as it comes (its steps)")
     ap.add_argument("--grpo", action="store_true", help="run the GRPO benchmark (instead of SFT)")
     ap.add_argument("--grpo_shape", default="qwen3-0.6b", choices=[k for k, v in SHAPES.items() if v[0] == "text"])
     ap.add_argument("--grpo_sides", nargs="+", default=["grpo_shared", "grpo_unshared", "grpo_trl"],
@@ -880,6 +963,9 @@ def main(argv=None):
     if a.side:  # a child process
         print("RESULT " + json.dumps(CHILDREN[a.side](json.loads(a.spec))), flush=True)
         return
+    a.peak_n = a.peak_n or (8192 if a.gpu else 2048)
+    if a.gpu and (a.grpo or a.frontier or a.budget_gb):
+        ap.error("--gpu: the SFT table only (no --grpo, --frontier, --budget_gb)")
     if a.image_px > 896 or a.image_px < 32:
         ap.error("--image_px: 32 to 896")
     env = None
@@ -888,8 +974,9 @@ def main(argv=None):
         env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:glibc.malloc.hugetlb=1".lstrip(":")}
     if a.frontier and not a.budget_gb:
         ap.error("--frontier needs --budget_gb")
-    global BUDGET
+    global BUDGET, LIVE
     BUDGET = Budget(a.budget_gb) if a.budget_gb else None
+    LIVE = a.live
     root = Path(a.ckpt_dir)
     root.mkdir(parents=True, exist_ok=True)
     try:
