@@ -1,13 +1,32 @@
 """Shared fixtures: tiny random checkpoints (built once per arch per session) and the Qwen tokenizer."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 
-import mlxrl  # noqa: F401  (loads the fast BLAS before any test module imports mlx.core)
+# On a GPU (MLX's CUDA backend) float32 matmuls run in TF32 by default (MLX_ENABLE_TF32=1: ~1e-3 relative
+# error): the equivalence tests compare float32 against float32 references at 1e-4 to 1e-6, so they turn it
+# off, as torch's default does. Read by MLX at its first matmul, so set before anything runs one.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
+
+import mlxrl  # noqa: E402, F401  (loads the fast BLAS before any test module imports mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
+# On a GPU default device mlxrl computes in bf16 by default: the float32 equivalence tests pin float32 there
+# (the bf16 lane, tests/test_mixed_precision.py, asks for bf16 itself), and the native CPU kernels never run.
+ON_GPU = mx.default_device() == mx.gpu
+if ON_GPU:
+    os.environ.setdefault("MLXRL_DTYPE", "float32")
+
+
+def skip_native_on_gpu(param: str) -> None:
+    """A "native" parameter on a GPU default device would repeat the graph path: skipped."""
+    if ON_GPU and param == "native":
+        pytest.skip("the native CPU kernels run on CPU arrays only; the default device is a GPU")
 
 
 def tiny_checkpoints_module():
@@ -49,6 +68,7 @@ def kernel_path(request, monkeypatch):
     """Run a test on both code paths: "native" (float32 CPU arrays through mlxrl.native's kernels) and
     "graph" (MLX's own ops and mlxrl's MLX-graph head, attention and optimizer: what runs on Metal and
     CUDA; the same as MLXRL_NATIVE=0)."""
+    skip_native_on_gpu(request.param)
     if request.param == "graph":
         from mlxrl.cpu import native
 

@@ -428,7 +428,8 @@ def test_model_references(argv, needles, workspace, capsys, monkeypatch):
 def test_real_processes_exit_2_with_one_line(tmp_path):
     """The real process (argparse's exit and the trainer CLI's): status 2, one line, no usage dump."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
-           "PYTHONPATH": str(Path(mlxrl.__file__).parents[1])}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(mlxrl.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH")]))}
     env.pop("MLXRL_DEBUG", None)
     for argv, needle in [(["mlxrl.sft", "--learning_rat", "1"], "unrecognized arguments: --learning_rat"),
                          (["mlxrl.sft", "--model", "Qwen/Qwen3-VL-3B-Instruct"], "nearest: Qwen/Qwen3-VL-2B")]:

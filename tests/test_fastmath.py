@@ -17,12 +17,14 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import skip_native_on_gpu
 
 from mlxrl.cpu import fastmath, native
 
 
 @pytest.fixture(params=["native", "mlx-ops"])
 def path(request, monkeypatch):
+    skip_native_on_gpu(request.param)
     if request.param == "mlx-ops":
         monkeypatch.setattr(native, "load", lambda: None)
     return request.param
@@ -46,12 +48,13 @@ def test_exp_matches_float64_reference(path):
 
 def test_exp_underflow_inf_and_nan(path):
     x = mx.array([-88.5, -100.0, -np.inf, np.nan, -1e30, 88.8, 1e30, np.inf], dtype=mx.float32)
+    tiny = np.finfo(np.float32).tiny  # CUDA's exp keeps subnormals (exp(-100) = 3.7e-44); the CPU flushes them
     for got in (np.array(fastmath.exp(x)), np.array(fastmath.exp_shift(x, mx.array(0.0)))):
-        assert got[[0, 1, 2, 4]].tolist() == [0.0] * 4 and np.isnan(got[3])
+        assert ((got[[0, 1, 2, 4]] >= 0) & (got[[0, 1, 2, 4]] < tiny)).all() and np.isnan(got[3])
     assert np.isposinf(np.array(fastmath.exp(x))[5:]).all()
     if path == "native":  # the MLX-ops fallback of exp_shift saturates at exp(88): the sampler's z - max <= 0
         assert np.isposinf(np.array(fastmath.exp_shift(x, mx.array(0.0)))[5:]).all()
-    assert np.array(mx.exp(x))[[0, 1, 2, 4]].tolist() == [0.0] * 4  # what mx.exp gives there too
+    assert (np.array(mx.exp(x))[[0, 1, 2, 4]] < tiny).all()  # what mx.exp gives there too
 
 
 def test_sigmoid_silu_softmax_values(path):

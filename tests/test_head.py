@@ -5,6 +5,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import skip_native_on_gpu
 from mlx.utils import tree_flatten
 
 from mlxrl.cpu import fastmath
@@ -187,6 +188,7 @@ def _naive_loss(loss_type, t, num_items, temp, extra):
 def head_path(request, monkeypatch):
     """The fused head on both paths: the native CPU kernel (nll / dft on float32 CPU arrays) and
     the MLX graph of row chunks (everywhere else, and every callable loss)."""
+    skip_native_on_gpu(request.param)
     if request.param == "mlx-ops":
         monkeypatch.setattr(fused_head, "_NATIVE_MODES", {})
     else:

@@ -29,7 +29,8 @@ def test_blas_choice_is_applied_and_reported():
     assert blas.BLAS_IN_USE in runtime.startup_line()
 
 
-def test_compute_dtype_policy():
+def test_compute_dtype_policy(monkeypatch):
+    monkeypatch.delenv("MLXRL_DTYPE", raising=False)  # tests/conftest.py pins float32 on a GPU
     expected = mx.bfloat16 if runtime.default_device_kind() == "gpu" else mx.float32
     assert runtime.compute_dtype() == expected
     assert runtime.compute_dtype("bf16") == mx.bfloat16

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import re
 
+import mlx.core as mx
+
 # model_type -> module under mlxrl.models defining `Model`
 ARCHITECTURES = {
     "qwen2": "qwen_text",
@@ -41,6 +43,9 @@ def build_model(config: dict):
         return cls(config)
     except Exception as e:  # the config's values flow into dataclasses, shapes and layer counts
         text = (str(e).strip().splitlines() or [""])[0]
+        if isinstance(e, RuntimeError):  # the device or allocator failing (a CUDA error, no memory): not the config
+            raise UnsupportedModelError(f"model_type {config.get('model_type')!r}: building the model failed on "
+                                        f"{mx.default_device()} ({text})") from None
         missing = re.findall(r"'(\w+)'", text) if "required" in text and "argument" in text else []
         if missing:
             why = f"is missing field(s) {', '.join(missing)}"
