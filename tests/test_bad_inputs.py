@@ -402,6 +402,23 @@ def test_model_configs(edit, needles, broken_model, workspace, capsys):
     assert_one_line(code, err, needles, workspace, before)
 
 
+def test_a_device_failure_while_building_is_not_blamed_on_the_config(broken_model, workspace, capsys, monkeypatch):
+    """MLX's device failing while the model is built (as a CUDA error did on a GPU): one line saying so, not a
+    damaged config.json."""
+    import mlxrl.models as models
+
+    class Fails:
+        def __init__(self, config):
+            raise RuntimeError("cudaMallocManaged(&data, size) failed: an illegal memory access was encountered")
+
+    folder = broken_model(lambda path, cfg: None)
+    monkeypatch.setattr(models, "model_class", lambda config: Fails)
+    before = _snapshot(workspace)
+    code, err = run_main(sft_main, ["--model", str(folder), "--dataset", "good.jsonl"], capsys)
+    assert_one_line(code, err, ["building the qwen3 model failed on", "illegal memory access"], workspace, before)
+    assert "config.json" not in err and "damaged" not in err, err
+
+
 MODEL_REFERENCE_CASES = [
     ("never-published size", ["--model", "Qwen/Qwen3-VL-3B-Instruct"],
      ["Qwen3-VL comes in 2B/4B/8B/32B", "Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-4B-Instruct"]),

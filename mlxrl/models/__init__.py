@@ -7,6 +7,8 @@ import re
 
 import mlx.core as mx
 
+from ..hub import MlxrlError
+
 # model_type -> module under mlxrl.models defining `Model`
 ARCHITECTURES = {
     "qwen2": "qwen_text",
@@ -44,8 +46,8 @@ def build_model(config: dict):
     except Exception as e:  # the config's values flow into dataclasses, shapes and layer counts
         text = (str(e).strip().splitlines() or [""])[0]
         if isinstance(e, RuntimeError):  # the device or allocator failing (a CUDA error, no memory): not the config
-            raise UnsupportedModelError(f"model_type {config.get('model_type')!r}: building the model failed on "
-                                        f"{mx.default_device()} ({text})") from None
+            raise MlxrlError(f"building the {config.get('model_type')} model failed on {mx.default_device()} "
+                             f"(RuntimeError: {text})") from None
         missing = re.findall(r"'(\w+)'", text) if "required" in text and "argument" in text else []
         if missing:
             why = f"is missing field(s) {', '.join(missing)}"
