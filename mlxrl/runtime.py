@@ -172,15 +172,30 @@ def startup_line(dtype: mx.Dtype | None = None, note: str = "") -> str:
 _SET_UP = False
 
 
-def setup(cli: bool = False) -> None:
+def apply_tf32(flag: bool | None = None) -> bool:
+    """Whether float32 matmuls may run in TF32 on an NVIDIA GPU; returns the setting in effect.
+
+    MLX's CUDA backend runs float32 matmuls and convolutions in TF32 (10-bit mantissa, ~1e-3 relative
+    error) unless MLX_ENABLE_TF32=0; torch's default is full float32, which transformers' `tf32=None`
+    leaves as it is. mlxrl follows torch (and so TRL): off unless `tf32=True`, or MLX_ENABLE_TF32 set in
+    the environment when `flag` is None. MLX reads the variable once, at its first float32 matmul on
+    the GPU: the CLIs and trainers call this before anything runs one (in Python, call it, or export the
+    variable, before running a model). No effect on the CPU, Metal, or bf16 compute."""
+    if flag is not None or "MLX_ENABLE_TF32" not in os.environ:
+        os.environ["MLX_ENABLE_TF32"] = "1" if flag else "0"
+    return os.environ["MLX_ENABLE_TF32"] not in ("0", "")
+
+
+def setup(cli: bool = False, tf32: bool | None = None) -> None:
     """What mlxrl changes in the process, done when asked instead of at import: a CLI
     (`cli=True`, called first thing in its main) re-executes itself with malloc's huge pages (only
-    for `python -m mlxrl...`; the new process sees the tunable and goes on); the first call sets
-    MLX's CPU buffer cache (`default_cache_limit`; a trainer's --cache_limit is applied after it)
-    and malloc's reuse of freed memory (`keep_freed_memory`)."""
+    for `python -m mlxrl...`; the new process sees the tunable and goes on); every call applies
+    `tf32` (`apply_tf32`); the first call sets MLX's CPU buffer cache (`default_cache_limit`; a
+    trainer's --cache_limit is applied after it) and malloc's reuse of freed memory (`keep_freed_memory`)."""
     global _SET_UP
     if cli:
         blas.reexec_with_huge_pages()
+    apply_tf32(tf32)
     if not _SET_UP:
         default_cache_limit()
         keep_freed_memory()

@@ -162,3 +162,22 @@ def test_reexec_only_for_python_m_mlxrl():
     assert "tunables: None" in out.stdout, out
     out = run("import mlxrl.runtime as r, os; r.setup(cli=True); print('tunables:', os.environ.get('GLIBC_TUNABLES'))")
     assert "tunables: None" in out.stdout, out
+
+
+def test_tf32_follows_torch_unless_asked(monkeypatch, tmp_path):
+    """float32 on an NVIDIA GPU: full float32 matmuls unless --tf32 (torch's default; MLX's own is TF32).
+    MLX reads MLX_ENABLE_TF32 at its first GPU matmul: the trainer sets it before it runs one."""
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    assert runtime.apply_tf32() is False and os.environ["MLX_ENABLE_TF32"] == "0"
+    monkeypatch.setenv("MLX_ENABLE_TF32", "1")  # the user's environment decides when the flag is not given
+    assert runtime.apply_tf32(None) is True and os.environ["MLX_ENABLE_TF32"] == "1"
+    assert runtime.apply_tf32(False) is False and os.environ["MLX_ENABLE_TF32"] == "0"
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.flags import build_parser, config_from_args
+
+    parser = build_parser(SFTConfig, "sft", "")
+    for argv, want in [(["--tf32", "true"], "1"), (["--tf32", "false"], "0"), ([], "0")]:
+        monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+        args = config_from_args(SFTConfig, parser.parse_args(["--output_dir", str(tmp_path / "run"), *argv]))
+        runtime.setup(tf32=args.tf32)
+        assert os.environ["MLX_ENABLE_TF32"] == want, argv

@@ -102,7 +102,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         check_config(args)  # types, ranges, choices, refused TRL fields: one line each
         check_optim(args)
         check_trainable_dtypes(model)
-        runtime.setup()  # MLX's CPU buffer cache (nothing is set at import)
+        runtime.setup(tf32=args.tf32)  # MLX's CPU buffer cache, TF32 on a GPU (nothing is set at import)
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
