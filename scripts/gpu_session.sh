@@ -6,6 +6,9 @@
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
 #                                           # MLX CUDA wheel, install, then the GPU bench (--live) and the
 #                                           # suite on 16 workers, for about N seconds (default 540) in all
+#   bash scripts/gpu_session.sh sanitize T  # there, after `run` on the same machine: the tests T (pytest ids)
+#                                           # under compute-sanitizer memcheck, which names the kernel of an
+#                                           # illegal memory access (into $OUT/sanitize.log)
 #
 # `prepare` adds /.whl1/ and /.whl2/ to .git/info/exclude. Results land in $OUT (bench.log, pytest.log,
 # junit.xml). The suite runs with -v (one line per test as it ends), so a run cut short still names what ran.
@@ -51,7 +54,15 @@ run)
   echo "suite ended at $(( $(date +%s) - t0 )) s"
   grep -cE " PASSED " "$OUT/pytest.log"; grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -40
   ;;
+sanitize)
+  shift
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  "$sanitizer" --tool memcheck --print-limit 4 --show-backtrace device python3 -m pytest -x -q -o addopts="" \
+    -p no:cacheprovider -p no:warnings "$@" > "$OUT/sanitize.log" 2>&1
+  grep -m 12 -E "Invalid|Program hit|at .*(kernel|Kernel)|ERROR SUMMARY|passed|failed" "$OUT/sanitize.log"
+  ;;
 *)
-  sed -n 2,12p "$0"; exit 2
+  sed -n 2,13p "$0"; exit 2
   ;;
 esac
