@@ -173,14 +173,15 @@ _SET_UP = False
 
 
 def apply_tf32(flag: bool | None = None) -> bool:
-    """Whether float32 matmuls may run in TF32 on an NVIDIA GPU; returns the setting in effect.
+    """Whether float32 matmuls may run in TF32 on a GPU; returns the setting in effect.
 
     MLX's CUDA backend runs float32 matmuls and convolutions in TF32 (10-bit mantissa, ~1e-3 relative
-    error) unless MLX_ENABLE_TF32=0; torch's default is full float32, which transformers' `tf32=None`
-    leaves as it is. mlxrl follows torch (and so TRL): off unless `tf32=True`, or MLX_ENABLE_TF32 set in
-    the environment when `flag` is None. MLX reads the variable once, at its first float32 matmul on
-    the GPU: the CLIs and trainers call this before anything runs one (in Python, call it, or export the
-    variable, before running a model). No effect on the CPU, Metal, or bf16 compute."""
+    error) unless MLX_ENABLE_TF32=0 (its Metal backend reads the same switch for the neural accelerators'
+    matmuls of newer Apple GPUs); torch's default is full float32, which transformers' `tf32=None` leaves
+    as it is. mlxrl follows torch (and so TRL): off unless `tf32=True`, or MLX_ENABLE_TF32 set in the
+    environment when `flag` is None. MLX reads the variable once, at its first float32 matmul on the GPU:
+    the CLIs and trainers call this before anything runs one (in Python, call it, or export the variable,
+    before running a model). No effect on the CPU or on bf16 compute."""
     if flag is not None or "MLX_ENABLE_TF32" not in os.environ:
         os.environ["MLX_ENABLE_TF32"] = "1" if flag else "0"
     return os.environ["MLX_ENABLE_TF32"] not in ("0", "")

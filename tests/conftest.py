@@ -11,9 +11,8 @@ import pytest
 # off, as torch's default does. Read by MLX at its first matmul, so set before anything runs one.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+import mlxrl  # noqa: E402, F401, I001  (loads the fast BLAS before anything imports mlx.core)
 import mlx.core as mx  # noqa: E402
-
-import mlxrl  # noqa: E402, F401  (loads the fast BLAS before any test module imports mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
 # On a GPU default device mlxrl computes in bf16 by default: the float32 equivalence tests pin float32 there

@@ -84,8 +84,9 @@ class TrainConfig:
     tiled_mlp_tokens: int | None = _f(None, "(mlxrl) positions per MLP tile (default: the model's hidden size)")
     dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU); float16 cannot train "
                                  "(no loss scaling): use bfloat16")
-    tf32: bool | None = _f(None, "TF32 matmuls for float32 compute on an NVIDIA GPU (MLX's CUDA backend; no effect "
-                                 "on CPU, Metal or bf16); default off, as torch's, or MLX_ENABLE_TF32 when set")
+    tf32: bool | None = _f(None, "TF32 matmuls for float32 compute on a GPU (MLX's CUDA backend, Metal's neural "
+                                 "accelerators; no effect on CPU or bf16); default off, as torch's, or "
+                                 "MLX_ENABLE_TF32 when set")
     master_weights: bool = _f(True, "(mlxrl) with a bf16 model: keep a float32 master copy of the trainable weights "
                                     "(as torch AMP); false: update the bf16 weights with stochastic rounding instead "
                                     "(4 bytes per trainable parameter less; see README, GPU and Apple Silicon)")
