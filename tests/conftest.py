@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
-# On a GPU (MLX's CUDA backend) float32 matmuls run in TF32 by default (MLX_ENABLE_TF32=1: ~1e-3 relative
-# error): the equivalence tests compare float32 against float32 references at 1e-4 to 1e-6, so they turn it
-# off, as torch's default does. Read by MLX at its first matmul, so set before anything runs one.
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
-
-import mlxrl  # noqa: E402, F401, I001  (loads the fast BLAS before anything imports mlx.core)
-import mlx.core as mx  # noqa: E402
+from mlxrl import runtime  # (imports mlxrl: the fast BLAS before anything imports mlx.core)
 
 ROOT = Path(__file__).resolve().parents[1]
+# On a GPU float32 matmuls would run in TF32 (MLX's CUDA default, ~1e-3 relative error): the equivalence tests
+# compare float32 against float32 references at 1e-4 to 1e-6, so they keep full float32, as torch's default
+# and mlxrl's trainers do (`runtime.apply_tf32`; MLX_ENABLE_TF32 from the environment wins). Before any matmul.
+runtime.apply_tf32()
+
+import mlx.core as mx  # noqa: E402  (after mlxrl)
+
 # On a GPU default device mlxrl computes in bf16 by default: the float32 equivalence tests pin float32 there
 # (the bf16 lane, tests/test_mixed_precision.py, asks for bf16 itself), and the native CPU kernels never run.
 ON_GPU = mx.default_device() == mx.gpu
