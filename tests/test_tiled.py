@@ -84,6 +84,37 @@ def test_bf16_weights_keep_their_dtype_and_match(kernel_path):
         assert np.abs(a - b).max() <= 0.05 * np.abs(b).max() + 1e-3, name
 
 
+def closed_over_arrays(fn, seen=None) -> list:
+    """The arrays a function reaches through its closure cells (and those of the functions it closes over)."""
+    seen = set() if seen is None else seen
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        v = cell.cell_contents
+        if isinstance(v, mx.array):
+            found.append(v)
+        elif callable(v) and hasattr(v, "__closure__") and id(v) not in seen:
+            seen.add(id(v))
+            found += closed_over_arrays(v, seen)
+    return found
+
+
+def test_the_tiles_backward_differentiates_a_function_of_its_primals_only(monkeypatch):
+    """Each tile's `mx.vjp` gets its dropout key as a primal instead of closing over it: `mx.vjp` walks
+    every closed-over array's graph to its roots, and under checkpointing the key's graph is the whole
+    forward above the layer (a real-depth step's trace grew with tiles x depth; `scripts/bench_trace.py`).
+    Compiled, checkpointed, LoRA dropout on, as the trainers run it (the masks: the test below)."""
+    calls = []
+    vjp = mx.vjp
+
+    def spy(fun, primals, cotangents):
+        calls.append(closed_over_arrays(fun))
+        return vjp(fun, primals, cotangents)
+
+    monkeypatch.setattr(mx, "vjp", spy)
+    model_grads(10, compiled=True, lora_dropout=0.3)
+    assert len(calls) == 2 * 5 and not any(calls)  # 2 layers x 5 tiles, no array closed over
+
+
 def test_dropout_masks_of_the_backward_are_the_forwards(kernel_path):
     """LoRA dropout 0.3 in the MLP: the tiled custom backward equals plain autodiff through the same tiles,
     each under the key the tiled call draws for it (so the recomputed tiles drop what the forward dropped)."""

@@ -23,8 +23,13 @@ forward and the tile-wise recompute). Without checkpointing the tiles' recompute
 
 Dropout inside the module (LoRA's) draws one key per tile from the enclosing `dropout.keyed` call, passed
 to the custom function as an input; the backward replays each tile under its key, so its masks are the
-forward's. Frozen parameters (a LoRA base, quantized or not) are read from the module and get no gradient;
-only `module.trainable_parameters()` are differentiated.
+forward's. The tile's key is a primal of the tile's `mx.vjp` (its gradient discarded), not a constant the
+differentiated function closes over: `mx.vjp` walks every non-primal input of the function's graph to its
+roots, and under gradient checkpointing the keys reach the whole forward graph up to the layer (MLX's
+checkpoint makes its recompute's inputs depend on the forward's outputs), so a closed-over key made each
+tile's trace cost the depth of the model above it (a real-depth 0.6B step at 32768 tokens traced and
+compiled in 21.5 s instead of 3.5 s, `scripts/bench_trace.py`). Frozen parameters (a LoRA base, quantized or
+not) are read from the module and get no gradient; only `module.trainable_parameters()` are differentiated.
 """
 
 from __future__ import annotations
@@ -74,12 +79,9 @@ def tiled(module: nn.Module, call, x: mx.array, tokens: int) -> mx.array:
         flat, keys, *params = primals
         held = module.trainable_parameters()
 
-        def tile_fn(key):
-            def fn(xt, *p):
-                module.update(tree_unflatten(list(zip(names, p, strict=True))))
-                return run_tile(xt[None], key)[0]
-
-            return fn
+        def fn(xt, key, *p):
+            module.update(tree_unflatten(list(zip(names, p, strict=True))))
+            return run_tile(xt[None], mx.stop_gradient(key))[0]
 
         dxs, sums = [], None
         try:
@@ -88,7 +90,7 @@ def tiled(module: nn.Module, call, x: mx.array, tokens: int) -> mx.array:
                 if dxs:  # wait for the previous tile: one tile's recompute alive at a time
                     after = [dxs[-1], *sums]
                     xt, dyt = mx.depends(xt, after), mx.depends(dyt, after)
-                _, (dx, *dp) = mx.vjp(tile_fn(keys[i]), [xt, *params], [dyt])
+                _, (dx, _, *dp) = mx.vjp(fn, [xt, keys[i], *params], [dyt])
                 dp = [d.astype(mx.float32) for d in dp]
                 sums = dp if sums is None else [a + b for a, b in zip(sums, dp, strict=True)]
                 dxs.append(dx)
