@@ -12,7 +12,9 @@ LoRA r16 α32 dropout 0.05 on its seven projections, float32 CPU), at L tokens, 
    (that copy, then matmul, scale, add, where ours adds inside the matmul, `mx.addmm`); alternating,
    median of `--repeats`; the attention with its scores kept (a boolean causal mask: the scores path,
    [H, L, L] scores, mask, native softmax, values) in place of the FlashAttention kernel; and
-   `keep_attention` (the recompute reuses the forward's attention output and log-sum-exp).
+   `keep_attention` (the recompute reuses the forward's attention output and log-sum-exp); and the MLP
+   untiled (every variant else runs it as the trainers do with checkpointing: `--tiled_mlp`, tiles of the
+   hidden size).
 2. Its parts, each timed alone: every projection's forward and input-gradient matmul (GFLOP/s against
    the fp32 GEMM peak measured here), and the causal attention forward and forward + backward
    (`fastmath.scaled_dot_product_attention`: the native FlashAttention kernel; `scripts/bench_attention.py`
@@ -72,7 +74,8 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["MLX ops", "dropped copy", "mlx-lm", "scores kept"],
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["MLX ops", "dropped copy", "mlx-lm", "scores kept", "untiled"],
                     help="leave these variants out (the scores kept hold [H, L, L] float32 scores: 4.3 GB at 8192)")
     a = ap.parse_args()
     if native.load() is None:
@@ -122,19 +125,21 @@ def main():
     def scores_kept(q, k, v, *, scale, mask=None):  # the scores path: a boolean mask, [H, L, L] scores
         return flash(q, k, v, scale=scale, mask=causal_mask if isinstance(mask, str) else mask)
 
-    variants = {"native decoder kernels": (native_ops, ours_lora, fused, flash, False),
-                "MLX ops for them": (mlx_ops(), ours_lora, fused, flash, False),
-                "dropped copy of x": (native_ops, ours_lora, copied, flash, False),
-                "mlx-lm's LoRA layer": (native_ops, mlxlm_lora, copied, flash, False),
-                "attention scores kept": (native_ops, ours_lora, fused, scores_kept, False),
-                "keep_attention": (native_ops, ours_lora, fused, flash, True)}
+    tile = cfg.hidden_size  # the trainers' default with checkpointing (`--tiled_mlp`, tiles of the hidden size)
+    variants = {"native decoder kernels": (native_ops, ours_lora, fused, flash, False, tile),
+                "MLX ops for them": (mlx_ops(), ours_lora, fused, flash, False, tile),
+                "dropped copy of x": (native_ops, ours_lora, copied, flash, False, tile),
+                "mlx-lm's LoRA layer": (native_ops, mlxlm_lora, copied, flash, False, tile),
+                "attention scores kept": (native_ops, ours_lora, fused, scores_kept, False, tile),
+                "keep_attention": (native_ops, ours_lora, fused, flash, True, tile),
+                "untiled MLP": (native_ops, ours_lora, fused, flash, False, 0)}
     skipped = {"MLX ops": "MLX ops for them", "dropped copy": "dropped copy of x", "mlx-lm": "mlx-lm's LoRA layer",
-               "scores kept": "attention scores kept"}
+               "scores kept": "attention scores kept", "untiled": "untiled MLP"}
     for name in a.skip:
         del variants[skipped[name]]
     times = {k: [] for k in variants}
     for _ in range(a.repeats):
-        for name, (ops, lora_call, down, attention, keep["attention"]) in variants.items():
+        for name, (ops, lora_call, down, attention, keep["attention"], layer.mlp.tile_tokens) in variants.items():
             fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = ops
             lora.LoRALinear.__call__, dropout.Dropout.matmul = lora_call, down
             fastmath.scaled_dot_product_attention = attention
@@ -146,7 +151,7 @@ def main():
     fastmath.rms_norm, fastmath.rotary, fastmath.silu_mul = native_ops
     lora.LoRALinear.__call__, dropout.Dropout.matmul = ours_lora, fused
     fastmath.scaled_dot_product_attention = flash
-    keep["attention"] = False
+    keep["attention"], layer.mlp.tile_tokens = False, tile
     print(f"\n{a.shape} layer, L = {L}, LoRA r16 on 7 projections, forward + backward with checkpointing "
           f"(median of {a.repeats}, alternating):")
     layer_s = {k: statistics.median(v) for k, v in times.items()}
@@ -160,7 +165,8 @@ def main():
                                     "mlx-lm's", False),
             "attention scores kept": ("the FlashAttention kernel over the scores kept", False),
             "keep_attention": (f"keep_attention (the recompute reuses the forward's attention output: "
-                               f"+{kept_mb:.1f} MB kept per layer)", True)}
+                               f"+{kept_mb:.1f} MB kept per layer)", True),
+            "untiled MLP": (f"the tiled MLP (tiles of {tile}) over the untiled", False)}
     print("  speed-up of " + "; of ".join(f"{label} {ours / layer_s[k] if inverse else layer_s[k] / ours:.2f}x"
                                         for k, (label, inverse) in what.items() if k in layer_s))
 
