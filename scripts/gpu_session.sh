@@ -4,7 +4,8 @@
 #   bash scripts/gpu_session.sh prepare     # here: the cp312 wheels into .whl1/ and .whl2/ (each < 64 MiB)
 #   bash scripts/gpu_session.sh stage       # there, call 1 (carry .whl1): keep the first half in /tmp/w1
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
-#                                           # MLX CUDA wheel, install, then the GPU bench (--live) and the
+#                                           # MLX CUDA wheel, install, then the trace timing, the GPU bench
+#                                           # (--live) on 2 layers and at full depth, and the
 #                                           # suite on 16 workers, for about N seconds (default 540) in all
 #   bash scripts/gpu_session.sh sanitize T  # there, after `run` on the same machine: the tests T (pytest ids)
 #                                           # under compute-sanitizer memcheck, which names the kernel of an
@@ -46,6 +47,11 @@ run)
     /tmp/w1/*.whl .whl2/*.whl "/tmp/$CUDA_WHEEL" || exit 1
   export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import mlxrl, mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+  # first a figure that cannot miss: the trace alone, then 2 layers of the 0.6B shape (the last GPU session's
+  # full-depth step did not end in ~195 s, and with 4 layers not in ~50 s)
+  timeout -s INT 60 python3 scripts/bench_trace.py --lengths 4096 16384 2>&1 | tee "$OUT/trace.log"
+  timeout -s INT $(( $(left) / 5 )) python3 scripts/bench_scale.py --gpu --live --modes lora --layers 2 \
+    --sides ours trl --max_length 4096 --steps 3 --warmup 1 --json "$OUT/bench_l2.json" 2>&1 | tee "$OUT/bench_l2.log"
   timeout -s INT $(( $(left) * 2 / 5 )) python3 scripts/bench_scale.py --gpu --live --modes lora \
     --sides ours trl mlxlm --max_length 4096 --steps 3 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench ended at $(( $(date +%s) - t0 )) s"
