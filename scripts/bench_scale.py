@@ -238,6 +238,32 @@ class Stamps(list):
         super().append(t)
         print(f"[{self.side}] step {len(self)} ended at {t - self.t0:.1f} s", file=sys.stderr, flush=True)
 
+    def traced(self, trainer_cls):
+        """`trainer_cls` whose step functions report, on their first call, how long that call took: for a
+        compiled step, `mx.compile`'s trace, simplification and fusion, before anything is evaluated (the
+        kernels' own compilation, e.g. NVRTC on CUDA, happens at evaluation, inside the step's time). Tells a
+        stalled first step's building from its running."""
+        stamps = self
+
+        class Traced(trainer_cls):
+            def _step_for(self, batch):
+                fn = super()._step_for(batch)
+                seen = self.__dict__.setdefault("_reported_steps", set())
+                if id(fn) in seen:
+                    return fn
+                seen.add(id(fn))
+
+                def first_call(*args, **kwargs):  # the engine calls the step right after asking for it
+                    t = time.perf_counter()
+                    out = fn(*args, **kwargs)
+                    print(f"[{stamps.side}] a new step function built in {time.perf_counter() - t:.2f} s, at "
+                          f"{time.perf_counter() - stamps.t0:.1f} s", file=sys.stderr, flush=True)
+                    return out
+
+                return first_call
+
+        return Traced
+
 
 def _per_step(cumulative: list) -> list:
     return [cumulative[0], *(y - x for x, y in zip(cumulative, cumulative[1:], strict=False))]
@@ -257,7 +283,7 @@ def run_ours(s: dict) -> dict:
     model, processor = mlxrl.load(s["ckpt"])
     args = _sft_args(s, SFTConfig, s["max_length"])
     stamps = Stamps("ours")
-    trainer = SFT._timed_trainer(SFTTrainer, stamps)(model, processor, args, train_dataset=rows)
+    trainer = stamps.traced(SFT._timed_trainer(SFTTrainer, stamps))(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     trainer.train()
@@ -933,7 +959,8 @@ def main(argv=None):
     ap.add_argument("--image_px", type=int, default=448, help="VL image side in pixels (up to 896)")
     ap.add_argument("--peak_n", type=int, help="matmul size for the MFU peak (default 2048 fp32; --gpu: 8192 bf16)")
     ap.add_argument("--gpu", action="store_true", help="SFT on MLX's default device and torch's CUDA, bfloat16")
-    ap.add_argument("--live", action="store_true", help="pass each side's stderr through as it comes (its steps)")
+    ap.add_argument("--live", action="store_true", help="pass each side's stderr through as it comes (its steps; "
+                    "ours: when each new step function was built and in how long)")
     ap.add_argument("--grpo", action="store_true", help="run the GRPO benchmark (instead of SFT)")
     ap.add_argument("--grpo_shape", default="qwen3-0.6b", choices=[k for k, v in SHAPES.items() if v[0] == "text"])
     ap.add_argument("--grpo_sides", nargs="+", default=["grpo_shared", "grpo_unshared", "grpo_trl"],
