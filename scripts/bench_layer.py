@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlxrl.cpu import fastmath, native
 from mlxrl.models import dropout, lora
 from mlxrl.models.language import DecoderLayer, RotaryEmbedding, TextConfig
+from mlxrl.models.tiled import tile_tokens_for
 
 SHAPES = {
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
@@ -125,7 +126,7 @@ def main():
     def scores_kept(q, k, v, *, scale, mask=None):  # the scores path: a boolean mask, [H, L, L] scores
         return flash(q, k, v, scale=scale, mask=causal_mask if isinstance(mask, str) else mask)
 
-    tile = cfg.hidden_size  # the trainers' default with checkpointing (`--tiled_mlp`, tiles of the hidden size)
+    tile = tile_tokens_for(None, cfg.hidden_size, checkpointing=True)  # the trainers' default (`--tiled_mlp`)
     variants = {"native decoder kernels": (native_ops, ours_lora, fused, flash, False, tile),
                 "MLX ops for them": (mlx_ops(), ours_lora, fused, flash, False, tile),
                 "dropped copy of x": (native_ops, ours_lora, copied, flash, False, tile),

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxrl.models import build_model, lora
+from mlxrl.models.tiled import tile_bounds, tile_tokens_for
 
 SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072),
@@ -38,12 +39,12 @@ BASE = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_att
             rope_theta=1_000_000.0, tie_word_embeddings=True)
 
 
-def trace_seconds(shape: str, length: int, tiles: bool, keep: bool) -> float:
+def trace_seconds(config: dict, length: int, tiles: bool, keep: bool) -> float:
     """Seconds for the first call of the compiled step (trace + compile; outputs left unevaluated)."""
-    model = build_model({**BASE, **SHAPES[shape]})
+    model = build_model(config)
     lm = model.language_model
     lm.gradient_checkpointing, lm.keep_attention = True, keep
-    lm.tile_mlp(lm.config.hidden_size if tiles else 0)
+    lm.tile_mlp(tile_tokens_for(None, lm.config.hidden_size, checkpointing=True) if tiles else 0)
     lora.apply_lora(model, r=16, alpha=32, dropout=0.05)
     model.train()
     x = mx.zeros((1, length, lm.config.hidden_size))
@@ -68,13 +69,13 @@ def main(argv=None) -> None:
     variants = {"tiled MLP (default)": (True, False), "untiled MLP": (False, False)}
     if a.keep_attention:
         variants["tiled + keep_attention"] = (True, True)
-    hidden = SHAPES[a.shape]["hidden_size"]
-    layers = SHAPES[a.shape].get("num_hidden_layers", BASE["num_hidden_layers"])
+    config = {**BASE, **SHAPES[a.shape]}
+    layers, tile = config["num_hidden_layers"], tile_tokens_for(None, config["hidden_size"], checkpointing=True)
     print(f"{a.shape} ({layers} layers), LoRA r16, gradient checkpointing: trace + compile of the step, seconds")
     print(f"{'tokens':>7} {'tiles':>6} " + " ".join(f"{k:>22}" for k in variants) + "   tiled / untiled")
     for length in a.lengths:
-        got = {k: trace_seconds(a.shape, length, *v) for k, v in variants.items()}
-        tiles = layers * -(-length // hidden)
+        got = {k: trace_seconds(config, length, *v) for k, v in variants.items()}
+        tiles = layers * len(tile_bounds(length, tile))
         ratio = got["tiled MLP (default)"] / got["untiled MLP"]
         print(f"{length:>7} {tiles:>6} " + " ".join(f"{s:>22.2f}" for s in got.values()) + f"   {ratio:.1f}x",
               flush=True)
