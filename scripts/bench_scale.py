@@ -64,7 +64,10 @@ Sides, each in its own subprocess:
 Timing and memory: `--warmup` untimed steps (compilation, allocator, first touch), then s/step = median of
 `--steps` step-end to step-end intervals; tokens/s = real tokens per step / s per step. Peak RSS = the child's
 ru_maxrss, whole and above its size right before the model loads (after imports; rows made); MLX sides also
-`mx.get_peak_memory()` (reset after the model loads, so it includes the weights). MFU = model FLOPs per step /
+`mx.get_peak_memory()` (reset after the model loads, so it includes the weights); each child also samples its
+RssAnon and RssFile (`ResidentPeaks`): transformers maps a float32 checkpoint's safetensors and keeps the frozen
+weights as those file pages (page cache, which a memory cgroup's limit evicts and reads again), where MLX reads
+them into its own buffers. MFU = model FLOPs per step /
 s per step / the fp32 GEMM peak measured in this run (bench_sft.py's: the best 2048^2 float32 matmul of MLX
 with mlxrl's BLAS or torch with 2 threads, best of 5, before and after the runs). Model FLOPs per step use
 bench_sft.model_flops (its docstring has the formula: projections, MLP, dense attention square, head on the
@@ -89,7 +92,9 @@ generate). Prompts, reward and the per-round timing are bench_grpo.py's (importe
 
 Memory frontier (`--frontier --budget_gb G`): the longest max_length each side trains when it has G GB. Each
 side's process runs in a memory cgroup of G GB (1e9 bytes; no swap here), so a side over the budget is killed
-by the kernel's OOM killer, as on a machine with that much memory; that kill is its result. Ours: the planner's
+by the kernel's OOM killer, as on a machine with that much memory; that kill is its result. The page cache is
+dropped before each side, so the side's reads of its checkpoint (and a mapped checkpoint's pages) count against its
+budget, as on that machine, where the kernel evicts them under pressure and reads them again. Ours: the planner's
 prediction first (the longest multiple of `--frontier_step` up to the model's max_position_embeddings whose
 predicted peak, mx.get_peak_memory(), plus the process's own RSS with mlxrl imported, is within G), then one
 real step at each `--ours_lengths` (default: that prediction); TRL / mlx-lm: one real step at each
@@ -139,6 +144,39 @@ def _script(name: str):
 SFT = _script("bench_sft")  # text_rows, model_flops, rss_gb, _peaks, _timed_trainer
 GRPO = _script("bench_grpo")  # reward_vowels, make_prompts, summarise, _args_common
 rss_gb = SFT.rss_gb
+
+
+class ResidentPeaks:
+    """The child's resident memory split by kind, sampled from /proc/self/status every `every` seconds on a
+    daemon thread: the peaks of RssAnon (heap, arrays: what no memory pressure can take back without swap)
+    and RssFile (mapped files: a checkpoint's safetensors that a side keeps mapped instead of copying are
+    page cache, which the kernel evicts and reads again under a memory cgroup's limit). ru_maxrss counts
+    both; which of them a side's peak is made of decides how far it goes under a budget."""
+
+    def __init__(self, every: float = 0.2):
+        self.anon = self.file = 0
+        self.every = every
+        self.path = Path("/proc/self/status")
+        if self.path.exists():
+            import threading
+
+            threading.Thread(target=self._run, daemon=True).start()
+
+    def _sample(self) -> None:
+        kb = {k: int(v.split()[0]) for k, v in (x.split(":", 1) for x in self.path.read_text().splitlines())
+              if k in ("RssAnon", "RssFile")}
+        self.anon, self.file = max(self.anon, kb.get("RssAnon", 0)), max(self.file, kb.get("RssFile", 0))
+
+    def _run(self) -> None:
+        while True:
+            self._sample()
+            time.sleep(self.every)
+
+    def result(self) -> dict:
+        if not self.path.exists():
+            return {}
+        self._sample()
+        return {"peak_anon_gb": self.anon * 1024 / 1e9, "peak_file_gb": self.file * 1024 / 1e9}
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -621,6 +659,19 @@ class Budget:
     def join(self) -> None:  # in the child, between fork and exec
         (self.dir / "cgroup.procs").write_text(str(os.getpid()))
 
+    @staticmethod
+    def drop_page_cache() -> None:
+        """Before each side: write back and drop the clean page cache, so the side's own reads of the checkpoint
+        are charged to its cgroup. A page is charged to the cgroup that first reads it; pages cached by an
+        earlier process (the checkpoint's build, the side before) would otherwise sit outside the budget, and a
+        side that keeps its weights as mapped file pages (transformers' safetensors) would not pay for them."""
+        os.sync()
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+        except OSError as e:
+            print(f"  (--budget_gb: could not drop the page cache: {e}; pages cached before this side are not charged "
+                  "to its budget)", file=sys.stderr, flush=True)
+
     def oom_kills(self) -> int:
         for name in ("memory.events", "memory.oom_control"):  # v2, v1: "key value" lines, oom_kill among them
             f = self.dir / name
@@ -644,6 +695,8 @@ def child(side: str, spec: dict, env: dict | None = None) -> dict:
     kill included) comes back as {"error": ...}."""
     t0 = time.perf_counter()
     kills = BUDGET.oom_kills() if BUDGET else 0
+    if BUDGET:
+        BUDGET.drop_page_cache()
     proc = subprocess.run([sys.executable, __file__, "--side", side, "--spec", json.dumps(spec)],
                           stdout=subprocess.PIPE, stderr=None if LIVE else subprocess.PIPE, text=True, env=env,
                           preexec_fn=BUDGET.join if BUDGET else None)
@@ -769,7 +822,8 @@ def run_frontier(a, root: Path, tmp: Path, env) -> dict:
                     r = child(side, sft_spec(a, folder, tmp / f"{shape}-{t}-{mode}-{side}", mode, t, vl), env)
                     if "error" not in r:
                         r = summarise_sft(r, a.warmup, t)
-                    state = r.get("error") or f"trained, peak RSS {r['peak_rss_gb']:.2f} GB"
+                    state = r.get("error") or (f"trained, peak RSS {r['peak_rss_gb']:.2f} GB (peaks: anon "
+                                               f"{r.get('peak_anon_gb', 0):.2f}, file {r.get('peak_file_gb', 0):.2f})")
                     print(f"{shape} {mode} {NAMES[side]} T={t}: {state}", flush=True)
                     entry["sides"].setdefault(side, {})[t] = r
             results.append(entry)
@@ -781,7 +835,7 @@ def print_frontier(a, results: list) -> None:
     print()
     print(f"Memory frontier under {a.budget_gb:g} GB (each real step in a memory cgroup of that size, no swap; batch "
           f"1, float32, gradient checkpointing, LoRA r16 on the seven projections / full as in the SFT table)")
-    print(f"{'shape':12} {'mode':5} {'side':7} {'T':>6} {'result':34} {'planner (MLX peak)':>18} {'s/step':>8}")
+    print(f"{'shape':12} {'mode':5} {'side':7} {'T':>6} {'result':62} {'planner (MLX peak)':>18} {'s/step':>8}")
     for e in results:
         for side, runs in e["sides"].items():
             for t, r in sorted(runs.items()):
@@ -790,8 +844,10 @@ def print_frontier(a, results: list) -> None:
                     res, sps = r["error"], "-"
                 else:
                     mlx = f", MLX {r['mlx_peak_gb']:.2f}" if "mlx_peak_gb" in r else ""
-                    res, sps = f"fits: RSS {r['peak_rss_gb']:.2f} GB{mlx}", f"{r['s_per_step']:.0f}"
-                print(f"{e['shape']:12} {e['mode']:5} {NAMES[side]:7} {t:6} {res:34} {pred:>18} {sps:>8}")
+                    kinds = (f" (anon {r['peak_anon_gb']:.2f}, file {r['peak_file_gb']:.2f})"
+                             if "peak_anon_gb" in r else "")
+                    res, sps = f"fits: RSS {r['peak_rss_gb']:.2f} GB{kinds}{mlx}", f"{r['s_per_step']:.0f}"
+                print(f"{e['shape']:12} {e['mode']:5} {NAMES[side]:7} {t:6} {res:62} {pred:>18} {sps:>8}")
         best = {side: max((t for t, r in runs.items() if "error" not in r), default=None)
                 for side, runs in e["sides"].items()}
         line = f"  planner: ours fits up to {e['planner_longest']} (the model's context is {e['top']})"
@@ -987,7 +1043,9 @@ def main(argv=None):
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.side:  # a child process
-        print("RESULT " + json.dumps(CHILDREN[a.side](json.loads(a.spec))), flush=True)
+        peaks = ResidentPeaks()
+        r = CHILDREN[a.side](json.loads(a.spec))
+        print("RESULT " + json.dumps({**r, **peaks.result()} if isinstance(r, dict) else r), flush=True)
         return
     a.peak_n = a.peak_n or (8192 if a.gpu else 2048)
     if a.gpu and (a.grpo or a.frontier or a.budget_gb):

@@ -113,6 +113,22 @@ def test_suggestions_ranked_least_disruptive_first():
     assert changes.index({"use_peft": True}) < changes.index({"max_length": 128})
 
 
+def test_a_shorter_max_length_is_the_longest_that_fits():
+    """When only a shorter max_length fits, the suggestion is the longest multiple of 256 predicted within the
+    limit, not the first halving that fits (the bisection against the planner's own predictions)."""
+    args = SFTConfig(max_length=8192, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True)
+
+    def total(L):
+        return plan.predict(SMALL, dataclasses.replace(args, max_length=L), "sft", suggest=False).total
+
+    limit = total(6000)
+    p = plan.predict(SMALL, args, "sft", memory_limit=limit)
+    assert not p.fits and set(p.suggestion) == {"max_length"}, p.table()
+    L = p.suggestion["max_length"]
+    assert L % 256 == 0 and L > 4096, L  # the old answer: 8192 // 2
+    assert p.suggestion_total == total(L) <= limit < total(L + 256)
+
+
 def test_only_config_json_is_read(tmp_path):
     """A folder with nothing but config.json plans fine (no weights are read); LoRA shrinks the trainable
     state; checkpointing shrinks activations; the table names every component."""

@@ -53,6 +53,26 @@ def _candidates(args, trainer: str):
         yield {"load_in_4bit": True, "use_peft": True}  # a frozen 4-bit base under LoRA adapters (QLoRA)
 
 
+LENGTH_STEP = 256  # a suggested max_length is a multiple of this (above it)
+
+
+def _longest_max_length(total, fits: int, fails: int, limit: int, t: int) -> tuple[dict, int]:
+    """The longest max_length predicted within `limit` between `fits` and `fails` (the candidates halve
+    max_length: the first that fits can be half of what the memory allows), a multiple of LENGTH_STEP
+    above `fits`. The peak grows with the length, so a bisection over the multiples finds it."""
+    best, k_lo, k_hi = fits, fits // LENGTH_STEP, -(-fails // LENGTH_STEP)  # k_lo * STEP fits, k_hi * STEP not
+    while k_hi - k_lo > 1:
+        k = (k_lo + k_hi) // 2
+        tk = total({"max_length": k * LENGTH_STEP})
+        if tk is not None and tk <= limit:
+            k_lo = k
+            if k * LENGTH_STEP > best:
+                best, t = k * LENGTH_STEP, tk
+        else:
+            k_hi = k
+    return {"max_length": best}, t
+
+
 def suggest_change(predict, cfg: dict, args, trainer: str, limit: int | None, **kw) -> tuple[dict | None, int | None]:
     """The first candidate change (least disruptive first) whose predicted peak is within `limit`; when no
     single change is enough, candidates are combined greedily in the same order (each kept if it helps)."""
@@ -66,9 +86,14 @@ def suggest_change(predict, cfg: dict, args, trainer: str, limit: int | None, **
         except ValueError:
             return None
 
+    longer = getattr(args, "max_length", None)  # the last max_length that did not fit
     for change in _candidates(args, trainer):
         t = total(change)
-        if t is not None and t <= limit:
+        if set(change) == {"max_length"}:
+            if t is not None and t <= limit:
+                return _longest_max_length(total, change["max_length"], longer, limit, t)
+            longer = change["max_length"]
+        elif t is not None and t <= limit:
             return change, t
     combined, best = {}, predict(cfg, args, trainer, memory_limit=limit, suggest=False, **kw).total
     for change in _candidates(args, trainer):
