@@ -188,12 +188,14 @@ def depths(layers: int | None) -> tuple[int, int, list[int]]:
     return layers, vision, [i for i in DEEPSTACK if i < vision] or [vision - 1]
 
 
-def ckpt_name(shape: str, layers: int | None) -> str:
-    return shape if not layers else f"{shape}-L{layers}"
+def ckpt_name(shape: str, layers: int | None, dtype: str = "float32") -> str:
+    name = shape if not layers else f"{shape}-L{layers}"
+    return name if dtype == "float32" else f"{name}-bf16"
 
 
 def build_checkpoint(s: dict) -> dict:
-    """Child: build and save one checkpoint (float32, safetensors, our tokenizer / chat template / VL processor)."""
+    """Child: build and save one checkpoint (float32, or bfloat16 as the Hub's Qwen checkpoints are; safetensors, our
+    tokenizer / chat template / VL processor)."""
     import torch
     import transformers as tf
 
@@ -232,10 +234,14 @@ def build_checkpoint(s: dict) -> dict:
     model.tie_weights()
     out = Path(s["out"])
     out.mkdir(parents=True, exist_ok=True)
+    if s.get("dtype") == "bfloat16":  # the weights rounded once; every side loads them in its compute dtype
+        model = model.to(torch.bfloat16)
+        model.config.dtype = torch.bfloat16
     model.save_pretrained(out)  # safetensors
     Processor(build_qwen_tokenizer(), image_processor, template).save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
-    (out / "bench_scale.json").write_text(json.dumps({"shape": s["shape"], "layers": s["layers"], "params": params}))
+    (out / "bench_scale.json").write_text(json.dumps({"shape": s["shape"], "layers": s["layers"], "params": params,
+                                                      "dtype": s.get("dtype", "float32")}))
     return {"params": params}
 
 
@@ -468,8 +474,7 @@ def run_mlxlm(s: dict) -> dict:
     assert all(len(x) == t for x in ids), "a row is shorter than max_length"
     base = rss_gb()
     model, config = load_model(Path(s["ckpt"]))
-    if s.get("gpu"):  # as a bf16 checkpoint loads
-        model.set_dtype(mx.bfloat16)
+    model.set_dtype(mx.bfloat16 if s.get("gpu") else mx.float32)  # the other sides' compute dtype, whatever is stored
     if s["mode"] == "qlora":  # as mlx_lm.convert --quantize does (its default predicate: every divisible layer)
         decoder = (lambda path, m: "embed_tokens" not in path) if s["mlxlm_quant"] == "decoder" else None
         model, _ = quantize_model(model, config, group_size=s["q_group_size"], bits=s["bits"],
@@ -712,15 +717,15 @@ def child(side: str, spec: dict, env: dict | None = None) -> dict:
     return json.loads(line[-1][len("RESULT "):])
 
 
-def checkpoint(root: Path, shape: str, layers: int | None, env) -> Path:
-    folder = root / ckpt_name(shape, layers)
+def checkpoint(root: Path, shape: str, layers: int | None, env, dtype: str = "float32") -> Path:
+    folder = root / ckpt_name(shape, layers, dtype)
     marker = folder / "bench_scale.json"
     if marker.exists() and (folder / "config.json").exists():
         got = json.loads(marker.read_text())
-        if got.get("shape") == shape and got.get("layers") == layers:
+        if got.get("shape") == shape and got.get("layers") == layers and got.get("dtype", "float32") == dtype:
             return folder
     t0 = time.perf_counter()
-    r = child("build", {"shape": shape, "layers": layers, "out": str(folder)}, env)
+    r = child("build", {"shape": shape, "layers": layers, "out": str(folder), "dtype": dtype}, env)
     if "error" in r:
         sys.exit(f"building {folder} failed: {r['error']}")
     print(f"built {folder} ({r['params'] / 1e6:.0f}M parameters) in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -794,7 +799,7 @@ def run_frontier(a, root: Path, tmp: Path, env) -> dict:
     lengths = {"ours": a.ours_lengths, "trl": a.trl_lengths, "mlxlm": a.mlxlm_lengths}
     results = []
     for shape in a.shapes:
-        folder = checkpoint(root, shape, a.layers, env)
+        folder = checkpoint(root, shape, a.layers, env, a.ckpt_dtype)
         config = json.loads((folder / "config.json").read_text())
         vl = SHAPES[shape][0] == "vl"
         top = config.get("text_config", config)["max_position_embeddings"]
@@ -872,7 +877,7 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
               f"torch {peaks[0]['torch']:.1f} GFLOP/s", flush=True)
     results = []
     for shape in a.shapes:
-        folder = checkpoint(root, shape, a.layers, env)
+        folder = checkpoint(root, shape, a.layers, env, a.ckpt_dtype)
         config = json.loads((folder / "config.json").read_text())
         vl = SHAPES[shape][0] == "vl"
         for t in a.max_length:
@@ -957,7 +962,7 @@ def print_sft(a, results: list, peak: float) -> None:
 
 
 def run_grpo(a, root: Path, tmp: Path, env) -> dict:
-    folder = checkpoint(root, a.grpo_shape, a.layers, env)
+    folder = checkpoint(root, a.grpo_shape, a.layers, env, a.ckpt_dtype)
     rows_path = tmp / "grpo_rows.json"
     rows_path.write_text(json.dumps(GRPO.make_prompts(str(folder), a.steps + a.warmup, a.prompt_length)))
     spec = {"ckpt": str(folder), "rows": str(rows_path), "steps": a.steps, "warmup": a.warmup,
@@ -1025,6 +1030,11 @@ def main(argv=None):
     ap.add_argument("--num_generations", type=int, default=8, help="GRPO completions per prompt (G)")
     ap.add_argument("--ckpt_dir", default=str(Path(tempfile.gettempdir()) / "mlxrl_bench_scale"),
                     help="checkpoints are built here once and reused")
+    ap.add_argument("--ckpt_dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the stored dtype of the checkpoints (bfloat16: as the Hub's Qwen ones; built aside, *-bf16). "
+                         "Every side computes in float32 on the CPU either way; what changes is memory: transformers "
+                         "keeps a float32 checkpoint's weights as mapped file pages, and converts a bfloat16 one into "
+                         "its own memory, as MLX always does")
     ap.add_argument("--huge_pages", action="store_true",
                     help="run every side with glibc's malloc on huge pages (what mlxrl's CLIs set)")
     ap.add_argument("--budget_gb", type=float,
