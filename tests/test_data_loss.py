@@ -404,7 +404,14 @@ def run_cli(script_or_module, argv, timeout=300):
     cmd = [sys.executable, *(["-m", script_or_module] if "." in script_or_module and not
                              script_or_module.endswith(".py") else [script_or_module]), *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_default_signals)
+
+
+def _default_signals():
+    """The CLI child starts with Ctrl-C and SIGTERM at their defaults, as from a terminal: a suite run as a
+    background job (`pytest &`) inherits SIGINT ignored, which the trainers rightly leave ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def adapter(out: Path) -> dict:
