@@ -176,7 +176,7 @@ class ResidentPeaks:
         if not self.path.exists():
             return {}
         self._sample()
-        return {"peak_anon_gb": self.anon * 1024 / 1e9, "peak_file_gb": self.file * 1024 / 1e9}
+        return {"peak_anon_gb": self.anon / 1e6, "peak_file_gb": self.file / 1e6}  # kB, as rss_gb (ru_maxrss)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
