@@ -13,7 +13,10 @@
 
 Checkpoints (random weights, real widths, depths and vocabulary; built offline with transformers in float32,
 saved with safetensors into `--ckpt_dir` and reused when present; `--layers N` cuts the text depth to N (and
-the vision depth to min(24, N), keeping the deepstack indexes below it, or the last block), widths kept):
+the vision depth to min(24, N), keeping the deepstack indexes below it, or the last block), widths kept;
+`--ckpt_dtype bfloat16` stores them in bfloat16, as the Hub's Qwen checkpoints are, in folders of their own:
+every side still computes in float32 on the CPU, but transformers keeps a float32 checkpoint's frozen weights as
+mapped file pages and converts a bfloat16 one into its own memory):
   qwen3-0.6b   Qwen3 text: 28 layers, hidden 1024, MLP 3072, 16/8 heads of 128, tied 151936 vocab (606M)
   qwen3-1.7b   Qwen3 text: 28 layers, hidden 2048, MLP 6144, 16/8 heads of 128, tied 151936 vocab (1.7B)
   qwen3-vl-2b  Qwen3-VL: text as qwen3-1.7b (mrope interleaved [24, 20, 20], rope_theta 5e6); vision depth 24,
