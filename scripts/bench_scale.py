@@ -182,6 +182,11 @@ class ResidentPeaks:
         return {"peak_anon_gb": self.anon / 1e6, "peak_file_gb": self.file / 1e6}  # kB, as rss_gb (ru_maxrss)
 
 
+def resident_kinds(r: dict) -> str:
+    """' (anon A, file F)': a child's ResidentPeaks, where it has them."""
+    return f" (anon {r['peak_anon_gb']:.2f}, file {r['peak_file_gb']:.2f})" if "peak_anon_gb" in r else ""
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def depths(layers: int | None) -> tuple[int, int, list[int]]:
     """(text layers, vision blocks, deepstack indexes) for a --layers override (None: the real depths)."""
@@ -830,8 +835,7 @@ def run_frontier(a, root: Path, tmp: Path, env) -> dict:
                     r = child(side, sft_spec(a, folder, tmp / f"{shape}-{t}-{mode}-{side}", mode, t, vl), env)
                     if "error" not in r:
                         r = summarise_sft(r, a.warmup, t)
-                    state = r.get("error") or (f"trained, peak RSS {r['peak_rss_gb']:.2f} GB (peaks: anon "
-                                               f"{r.get('peak_anon_gb', 0):.2f}, file {r.get('peak_file_gb', 0):.2f})")
+                    state = r.get("error") or f"trained, peak RSS {r['peak_rss_gb']:.2f} GB{resident_kinds(r)}"
                     print(f"{shape} {mode} {NAMES[side]} T={t}: {state}", flush=True)
                     entry["sides"].setdefault(side, {})[t] = r
             results.append(entry)
@@ -852,9 +856,7 @@ def print_frontier(a, results: list) -> None:
                     res, sps = r["error"], "-"
                 else:
                     mlx = f", MLX {r['mlx_peak_gb']:.2f}" if "mlx_peak_gb" in r else ""
-                    kinds = (f" (anon {r['peak_anon_gb']:.2f}, file {r['peak_file_gb']:.2f})"
-                             if "peak_anon_gb" in r else "")
-                    res, sps = f"fits: RSS {r['peak_rss_gb']:.2f} GB{kinds}{mlx}", f"{r['s_per_step']:.0f}"
+                    res, sps = f"fits: RSS {r['peak_rss_gb']:.2f} GB{resident_kinds(r)}{mlx}", f"{r['s_per_step']:.0f}"
                 print(f"{e['shape']:12} {e['mode']:5} {NAMES[side]:7} {t:6} {res:62} {pred:>18} {sps:>8}")
         best = {side: max((t for t, r in runs.items() if "error" not in r), default=None)
                 for side, runs in e["sides"].items()}

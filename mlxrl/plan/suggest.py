@@ -62,12 +62,10 @@ def _longest_max_length(total, fits: int, fails: int, limit: int, t: int) -> tup
     above `fits`. The peak grows with the length, so a bisection over the multiples finds it."""
     best, k_lo, k_hi = fits, fits // LENGTH_STEP, -(-fails // LENGTH_STEP)  # k_lo * STEP fits, k_hi * STEP not
     while k_hi - k_lo > 1:
-        k = (k_lo + k_hi) // 2
+        k = (k_lo + k_hi) // 2  # k * STEP > best: every k tried is above k_lo, whose multiple is <= fits
         tk = total({"max_length": k * LENGTH_STEP})
         if tk is not None and tk <= limit:
-            k_lo = k
-            if k * LENGTH_STEP > best:
-                best, t = k * LENGTH_STEP, tk
+            k_lo, best, t = k, k * LENGTH_STEP, tk
         else:
             k_hi = k
     return {"max_length": best}, t
