@@ -1,9 +1,9 @@
 """mlxrl: MLX-native SFT / DPO / GRPO for Qwen and Qwen-VL models.
 
-Importing mlxrl loads a fast BLAS before ``mlx.core`` on Linux (`mlxrl.cpu`) and nothing else: the
-trainers and loaders below are imported when first used, and process-wide settings (MLX's CPU buffer
-cache, the CLIs' huge-page re-exec) are made by `mlxrl.runtime.setup()`, which the CLIs and the
-trainers call.
+Importing mlxrl loads a fast BLAS before ``mlx.core`` on Linux and asks MLX for depth-first evaluation
+on the CPU (`mlxrl.cpu`: both must precede MLX's first use) and nothing else: the trainers and loaders
+below are imported when first used, and process-wide settings (MLX's CPU buffer cache, the CLIs'
+huge-page re-exec) are made by `mlxrl.runtime.setup()`, which the CLIs and the trainers call.
 """
 
 from . import cpu  # noqa: F401  (the BLAS before mlx.core)

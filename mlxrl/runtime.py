@@ -1,14 +1,16 @@
 """Runtime policy: compute dtype, memory limits, and the explicit setup the CLIs and trainers call.
 
-Importing mlxrl changes nothing but the BLAS MLX loads on Linux (`mlxrl.cpu.blas`, which must run
-before ``mlx.core``). `setup()` is called by every trainer (at construction) and every CLI
-(`setup(cli=True)`, first thing): it sets MLX's CPU buffer cache (`default_cache_limit`), has glibc's
-malloc keep freed memory for reuse (`keep_freed_memory`), and for a CLI re-executes
+Importing mlxrl changes nothing but what must come before MLX's first use: the BLAS MLX loads on Linux
+(`mlxrl.cpu.blas`, before ``mlx.core``) and, on the CPU, depth-first evaluation (`mlxrl.cpu.depth_first_eval`,
+before MLX's first evaluation). `setup()` is called by every trainer (at construction) and every CLI
+(`setup(cli=True)`, first thing): it has glibc's malloc keep freed memory for reuse (`keep_freed_memory`),
+sets MLX's CPU buffer cache (`default_cache_limit`: none where malloc keeps it), and for a CLI re-executes
 `python -m mlxrl.<cli>` once with malloc's huge pages (`cpu.blas.reexec_with_huge_pages`).
 
 Environment:
   MLXRL_DTYPE=float32|bfloat16|float16                      (default: float32 on CPU, bf16 on GPU)
-  MLXRL_CACHE_LIMIT=256MB                                   (MLX's CPU buffer cache; see default_cache_limit)
+  MLXRL_CACHE_LIMIT=256MB                                   (MLX's CPU buffer cache; default 0, 256 MB with
+                                                             MLXRL_KEEP_FREED=0; see default_cache_limit)
   MLXRL_KEEP_FREED=0                                        (malloc unmaps large blocks; see keep_freed_memory)
   (the BLAS and huge-page variables: see mlxrl.cpu.blas)
 """
@@ -95,20 +97,37 @@ def device_memory_bytes() -> int | None:
 
 
 CPU_CACHE_LIMIT = 256 << 20  # bytes of freed buffers MLX keeps for reuse on CPU (its default is 32 MB)
+KEPT_CACHE_LIMIT = 0  # the same when malloc keeps freed memory itself (keep_freed_memory)
 
 
-def default_cache_limit() -> None:
-    """On CPU, keep up to CPU_CACHE_LIMIT (env MLXRL_CACHE_LIMIT) of freed buffers for reuse.
+def default_cache_limit(kept: bool = False) -> None:
+    """On CPU, keep up to CPU_CACHE_LIMIT (env MLXRL_CACHE_LIMIT) of freed buffers for reuse; none
+    (KEPT_CACHE_LIMIT) when `kept`, malloc keeping freed memory in its heap (`keep_freed_memory`).
 
     MLX's CPU allocator keeps little by default, so every larger temporary (a [rows, vocab] logits tile,
     an attention score tensor) is returned to the OS and the next one page-faults in again. Raising the
     cache does not change `mx.get_peak_memory()` (active memory); the resident size may be up to the
-    cache limit above it. The trade, measured, is in README ("Runtime") and
+    cache limit above it. Once malloc keeps freed memory, a freed buffer is reused from its heap for any
+    size, where MLX's cache reuses it only for the same size: the cache then holds memory nothing else can
+    use, up to its limit, and saves no time. The trade, measured, is in README ("Runtime") and
     `scripts/bench_cpu_ops.py`."""
     if default_device_kind() == "gpu":
         return
     value = os.environ.get("MLXRL_CACHE_LIMIT")
-    mx.set_cache_limit(parse_size(value, device_memory_bytes()) if value else CPU_CACHE_LIMIT)
+    if value:
+        mx.set_cache_limit(parse_size(value, device_memory_bytes()))
+    else:
+        mx.set_cache_limit(KEPT_CACHE_LIMIT if kept else CPU_CACHE_LIMIT)
+
+
+def default_cpu_cache_bytes() -> int:
+    """The CPU buffer cache `setup()` sets when no limit is given (the planner's): none where it has malloc
+    keep freed memory (Linux, unless MLXRL_KEEP_FREED=0), else CPU_CACHE_LIMIT."""
+    value = os.environ.get("MLXRL_CACHE_LIMIT")
+    if value:
+        return parse_size(value, device_memory_bytes())
+    kept = sys.platform.startswith("linux") and os.environ.get("MLXRL_KEEP_FREED", "1") != "0"
+    return KEPT_CACHE_LIMIT if kept else CPU_CACHE_LIMIT
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
@@ -191,14 +210,14 @@ def setup(cli: bool = False, tf32: bool | None = None) -> None:
     """What mlxrl changes in the process, done when asked instead of at import: a CLI
     (`cli=True`, called first thing in its main) re-executes itself with malloc's huge pages (only
     for `python -m mlxrl...`; the new process sees the tunable and goes on); every call applies
-    `tf32` (`apply_tf32`); the first call sets MLX's CPU buffer cache (`default_cache_limit`; a
-    trainer's --cache_limit is applied after it) and malloc's reuse of freed memory (`keep_freed_memory`)."""
+    `tf32` (`apply_tf32`); the first call sets malloc's reuse of freed memory (`keep_freed_memory`) and
+    MLX's CPU buffer cache (`default_cache_limit`: none when malloc keeps freed memory; a trainer's
+    --cache_limit is applied after it)."""
     global _SET_UP
     if cli:
         blas.reexec_with_huge_pages()
     apply_tf32(tf32)
     if not _SET_UP:
-        default_cache_limit()
-        keep_freed_memory()
+        default_cache_limit(kept=keep_freed_memory())
         _SET_UP = True
 

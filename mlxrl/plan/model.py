@@ -22,8 +22,10 @@ from .suggest import suggest_change
 
 # measured coefficients (see the module docstring)
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
-CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward
+CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward (MLX's order)
 GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
+DEPTH_FIRST_CKPT_LAYERS = 2.0        # both under depth-first evaluation (the CPU: cpu.depth_first_eval)
+DEPTH_FIRST_GRPO_CKPT_LAYERS = 1.75
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 TILED_LORA_BONUS = 0.4      # under LoRA + checkpointing the tiled MLP saves 1.4x its modelled share (measured:
                             # 1.43x on the small config at 2048 tokens, 1.69x on two 0.6B-shaped layers at 4096)
@@ -209,12 +211,23 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     layer = per_layer(tile)
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
     kept = a.layers * (s * sh.tokens * a.D + kept_attention_bytes(a, args, sh) if checkpointing else layer)
-    ckpt = GRPO_CKPT_LAYERS if trainer == "grpo" else CKPT_LAYERS
+    ckpt = ckpt_layers(trainer)
     live = layer
     if checkpointing and peft and tile:  # the tiles save more than LORA_SAVED x the MLP's arrays (measured)
         live -= TILED_LORA_BONUS * (per_layer(0) - layer)
     extra = (ckpt if checkpointing else BACKWARD_LAYERS) * live
     return max(kept, a.layer_trainable_bytes) + extra + edges
+
+
+def ckpt_layers(trainer: str = "sft") -> float:
+    """Layers' worth of arrays alive while a checkpointed layer is recomputed and differentiated: fewer
+    when MLX evaluates depth-first (`cpu.depth_first_eval`, the CPU's default), as an independent branch is
+    then consumed before the next one begins."""
+    from ..cpu import evaluates_depth_first
+
+    if evaluates_depth_first():
+        return DEPTH_FIRST_GRPO_CKPT_LAYERS if trainer == "grpo" else DEPTH_FIRST_CKPT_LAYERS
+    return GRPO_CKPT_LAYERS if trainer == "grpo" else CKPT_LAYERS
 
 
 def kept_attention_bytes(a: Arch, args, sh: Shape) -> int:
@@ -279,7 +292,7 @@ def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | N
     if not trained:
         return 0.0, 2 * layer  # a frozen tower keeps nothing for backward
     if checkpointing:  # each block's input; the recompute of one block at a time in the tower's backward
-        return v["depth"] * s * P * v["D"], CKPT_LAYERS * layer
+        return v["depth"] * s * P * v["D"], ckpt_layers() * layer
     return (v["depth"] + BACKWARD_LAYERS) * layer, 0.0
 
 
@@ -427,7 +440,12 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     limit, source = _limit(args, machine, memory_limit)
     cache_limit = getattr(args, "cache_limit", None)
     transient = total - steady
-    cache = int(min(transient, runtime.parse_size(cache_limit, machine))) if cache_limit else int(transient)
+    if cache_limit:
+        cache = int(min(transient, runtime.parse_size(cache_limit, machine)))
+    elif runtime.default_device_kind() == "cpu":  # what runtime.setup() sets on the CPU
+        cache = int(min(transient, runtime.default_cpu_cache_bytes()))
+    else:
+        cache = int(transient)
     plan = Plan(trainer, out, total, int(step), int(update), limit, source, machine, cache,
                 {"checkpointing": int(act[True]), "no checkpointing": int(act[False])})
     if not plan.fits and W - T > T and quantization_of(cfg, args) is None:
