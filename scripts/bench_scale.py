@@ -466,6 +466,8 @@ class _Done(Exception):
 
 def run_mlxlm(s: dict) -> dict:
     sys.path.insert(0, str(ROOT))
+    # mlx-lm as it runs for its users: MLX's own evaluation order (importing mlxrl.cpu would set depth-first)
+    os.environ.setdefault("MLX_BFS_MAX_WIDTH", "20")
     import mlxrl.cpu.blas as blas  # noqa: I001  (mlxrl's BLAS, loaded BEFORE mlx.core: else a reference BLAS, ~30x slower)
     import mlx.core as mx
     import mlx.optimizers as optim
