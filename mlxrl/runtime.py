@@ -113,20 +113,18 @@ def default_cache_limit(kept: bool = False) -> None:
     `scripts/bench_cpu_ops.py`."""
     if default_device_kind() == "gpu":
         return
-    value = os.environ.get("MLXRL_CACHE_LIMIT")
-    if value:
-        mx.set_cache_limit(parse_size(value, device_memory_bytes()))
-    else:
-        mx.set_cache_limit(KEPT_CACHE_LIMIT if kept else CPU_CACHE_LIMIT)
+    mx.set_cache_limit(default_cpu_cache_bytes(kept))
 
 
-def default_cpu_cache_bytes() -> int:
-    """The CPU buffer cache `setup()` sets when no limit is given (the planner's): none where it has malloc
-    keep freed memory (Linux, unless MLXRL_KEEP_FREED=0), else CPU_CACHE_LIMIT."""
+def default_cpu_cache_bytes(kept: bool | None = None) -> int:
+    """The CPU buffer cache `default_cache_limit` sets: MLXRL_CACHE_LIMIT when given, else none where malloc
+    keeps freed memory (`kept`; None: where `keep_freed_memory` would, the planner's guess), else
+    CPU_CACHE_LIMIT."""
     value = os.environ.get("MLXRL_CACHE_LIMIT")
     if value:
         return parse_size(value, device_memory_bytes())
-    kept = sys.platform.startswith("linux") and os.environ.get("MLXRL_KEEP_FREED", "1") != "0"
+    if kept is None:
+        kept = _keeps_freed_memory_here()
     return KEPT_CACHE_LIMIT if kept else CPU_CACHE_LIMIT
 
 
@@ -144,8 +142,7 @@ def keep_freed_memory() -> bool:
     freed buffers only up to its cache limit and only for an exact size (`default_cache_limit`); the
     heap reuses any freed range for any size. Resident memory stays at the heap's high-water mark
     instead of falling back between steps: the peak is what it was (measured in README, "Runtime")."""
-    if default_device_kind() == "gpu" or not sys.platform.startswith("linux") \
-            or os.environ.get("MLXRL_KEEP_FREED", "1") == "0":
+    if not _keeps_freed_memory_here():
         return False
     import ctypes
 
@@ -155,6 +152,13 @@ def keep_freed_memory() -> bool:
                     and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+def _keeps_freed_memory_here() -> bool:
+    """Whether `keep_freed_memory` asks malloc to keep freed memory here: the CPU on Linux, unless
+    MLXRL_KEEP_FREED=0 (glibc's mallopt may still refuse: musl has none)."""
+    return default_device_kind() == "cpu" and sys.platform.startswith("linux") \
+        and os.environ.get("MLXRL_KEEP_FREED", "1") != "0"
 
 
 def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> dict:
