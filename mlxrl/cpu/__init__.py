@@ -58,4 +58,12 @@ def native_kernels() -> bool:
     return native.load() is not None
 
 
-__all__ = ["blas", "depth_first_eval", "evaluates_depth_first", "fastmath", "native_kernels"]
+def drain_bytes() -> int:
+    """Output size from which the native kernels finish MLX's queued CPU work before allocating the output
+    (`MLXRL_DRAIN_BYTES`, default 1 MB; 0 where they never do or are not built): MLX encodes up to ~100
+    operations ahead of its CPU worker, allocating each output when it is queued."""
+    kernels = native.load()
+    return int(kernels.drain_bytes()) if kernels is not None else 0
+
+
+__all__ = ["blas", "depth_first_eval", "drain_bytes", "evaluates_depth_first", "fastmath", "native_kernels"]

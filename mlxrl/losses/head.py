@@ -33,16 +33,18 @@ from .tiles import default_chunk_size, exp_shift, row_bounds, scored_rows, two_p
 
 COMPILED_TILES = 7.0  # live [rows, chunk] float32 tiles under a compiled step (measured, MLX 0.32; 16 eager)
 DEPTH_FIRST_TILES = 2.0  # more with a bf16 weight under depth-first evaluation (the CPU's: cpu.depth_first_eval)
+DRAINED_TILES = 5.5  # compiled, the native kernels draining MLX's CPU queue before each tile (cpu.drain_bytes)
 
 
 def peak_bytes(rows: int, vocab: int, width: int, elem: int, weight_grad: bool, chunk: int | None = None,
-               compiled: bool = True) -> float:
+               compiled: bool = True, drain_from: int = 0) -> float:
     """Memory model of `head_logprobs` (the planner's; measured on MLX 0.32): live [rows, chunk] float32 tiles
     (about 7 under a compiled step, 16 eager, never more than ~2x (5x eager) the bytes of all the tiles of
     one pass; with a bf16 weight, depth-first evaluation (the CPU's) begins the next vocab chunk's float32
     weight slice and 2 tiles before the last chunk's are consumed: measured on an SFT step); a trained head
     adds its [V, D] gradient's pieces and concatenation (2 [V, D] in the weight's dtype); a bf16 weight's
-    float32 [chunk, D] slices (about 2.5 live)."""
+    float32 [chunk, D] slices (about 2.5 live). `drain_from`: the size from which the native kernels drain
+    MLX's CPU queue (`cpu.drain_bytes`; 0: they do not run here): tiles that large are fewer at once."""
     from ..cpu import evaluates_depth_first
 
     chunk = min(chunk or default_chunk_size(rows, vocab, width=width), vocab)
@@ -53,7 +55,8 @@ def peak_bytes(rows: int, vocab: int, width: int, elem: int, weight_grad: bool, 
         return 2 * vocab * width * elem + min((0.25 if compiled else 3.5) * tile, every) + casts
     # depth-first with a bf16 weight: the next vocab chunk's float32 weight slice and tiles begin early
     later = 4 * chunk * width + DEPTH_FIRST_TILES * tile if elem != 4 and evaluates_depth_first() else 0
-    return min((COMPILED_TILES if compiled else 16) * tile, (2 if compiled else 5) * every) + casts + later
+    tiles = (DRAINED_TILES if 0 < drain_from <= tile else COMPILED_TILES) if compiled else 16
+    return min(tiles * tile, (2 if compiled else 5) * every) + casts + later
 
 
 def _tile(h, w32, inv_t):

@@ -22,10 +22,13 @@ from .suggest import suggest_change
 
 # measured coefficients (see the module docstring)
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
+DRAINED_BACKWARD_LAYERS = 0.5   # the same with the native kernels draining MLX's queue (cpu.drain_bytes)
 CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward (MLX's order)
 GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
 DEPTH_FIRST_CKPT_LAYERS = 2.0        # both under depth-first evaluation (the CPU: cpu.depth_first_eval)
 DEPTH_FIRST_GRPO_CKPT_LAYERS = 1.75
+DRAINED_CKPT_LAYERS = 0.85           # depth-first with the native kernels draining MLX's queue (cpu.drain_bytes)
+DRAINED_GRPO_CKPT_LAYERS = 1.75
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 TILED_LORA_BONUS = 0.4      # under LoRA + checkpointing the tiled MLP saves 1.4x its modelled share (measured:
                             # 1.43x on the small config at 2048 tokens, 1.69x on two 0.6B-shaped layers at 4096)
@@ -211,23 +214,37 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     layer = per_layer(tile)
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
     kept = a.layers * (s * sh.tokens * a.D + kept_attention_bytes(a, args, sh) if checkpointing else layer)
-    ckpt = ckpt_layers(trainer)
+    drained = drains_queue(args, sh.tokens, max(a.D, a.heads * a.head_dim))
+    ckpt = ckpt_layers(trainer, drained)
     live = layer
     if checkpointing and peft and tile:  # the tiles save more than LORA_SAVED x the MLP's arrays (measured)
         live -= TILED_LORA_BONUS * (per_layer(0) - layer)
-    extra = (ckpt if checkpointing else BACKWARD_LAYERS) * live
+    extra = (ckpt if checkpointing else DRAINED_BACKWARD_LAYERS if drained else BACKWARD_LAYERS) * live
     return max(kept, a.layer_trainable_bytes) + extra + edges
 
 
-def ckpt_layers(trainer: str = "sft") -> float:
+def ckpt_layers(trainer: str = "sft", drained: bool = False) -> float:
     """Layers' worth of arrays alive while a checkpointed layer is recomputed and differentiated: fewer
     when MLX evaluates depth-first (`cpu.depth_first_eval`, the CPU's default), as an independent branch is
-    then consumed before the next one begins."""
+    then consumed before the next one begins, and fewer again when the native kernels also finish MLX's
+    queued work before their outputs (`drained`: `drains_queue`), as the queue's inputs are freed first."""
     from ..cpu import evaluates_depth_first
 
+    grpo = trainer == "grpo"
     if evaluates_depth_first():
-        return DEPTH_FIRST_GRPO_CKPT_LAYERS if trainer == "grpo" else DEPTH_FIRST_CKPT_LAYERS
-    return GRPO_CKPT_LAYERS if trainer == "grpo" else CKPT_LAYERS
+        if drained:
+            return DRAINED_GRPO_CKPT_LAYERS if grpo else DRAINED_CKPT_LAYERS
+        return DEPTH_FIRST_GRPO_CKPT_LAYERS if grpo else DEPTH_FIRST_CKPT_LAYERS
+    return GRPO_CKPT_LAYERS if grpo else CKPT_LAYERS
+
+
+def drains_queue(args, tokens: int, width: int) -> bool:
+    """Whether the native kernels drain MLX's CPU queue in a layer of `tokens` positions: they run this
+    configuration's math and its [tokens, width] float32 outputs reach `cpu.drain_bytes`."""
+    from ..cpu import drain_bytes
+
+    limit = drain_bytes()
+    return native_cpu(args) and 0 < limit <= 4 * tokens * width
 
 
 def kept_attention_bytes(a: Arch, args, sh: Shape) -> int:
@@ -262,8 +279,10 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     if fused and (a.head_trainable or s == 4):
         return fused_head.graph_peak_bytes(rows, a.V, a.D, s, a.head_trainable, a.tied)
     # a frozen bf16 head under the fused mode runs the vocab-tiled head at its default chunk
+    from ..cpu import drain_bytes
+
     return head.peak_bytes(rows, a.V, a.D, s, a.head_trainable, None if fused else args.chunk_size,
-                           bool(getattr(args, "compile", True)))
+                           bool(getattr(args, "compile", True)), drain_bytes() if native_cpu(args) else 0)
 
 
 def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | None, checkpointing: bool
@@ -292,7 +311,7 @@ def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | N
     if not trained:
         return 0.0, 2 * layer  # a frozen tower keeps nothing for backward
     if checkpointing:  # each block's input; the recompute of one block at a time in the tower's backward
-        return v["depth"] * s * P * v["D"], ckpt_layers() * layer
+        return v["depth"] * s * P * v["D"], ckpt_layers("sft", drains_queue(args, P, v["D"])) * layer
     return (v["depth"] + BACKWARD_LAYERS) * layer, 0.0
 
 

@@ -1795,6 +1795,8 @@ NB_MODULE(_cpu_math, m) {
   m.doc() = "mlxrl's vectorised, multi-threaded CPU kernels (float32): exp, sigmoid, softmax (last axis), "
             "sum of squares, the AdamW step, the fused LM head, dropout (and LoRA's dropout + down-projection), "
             "RMSNorm, rotary embedding, SwiGLU.";
+  m.def("drain_bytes", &drain_bytes,
+        "Output size from which a kernel finishes the stream's queued work before allocating (MLXRL_DRAIN_BYTES).");
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
   m.def("sigmoid", [](const mx::array& x) { return fast_sigmoid_op(x); }, nb::arg("x"));
   m.def("softmax", [](const mx::array& x) { return fast_softmax_op(x); }, nb::arg("x"), "Softmax over the last axis.");
