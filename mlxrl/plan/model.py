@@ -28,7 +28,7 @@ GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured w
 DEPTH_FIRST_CKPT_LAYERS = 2.0        # both under depth-first evaluation (the CPU: cpu.depth_first_eval)
 DEPTH_FIRST_GRPO_CKPT_LAYERS = 1.75
 DRAINED_CKPT_LAYERS = 0.85           # depth-first with the native kernels draining MLX's queue (cpu.drain_bytes)
-DRAINED_GRPO_CKPT_LAYERS = 1.75
+DRAINED_GRPO_CKPT_LAYERS = 1.5
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 TILED_LORA_BONUS = 0.4      # under LoRA + checkpointing the tiled MLP saves 1.4x its modelled share (measured:
                             # 1.43x on the small config at 2048 tokens, 1.69x on two 0.6B-shaped layers at 4096)
