@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from .. import optim as optim_lib
 from .. import runtime
+from ..cpu import drain_bytes, evaluates_depth_first, native_kernels
 from ..data.preference import row_bucket
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
@@ -23,12 +24,10 @@ from .suggest import suggest_change
 # measured coefficients (see the module docstring)
 BACKWARD_LAYERS = 1.45      # backward temporaries without checkpointing, in layers
 DRAINED_BACKWARD_LAYERS = 0.5   # the same with the native kernels draining MLX's queue (cpu.drain_bytes)
-CKPT_LAYERS = 2.75          # live layers during a checkpointed layer's recompute + backward (MLX's order)
-GRPO_CKPT_LAYERS = 2.25     # the same in GRPO's prompt-shared layer (measured with the fused head)
-DEPTH_FIRST_CKPT_LAYERS = 2.0        # both under depth-first evaluation (the CPU: cpu.depth_first_eval)
-DEPTH_FIRST_GRPO_CKPT_LAYERS = 1.75
-DRAINED_CKPT_LAYERS = 0.85           # depth-first with the native kernels draining MLX's queue (cpu.drain_bytes)
-DRAINED_GRPO_CKPT_LAYERS = 1.5
+# live layers during a checkpointed layer's recompute + backward (SFT / DPO's, GRPO's prompt-shared layer) by
+# MLX's order: breadth-first (MLX's own), depth-first (the CPU's: cpu.depth_first_eval), and depth-first with
+# the native kernels draining MLX's queue (cpu.drain_bytes)
+CKPT_LAYERS = {"breadth": (2.75, 2.25), "depth": (2.0, 1.75), "drained": (0.85, 1.5)}
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 TILED_LORA_BONUS = 0.4      # under LoRA + checkpointing the tiled MLP saves 1.4x its modelled share (measured:
                             # 1.43x on the small config at 2048 tokens, 1.69x on two 0.6B-shaped layers at 4096)
@@ -224,25 +223,16 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
 
 
 def ckpt_layers(trainer: str = "sft", drained: bool = False) -> float:
-    """Layers' worth of arrays alive while a checkpointed layer is recomputed and differentiated: fewer
-    when MLX evaluates depth-first (`cpu.depth_first_eval`, the CPU's default), as an independent branch is
-    then consumed before the next one begins, and fewer again when the native kernels also finish MLX's
-    queued work before their outputs (`drained`: `drains_queue`), as the queue's inputs are freed first."""
-    from ..cpu import evaluates_depth_first
-
-    grpo = trainer == "grpo"
-    if evaluates_depth_first():
-        if drained:
-            return DRAINED_GRPO_CKPT_LAYERS if grpo else DRAINED_CKPT_LAYERS
-        return DEPTH_FIRST_GRPO_CKPT_LAYERS if grpo else DEPTH_FIRST_CKPT_LAYERS
-    return GRPO_CKPT_LAYERS if grpo else CKPT_LAYERS
+    """Layers' worth of arrays alive while a checkpointed layer is recomputed and differentiated: fewer when
+    MLX evaluates depth-first (an independent branch is consumed before the next begins), fewer again when
+    the native kernels also finish MLX's queued work before their outputs (`drains_queue`)."""
+    order = ("drained" if drained else "depth") if evaluates_depth_first() else "breadth"
+    return CKPT_LAYERS[order][trainer == "grpo"]
 
 
 def drains_queue(args, tokens: int, width: int) -> bool:
     """Whether the native kernels drain MLX's CPU queue in a layer of `tokens` positions: they run this
     configuration's math and its [tokens, width] float32 outputs reach `cpu.drain_bytes`."""
-    from ..cpu import drain_bytes
-
     limit = drain_bytes()
     return native_cpu(args) and 0 < limit <= 4 * tokens * width
 
@@ -261,8 +251,6 @@ def native_cpu(args) -> bool:
     kernels built): its AdamW step updates in place and SFT's fused head is one kernel."""
     if runtime.default_device_kind() == "gpu" or dtype_bytes(args) != 4:
         return False
-    from ..cpu import native_kernels
-
     return native_kernels()
 
 
@@ -279,8 +267,6 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     if fused and (a.head_trainable or s == 4):
         return fused_head.graph_peak_bytes(rows, a.V, a.D, s, a.head_trainable, a.tied)
     # a frozen bf16 head under the fused mode runs the vocab-tiled head at its default chunk
-    from ..cpu import drain_bytes
-
     return head.peak_bytes(rows, a.V, a.D, s, a.head_trainable, None if fused else args.chunk_size,
                            bool(getattr(args, "compile", True)), drain_bytes() if native_cpu(args) else 0)
 
