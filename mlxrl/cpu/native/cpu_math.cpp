@@ -249,7 +249,7 @@ constexpr size_t kGrain = 1 << 16;  // elements per worker below which threads c
 // of 10 dispatches) before it waits, and each operation's output buffer is allocated when it is encoded,
 // while the inputs of the queued operations are freed only when those run. In a backward pass that is up
 // to ~100 outputs alive beside everything they will free (a checkpointed 0.6B layer at 4096 tokens: 682 MB
-// above its inputs instead of 392). Before allocating a large output, the stream's queued work is finished
+// above its inputs instead of 367). Before allocating a large output, the stream's queued work is finished
 // first (a blocking wait, no spinning), so the queue frees what it holds. The order of the operations, and
 // so every result, is unchanged; the worker idles only while the main thread encodes the next operation.
 // MLXRL_DRAIN_BYTES: outputs from this size drain (default 1 MB; 0: never).
