@@ -130,28 +130,29 @@ print(os.environ["MLX_BFS_MAX_WIDTH"], mx.get_peak_memory() - base, loss.item())
 """
 
 
+def _checkpointed_step(tmp_path, tag: str, **env) -> tuple[str, int, float, np.ndarray]:
+    """ORDER_CHILD in a fresh process with `env` on top of this one's (None: the variable unset): MLX's
+    evaluation width, its peak above the weights, the loss and the flat gradients."""
+    run_env = {k: v for k, v in os.environ.items() if k not in env}
+    run_env.update({k: v for k, v in env.items() if v is not None}, GRADS_OUT=str(tmp_path / f"{tag}.npy"))
+    out = subprocess.run([sys.executable, "-c", ORDER_CHILD], env=run_env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen, peak, loss = out.stdout.split()
+    return seen, int(peak), float(loss), np.load(tmp_path / f"{tag}.npy")
+
+
 @pytest.mark.skipif(runtime.default_device_kind() != "cpu", reason="the CPU's evaluation order")
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_import_evaluates_depth_first_on_the_cpu(native, tmp_path):
     """`import mlxrl` sets MLX_BFS_MAX_WIDTH=1 on the CPU (a value the user set stays): a checkpointed LoRA
     step's loss and gradients are bit-identical to MLX's breadth-first order (width 20) and its MLX peak
     above the weights is lower (measured 0.73x on the native path, 0.87x on the graph path)."""
-    env = {k: v for k, v in os.environ.items() if k != "MLX_BFS_MAX_WIDTH"}
-    env["MLXRL_NATIVE"] = native
-    got = {}
-    for width in (None, "20"):
-        run_env = {**env, "GRADS_OUT": str(tmp_path / f"{width}.npy")}
-        if width:
-            run_env["MLX_BFS_MAX_WIDTH"] = width
-        out = subprocess.run([sys.executable, "-c", ORDER_CHILD], env=run_env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr[-2000:]
-        seen, peak, loss = out.stdout.split()
-        got[width] = (seen, int(peak), float(loss), np.load(tmp_path / f"{width}.npy"))
+    got = {width: _checkpointed_step(tmp_path, f"width{width}", MLX_BFS_MAX_WIDTH=width, MLXRL_NATIVE=native)
+           for width in (None, "20")}
     assert got[None][0] == "1" and got["20"][0] == "20"
     assert got[None][2] == got["20"][2]
     np.testing.assert_array_equal(got[None][3], got["20"][3])
     assert got[None][1] < 0.92 * got["20"][1], (got[None][1], got["20"][1])
-
 
 
 @pytest.mark.skipif(runtime.default_device_kind() != "cpu", reason="the CPU's evaluation queue")
@@ -164,20 +165,13 @@ def test_native_kernels_drain_the_queue_before_large_outputs(tmp_path):
 
     if native.load() is None:
         pytest.skip("the native kernels are not built here")
-    got = {}
-    for drain in (None, "0"):
-        env = {**os.environ, "MLXRL_NATIVE": "1", "WIDTH": "256", "TOKENS": "2048",
-               "GRADS_OUT": str(tmp_path / f"{drain}.npy")}
-        env.pop("MLXRL_DRAIN_BYTES", None)
-        if drain:
-            env["MLXRL_DRAIN_BYTES"] = drain
-        out = subprocess.run([sys.executable, "-c", ORDER_CHILD], env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr[-2000:]
-        _, peak, loss = out.stdout.split()
-        got[drain] = (int(peak), float(loss), np.load(tmp_path / f"{drain}.npy"))
-    assert got[None][1] == got["0"][1]
-    np.testing.assert_array_equal(got[None][2], got["0"][2])
-    assert got[None][0] < 0.9 * got["0"][0], (got[None][0], got["0"][0])
+    got = {drain: _checkpointed_step(tmp_path, f"drain{drain}", MLXRL_DRAIN_BYTES=drain, MLXRL_NATIVE="1",
+                                     WIDTH="256", TOKENS="2048")
+           for drain in (None, "0")}
+    assert got[None][2] == got["0"][2]
+    np.testing.assert_array_equal(got[None][3], got["0"][3])
+    assert got[None][1] < 0.9 * got["0"][1], (got[None][1], got["0"][1])
+
 
 KEEP_FREED_CHILD = """
 import ctypes

@@ -9,6 +9,7 @@ then asks MLX for depth-first evaluation on the CPU (`depth_first_eval`, before 
 
 Environment:
   MLX_BFS_MAX_WIDTH=20                                      (MLX's own order; default here: 1 on the CPU)
+  MLXRL_DRAIN_BYTES=0                                       (native kernels never drain MLX's queue; see drain_bytes)
 """
 
 import os
