@@ -166,20 +166,22 @@ def test_attention_equals_mlx_sdpa(path, mask_kind, heads, shape):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
-def test_flash_attention_lse_and_key_windows_equal_masked_reference(causal, heads):
+@pytest.mark.parametrize("long", [False, True])
+def test_flash_attention_lse_and_key_windows_equal_masked_reference(causal, heads, long):
     """The native kernel's output and log-sum-exp with per-row key windows (`fastmath.flash_attention`,
     what the prompt-shared forward uses) against the same computed with MLX's ops: scores, the window
     and causal mask, softmax. Values and the gradients of q, k, v from cotangents on both outputs (the
     lse's enters the kernel's backward); windows cut mid-block, one covers everything, one leaves the
-    first queries of a causal row without keys (output 0, lse -inf, no gradient)."""
+    first queries of a causal row without keys (output 0, lse -inf, no gradient). `long`: keys over
+    several of the backward's key chunks, a window starting in a later chunk."""
     if native.load() is None:
         pytest.skip("native kernels not built")
     rng = np.random.default_rng(11)
-    (hq, hkv), B, L, D = heads, 3, 37, 40
-    S = 37 if causal else 53
+    (hq, hkv), B, L, D = heads, 3, (300 if long else 37), 40
+    S = L if causal else (560 if long else 53)
     q, k, v = (mx.array(rng.normal(0, 1, sh).astype(np.float32))
                for sh in [(B, hq, L, D), (B, hkv, S, D), (B, hkv, S, D)])
-    bounds = mx.array([[5, S - 3], [0, S], [19, 30]], dtype=mx.int32)
+    bounds = mx.array([[261 if long else 5, S - 3], [0, S], [19, 30]], dtype=mx.int32)
     wo = mx.array(rng.normal(0, 1, (B, hq, L, D)).astype(np.float32))
     wl = mx.array(rng.normal(0, 1, (B, hq, L)).astype(np.float32))
     j = mx.arange(S)[None, None, None]

@@ -1562,6 +1562,17 @@ void scatter_rows(const AttnDims& d, const float* tile, int r0, int n, float* x0
     }
 }
 
+// x0's rows of block [r0, r1) += tile's (first D columns).
+void add_rows(const AttnDims& d, const float* tile, int r0, int n, float* x0) {
+  for (int h = 0; h < d.rep; ++h)
+    for (int t = 0; t < n; ++t) {
+      const float* src = tile + size_t(h * n + t) * d.Dp;
+      float* dst = x0 + (size_t(h) * d.L + r0 + t) * d.D;
+#pragma omp simd
+      for (int c = 0; c < d.D; ++c) dst[c] += src[c];
+    }
+}
+
 std::vector<mx::array> flash_attention_grad_op(const std::vector<mx::array>& inputs, bool causal, mx::Stream s);
 
 // inputs q, k, v[, bounds]; outputs o [B, G, rep, L, D], lse [B, G, rep, L]. bounds int32 [B, 2]: batch row b
@@ -1646,9 +1657,15 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
 };
 
 // inputs q, k, v, o, lse, dO, dlse[, bounds]; outputs dq, dk, dv. Per group (one worker each): k^T, k and v^T
-// packed once, dk^T / dv^T accumulated over the blocks in [Dp, keys] buffers and transposed at the end; per
-// block P = exp(S - lse), dP = dO v^T, dS = P (dP - rowsum(dO o) + dlse), dq = dS k, dv += P^T dO,
-// dk += dS^T q (d lse / dS = P: the cotangent of lse adds to every key's term).
+// packed once; then per chunk of kKeyChunk keys, every block of queries that sees one of them: P = exp(S - lse),
+// dP = dO v^T, dS = P (dP - rowsum(dO o) + dlse), dq += dS k, dv += P^T dO, dk += dS^T q (d lse / dS = P: the
+// cotangent of lse adds to every key's term). The backward needs no softmax statistic beyond lse, so the keys
+// split freely: a chunk's dk^T / dv^T ([Dp, chunk]) and the block's P / dS ([rows, chunk]) stay in L2 while the
+// blocks accumulate into them, where [Dp, S] ones (2 MB each at 4096 keys) went to L3 and back once per block
+// (`scripts/bench_attention.py`: the chunks took the backward from ~0.80 to ~0.70 s at Qwen3's 16/8 heads of
+// 128 and 4096 causal tokens).
+constexpr int kKeyChunk = 256;
+
 class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
  public:
   FlashAttentionGrad(mx::Stream s, bool causal)
@@ -1665,12 +1682,15 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
       const size_t heads = size_t(d.B) * d.G;
       if (heads == 0) return;
       const size_t SD = size_t(d.S) * d.D;
+      std::fill(dq, dq + heads * d.rep * size_t(d.L) * d.D, 0.0f);  // accumulated over the chunks
       if (d.blocks == 0) {  // no queries: no gradient for k, v
         std::fill(dk, dk + heads * SD, 0.0f);
         std::fill(dv, dv + heads * SD, 0.0f);
         return;
       }
-      const size_t Spad = round_up(d.S, kPanel), Dpp = round_up(d.Dp, kPanel), ldt = d.lds;
+      const int chunk = std::min(kKeyChunk, int(round_up(std::max(d.S, 1), kPanel)));
+      const size_t Spad = round_up(d.S, kPanel), Dpp = round_up(d.Dp, kPanel);
+      const size_t ldc = round_up(chunk, kPanel) + 16;  // the chunk's rows: past a multiple of the alias stride
       const size_t workers = std::min<size_t>(worker_count(), heads);
       Scratch scratch;
       struct Work {
@@ -1681,12 +1701,12 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
         w.kt = scratch.take(size_t(d.D) * Spad);    // k^T panels (scores)
         w.vt = scratch.take(size_t(d.D) * Spad);    // v^T panels (dP)
         w.kk = scratch.take(size_t(d.S) * Dpp);     // k panels (dq)
-        w.dkt = scratch.take(size_t(d.Dp) * ldt);  // dk^T, dv^T [Dp, keys]: the block's P / dS rows are B
-        w.dvt = scratch.take(size_t(d.Dp) * ldt);
+        w.dkt = scratch.take(size_t(d.Dp) * ldc);  // the chunk's dk^T, dv^T [Dp, chunk]: P / dS rows are B
+        w.dvt = scratch.take(size_t(d.Dp) * ldc);
         w.qt = scratch.take(size_t(d.rows) * d.Dp);
         w.gt = scratch.take(size_t(d.rows) * d.Dp);
-        w.st = scratch.take(size_t(d.rows) * d.lds);  // scores, then P
-        w.pt = scratch.take(size_t(d.rows) * d.lds);  // dP, then dS
+        w.st = scratch.take(size_t(d.rows) * ldc);  // scores, then P
+        w.pt = scratch.take(size_t(d.rows) * ldc);  // dP, then dS
         w.dqt = scratch.take(size_t(d.rows) * d.Dp);
         w.delta = scratch.take(size_t(d.rows));
       }
@@ -1696,66 +1716,77 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
         pack_panels(k0, 1, d.D, d.D, d.S, w.kt);
         pack_panels(v0, 1, d.D, d.D, d.S, w.vt);
         pack_panels(k0, d.D, 1, d.S, d.D, w.kk);
-        std::fill(w.dkt, w.dkt + size_t(d.Dp) * ldt, 0.0f);
-        std::fill(w.dvt, w.dvt + size_t(d.Dp) * ldt, 0.0f);
         const size_t group = g * d.rep * d.L;
         const KeyWindow win(bp, int(g / d.G), d.S);
-        for (int blk = d.blocks - 1; blk >= 0; --blk) {
-          const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
-          const int seen = std::min(win.end, d.seen(r0 + n)), ncols = int(round_up(seen, 16));
-          gather_rows(d, qp + group * d.D, r0, n, w.qt);
-          gather_rows(d, gp + group * d.D, r0, n, w.gt);
-          for (int h = 0; h < d.rep; ++h)  // delta = rowsum(dO o) - dlse
-            for (int t = 0; t < n; ++t) {
-              const size_t row = group + size_t(h) * d.L + r0 + t;
-              const float* orow = op + row * d.D;
-              const float* grow = w.gt + size_t(h * n + t) * d.Dp;
-              float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-              for (int c = 0; c < d.D; ++c) s += orow[c] * grow[c];
-              w.delta[h * n + t] = s - dlp[row];
-            }
-          panel_gemm(rows, ncols, d.D, w.qt, d.Dp, 1, w.kt, kPanel, size_t(d.D) * kPanel, w.st, d.lds, false);
-          panel_gemm(rows, ncols, d.D, w.gt, d.Dp, 1, w.vt, kPanel, size_t(d.D) * kPanel, w.pt, d.lds, false);
-          for (int i = 0; i < rows; ++i) {
-            const int h = i / n, t = i % n, lim = std::min(win.end, d.limit(r0 + t));
-            const float l = lp[group + size_t(h) * d.L + r0 + t], de = w.delta[i];
-            float* x = w.st + size_t(i) * d.lds;
-            float* y = w.pt + size_t(i) * d.lds;
-            if (lim <= win.start) {  // no key: P = dS = 0
-              std::fill(x, x + ncols, 0.0f);
-              std::fill(y, y + ncols, 0.0f);
+        float *dkg = dk + g * SD, *dvg = dv + g * SD;
+        for (int j0 = 0; j0 < d.S; j0 += chunk) {
+          const int j1 = std::min(d.S, j0 + chunk);
+          std::fill(w.dkt, w.dkt + size_t(d.Dp) * ldc, 0.0f);
+          std::fill(w.dvt, w.dvt + size_t(d.Dp) * ldc, 0.0f);
+          for (int blk = d.blocks - 1; blk >= 0 && j1 > win.start; --blk) {
+            const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
+            const int cnt = std::min({win.end, d.seen(r0 + n), j1}) - j0;  // the chunk's keys the block sees
+            if (cnt <= 0) {
+              if (d.causal) break;  // the blocks above see fewer keys
               continue;
             }
-            std::fill(x, x + win.start, 0.0f);
-            std::fill(y, y + win.start, 0.0f);
-            int j = win.start;
-            for (; j + 16 <= lim; j += 16) {
-              const vf16 p = vexp(load16(x + j) - l);
-              store16(x + j, p);
-              store16(y + j, p * (load16(y + j) - de));
+            const int ncols = int(round_up(cnt, 16));
+            gather_rows(d, qp + group * d.D, r0, n, w.qt);
+            gather_rows(d, gp + group * d.D, r0, n, w.gt);
+            for (int h = 0; h < d.rep; ++h)  // delta = rowsum(dO o) - dlse
+              for (int t = 0; t < n; ++t) {
+                const size_t row = group + size_t(h) * d.L + r0 + t;
+                const float* orow = op + row * d.D;
+                const float* grow = w.gt + size_t(h * n + t) * d.Dp;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int c = 0; c < d.D; ++c) s += orow[c] * grow[c];
+                w.delta[h * n + t] = s - dlp[row];
+              }
+            const size_t panel0 = size_t(j0 / kPanel) * d.D * kPanel;  // the chunk's first k^T / v^T panel
+            panel_gemm(rows, ncols, d.D, w.qt, d.Dp, 1, w.kt + panel0, kPanel, size_t(d.D) * kPanel, w.st, ldc, false);
+            panel_gemm(rows, ncols, d.D, w.gt, d.Dp, 1, w.vt + panel0, kPanel, size_t(d.D) * kPanel, w.pt, ldc, false);
+            for (int i = 0; i < rows; ++i) {
+              const int h = i / n, t = i % n;
+              const int lo = std::max(win.start, j0) - j0, hi = std::min({win.end, d.limit(r0 + t), j1}) - j0;
+              const float l = lp[group + size_t(h) * d.L + r0 + t], de = w.delta[i];
+              float* x = w.st + size_t(i) * ldc;
+              float* y = w.pt + size_t(i) * ldc;
+              if (hi <= lo) {  // no key here: P = dS = 0
+                std::fill(x, x + ncols, 0.0f);
+                std::fill(y, y + ncols, 0.0f);
+                continue;
+              }
+              std::fill(x, x + lo, 0.0f);
+              std::fill(y, y + lo, 0.0f);
+              int j = lo;
+              for (; j + 16 <= hi; j += 16) {
+                const vf16 p = vexp(load16(x + j) - l);
+                store16(x + j, p);
+                store16(y + j, p * (load16(y + j) - de));
+              }
+              for (; j < hi; ++j) {
+                const float p = fast_exp(x[j] - l);
+                x[j] = p;
+                y[j] = p * (y[j] - de);
+              }
+              std::fill(x + hi, x + ncols, 0.0f);  // read as B up to ncols below
+              std::fill(y + hi, y + ncols, 0.0f);
             }
-            for (; j < lim; ++j) {
-              const float p = fast_exp(x[j] - l);
-              x[j] = p;
-              y[j] = p * (y[j] - de);
-            }
-            std::fill(x + lim, x + ncols, 0.0f);  // read as B up to ncols below
-            std::fill(y + lim, y + ncols, 0.0f);
+            // dq += dS k
+            panel_gemm(rows, d.Dp, cnt, w.pt, ldc, 1, w.kk + size_t(j0) * kPanel, kPanel, size_t(d.S) * kPanel, w.dqt,
+                       d.Dp, false);
+            add_rows(d, w.dqt, r0, n, dq + group * d.D);
+            // dv^T += dO^T P, dk^T += q^T dS: A the block's dO / q read transposed (in L1), B the rows of P / dS
+            panel_gemm(d.Dp, ncols, rows, w.gt, 1, d.Dp, w.st, ldc, kPanel, w.dvt, ldc, true);
+            panel_gemm(d.Dp, ncols, rows, w.qt, 1, d.Dp, w.pt, ldc, kPanel, w.dkt, ldc, true);
           }
-          // dq = dS k
-          panel_gemm(rows, d.Dp, seen, w.pt, d.lds, 1, w.kk, kPanel, size_t(d.S) * kPanel, w.dqt, d.Dp, false);
-          scatter_rows(d, w.dqt, r0, n, dq + group * d.D, nullptr);
-          // dv^T += dO^T P, dk^T += q^T dS: A the block's dO / q read transposed (in L1), B the rows of P / dS
-          panel_gemm(d.Dp, ncols, rows, w.gt, 1, d.Dp, w.st, d.lds, kPanel, w.dvt, ldt, true);
-          panel_gemm(d.Dp, ncols, rows, w.qt, 1, d.Dp, w.pt, d.lds, kPanel, w.dkt, ldt, true);
+          for (int j = j0; j < j1; ++j)
+            for (int c = 0; c < d.D; ++c) {
+              dkg[size_t(j) * d.D + c] = w.dkt[c * ldc + j - j0];
+              dvg[size_t(j) * d.D + c] = w.dvt[c * ldc + j - j0];
+            }
         }
-        float *dkg = dk + g * SD, *dvg = dv + g * SD;
-        for (int j = 0; j < d.S; ++j)
-          for (int c = 0; c < d.D; ++c) {
-            dkg[size_t(j) * d.D + c] = w.dkt[c * ldt + j];
-            dvg[size_t(j) * d.D + c] = w.dvt[c * ldt + j];
-          }
       });
     });
   }
