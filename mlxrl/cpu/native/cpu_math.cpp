@@ -105,16 +105,15 @@ inline vf16 splat(float x) { return vf16{} + x; }
 inline vf16 load16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
 inline void store16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
 
-// fast_exp on 16 lanes, for x <= kOverflow (x - max in a softmax): the same arithmetic, NaN kept.
+// fast_exp on 16 lanes, for x <= kOverflow (x - max in a softmax, s - lse in a backward): the same arithmetic
+// without the upper clamp, which such x never reach. A NaN passes the lower clamp (the comparison is false) and
+// the polynomial, so it comes out NaN with no select.
 inline vf16 vexp(vf16 x) {
-  vf16 t = x < splat(kLow) ? splat(kLow) : x;
-  t = t > splat(kHigh) ? splat(kHigh) : t;
-  t *= kLog2e;
+  const vf16 t = (x < splat(kLow) ? splat(kLow) : x) * kLog2e;
   const vf16 r = t + kMagic;
   const vf16 p = exp2_poly(t - (r - kMagic));
   const vi16 bits = (reinterpret_cast<const vi16&>(r) - (kMagicBits - 127)) << 23;
-  const vf16 y = p * reinterpret_cast<const vf16&>(bits);
-  return x != x ? x : y;
+  return p * reinterpret_cast<const vf16&>(bits);
 }
 
 // max(x[0..n)) (-inf for n = 0).
@@ -1386,9 +1385,10 @@ std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, 
 // ----------------------------------------------------------------------------- flash attention
 
 // Attention without the score square (FlashAttention's memory shape): per (batch, kv-head) and block of
-// queries, the block's scores against the keys it sees stay in a per-worker buffer (64 rows x the keys,
-// ~1 MB at 4096 keys: in L2), the softmax runs over them in place and P V follows; only the output and
-// each row's log-sum-exp are written. The backward recomputes P = exp(S - lse) per block and builds
+// queries, the keys in chunks of kKeyChunk: the block's scores against a chunk stay in a per-worker buffer
+// (64 rows x 256 keys, 64 KB: in L2), an online softmax runs over them in place (each row's running max and
+// sum; o rescaled when the max grows) and P V accumulates; only the output and each row's log-sum-exp are
+// written (a whole row of scores, 1 MB at 4096 keys, ran ~15% slower). The backward recomputes P = exp(S - lse) per block and builds
 // dq, dk, dv with the same tiles. The matmuls are a register-tiled micro-kernel (C [8, 32] += A B, 16
 // accumulators of 16 floats, B packed in panels of 32 columns, k blocked by 128 so a panel block stays in
 // L1): the BLAS would pack and zero more than it multiplies at these sizes (K = head_dim = 64-128), and
@@ -1505,6 +1505,10 @@ void parallel_items(size_t n, size_t workers, F fn) {
   for (auto& t : threads) t.join();
 }
 
+// Keys per pass of both attention kernels: a block's [rows, chunk] scores and, in the backward, a chunk's
+// [Dp, chunk] dk^T / dv^T stay in L2.
+constexpr int kKeyChunk = 256;
+
 // q [B, G, rep, L, D] (scaled), k / v [B, G, S, D]: G kv-heads, each shared by rep query heads; causal:
 // query i sees keys j <= i + S - L. A block is bq queries of every head of a group, stacked as rep x bq
 // rows (row h bq + t is query r0 + t of head h), so the group's k / v panels serve ~64 rows at a time.
@@ -1512,7 +1516,8 @@ struct AttnDims {
   int B, G, rep, L, S, D;
   bool causal;
   int Dp, bq, rows, blocks;
-  size_t lds;  // the score buffer's row stride: past a multiple of the cache's alias stride
+  int chunk;   // keys per pass (kKeyChunk, fewer for short rows): a multiple of kPanel
+  size_t ldc;  // the score buffers' row stride: past a multiple of the cache's alias stride
   AttnDims(const mx::array& q, const mx::array& k, bool c)
       : B(q.shape(0)), G(q.shape(1)), rep(q.shape(2)), L(q.shape(3)), S(k.shape(2)), D(q.shape(4)), causal(c) {
     Dp = int(round_up(D, 16));
@@ -1520,7 +1525,8 @@ struct AttnDims {
     bq = std::min(bq, std::max(1, L));
     rows = rep * bq;
     blocks = L == 0 ? 0 : (L + bq - 1) / bq;
-    lds = round_up(std::max(S, 1), kPanel) + 16;
+    chunk = std::min(kKeyChunk, int(round_up(std::max(S, 1), kPanel)));
+    ldc = size_t(chunk) + 16;
   }
   int seen(int r1) const { return causal ? std::min(S, r1 + S - L) : S; }  // keys a block ending at r1 sees
   int limit(int i) const { return causal ? std::min(S, i + S - L + 1) : S; }  // keys query i sees
@@ -1597,49 +1603,74 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
       Scratch scratch;
       float* kt = scratch.take(heads * kt_size);  // k^T per group: panels of D rows x 32 keys
       float* vpk = scratch.take(heads * v_size);  // v per group: panels of S rows x 32 columns
-      std::vector<float*> qtile(workers), stile(workers), otile(workers), itile(workers);
+      std::vector<float*> qtile(workers), stile(workers), otile(workers), mtile(workers), ltile(workers), atile(workers);
       for (size_t w = 0; w < workers; ++w) {
         qtile[w] = scratch.take(size_t(d.rows) * d.Dp);
         otile[w] = scratch.take(size_t(d.rows) * d.Dp);
-        stile[w] = scratch.take(size_t(d.rows) * d.lds);
-        itile[w] = scratch.take(size_t(d.rows));  // 1 / each row's sum
+        stile[w] = scratch.take(size_t(d.rows) * d.ldc);
+        mtile[w] = scratch.take(size_t(d.rows));  // each row's running max, sum and the chunk's rescale
+        ltile[w] = scratch.take(size_t(d.rows));
+        atile[w] = scratch.take(size_t(d.rows));
       }
       parallel_items(heads, workers, [&](size_t, size_t g) {
         const float* k0 = kp + g * d.S * d.D;
         pack_panels(k0, 1, d.D, d.D, d.S, kt + g * kt_size);
         pack_panels(vp + g * d.S * d.D, d.D, 1, d.S, d.D, vpk + g * v_size);
       });
-      // items: (group, block), the blocks that see the most keys first
+      // items: (group, block), the blocks that see the most keys first. Per block, the keys in chunks with a
+      // running max and sum per row (FlashAttention's online softmax): o is rescaled when the max grows.
       const size_t items = heads * d.blocks;
       parallel_items(items, workers, [&](size_t w, size_t item) {
         const size_t g = item % heads;
         const KeyWindow win(bp, int(g / d.G), d.S);
         const int blk = d.causal ? d.blocks - 1 - int(item / heads) : int(item / heads);
         const int r0 = blk * d.bq, n = std::min(d.bq, d.L - r0), rows = d.rep * n;
-        const int seen = std::min(win.end, d.seen(r0 + n)), ncols = int(round_up(seen, 16));
+        const int seen = std::min(win.end, d.seen(r0 + n));
         const size_t group = g * d.rep * d.L;  // the group's first row of q / o / lse
-        float *qt = qtile[w], *st = stile[w], *ot = otile[w], *inv = itile[w];
+        float *qt = qtile[w], *st = stile[w], *ot = otile[w], *m = mtile[w], *l = ltile[w], *alpha = atile[w];
         gather_rows(d, qp + group * d.D, r0, n, qt);
-        panel_gemm(rows, ncols, d.D, qt, d.Dp, 1, kt + g * kt_size, kPanel, size_t(d.D) * kPanel, st, d.lds, false);
-        for (int i = 0; i < rows; ++i) {
-          const int h = i / n, t = i % n, lim = std::min(win.end, d.limit(r0 + t));
-          float* x = st + size_t(i) * d.lds;
-          float& l = lp[group + size_t(h) * d.L + r0 + t];
-          if (lim <= win.start) {  // no key: o = 0
-            std::fill(x, x + seen, 0.0f);
-            inv[i] = 0.0f;
-            l = -std::numeric_limits<float>::infinity();
-            continue;
+        std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+        std::fill(l, l + rows, 0.0f);
+        bool first = true;
+        for (int j0 = win.start / kPanel * kPanel; j0 < seen; j0 += d.chunk) {
+          const int cnt = std::min(seen, j0 + d.chunk) - j0, ncols = int(round_up(cnt, 16));
+          panel_gemm(rows, ncols, d.D, qt, d.Dp, 1, kt + g * kt_size + size_t(j0 / kPanel) * d.D * kPanel, kPanel,
+                     size_t(d.D) * kPanel, st, d.ldc, false);
+          for (int i = 0; i < rows; ++i) {
+            const int t = i % n;
+            const int lo = std::max(win.start, j0) - j0, hi = std::min({win.end, d.limit(r0 + t), j0 + cnt}) - j0;
+            float* x = st + size_t(i) * d.ldc;
+            alpha[i] = 1.0f;
+            if (hi <= lo) {  // no key of this chunk
+              std::fill(x, x + ncols, 0.0f);
+              continue;
+            }
+            const float mn = std::max(m[i], row_max(x + lo, hi - lo));
+            const float sum = exp_shift_sum(x + lo, x + lo, hi - lo, mn);
+            std::fill(x, x + lo, 0.0f);
+            std::fill(x + hi, x + ncols, 0.0f);
+            alpha[i] = std::exp(m[i] - mn);  // 0 while the row had no key
+            l[i] = l[i] * alpha[i] + sum;
+            m[i] = mn;
           }
-          const float m = row_max(x + win.start, lim - win.start);
-          const float sum = exp_shift_sum(x + win.start, x + win.start, lim - win.start, m);
-          std::fill(x, x + win.start, 0.0f);
-          std::fill(x + lim, x + seen, 0.0f);
-          inv[i] = 1.0f / sum;
-          l = m + std::log(sum);
+          if (!first)
+            for (int i = 0; i < rows; ++i)
+              if (alpha[i] != 1.0f) {
+                float* o = ot + size_t(i) * d.Dp;
+#pragma omp simd
+                for (int c = 0; c < d.Dp; ++c) o[c] *= alpha[i];
+              }
+          panel_gemm(rows, d.Dp, cnt, st, d.ldc, 1, vpk + g * v_size + size_t(j0) * kPanel, kPanel,
+                     size_t(d.S) * kPanel, ot, d.Dp, !first);
+          first = false;
         }
-        panel_gemm(rows, d.Dp, seen, st, d.lds, 1, vpk + g * v_size, kPanel, size_t(d.S) * kPanel, ot, d.Dp, false);
-        scatter_rows(d, ot, r0, n, op + group * d.D, inv);
+        if (first) std::fill(ot, ot + size_t(rows) * d.Dp, 0.0f);  // the block sees no key
+        for (int i = 0; i < rows; ++i) {
+          const int h = i / n, t = i % n;
+          lp[group + size_t(h) * d.L + r0 + t] = l[i] > 0.0f ? m[i] + std::log(l[i]) : -std::numeric_limits<float>::infinity();
+          l[i] = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;  // no key: o = 0
+        }
+        scatter_rows(d, ot, r0, n, op + group * d.D, l);
       });
     });
   }
@@ -1664,7 +1695,6 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
 // blocks accumulate into them, where [Dp, S] ones (2 MB each at 4096 keys) went to L3 and back once per block
 // (`scripts/bench_attention.py`: the chunks took the backward from ~0.80 to ~0.70 s at Qwen3's 16/8 heads of
 // 128 and 4096 causal tokens).
-constexpr int kKeyChunk = 256;
 
 class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
  public:
@@ -1688,9 +1718,8 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
         std::fill(dv, dv + heads * SD, 0.0f);
         return;
       }
-      const int chunk = std::min(kKeyChunk, int(round_up(std::max(d.S, 1), kPanel)));
-      const size_t Spad = round_up(d.S, kPanel), Dpp = round_up(d.Dp, kPanel);
-      const size_t ldc = round_up(chunk, kPanel) + 16;  // the chunk's rows: past a multiple of the alias stride
+      const int chunk = d.chunk;
+      const size_t Spad = round_up(d.S, kPanel), Dpp = round_up(d.Dp, kPanel), ldc = d.ldc;
       const size_t workers = std::min<size_t>(worker_count(), heads);
       Scratch scratch;
       struct Work {
