@@ -72,6 +72,34 @@ def test_openblas_coretype_is_set_unless_given():
     assert run == "Haswell"
 
 
+@pytest.mark.skipif(sys.platform != "linux" or not blas._bundled_reference_blas() or (os.cpu_count() or 1) < 2,
+                    reason="mlxrl loads OpenBLAS itself only over a Linux wheel's reference BLAS; one core: no workers")
+def test_openblas_threads_sleep_after_a_call_unless_told_otherwise():
+    """After a matmul, OpenBLAS's idle worker threads burn no CPU while the process waits (they would
+    spin for ~0.1 s, on the cores the native kernels use next); a user's OPENBLAS_THREAD_TIMEOUT is kept
+    (28, OpenBLAS's default: the spin shows)."""
+    child = ("import os, time, mlxrl, mlx.core as mx\n"
+             "print(os.environ['OPENBLAS_THREAD_TIMEOUT'])\n"
+             "a = mx.random.normal((1024, 1024)); mx.eval(a)\n"
+             "spent = []\n"
+             "for _ in range(3):\n"
+             "    mx.eval(a @ a); c = time.process_time(); time.sleep(0.3); spent.append(time.process_time() - c)\n"
+             "print(min(spent))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if "openblas" not in blas.BLAS_IN_USE.lower():
+        pytest.skip("mlxrl did not load OpenBLAS here")
+
+    def run(env):
+        out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
+        timeout, idle_cpu = out.stdout.split()
+        return timeout, float(idle_cpu)
+
+    timeout, idle_cpu = run(env)
+    assert timeout == "4" and idle_cpu < 0.02
+    timeout, idle_cpu = run({**env, "OPENBLAS_THREAD_TIMEOUT": "28"})
+    assert timeout == "28" and idle_cpu > 0.03
+
+
 def test_import_sets_no_limit_and_setup_sets_the_cpu_cache():
     """`import mlxrl` leaves MLX's cache limit as `import mlx.core` does; `runtime.setup()` (what the
     trainers and the CLIs call) sets the CPU buffer cache, MLXRL_CACHE_LIMIT overriding it."""
