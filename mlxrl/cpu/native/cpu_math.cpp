@@ -1509,19 +1509,32 @@ void parallel_items(size_t n, size_t workers, F fn) {
 // [Dp, chunk] dk^T / dv^T stay in L2.
 constexpr int kKeyChunk = 256;
 
+// Rows per block: the forward's blocks are large, so each chunk of k / v (streamed from beyond L2: 4 MB packed
+// per group at 4096 keys) serves more rows before the next (`python scripts/bench_attention.py`, alternating
+// builds: 512 rows against 64 took the forward 0.44-0.47 -> 0.34-0.36 s on Qwen3-VL's tower shape, ~0.30 ->
+// ~0.28 s at Qwen3-0.6B's 16/8 heads at 4096 causal tokens), halved while there would be fewer than 4 blocks
+// a worker; the backward's stay at 64 (larger ones ran ~2% slower: its dk / dv chunks are the reused side).
+constexpr int kForwardRows = 512;
+constexpr int kBackwardRows = 64;
+
 // q [B, G, rep, L, D] (scaled), k / v [B, G, S, D]: G kv-heads, each shared by rep query heads; causal:
 // query i sees keys j <= i + S - L. A block is bq queries of every head of a group, stacked as rep x bq
-// rows (row h bq + t is query r0 + t of head h), so the group's k / v panels serve ~64 rows at a time.
+// rows (row h bq + t is query r0 + t of head h), so the group's k / v panels serve ~`target` rows at a time.
 struct AttnDims {
   int B, G, rep, L, S, D;
   bool causal;
   int Dp, bq, rows, blocks;
   int chunk;   // keys per pass (kKeyChunk, fewer for short rows): a multiple of kPanel
   size_t ldc;  // the score buffers' row stride: past a multiple of the cache's alias stride
-  AttnDims(const mx::array& q, const mx::array& k, bool c)
+  AttnDims(const mx::array& q, const mx::array& k, bool c, int target)
       : B(q.shape(0)), G(q.shape(1)), rep(q.shape(2)), L(q.shape(3)), S(k.shape(2)), D(q.shape(4)), causal(c) {
     Dp = int(round_up(D, 16));
-    bq = std::max(1, 64 / std::max(1, rep));
+    const size_t groups = size_t(B) * G, enough = 4 * size_t(worker_count());
+    for (; target > 64; target /= 2) {  // fewer rows while the blocks would not keep every worker busy
+      const int b = std::max(1, target / std::max(1, rep));
+      if (groups * ((size_t(L) + b - 1) / b) >= enough) break;
+    }
+    bq = std::max(1, target / std::max(1, rep));
     bq = std::min(bq, std::max(1, L));
     rows = rep * bq;
     blocks = L == 0 ? 0 : (L + bq - 1) / bq;
@@ -1593,7 +1606,7 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
     return {inputs[0].shape(), lse};
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
+    encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_, kForwardRows), qp = inputs[0].data<float>(),
                       kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = outputs[0].data<float>(),
                       lp = outputs[1].data<float>(), bp = inputs.size() > 3 ? inputs[3].data<int32_t>() : nullptr]() {
       const size_t heads = size_t(d.B) * d.G;
@@ -1704,7 +1717,7 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
     return {inputs[0].shape(), inputs[1].shape(), inputs[2].shape()};
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_), qp = inputs[0].data<float>(),
+    encode_outputs(stream(), inputs, outputs).dispatch([d = AttnDims(inputs[0], inputs[1], causal_, kBackwardRows), qp = inputs[0].data<float>(),
                       kp = inputs[1].data<float>(), vp = inputs[2].data<float>(), op = inputs[3].data<float>(),
                       lp = inputs[4].data<float>(), gp = inputs[5].data<float>(), dlp = inputs[6].data<float>(),
                       bp = inputs.size() > 7 ? inputs[7].data<int32_t>() : nullptr, dq = outputs[0].data<float>(),
