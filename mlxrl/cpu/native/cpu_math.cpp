@@ -1510,10 +1510,10 @@ void parallel_items(size_t n, size_t workers, F fn) {
 constexpr int kKeyChunk = 256;
 
 // Rows per block: the forward's blocks are large, so each chunk of k / v (streamed from beyond L2: 4 MB packed
-// per group at 4096 keys) serves more rows before the next (`python scripts/bench_attention.py`, alternating
-// builds: 512 rows against 64 took the forward 0.44-0.47 -> 0.34-0.36 s on Qwen3-VL's tower shape, ~0.30 ->
-// ~0.28 s at Qwen3-0.6B's 16/8 heads at 4096 causal tokens), halved while there would be fewer than 4 blocks
-// a worker; the backward's stay at 64 (larger ones ran ~2% slower: its dk / dv chunks are the reused side).
+// per group at 4096 keys) serves more rows before the next (alternating processes: 512 rows against 64 took
+// the forward 0.44-0.47 -> 0.33-0.34 s on Qwen3-VL's tower shape, ~0.30 -> ~0.28 s at Qwen3-0.6B's 16/8 heads
+// at 4096 causal tokens), halved while there would be fewer than 4 blocks a worker; the backward's stay at 64
+// (larger ones ran ~2% slower: its dk / dv chunks are the reused side).
 constexpr int kForwardRows = 512;
 constexpr int kBackwardRows = 64;
 
