@@ -10,7 +10,7 @@ OpenBLAS picks its kernels from the CPU model and falls back to its slowest gene
 ("Prescott") on CPUs newer than the build knows: unless ``OPENBLAS_CORETYPE`` is already set, it is
 set from the CPU's flags (``/proc/cpuinfo``) before OpenBLAS loads. Its idle threads spin (``sched_yield``
 in a loop) for 2^28 cycles (~0.1 s) after each call before they sleep, on the cores that mlxrl's native
-kernels, run between the matmuls, need: unless ``OPENBLAS_THREAD_TIMEOUT`` is already set, it is set to 4
+kernels need between two matmuls: unless ``OPENBLAS_THREAD_TIMEOUT`` is already set, it is set to 4
 (2^4 cycles: they sleep at once, and the next call wakes them). Measured on one 0.6B decoder layer's
 checkpointed LoRA step at 4096 tokens (`/tmp` probe, alternating processes): ~2.5 s -> ~2.35 s; decoding
 unchanged.

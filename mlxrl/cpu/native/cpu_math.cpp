@@ -1388,7 +1388,8 @@ std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, 
 // queries, the keys in chunks of kKeyChunk: the block's scores against a chunk stay in a per-worker buffer
 // (64 rows x 256 keys, 64 KB: in L2), an online softmax runs over them in place (each row's running max and
 // sum; o rescaled when the max grows) and P V accumulates; only the output and each row's log-sum-exp are
-// written (a whole row of scores, 1 MB at 4096 keys, ran ~15% slower). The backward recomputes P = exp(S - lse) per block and builds
+// written (with a whole row of scores, 1 MB at 4096 keys, and the old exp: 302-303 against 285-293 ms at
+// Qwen3-0.6B's 16/8 heads and 4096 causal tokens, `scripts/bench_attention.py`, alternating processes). The backward recomputes P = exp(S - lse) per block and builds
 // dq, dk, dv with the same tiles. The matmuls are a register-tiled micro-kernel (C [8, 32] += A B, 16
 // accumulators of 16 floats, B packed in panels of 32 columns, k blocked by 128 so a panel block stays in
 // L1): the BLAS would pack and zero more than it multiplies at these sizes (K = head_dim = 64-128), and
@@ -1706,8 +1707,8 @@ class FlashAttention : public WithCausal<CpuPrimitive> {
 // cotangent of lse adds to every key's term). The backward needs no softmax statistic beyond lse, so the keys
 // split freely: a chunk's dk^T / dv^T ([Dp, chunk]) and the block's P / dS ([rows, chunk]) stay in L2 while the
 // blocks accumulate into them, where [Dp, S] ones (2 MB each at 4096 keys) went to L3 and back once per block
-// (`scripts/bench_attention.py`: the chunks took the backward from ~0.80 to ~0.70 s at Qwen3's 16/8 heads of
-// 128 and 4096 causal tokens).
+// (a `/tmp` probe calling the kernel, alternating builds: the chunks took the backward from ~0.80 to ~0.70 s
+// at Qwen3's 16/8 heads of 128 and 4096 causal tokens).
 
 class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
  public:
@@ -1750,7 +1751,7 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
         w.st = scratch.take(size_t(d.rows) * ldc);  // scores, then P
         w.pt = scratch.take(size_t(d.rows) * ldc);  // dP, then dS
         w.dqt = scratch.take(size_t(d.rows) * d.Dp);
-        w.delta = scratch.take(size_t(d.rows));
+        w.delta = scratch.take(size_t(d.rep) * d.L);  // the group's rows' rowsum(dO o) - dlse
       }
       parallel_items(heads, workers, [&](size_t wi, size_t g) {
         Work& w = work[wi];
@@ -1761,6 +1762,13 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
         const size_t group = g * d.rep * d.L;
         const KeyWindow win(bp, int(g / d.G), d.S);
         float *dkg = dk + g * SD, *dvg = dv + g * SD;
+        for (size_t i = 0; i < size_t(d.rep) * d.L; ++i) {  // once per row, not per chunk
+          const float *orow = op + (group + i) * d.D, *grow = gp + (group + i) * d.D;
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int c = 0; c < d.D; ++c) s += orow[c] * grow[c];
+          w.delta[i] = s - dlp[group + i];
+        }
         for (int j0 = 0; j0 < d.S; j0 += chunk) {
           const int j1 = std::min(d.S, j0 + chunk);
           std::fill(w.dkt, w.dkt + size_t(d.Dp) * ldc, 0.0f);
@@ -1775,23 +1783,14 @@ class FlashAttentionGrad : public WithCausal<CpuPrimitive> {
             const int ncols = int(round_up(cnt, 16));
             gather_rows(d, qp + group * d.D, r0, n, w.qt);
             gather_rows(d, gp + group * d.D, r0, n, w.gt);
-            for (int h = 0; h < d.rep; ++h)  // delta = rowsum(dO o) - dlse
-              for (int t = 0; t < n; ++t) {
-                const size_t row = group + size_t(h) * d.L + r0 + t;
-                const float* orow = op + row * d.D;
-                const float* grow = w.gt + size_t(h * n + t) * d.Dp;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int c = 0; c < d.D; ++c) s += orow[c] * grow[c];
-                w.delta[h * n + t] = s - dlp[row];
-              }
             const size_t panel0 = size_t(j0 / kPanel) * d.D * kPanel;  // the chunk's first k^T / v^T panel
             panel_gemm(rows, ncols, d.D, w.qt, d.Dp, 1, w.kt + panel0, kPanel, size_t(d.D) * kPanel, w.st, ldc, false);
             panel_gemm(rows, ncols, d.D, w.gt, d.Dp, 1, w.vt + panel0, kPanel, size_t(d.D) * kPanel, w.pt, ldc, false);
             for (int i = 0; i < rows; ++i) {
               const int h = i / n, t = i % n;
               const int lo = std::max(win.start, j0) - j0, hi = std::min({win.end, d.limit(r0 + t), j1}) - j0;
-              const float l = lp[group + size_t(h) * d.L + r0 + t], de = w.delta[i];
+              const size_t row = size_t(h) * d.L + r0 + t;  // within the group
+              const float l = lp[group + row], de = w.delta[row];
               float* x = w.st + size_t(i) * ldc;
               float* y = w.pt + size_t(i) * ldc;
               if (hi <= lo) {  // no key here: P = dS = 0
