@@ -21,6 +21,7 @@ from .atomic import check_save_target, replace_dir_atomically, write_atomically 
 from .hub import MlxrlError, resolve_model_path, weight_files
 from .models import UnsupportedModelError, build_model
 from .models.quantize import prepare_quantized, quantization_config, quantized_layers
+from .models.widened import keep_linears
 
 DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
 
@@ -48,7 +49,10 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
-def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None):
+def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_linear_dtype: bool = False):
+    """The model of a Hugging Face folder in the compute `dtype`; with `keep_linear_dtype` under float32
+    compute, its bfloat16 linear weights (not the LM head) stay bfloat16 and widen per call
+    (`models.widened`: for a LoRA run, whose base stays frozen)."""
     folder = Path(folder)
     config = read_config(folder)
     try:
@@ -75,31 +79,38 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None):
     model.load_weights(list(weights.items()), strict=True)
     if not isinstance(dtype, mx.Dtype):
         dtype = runtime.compute_dtype(dtype)
-    set_float_dtype(model, dtype)
+    kept = keep_linears(model, weights) if keep_linear_dtype and dtype == mx.float32 else set()
+    set_float_dtype(model, dtype, kept)
     mx.eval(model.parameters())
     model.eval()
     model.name_or_path = str(folder)
     return model
 
 
-def set_float_dtype(model, dtype: mx.Dtype) -> None:
+def set_float_dtype(model, dtype: mx.Dtype, kept: set[str] = frozenset()) -> None:
     """`model.set_dtype(dtype)` except for quantized layers' scales and offsets, which keep the
-    checkpoint's 16-bit type (MLX's quantized matmul takes them with any input dtype)."""
+    checkpoint's 16-bit type (MLX's quantized matmul takes them with any input dtype), and the weights
+    at the paths `kept` (`models.widened`)."""
     keep = {id(m[k]) for _, m in quantized_layers(model) for k in ("scales", "biases") if m.get(k) is not None}
+    keep |= {id(v) for k, v in tree_flatten(model.parameters()) if k in kept}
     model.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) and id(x) not in keep else x)
 
 
-def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, revision: str | None = None):
+def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, revision: str | None = None,
+         keep_linear_dtype: bool = False):
     """Load a Qwen / Qwen-VL model and its processor.
 
     id_or_path: a local folder, or a Hub id (looked up in the HF cache first, then downloaded).
     dtype: compute dtype; default float32 on CPU, bfloat16 on Metal/CUDA.
+    keep_linear_dtype: under float32 compute, keep the checkpoint's bfloat16 linear weights (the LM head
+    excepted) and widen them per call: for LoRA, half the frozen base's bytes, the same products
+    (`models.widened`; the trainers refuse to train such a weight). The CLIs' `keep_frozen_dtype`.
     Returns (model, processor).
     """
     from .processing import Processor
 
     folder = resolve_model_path(id_or_path, revision=revision)
-    model = load_model(folder, dtype)
+    model = load_model(folder, dtype, keep_linear_dtype)
     try:
         processor = Processor.from_pretrained(folder)
     except FileNotFoundError as e:

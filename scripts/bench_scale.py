@@ -50,6 +50,8 @@ Sides, each in its own subprocess:
            kept from the forward: the recompute skips the attention; more memory).
   ours_untiled  the same with tiled_mlp=False (each layer's MLP over the whole row at once: the tiled MLP's
            memory saving and its cost, side by side).
+  ours_f32base  the same with keep_frozen_dtype=False: a bfloat16 checkpoint's (--ckpt_dtype bfloat16) frozen
+           base read all in float32, where ours keeps its linears in bfloat16 (`mlxrl.models.widened`).
   trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
            AutoModelForCausalLM / Qwen3VLForConditionalGeneration; Qwen3VLProcessor with the PIL image
            processor for VL: no torchvision here). Its process never imports mlxrl (see bench_sft.run_peak).
@@ -326,13 +328,17 @@ def run_ours(s: dict) -> dict:
     import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlxrl import runtime
+    from mlxrl.models.widened import keeps_checkpoint_dtype
     from mlxrl.trainers.config import SFTConfig
     from mlxrl.trainers.sft import SFTTrainer
 
     rows = make_rows(s)
     base = rss_gb()
-    model, processor = mlxrl.load(s["ckpt"])
     args = _sft_args(s, SFTConfig, s["max_length"])
+    # loaded as `python -m mlxrl.sft` loads it: a LoRA run keeps a bfloat16 checkpoint's linears (`models.widened`)
+    keep = keeps_checkpoint_dtype(args, runtime.compute_dtype(args.dtype))
+    model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=keep)
     stamps = Stamps("ours")
     trainer = stamps.traced(SFT._timed_trainer(SFTTrainer, stamps))(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
@@ -369,7 +375,8 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
     return SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
                      learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
                      max_length=max_length, gradient_checkpointing=True, seed=42,
-                     keep_attention=s.get("keep_attention", False), tiled_mlp=s.get("tiled_mlp"), **kw)
+                     keep_attention=s.get("keep_attention", False), tiled_mlp=s.get("tiled_mlp"),
+                     keep_frozen_dtype=s.get("keep_frozen_dtype", True), **kw)
 
 
 def run_plan(s: dict) -> dict:
@@ -638,7 +645,8 @@ def run_grpo_trl(s: dict) -> dict:
 
 CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours,
             "ours_keep": lambda s: run_ours({**s, "keep_attention": True}),
-            "ours_untiled": lambda s: run_ours({**s, "tiled_mlp": False}), "trl": run_trl, "mlxlm": run_mlxlm,
+            "ours_untiled": lambda s: run_ours({**s, "tiled_mlp": False}),
+            "ours_f32base": lambda s: run_ours({**s, "keep_frozen_dtype": False}), "trl": run_trl, "mlxlm": run_mlxlm,
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
             "grpo_trl": run_grpo_trl, "gpu_peak": run_gpu_peak}
 
@@ -785,7 +793,8 @@ def summarise_sft(r: dict, warmup: int, max_length: int) -> dict:
     return r
 
 
-NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "ours_untiled": "mlxrl untiled", "trl": "TRL", "mlxlm": "mlx-lm",
+NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "ours_untiled": "mlxrl untiled", "ours_f32base": "mlxrl f32base",
+         "trl": "TRL", "mlxlm": "mlx-lm",
          "grpo_shared": "mlxrl shared", "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
 
 
@@ -949,7 +958,7 @@ def print_sft(a, results: list, peak: float) -> None:
         line = f"  {e['flops'] / 1e12:.3f} TFLOP/step (model); rows identical: {same}"
         if images:
             line += f"; image tokens per row {images}"
-        for mine in ("ours", "ours_keep", "ours_untiled"):
+        for mine in ("ours", "ours_keep", "ours_untiled", "ours_f32base"):
             if mine not in ok:
                 continue
             o = ok[mine]
@@ -1014,9 +1023,9 @@ def main(argv=None):
                          "too), or the decoder linears only (ours' set)")
     ap.add_argument("--max_length", type=int, nargs="+", default=[4096], help="tokens per row (batch 1)")
     ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"],
-                    choices=["ours", "ours_keep", "ours_untiled", "trl", "mlxlm"],
+                    choices=["ours", "ours_keep", "ours_untiled", "ours_f32base", "trl", "mlxlm"],
                     help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output); "
-                         "ours_untiled: mlxrl with tiled_mlp=False")
+                         "ours_untiled: mlxrl with tiled_mlp=False; ours_f32base: with keep_frozen_dtype=False")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     ap.add_argument("--lr_full", type=float, default=1e-5)

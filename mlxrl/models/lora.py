@@ -30,6 +30,7 @@ from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
 
 from ..hub import MlxrlError
 from .dropout import Dropout
+from .widened import WidenedLinear
 
 # PEFT's "all-linear" for a Qwen decoder (the LM head excluded)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -72,6 +73,19 @@ class LoRALinear(MlxLmLoRALinear):
         if y.dtype == u.dtype == self.lora_b.dtype:
             return mx.addmm(y, u * self.scale, self.lora_b)
         return y + (self.scale * (u @ self.lora_b)).astype(x.dtype)
+
+    def fuse(self, dequantize: bool = False):
+        """mlx-lm's merge, W + scale B A in W's dtype; a bfloat16-kept base (`models.widened`) is widened first,
+        so the merged weight is the float32 run's (mlx-lm's would round it to bfloat16)."""
+        base = self.linear
+        if not isinstance(base, WidenedLinear) or base.weight.dtype == self.lora_a.dtype:
+            return super().fuse(dequantize)
+        self.linear = nn.Linear(1, 1, bias="bias" in base)
+        self.linear.update({**dict(base.items()), "weight": base.weight.astype(self.lora_a.dtype)})
+        try:
+            return super().fuse(dequantize)
+        finally:
+            self.linear = base
 
 
 class QDoRALinear(DoRALinear):

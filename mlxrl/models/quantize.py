@@ -42,6 +42,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..hub import MlxrlError
+from .widened import WidenedLinear
 
 BITS = (4, 8)  # what --load_in_4bit / --load_in_8bit give; mx.quantize also accepts 2, 3, 5, 6
 GROUP_SIZES = (32, 64, 128)
@@ -124,7 +125,7 @@ def check_quantization(bits: int, group_size: int) -> None:
 
 def quantizable(path: str, module, group_size: int, *, vision: bool = False) -> bool:
     """Whether `quantize_model` quantizes the module at `path` (see the module docstring)."""
-    if type(module) is not nn.Linear:  # not a LoRA wrapper's parent, not an already quantized layer
+    if type(module) not in (nn.Linear, WidenedLinear):  # not a LoRA wrapper's parent, not a quantized layer
         return False
     if _is_head_or_embedding(path) or (_is_vision(path) and not vision):
         return False

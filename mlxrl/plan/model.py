@@ -18,6 +18,7 @@ from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
 from ..models.language import SCORE_COPIES, layer_saved_bytes, lora_saved_bytes
 from ..models.tiled import tile_tokens_for
+from ..models.widened import kept_saving
 from .report import Plan, Row, count, dtype_bytes, fmt
 from .suggest import suggest_change
 
@@ -117,7 +118,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
 
     s = element_bytes or dtype_bytes(args)
     model = build_model(cfg)
-    saved = quantized_saving(model, cfg, args, s)  # before LoRA wraps the linears
+    saved = quantized_saving(model, cfg, args, s) + kept_saving(model, cfg, args, s)  # before LoRA wraps them
     if getattr(args, "use_peft", False):
         lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                             target_modules=args.lora_target_modules, use_dora=args.use_dora)

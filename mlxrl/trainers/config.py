@@ -103,6 +103,10 @@ class TrainConfig:
     load_in_8bit: bool = _f(False, "the same with 8 bits")
     q_group_size: int = _f(64, "(mlxrl; mlx-lm's name) with load_in_4bit / load_in_8bit: weights per scale and "
                                "offset: 32 | 64 | 128")
+    keep_frozen_dtype: bool = _f(True, "(mlxrl) with use_peft and float32 compute (the CPU): the frozen base's linear "
+                                       "weights stay in the checkpoint's bfloat16 (the Hub's) and widen to float32 "
+                                       "per use: the same products (the widening is exact), half those weights' "
+                                       "memory, ~1% more step time; false: read them as float32")
     freeze_vision_tower: bool = _f(False, "(mlxrl) keep the vision tower frozen in full fine-tuning")
     freeze_embeddings: bool = _f(False, "(mlxrl) keep the token embeddings (and a tied LM head) frozen")
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")

@@ -36,6 +36,7 @@ from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
 from ..models.tiled import tile_tokens_for
+from ..models.widened import check_trainable_dtypes, planned_config
 from ..optim import make_optimizer
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
@@ -71,15 +72,6 @@ def step_seed(seed: int, position: int, stream: int = 0) -> int:
     return (seed * 1_000_003 + position + 7919 * stream) % (2**31 - 1)
 
 
-def check_trainable_dtypes(model) -> None:
-    """Refuse float16 training (it needs loss scaling, which the engine does not do: gradients below
-    6e-8 flush to zero and large activations overflow): a one-line error naming the fix."""
-    if any(v.dtype == mx.float16 for k, v in tree_flatten(model.parameters())
-           if not k.endswith((".scales", ".biases"))):  # a quantized layer's float16 scales are fine
-        raise MlxrlError("the model is in float16, which cannot train without loss scaling (small gradients flush "
-                         "to zero): load it in bfloat16 (--dtype bfloat16 or MLXRL_DTYPE=bfloat16) or float32")
-
-
 class Trainer(Signals, Saving, DataParallel, Logging):
     """Subclasses implement `loss(model, batch, normalizer)` and either `make_batches(epoch)` (a
     dataset) or `make_source()` (another batch source, see `sources`); they may override
@@ -101,11 +93,11 @@ class Trainer(Signals, Saving, DataParallel, Logging):
                                          merged=checkpoint_lib.merged_folders(args))
         check_config(args)  # types, ranges, choices, refused TRL fields: one line each
         check_optim(args)
-        check_trainable_dtypes(model)
         runtime.setup(tf32=args.tf32)  # MLX's CPU buffer cache, TF32 on a GPU (nothing is set at import)
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
+        check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
         self.optimizer = None
         self.global_step = 0
         self.epoch = 0
@@ -339,7 +331,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
 
         try:
             kw, shape = self._plan_shape()
-            plan = predict(dict(self.model.config), self.args, self.planner_kind, suggest=False, **kw)
+            plan = predict(planned_config(self.model), self.args, self.planner_kind, suggest=False, **kw)
         except (ValueError, KeyError, NotImplementedError) as e:
             self.print(f"memory plan: not available for this run ({e})")
             return None

@@ -29,6 +29,8 @@ class GRPOConfig(TrainConfig):
     model_init_kwargs: str | None = refused(None, "load the model with mlxrl.load (dtype: --dtype)")
     trust_remote_code: bool = refused(False, "mlxrl never runs model code from the Hub")
     router_aux_loss_coef: float | None = refused(None, "mlxrl has no Mixture-of-Experts models yet")
+    keep_frozen_dtype: bool = _f(False, "(mlxrl) as SFT's, off by default here: generation would widen every "
+                                        "kept weight once per decoded token")
     disable_dropout: bool = _f(False, "disable dropout (LoRA dropout included) in the model")
     cast_lm_head_to_fp32: bool = _f(False, "accepted; the streamed head always accumulates in float32")
     ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model (beta > 0)")
