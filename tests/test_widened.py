@@ -169,3 +169,19 @@ def test_the_cli_keeps_a_lora_runs_base_only(bf16_checkpoint, tmp_path, monkeypa
         out = tmp_path / f"out{len(seen)}"
         assert sft_main([*base, "--output_dir", str(out), *extra]) == 0
         assert seen[-1] is want, extra
+
+
+def test_dpo_with_lora_over_a_kept_base_is_the_float32_run(bf16_checkpoint, tmp_path):
+    from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
+
+    rows = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green today."},
+            {"prompt": "One plus one is", "chosen": " two", "rejected": " three, or maybe four"}]
+    runs = []
+    for keep in (False, True):
+        model, processor = mlxrl.load(bf16_checkpoint("qwen3"), dtype="float32", keep_linear_dtype=keep)
+        args = DPOConfig(output_dir=str(tmp_path / f"dpo{keep}"), max_steps=2, per_device_train_batch_size=2,
+                         logging_steps=1, save_steps=0, disable_tqdm=True, seed=0, learning_rate=1e-3,
+                         use_peft=True, lora_r=4, lora_alpha=8)
+        history = DPOTrainer(model, processor, args, train_dataset=rows).train()
+        runs.append([(e["loss"], e["logps/chosen"]) for e in history if "loss" in e])
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
