@@ -663,3 +663,15 @@ def test_property_grpo_prompt_rows(rows, vl):
 # The probes tried above (README: "bad inputs tried").
 BAD_INPUTS = (len(FLAG_CASES) + len(YAML_CASES) + len(DATA_CASES) + len(REWARD_IMPORT_CASES) + len(MODEL_CASES)
               + len(MODEL_REFERENCE_CASES) + len(REWARD_CASES) + 2 + 1)  # + processes, + narrow signature
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo", "plan", "generate"])
+def test_every_cli_prints_its_help(name, capsys):
+    """argparse formats each flag's help with %: a stray percent sign in a config field's help made
+    `--help` a traceback."""
+    import importlib
+
+    module = importlib.import_module(f"mlxrl.{name}" if name != "plan" else "mlxrl.plan.cli")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0 and "--" in capsys.readouterr().out

@@ -106,7 +106,7 @@ class TrainConfig:
     keep_frozen_dtype: bool = _f(True, "(mlxrl) with use_peft and float32 compute (the CPU): the frozen base's linear "
                                        "weights stay in the checkpoint's bfloat16 (the Hub's) and widen to float32 "
                                        "per use: the same products (the widening is exact), half those weights' "
-                                       "memory, ~1% more step time; false: read them as float32")
+                                       "memory; false: read them as float32")
     freeze_vision_tower: bool = _f(False, "(mlxrl) keep the vision tower frozen in full fine-tuning")
     freeze_embeddings: bool = _f(False, "(mlxrl) keep the token embeddings (and a tied LM head) frozen")
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")
