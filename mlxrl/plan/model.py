@@ -76,6 +76,7 @@ class Arch:
     vision: dict | None = None
     trainable_params: int = 0  # elements
     master_params: int = 0  # trainable elements held in a non-float32 dtype (they get a float32 master copy)
+    kept_bytes: int = 0  # what the checkpoint's bfloat16 linears save (`models.widened`)
 
 
 def _text_config(cfg: dict) -> dict:
@@ -118,7 +119,8 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
 
     s = element_bytes or dtype_bytes(args)
     model = build_model(cfg)
-    saved = quantized_saving(model, cfg, args, s) + kept_saving(model, cfg, args, s)  # before LoRA wraps them
+    kept = kept_saving(model, cfg, args, s)
+    saved = quantized_saving(model, cfg, args, s) + kept  # both before LoRA wraps the linears
     if getattr(args, "use_peft", False):
         lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                             target_modules=args.lora_target_modules, use_dora=args.use_dora)
@@ -156,7 +158,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
                 weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes),
                 layer_trainable_bytes=in_layers, largest_trainable=max(t_sizes, default=0),
                 head_trainable=head_trainable, lora_params=lora_n, vision=vision, trainable_params=n_train,
-                master_params=n_master)
+                master_params=n_master, kept_bytes=kept)
 
 
 # ---------------------------------------------------------------------------------------- the model
@@ -385,9 +387,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     ckpt = bool(getattr(args, "gradient_checkpointing", False))
     act = {c: activations(a, args, sh, s, c, trainer) for c in (True, False)}
     q = quantization_of(cfg, args)
-    out: list[Row] = [Row("weights", W, f"{count(W // s)} parameters x {s} B" if q is None else
-                          f"{q[0]}-bit base (group {q[1]}: {q[0] + 32 / q[1]:g} bits per quantized weight), "
-                          "float embedding / head, norms, vision tower")]
+    what = (f"{q[0]}-bit base (group {q[1]}: {q[0] + 32 / q[1]:g} bits per quantized weight), float embedding / "
+            "head, norms, vision tower" if q else f"{count(W // s)} parameters x {s} B")
+    kept = "linears in bfloat16 (keep_frozen_dtype; one layer widened at a time), the rest float32"
+    out: list[Row] = [Row("weights", W, kept if a.kept_bytes else what)]
     n_train = a.trainable_params
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
     optim_name = getattr(args, "optim", "adamw_torch")
