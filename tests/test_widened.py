@@ -165,7 +165,8 @@ def test_the_cli_keeps_a_lora_runs_base_only(bf16_checkpoint, tmp_path, monkeypa
     base = ["--model", str(bf16_checkpoint("qwen3")), "--dataset", str(data), "--max_steps", "1",
             "--per_device_train_batch_size", "2", "--disable_tqdm", "true", "--save_steps", "0", "--dtype", "float32"]
     for extra, want in [(["--use_peft", "true"], True), (["--use_peft", "true", "--keep_frozen_dtype", "false"], False),
-                        ([], False), (["--use_peft", "true", "--load_in_8bit", "true"], False)]:
+                        ([], False), (["--use_peft", "true", "--load_in_8bit", "true"], False),
+                        (["--use_peft", "true", "--use_dora", "true"], False)]:
         out = tmp_path / f"out{len(seen)}"
         assert sft_main([*base, "--output_dir", str(out), *extra]) == 0
         assert seen[-1] is want, extra

@@ -75,11 +75,12 @@ def keep_linears(model: nn.Module, weights: dict[str, mx.array]) -> set[str]:
 
 
 def keeps_checkpoint_dtype(args, compute_dtype: mx.Dtype) -> bool:
-    """The rule: a LoRA run (`use_peft`) over a float base (no load_in_4bit / 8bit) in float32 compute with
-    `keep_frozen_dtype` on keeps its checkpoint's bfloat16 linear weights."""
+    """The rule: a LoRA run (`use_peft`, not DoRA, whose layer reads its base's weight outside the widened
+    call) over a float base (no load_in_4bit / 8bit) in float32 compute with `keep_frozen_dtype` on keeps
+    its checkpoint's bfloat16 linear weights."""
+    flags = ("load_in_4bit", "load_in_8bit", "use_dora")
     return (bool(getattr(args, "use_peft", False)) and bool(getattr(args, "keep_frozen_dtype", False))
-            and not getattr(args, "load_in_4bit", False) and not getattr(args, "load_in_8bit", False)
-            and compute_dtype == mx.float32)
+            and not any(getattr(args, f, False) for f in flags) and compute_dtype == mx.float32)
 
 
 def checkpoint_dtype(cfg: dict) -> str | None:
