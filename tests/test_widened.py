@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
+from PIL import Image
 
 import mlxrl
 from mlxrl.hub import MlxrlError
@@ -44,14 +45,19 @@ def dtypes(model):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl"])
 def test_kept_linears_are_bf16_and_give_the_float32_logits(bf16_checkpoint, arch):
     folder = bf16_checkpoint(arch)
-    wide, _ = mlxrl.load(folder, dtype="float32")
+    wide, processor = mlxrl.load(folder, dtype="float32")
     kept, _ = mlxrl.load(folder, dtype="float32", keep_linear_dtype=True)
     narrow = {k for k, d in dtypes(kept).items() if d == mx.bfloat16}
     linears = {f"{p}.weight" for p, m in wide.named_modules() if isinstance(m, nn.Linear)}
     assert narrow and narrow == {k for k in linears if not k.endswith("lm_head.weight")}
     assert all(dtypes(wide)[k] == mx.float32 for k in dtypes(wide))
-    ids = mx.array([[1, 5, 7, 9, 11, 3, 2, 8]])
-    a, b = wide(input_ids=ids), kept(input_ids=ids)
+    inputs = {"input_ids": mx.array([[1, 5, 7, 9, 11, 3, 2, 8]])}
+    if arch == "qwen3_vl":  # an image: the vision tower's kept linears run too
+        image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+        batch = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)], images=[image])
+        inputs = {k: mx.array(np.asarray(batch[k])) for k in ("input_ids", "pixel_values", "image_grid_thw")}
+    a, b = wide(**inputs), kept(**inputs)
     assert b.dtype == mx.float32
     np.testing.assert_array_equal(np.array(a), np.array(b))  # widening is exact: the same products
 
