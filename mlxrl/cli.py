@@ -67,7 +67,6 @@ def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
     passed to `check_rows(rows)`) before the model loads; a folder dataset never yields the run's own
     output_dir."""
     import mlxrl
-    from mlxrl import runtime
     from mlxrl.data import load_rows
     from mlxrl.models.widened import keeps_checkpoint_dtype
 
@@ -86,8 +85,8 @@ def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
                 check_rows(evaluation)
         except MlxrlError as e:
             raise MlxrlError(f"--eval_dataset {ns.eval_dataset}: {e}") from None
-    keep = keeps_checkpoint_dtype(args, runtime.compute_dtype(args.dtype))  # a LoRA run's frozen base in bf16
-    model, processor = mlxrl.load(ns.model, dtype=args.dtype, keep_linear_dtype=keep)
+    # a LoRA run's frozen base stays in the checkpoint's bfloat16 (`models.widened`)
+    model, processor = mlxrl.load(ns.model, dtype=args.dtype, keep_linear_dtype=keeps_checkpoint_dtype(args))
     prepare_base(model, args)
     if not with_eval:
         return model, processor, train, None

@@ -328,7 +328,6 @@ def run_ours(s: dict) -> dict:
     import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlxrl import runtime
     from mlxrl.models.widened import keeps_checkpoint_dtype
     from mlxrl.trainers.config import SFTConfig
     from mlxrl.trainers.sft import SFTTrainer
@@ -337,8 +336,7 @@ def run_ours(s: dict) -> dict:
     base = rss_gb()
     args = _sft_args(s, SFTConfig, s["max_length"])
     # loaded as `python -m mlxrl.sft` loads it: a LoRA run keeps a bfloat16 checkpoint's linears (`models.widened`)
-    keep = keeps_checkpoint_dtype(args, runtime.compute_dtype(args.dtype))
-    model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=keep)
+    model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=keeps_checkpoint_dtype(args))
     stamps = Stamps("ours")
     trainer = stamps.traced(SFT._timed_trainer(SFTTrainer, stamps))(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import runtime
 from ..hub import MlxrlError
 
 KEPT = mx.bfloat16  # the checkpoint dtype kept (float16 cannot train: `check_trainable_dtypes`)
@@ -56,8 +57,9 @@ class WidenedLinear(nn.Linear):
         return y + self.bias if "bias" in self else y
 
 
-def _is_head(path: str) -> bool:
-    return path.split(".")[-1] == "lm_head"
+def _keepable(path: str, module) -> bool:
+    """A plain linear layer other than the LM head: what the load may keep and the planner counts."""
+    return type(module) is nn.Linear and path.split(".")[-1] != "lm_head"
 
 
 def keep_linears(model: nn.Module, weights: dict[str, mx.array]) -> set[str]:
@@ -65,20 +67,20 @@ def keep_linears(model: nn.Module, weights: dict[str, mx.array]) -> set[str]:
     `WidenedLinear` (the LM head excepted); returns their weights' paths, which the load leaves bfloat16."""
     kept = set()
     for path, m in model.named_modules():
-        if type(m) is not nn.Linear or _is_head(path):
-            continue
-        w = weights.get(f"{path}.weight")
+        w = weights.get(f"{path}.weight") if _keepable(path, m) else None
         if w is not None and w.dtype == KEPT:
             m.__class__ = WidenedLinear  # the same module and arrays; only the call differs
             kept.add(f"{path}.weight")
     return kept
 
 
-def keeps_checkpoint_dtype(args, compute_dtype: mx.Dtype) -> bool:
+def keeps_checkpoint_dtype(args, compute_dtype: mx.Dtype | None = None) -> bool:
     """The rule: a LoRA run (`use_peft`, not DoRA, whose layer reads its base's weight outside the widened
-    call) over a float base (no load_in_4bit / 8bit) in float32 compute with `keep_frozen_dtype` on keeps
-    its checkpoint's bfloat16 linear weights."""
+    call) over a float base (no load_in_4bit / 8bit) in float32 compute (default: `args.dtype` as the
+    runtime resolves it) with `keep_frozen_dtype` on keeps its checkpoint's bfloat16 linear weights."""
     flags = ("load_in_4bit", "load_in_8bit", "use_dora")
+    if compute_dtype is None:
+        compute_dtype = runtime.compute_dtype(getattr(args, "dtype", None))
     return (bool(getattr(args, "use_peft", False)) and bool(getattr(args, "keep_frozen_dtype", False))
             and not any(getattr(args, f, False) for f in flags) and compute_dtype == mx.float32)
 
@@ -105,7 +107,7 @@ def kept_saving(model: nn.Module, cfg: dict, args, element_bytes: int) -> int:
         return 0
     layers: dict[str, int] = {}
     for path, m in model.named_modules():
-        if type(m) is nn.Linear and not _is_head(path):
+        if _keepable(path, m):
             layer = re.match(r"(.*?\.(?:layers|blocks)\.\d+)\.", path)
             key = layer.group(1) if layer else path
             layers[key] = layers.get(key, 0) + m.weight.size
