@@ -7,6 +7,8 @@
 #                                           # MLX CUDA wheel, install, then the trace timing, the GPU bench
 #                                           # (--live) on 2 layers and at full depth, and the
 #                                           # suite on 16 workers, for about N seconds (default 540) in all
+#   bash scripts/gpu_session.sh install     # there, call 2 instead of `run`: join and install only (then
+#                                           # export PYTHONPATH=/tmp/site:$PWD; e.g. scripts/gpu_probe.py)
 #   bash scripts/gpu_session.sh sanitize T  # there, after `run` on the same machine: the tests T (pytest ids)
 #                                           # under compute-sanitizer memcheck, which names the kernel of an
 #                                           # illegal memory access (into $OUT/sanitize.log)
@@ -37,23 +39,26 @@ prepare)
 stage)
   mkdir -p /tmp/w1 && cp .whl1/* /tmp/w1/ && ls /tmp/w1 | wc -l && nvidia-smi -L
   ;;
+install)  # there, call 2 (carry .whl2): join and install only; then export PYTHONPATH=/tmp/site:$PWD
+  cat /tmp/w1/mc.part.aa .whl2/mc.part.ab > "/tmp/$CUDA_WHEEL"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /tmp/w1/*.whl .whl2/*.whl "/tmp/$CUDA_WHEEL"
+  ;;
 run)
   budget=${2:-540}
   t0=$(date +%s)
   left() { echo $(( budget - ($(date +%s) - t0) )); }
   export PYTHONUNBUFFERED=1
-  cat /tmp/w1/mc.part.aa .whl2/mc.part.ab > "/tmp/$CUDA_WHEEL"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    /tmp/w1/*.whl .whl2/*.whl "/tmp/$CUDA_WHEEL" || exit 1
+  bash "$0" install || exit 1
   export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import mlxrl, mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
   # first a figure that cannot miss: the trace alone, then 2 layers of the 0.6B shape (the last GPU session's
   # full-depth step did not end in ~195 s, and with 4 layers not in ~50 s)
-  timeout -s INT 60 python3 scripts/bench_trace.py --lengths 4096 16384 2>&1 | tee "$OUT/trace.log"
-  timeout -s INT $(( $(left) / 5 )) python3 scripts/bench_scale.py --gpu --live --modes lora --layers 2 \
+  timeout -s INT 30 python3 scripts/bench_trace.py --lengths 4096 2>&1 | tee "$OUT/trace.log"
+  timeout -s INT $(( $(left) / 6 )) python3 scripts/bench_scale.py --gpu --live --modes lora --layers 2 \
     --sides ours trl --max_length 4096 --steps 3 --warmup 1 --json "$OUT/bench_l2.json" 2>&1 | tee "$OUT/bench_l2.log"
-  timeout -s INT $(( $(left) * 2 / 5 )) python3 scripts/bench_scale.py --gpu --live --modes lora \
-    --sides ours trl mlxlm --max_length 4096 --steps 3 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  timeout -s INT $(( $(left) / 3 )) python3 scripts/bench_scale.py --gpu --live --modes lora \
+    --sides ours trl --max_length 4096 --steps 2 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench ended at $(( $(date +%s) - t0 )) s"
   timeout -s INT "$(left)" python3 -m pytest -n 16 -o addopts="" -v -p no:cacheprovider -p no:warnings \
     --tb=short -rfE --junitxml="$OUT/junit.xml" tests > "$OUT/pytest.log" 2>&1

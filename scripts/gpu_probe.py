@@ -1,0 +1,126 @@
+"""Short diagnostics for MLX's GPU backends (CUDA, Metal), each printing as it goes so a run cut short or a
+sticky device error still names the last case that ran.
+
+    python scripts/gpu_probe.py sdpa            # mx.fast.scaled_dot_product_attention against the naive softmax
+    python scripts/gpu_probe.py step --layers 2 # a compiled (and an eager) LoRA step of the 0.6B shape, timed
+
+`sdpa`: per head dim, dtype and mask (none, "causal", a boolean block-diagonal mask as packed rows use, an
+additive [B, 1, L, S] padding mask), the largest difference of the output and of dq / dk / dv from the naive
+computation in float32 (scores, the mask, softmax, values). On this CPU both sides are MLX's own ops, so the
+figures are at rounding level; on a GPU they test the fused kernel and its backward.
+
+`step`: the trainer's trunk step as `bench_trace.py` builds it (LoRA r16 on the seven projections, gradient
+checkpointing, tiled MLP), this time with materialised weights and evaluated: the wall time of each of the first
+calls, compiled (`mx.compile`, as the trainers run) and eager, so the first call's compile cost and the steady
+step are told apart.
+"""
+
+from __future__ import annotations  # noqa: I001  (mlxrl must come before mlx.core)
+
+import argparse
+import time
+
+import mlxrl  # noqa: F401  (first: the fast BLAS before mlx.core)
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxrl.models import build_model, lora
+from mlxrl.models.tiled import tile_tokens_for
+
+
+def naive_attention(q, k, v, scale, mask):
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q * scale) @ k.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        L, S = s.shape[-2:]
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    if mask is not None:
+        s = mx.where(mask, s, -1e30) if mask.dtype == mx.bool_ else s + mask
+    return mx.softmax(s, axis=-1) @ v
+
+
+def masks(B: int, L: int, S: int):
+    """The masks of a training forward (L == S) or of cached decoding (L queries after S - L cached keys)."""
+    doc = mx.array([0] * (S // 3) + [1] * (S - S // 3))
+    block = (doc[S - L:, None] == doc[None]) & (mx.arange(S - L, S)[:, None] >= mx.arange(S)[None])
+    pad = mx.where(mx.arange(S)[None] >= mx.array([[0], [5]])[:B], 0.0, -1e9)[:, None, None, :]
+    return {"none": None, "causal": "causal", "packed bool [1,1,L,S]": block[None, None],
+            "left-padding additive [B,1,1,S]": pad, "left-padding bool [B,1,1,S]": pad == 0}
+
+
+def sdpa(_a) -> None:
+    mx.random.seed(0)
+    B, Hq, Hkv, S = 2, 4, 2, 70
+    print(f"device {mx.default_device()}; q [B {B}, {Hq} heads, L], kv [{Hkv} heads, S {S}]; max abs difference")
+    for L in (S, 1, 7):
+        for D in (64, 80, 128):
+            for dtype in (mx.float32, mx.bfloat16):
+                q, k, v = mx.random.normal((B, Hq, L, D)), *(mx.random.normal((B, Hkv, S, D)) for _ in range(2))
+                cot = mx.random.normal((B, Hq, L, D))
+                for name, mask in masks(B, L, S).items():
+                    additive = mask is not None and not isinstance(mask, str) and mask.dtype != mx.bool_
+                    m = mask.astype(dtype) if additive else mask
+
+                    def fast(q, k, v, m=m, D=D):
+                        return mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=m)
+
+                    def ref(q, k, v, mask=mask, D=D):
+                        return naive_attention(q, k, v, D**-0.5, mask)
+
+                    args = [x.astype(dtype) for x in (q, k, v)]
+                    print(f"  L {L:>2} D {D:>3} {str(dtype)[9:]:>8} {name:<32}", end=" ", flush=True)
+                    o, g = mx.vjp(fast, args, [cot.astype(dtype)])
+                    ro, rg = mx.vjp(ref, [q, k, v], [cot])
+                    mx.eval(o, g, ro, rg)
+                    diffs = [mx.abs(a.astype(mx.float32) - b).max().item()
+                             for a, b in zip([*o, *g], [*ro, *rg], strict=True)]
+                    names = ["out", "dq", "dk", "dv"]
+                    print("  ".join(f"{n} {d:.2e}" for n, d in zip(names, diffs, strict=True)), flush=True)
+
+
+def step(a) -> None:
+    config = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=a.layers, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                  rope_theta=1_000_000.0, tie_word_embeddings=True, hidden_size=1024, intermediate_size=3072)
+    dtype = getattr(mx, a.dtype)
+    print(f"device {mx.default_device()}; {a.layers} layers of the 0.6B shape, {a.length} tokens, {a.dtype}, "
+          f"{'compiled' if a.compile else 'eager'}, LoRA r16, checkpointing, tiled MLP", flush=True)
+    model = build_model(config)
+    model.set_dtype(dtype)
+    lm = model.language_model
+    lm.gradient_checkpointing = True
+    lm.tile_mlp(tile_tokens_for(None, lm.config.hidden_size, checkpointing=True))
+    lora.apply_lora(model, r=16, alpha=32, dropout=0.05)
+    model.train()
+    mx.eval(model.parameters())
+    x = mx.random.normal((1, a.length, lm.config.hidden_size)).astype(dtype)
+    positions = mx.arange(a.length)[None]
+    state = [model.state, mx.random.state]
+
+    def loss():
+        return lm(x, positions, "causal").astype(mx.float32).sum()
+
+    fn = nn.value_and_grad(model, loss)
+    fn = mx.compile(fn, inputs=state, outputs=state) if a.compile else fn
+    for i in range(a.calls):
+        t = time.perf_counter()
+        value, grads = fn()
+        mx.eval(value, grads)
+        print(f"  call {i}: {time.perf_counter() - t:.2f} s (loss {value.item():.4g})", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["sdpa", "step"])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--compile", type=int, default=1)
+    a = ap.parse_args(argv)
+    {"sdpa": sdpa, "step": step}[a.what](a)
+
+
+if __name__ == "__main__":
+    main()
