@@ -4,10 +4,12 @@ sticky device error still names the last case that ran.
     python scripts/gpu_probe.py sdpa            # mx.fast.scaled_dot_product_attention against the naive softmax
     python scripts/gpu_probe.py step --layers 2 # a compiled (and an eager) LoRA step of the 0.6B shape, timed
 
-`sdpa`: per head dim, dtype and mask (none, "causal", a boolean block-diagonal mask as packed rows use, an
-additive [B, 1, L, S] padding mask), the largest difference of the output and of dq / dk / dv from the naive
-computation in float32 (scores, the mask, softmax, values). On this CPU both sides are MLX's own ops, so the
-figures are at rounding level; on a GPU they test the fused kernel and its backward.
+`sdpa`: per query / key length, head dim, dtype and mask (none, "causal", a boolean block-diagonal mask as
+packed rows use, left-padding masks, additive and boolean), the largest difference of the output and of dq / dk /
+dv from the naive computation in float32 (scores, the mask, softmax, values). MLX's CUDA backend takes cuDNN for
+bf16 (its backward only for query lengths that are multiples of 128: the 256 rows), its vector kernel for under
+4 queries at head dims 64 / 96 / 128 without an array mask, and its unfused ops otherwise (float32 included). On
+this CPU both sides are MLX's own ops, so the figures are at rounding level.
 
 `step`: the trainer's trunk step as `bench_trace.py` builds it (LoRA r16 on the seven projections, gradient
 checkpointing, tiled MLP), this time with materialised weights and evaluated: the wall time of each of the first
@@ -51,9 +53,9 @@ def masks(B: int, L: int, S: int):
 
 def sdpa(_a) -> None:
     mx.random.seed(0)
-    B, Hq, Hkv, S = 2, 4, 2, 70
-    print(f"device {mx.default_device()}; q [B {B}, {Hq} heads, L], kv [{Hkv} heads, S {S}]; max abs difference")
-    for L in (S, 1, 7):
+    B, Hq, Hkv = 2, 4, 2
+    print(f"device {mx.default_device()}; q [B {B}, {Hq} heads, L], kv [{Hkv} heads, S]; max abs difference")
+    for L, S in ((70, 70), (1, 70), (7, 70), (256, 256), (1, 256)):
         for D in (64, 80, 128):
             for dtype in (mx.float32, mx.bfloat16):
                 q, k, v = mx.random.normal((B, Hq, L, D)), *(mx.random.normal((B, Hkv, S, D)) for _ in range(2))
@@ -69,7 +71,7 @@ def sdpa(_a) -> None:
                         return naive_attention(q, k, v, D**-0.5, mask)
 
                     args = [x.astype(dtype) for x in (q, k, v)]
-                    print(f"  L {L:>2} D {D:>3} {str(dtype)[9:]:>8} {name:<32}", end=" ", flush=True)
+                    print(f"  L {L:>3} S {S:>3} D {D:>3} {str(dtype)[9:]:>8} {name:<32}", end=" ", flush=True)
                     o, g = mx.vjp(fast, args, [cot.astype(dtype)])
                     ro, rg = mx.vjp(ref, [q, k, v], [cot])
                     mx.eval(o, g, ro, rg)
