@@ -20,7 +20,10 @@ step are told apart.
 from __future__ import annotations  # noqa: I001  (mlxrl must come before mlx.core)
 
 import argparse
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import mlxrl  # noqa: F401  (first: the fast BLAS before mlx.core)
 import mlx.core as mx
@@ -81,6 +84,13 @@ def sdpa(_a) -> None:
                     print("  ".join(f"{n} {d:.2e}" for n, d in zip(names, diffs, strict=True)), flush=True)
 
 
+def cached_kernels() -> int:
+    """Files in MLX's kernel caches: `<tmp>/mlx/<version>/cpu` (g++-built) and `.../ptx` (NVRTC's PTX, or
+    MLX_PTX_CACHE_DIR)."""
+    roots = [Path(tempfile.gettempdir()) / "mlx", Path(os.environ.get("MLX_PTX_CACHE_DIR", "/nonexistent"))]
+    return sum(1 for r in roots if r.is_dir() for f in r.rglob("*") if f.is_file())
+
+
 def step(a) -> None:
     config = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=a.layers, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
@@ -105,11 +115,13 @@ def step(a) -> None:
 
     fn = nn.value_and_grad(model, loss)
     fn = mx.compile(fn, inputs=state, outputs=state) if a.compile else fn
+    before = cached_kernels()
     for i in range(a.calls):
         t = time.perf_counter()
         value, grads = fn()
         mx.eval(value, grads)
-        print(f"  call {i}: {time.perf_counter() - t:.2f} s (loss {value.item():.4g})", flush=True)
+        print(f"  call {i}: {time.perf_counter() - t:.2f} s (loss {value.item():.4g}), kernel cache files "
+              f"{cached_kernels()} ({before} before the first call)", flush=True)
 
 
 def main(argv=None) -> None:

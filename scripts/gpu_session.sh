@@ -4,8 +4,9 @@
 #   bash scripts/gpu_session.sh prepare     # here: the cp312 wheels into .whl1/ and .whl2/ (each < 64 MiB)
 #   bash scripts/gpu_session.sh stage       # there, call 1 (carry .whl1): keep the first half in /tmp/w1
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
-#                                           # MLX CUDA wheel, install, then the trace timing, the GPU bench
-#                                           # (--live) on 2 layers and at full depth, and the
+#                                           # MLX CUDA wheel, install, then gpu_probe.py (attention; a
+#                                           # 2-layer step compiled on an empty and a warm kernel cache, and
+#                                           # eager), the GPU bench (--live) at full depth and the
 #                                           # suite on 16 workers, for about N seconds (default 540) in all
 #   bash scripts/gpu_session.sh install     # there, call 2 instead of `run`: join and install only (then
 #                                           # export PYTHONPATH=/tmp/site:$PWD; e.g. scripts/gpu_probe.py)
@@ -13,7 +14,7 @@
 #                                           # under compute-sanitizer memcheck, which names the kernel of an
 #                                           # illegal memory access (into $OUT/sanitize.log)
 #
-# `prepare` adds /.whl1/ and /.whl2/ to .git/info/exclude. Results land in $OUT (bench.log, pytest.log,
+# `prepare` adds /.whl1/ and /.whl2/ to .git/info/exclude. Results land in $OUT (probe.log, bench.log, pytest.log,
 # junit.xml). The suite runs with -v (one line per test as it ends), so a run cut short still names what ran.
 set -u
 MLX=0.32.4
@@ -52,12 +53,14 @@ run)
   bash "$0" install || exit 1
   export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import mlxrl, mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-  # first a figure that cannot miss: the trace alone, then 2 layers of the 0.6B shape (the last GPU session's
-  # full-depth step did not end in ~195 s, and with 4 layers not in ~50 s)
-  timeout -s INT 30 python3 scripts/bench_trace.py --lengths 4096 2>&1 | tee "$OUT/trace.log"
-  timeout -s INT $(( $(left) / 6 )) python3 scripts/bench_scale.py --gpu --live --modes lora --layers 2 \
-    --sides ours trl --max_length 4096 --steps 3 --warmup 1 --json "$OUT/bench_l2.json" 2>&1 | tee "$OUT/bench_l2.log"
-  timeout -s INT $(( $(left) / 3 )) python3 scripts/bench_scale.py --gpu --live --modes lora \
+  # first the figures that cannot miss (the last session: the compiled 2-layer step's first call did not end
+  # in 40 s, the eager one took 6.2 s and then 0.04 s): the fused attention, then the compiled step on an
+  # empty kernel cache, again on the warm cache, and eager; then the real-scale bench at full depth
+  { timeout -s INT 30 python3 scripts/gpu_probe.py sdpa
+    timeout -s INT 150 python3 scripts/gpu_probe.py step --layers 2 --calls 3
+    timeout -s INT 60 python3 scripts/gpu_probe.py step --layers 2 --calls 3
+    timeout -s INT 30 python3 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0; } 2>&1 | tee "$OUT/probe.log"
+  timeout -s INT $(( $(left) / 2 )) python3 scripts/bench_scale.py --gpu --live --modes lora \
     --sides ours trl --max_length 4096 --steps 2 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench ended at $(( $(date +%s) - t0 )) s"
   timeout -s INT "$(left)" python3 -m pytest -n 16 -o addopts="" -v -p no:cacheprovider -p no:warnings \
