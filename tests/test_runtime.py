@@ -291,3 +291,17 @@ def test_tf32_follows_torch_unless_asked(monkeypatch, tmp_path):
         args = config_from_args(SFTConfig, parser.parse_args(["--output_dir", str(tmp_path / "run"), *argv]))
         runtime.setup(tf32=args.tf32)
         assert os.environ["MLX_ENABLE_TF32"] == want, argv
+
+
+def test_compile_note_only_for_a_compiled_step_on_cuda(monkeypatch):
+    """The one line a trainer prints before a compiled step on MLX's CUDA backend (its first call builds
+    the kernels with NVRTC): nothing on the CPU, nothing for an eager step, nothing on Metal."""
+    if not mx.cuda.is_available():
+        assert runtime.compile_note(True) == ""
+    monkeypatch.setattr(runtime, "default_device_kind", lambda: "gpu")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    note = runtime.compile_note(True)
+    assert "CUDA" in note and "--compile false" in note
+    assert runtime.compile_note(False) == ""
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)  # Metal
+    assert runtime.compile_note(True) == ""

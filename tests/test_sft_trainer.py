@@ -346,6 +346,18 @@ def test_demo_learns_through_compiled_steps(tmp_path):
 
 
 
+@pytest.mark.parametrize("compile_step", [True, False])
+def test_the_trainer_prints_the_compile_note(tmp_path, monkeypatch, capsys, compile_step):
+    """The trainer asks `runtime.compile_note` whether its steps compile and prints what it says."""
+    from mlxrl import runtime
+
+    monkeypatch.setattr(runtime, "compile_note", lambda compiled: f"NOTE compiled={compiled}")
+    model, processor = mlxrl.load_default()
+    SFTTrainer(model, processor, config(tmp_path, max_steps=1, compile=compile_step),
+               train_dataset=make_vqa(4, seed=0)).train()
+    assert f"NOTE compiled={compile_step}" in capsys.readouterr().out
+
+
 def test_fewer_batches_than_accumulation_steps_is_one_error(tmp_path):
     """An epoch with no whole accumulation group is refused (it once looped over empty epochs forever)."""
     model, processor = mlxrl.load_default()

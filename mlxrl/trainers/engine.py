@@ -266,6 +266,8 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         trainable, total_params = lora_lib.trainable_count(self.model)
         ranks = f"; {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
         self.print(runtime.startup_line(*self._precision()))
+        if note := runtime.compile_note(args.compile and self.compilable):
+            self.print(note)
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
                    f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
         self.memory_plan = self._memory_plan()
