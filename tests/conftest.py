@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,25 @@ import mlx.core as mx  # noqa: E402  (after mlxrl)
 ON_GPU = mx.default_device() == mx.gpu
 if ON_GPU:
     os.environ.setdefault("MLXRL_DTYPE", "float32")
+
+
+# CUDA errors that stick to the process: after one, every later CUDA call of that process fails too.
+STICKY_DEVICE_ERRORS = ("an illegal memory access was encountered", "unspecified launch failure",
+                        "misaligned address", "an illegal instruction was encountered")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """On a GPU, a test that failed with a sticky CUDA error ends its pytest-xdist worker once the report is
+    sent (xdist's own hook sends it first): xdist starts a fresh worker for the tests left, so one fault fails
+    one test instead of every later test of that worker (a CUDA run once counted 254 such failures from two
+    faults). MLXRL_TEST_STICKY=1 turns it on without a GPU (its test)."""
+    if (report.failed and os.environ.get("PYTEST_XDIST_WORKER")
+            and (ON_GPU or os.environ.get("MLXRL_TEST_STICKY") == "1")
+            and any(e in report.longreprtext for e in STICKY_DEVICE_ERRORS)):
+        print(f"\n{report.nodeid}: a sticky device error; this worker exits for a fresh one", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(70)
 
 
 def skip_native_on_gpu(param: str) -> None:
