@@ -3,6 +3,7 @@ sticky device error still names the last case that ran.
 
     python scripts/gpu_probe.py sdpa            # mx.fast.scaled_dot_product_attention against the naive softmax
     python scripts/gpu_probe.py step --layers 2 # a compiled (and an eager) LoRA step of the 0.6B shape, timed
+    python scripts/gpu_probe.py vl              # tiny VL models: images alone against together, packed rows
 
 `sdpa`: per query / key length, head dim, dtype and mask (none, "causal", a boolean block-diagonal mask as
 packed rows use, left-padding masks, additive and boolean), the largest difference of the output and of dq / dk /
@@ -10,6 +11,12 @@ dv from the naive computation in float32 (scores, the mask, softmax, values). ML
 bf16 (its backward only for query lengths that are multiples of 128: the 256 rows), its vector kernel for under
 4 queries at head dims 64 / 96 / 128 without an array mask, and its unfused ops otherwise (float32 included). On
 this CPU both sides are MLX's own ops, so the figures are at rounding level.
+
+`vl`: for the tiny Qwen2-VL, Qwen2.5-VL (random checkpoints built here with transformers) and the embedded
+Qwen3-VL: the vision tower's features of five images of different sizes, each alone against all in one call
+(the per-segment attention's gather / scatter), eager and compiled; then the hidden states of packed and
+padding-free rows against each document alone (what `test_packed_documents_match_unpacked_forward` compares).
+Each line is the largest absolute difference: on this CPU ~1e-6.
 
 `step`: the trainer's trunk step as `bench_trace.py` builds it (LoRA r16 on the seven projections, gradient
 checkpointing, tiled MLP), this time with materialised weights and evaluated: the wall time of each of the first
@@ -25,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlxrl  # noqa: F401  (first: the fast BLAS before mlx.core)
+import mlxrl  # (first: the fast BLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -124,16 +131,77 @@ def step(a) -> None:
               f"{cached_kernels()} ({before} before the first call)", flush=True)
 
 
+def images():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            for w, h in ((100, 37), (60, 90), (150, 120), (80, 80), (40, 100))]
+
+
+def vl_models():
+    """(name, model, processor): the tiny Qwen2-VL and Qwen2.5-VL built here, and the embedded Qwen3-VL."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny", Path(__file__).with_name("tiny_checkpoints.py"))
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    root = Path(tempfile.mkdtemp(prefix="gpu_probe_"))
+    for arch in ("qwen2_vl", "qwen2_5_vl"):
+        yield (arch, *mlxrl.load(tiny.build(arch, root / arch), dtype="float32"))
+    yield ("qwen3_vl (embedded)", *mlxrl.load_default())
+
+
+def vl(_a) -> None:
+    import numpy as np
+
+    from mlxrl.data import make_batches, tokenize_example
+
+    print(f"device {mx.default_device()}; max abs difference", flush=True)
+    pics = images()
+    for name, model, proc in vl_models():
+        alone = [model.image_features(*map(mx.array, proc.image_processor([p])))[0] for p in pics]
+        pv, grid = proc.image_processor(pics)
+        pv, meta = mx.array(pv), model.vision_metadata(grid)  # the layout on the host, as the trainers do
+        features = lambda p, meta, m=model: m.image_features(p, None, meta)[0]  # noqa: E731
+        for label, fn in (("eager", features), ("compiled", mx.compile(features))):
+            out = fn(pv, meta)
+            parts = mx.split(out, np.cumsum([a.shape[0] for a in alone])[:-1].tolist())
+            diffs = [mx.abs(a - b).max().item() for a, b in zip(alone, parts, strict=True)]
+            print(f"  {name:<20} vision, 5 images together vs alone, {label:<8}: "
+                  + " ".join(f"{d:.1e}" for d in diffs), flush=True)
+        rows = [{"images": [pics[i]], "messages": [{"role": "user", "content": f"Image {i}?"},
+                                                   {"role": "assistant", "content": "A picture."}]}
+                for i in range(len(pics))] + [{"images": [], "messages": [
+                    {"role": "user", "content": "No image."}, {"role": "assistant", "content": "Fine."}]}]
+        examples = [tokenize_example(r, proc, index=i) for i, r in enumerate(rows)]
+        arr = lambda x: None if x is None else mx.array(x)  # noqa: E731
+        ref = [np.array(model(input_ids=mx.array(e.input_ids[None]), pixel_values=arr(e.pixel_values),
+                              image_grid_thw=arr(e.image_grid_thw), return_hidden=True)[0]) for e in examples]
+        for kw in ({"packing": True}, {"padding_free": True}):
+            worst = 0.0
+            for b in make_batches(examples, 3, max_length=512, pad_token_id=proc.pad_token_id, seed=1, **kw):
+                h = np.array(model(input_ids=mx.array(b.input_ids), attention_mask=mx.array(b.attention_mask),
+                                   segment_ids=mx.array(b.segment_ids), pixel_values=arr(b.pixel_values),
+                                   image_grid_thw=arr(b.image_grid_thw), return_hidden=True))
+                docs = [(r, k) for r in range(len(h)) for k in range(1, b.segment_ids[r].max() + 1)]
+                for (r, k), ex in zip(docs, b.example_ids, strict=True):
+                    worst = max(worst, float(np.abs(h[r][b.segment_ids[r] == k] - ref[ex]).max()))
+            print(f"  {name:<20} hidden states, {next(iter(kw))} rows vs each document alone: {worst:.1e}",
+                  flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["sdpa", "step"])
+    ap.add_argument("what", choices=["sdpa", "step", "vl"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--compile", type=int, default=1)
     a = ap.parse_args(argv)
-    {"sdpa": sdpa, "step": step}[a.what](a)
+    {"sdpa": sdpa, "step": step, "vl": vl}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@
 #   bash scripts/gpu_session.sh prepare     # here: the cp312 wheels into .whl1/ and .whl2/ (each < 64 MiB)
 #   bash scripts/gpu_session.sh stage       # there, call 1 (carry .whl1): keep the first half in /tmp/w1
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
-#                                           # MLX CUDA wheel, install, then gpu_probe.py (attention; a
-#                                           # 2-layer step compiled on an empty and a warm kernel cache, and
-#                                           # eager), the GPU bench (--live) at full depth and the
-#                                           # suite on 16 workers, for about N seconds (default 540) in all
+#                                           # MLX CUDA wheel, install, then gpu_probe.py (attention; VL
+#                                           # images alone / together, packed rows; a 2-layer step compiled
+#                                           # on an empty and a warm kernel cache, and eager), the suite on
+#                                           # 16 workers and the GPU bench (--live) at full depth, for about
+#                                           # N seconds (default 540) in all
 #   bash scripts/gpu_session.sh install     # there, call 2 instead of `run`: join and install only (then
 #                                           # export PYTHONPATH=/tmp/site:$PWD; e.g. scripts/gpu_probe.py)
 #   bash scripts/gpu_session.sh sanitize T  # there, after `run` on the same machine: the tests T (pytest ids)
@@ -54,18 +55,20 @@ run)
   export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import mlxrl, mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
   # first the figures that cannot miss (the last session: the compiled 2-layer step's first call did not end
-  # in 40 s, the eager one took 6.2 s and then 0.04 s): the fused attention, then the compiled step on an
-  # empty kernel cache, again on the warm cache, and eager; then the real-scale bench at full depth
+  # in 40 s, the eager one took 6.2 s and then 0.04 s): the fused attention, the VL models' images alone against
+  # together and packed rows, the compiled step on an empty kernel cache, again on the warm cache, and eager;
+  # then the suite (a sticky CUDA error now ends only its worker), then the real-scale bench with what is left
   { timeout -s INT 30 python3 scripts/gpu_probe.py sdpa
+    timeout -s INT 60 python3 scripts/gpu_probe.py vl
     timeout -s INT 150 python3 scripts/gpu_probe.py step --layers 2 --calls 3
-    timeout -s INT 60 python3 scripts/gpu_probe.py step --layers 2 --calls 3
-    timeout -s INT 30 python3 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0; } 2>&1 | tee "$OUT/probe.log"
-  timeout -s INT $(( $(left) / 2 )) python3 scripts/bench_scale.py --gpu --live --modes lora \
+    timeout -s INT 45 python3 scripts/gpu_probe.py step --layers 2 --calls 3
+    timeout -s INT 25 python3 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0; } 2>&1 | tee "$OUT/probe.log"
+  timeout -s INT $(( $(left) - 100 )) python3 -m pytest -n 16 -o addopts="" -v -p no:cacheprovider \
+    -p no:warnings --tb=short -rfE --junitxml="$OUT/junit.xml" tests > "$OUT/pytest.log" 2>&1
+  echo "suite ended at $(( $(date +%s) - t0 )) s"
+  timeout -s INT "$(left)" python3 scripts/bench_scale.py --gpu --live --modes lora \
     --sides ours trl --max_length 4096 --steps 2 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench ended at $(( $(date +%s) - t0 )) s"
-  timeout -s INT "$(left)" python3 -m pytest -n 16 -o addopts="" -v -p no:cacheprovider -p no:warnings \
-    --tb=short -rfE --junitxml="$OUT/junit.xml" tests > "$OUT/pytest.log" 2>&1
-  echo "suite ended at $(( $(date +%s) - t0 )) s"
   grep -cE " PASSED " "$OUT/pytest.log"; grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -40
   ;;
 sanitize)
