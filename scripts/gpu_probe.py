@@ -9,8 +9,8 @@ sticky device error still names the last case that ran.
 packed rows use, left-padding masks, additive and boolean), the largest difference of the output and of dq / dk /
 dv from the naive computation in float32 (scores, the mask, softmax, values). MLX's CUDA backend takes cuDNN for
 bf16 (its backward only for query lengths that are multiples of 128: the 256 rows), its vector kernel for under
-4 queries at head dims 64 / 96 / 128 without an array mask, and its unfused ops otherwise (float32 included). On
-this CPU both sides are MLX's own ops, so the figures are at rounding level.
+4 queries at head dims 64 / 96 / 128 without an array mask, and its unfused ops otherwise (float32 included; head
+dim 16 is the tiny test models'). On this CPU both sides are MLX's own ops, so the figures are at rounding level.
 
 `vl`: for the tiny Qwen2-VL, Qwen2.5-VL (random checkpoints built here with transformers) and the embedded
 Qwen3-VL: the vision tower's features of five images of different sizes, each alone against all in one call
@@ -66,7 +66,7 @@ def sdpa(_a) -> None:
     B, Hq, Hkv = 2, 4, 2
     print(f"device {mx.default_device()}; q [B {B}, {Hq} heads, L], kv [{Hkv} heads, S]; max abs difference")
     for L, S in ((70, 70), (1, 70), (7, 70), (256, 256), (1, 256)):
-        for D in (64, 80, 128):
+        for D in (16, 64, 80, 128):
             for dtype in (mx.float32, mx.bfloat16):
                 q, k, v = mx.random.normal((B, Hq, L, D)), *(mx.random.normal((B, Hkv, S, D)) for _ in range(2))
                 cot = mx.random.normal((B, Hq, L, D))
