@@ -195,8 +195,7 @@ def startup_line(dtype: mx.Dtype | None = None, note: str = "") -> str:
 def compile_note(compiled: bool) -> str:
     """One line for a compiled step on MLX's CUDA backend, else "". MLX builds each fused kernel of a compiled
     step with NVRTC at its first call and keeps the PTX (`<tmp>/mlx/<version>/ptx`, MLX_PTX_CACHE_DIR), so a
-    machine's first run pays for it: on an H200 a 2-layer LoRA step's first compiled call had not ended after
-    40 s where the eager one took 6.2 s and then 0.04 s a step (README, "On a real GPU")."""
+    machine's first run pays for it, and long enough to look like a hang (figures: README, "On a real GPU")."""
     if not compiled or not mx.cuda.is_available() or default_device_kind() != "gpu":
         return ""
     return ("mlxrl: CUDA builds a compiled step's kernels at its first call (slow on a machine's first run, "

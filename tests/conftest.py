@@ -33,8 +33,8 @@ STICKY_DEVICE_ERRORS = ("an illegal memory access was encountered", "unspecified
 def pytest_runtest_logreport(report):
     """On a GPU, a test that failed with a sticky CUDA error ends its pytest-xdist worker once the report is
     sent (xdist's own hook sends it first): xdist starts a fresh worker for the tests left, so one fault fails
-    one test instead of every later test of that worker (a CUDA run once counted 254 such failures from two
-    faults). MLXRL_TEST_STICKY=1 turns it on without a GPU (its test)."""
+    one test instead of every later test of that worker. MLXRL_TEST_STICKY=1 turns it on without a GPU (its
+    test)."""
     if (report.failed and os.environ.get("PYTEST_XDIST_WORKER")
             and (ON_GPU or os.environ.get("MLXRL_TEST_STICKY") == "1")
             and any(e in report.longreprtext for e in STICKY_DEVICE_ERRORS)):
