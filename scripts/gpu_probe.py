@@ -35,6 +35,7 @@ from pathlib import Path
 import mlxrl  # (first: the fast BLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxrl.models import build_model, lora
 from mlxrl.models.tiled import tile_tokens_for
@@ -132,7 +133,6 @@ def step(a) -> None:
 
 
 def images():
-    import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(0)
@@ -153,9 +153,15 @@ def vl_models():
     yield ("qwen3_vl (embedded)", *mlxrl.load_default())
 
 
-def vl(_a) -> None:
-    import numpy as np
+def hidden(model, input_ids, pixel_values, grid, **rest):
+    """The model's last hidden states (numpy) for numpy inputs (pixel_values / grid None: a row without images)."""
+    opt = lambda x: None if x is None else mx.array(x)  # noqa: E731
+    out = model(input_ids=mx.array(input_ids), pixel_values=opt(pixel_values), image_grid_thw=opt(grid),
+                return_hidden=True, **{k: mx.array(v) for k, v in rest.items()})
+    return np.array(out)
 
+
+def vl(_a) -> None:
     from mlxrl.data import make_batches, tokenize_example
 
     print(f"device {mx.default_device()}; max abs difference", flush=True)
@@ -176,18 +182,16 @@ def vl(_a) -> None:
                 for i in range(len(pics))] + [{"images": [], "messages": [
                     {"role": "user", "content": "No image."}, {"role": "assistant", "content": "Fine."}]}]
         examples = [tokenize_example(r, proc, index=i) for i, r in enumerate(rows)]
-        arr = lambda x: None if x is None else mx.array(x)  # noqa: E731
-        ref = [np.array(model(input_ids=mx.array(e.input_ids[None]), pixel_values=arr(e.pixel_values),
-                              image_grid_thw=arr(e.image_grid_thw), return_hidden=True)[0]) for e in examples]
+        ref = [hidden(model, e.input_ids[None], e.pixel_values, e.image_grid_thw)[0] for e in examples]
         for kw in ({"packing": True}, {"padding_free": True}):
             worst = 0.0
             for b in make_batches(examples, 3, max_length=512, pad_token_id=proc.pad_token_id, seed=1, **kw):
-                h = np.array(model(input_ids=mx.array(b.input_ids), attention_mask=mx.array(b.attention_mask),
-                                   segment_ids=mx.array(b.segment_ids), pixel_values=arr(b.pixel_values),
-                                   image_grid_thw=arr(b.image_grid_thw), return_hidden=True))
-                docs = [(r, k) for r in range(len(h)) for k in range(1, b.segment_ids[r].max() + 1)]
-                for (r, k), ex in zip(docs, b.example_ids, strict=True):
-                    worst = max(worst, float(np.abs(h[r][b.segment_ids[r] == k] - ref[ex]).max()))
+                h = hidden(model, b.input_ids, b.pixel_values, b.image_grid_thw, attention_mask=b.attention_mask,
+                           segment_ids=b.segment_ids)
+                # each row's documents are its segments 1, 2, ...; example_ids lists them row by row
+                docs = [(row, seg) for row, ids in enumerate(b.segment_ids) for seg in range(1, ids.max() + 1)]
+                worst = max([worst] + [float(np.abs(h[row][b.segment_ids[row] == seg] - ref[ex]).max())
+                                       for (row, seg), ex in zip(docs, b.example_ids, strict=True)])
             print(f"  {name:<20} hidden states, {next(iter(kw))} rows vs each document alone: {worst:.1e}",
                   flush=True)
 
