@@ -63,10 +63,12 @@ run)
     timeout -s INT 150 python3 scripts/gpu_probe.py step --layers 2 --calls 3
     timeout -s INT 45 python3 scripts/gpu_probe.py step --layers 2 --calls 3
     timeout -s INT 25 python3 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0; } 2>&1 | tee "$OUT/probe.log"
-  timeout -s INT $(( $(left) - 100 )) python3 -m pytest -n 16 -o addopts="" -v -p no:cacheprovider \
+  suite=$(( $(left) - 100 )); [ "$suite" -lt 60 ] && suite=60  # the bench keeps ~100 s
+  timeout -s INT "$suite" python3 -m pytest -n 16 -o addopts="" -v -p no:cacheprovider \
     -p no:warnings --tb=short -rfE --junitxml="$OUT/junit.xml" tests > "$OUT/pytest.log" 2>&1
   echo "suite ended at $(( $(date +%s) - t0 )) s"
-  timeout -s INT "$(left)" python3 scripts/bench_scale.py --gpu --live --modes lora \
+  bench=$(left); [ "$bench" -lt 30 ] && bench=30
+  timeout -s INT "$bench" python3 scripts/bench_scale.py --gpu --live --modes lora \
     --sides ours trl --max_length 4096 --steps 2 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench ended at $(( $(date +%s) - t0 )) s"
   grep -cE " PASSED " "$OUT/pytest.log"; grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -40
