@@ -39,22 +39,32 @@ BASE = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=28, num_att
             rope_theta=1_000_000.0, tie_word_embeddings=True)
 
 
-def trace_seconds(config: dict, length: int, tiles: bool, keep: bool) -> float:
-    """Seconds for the first call of the compiled step (trace + compile; outputs left unevaluated)."""
+def trunk_step(config: dict, length: int, tiles: bool = True, keep: bool = False, dtype=mx.float32,
+               compiled: bool = True):
+    """(model, step): the trainer's trunk step over `length` tokens, as described above (also what
+    `gpu_probe.py step` times, evaluated); the weights stay unmaterialised until the caller evaluates them."""
     model = build_model(config)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
     lm = model.language_model
     lm.gradient_checkpointing, lm.keep_attention = True, keep
     lm.tile_mlp(tile_tokens_for(None, lm.config.hidden_size, checkpointing=True) if tiles else 0)
     lora.apply_lora(model, r=16, alpha=32, dropout=0.05)
     model.train()
-    x = mx.zeros((1, length, lm.config.hidden_size))
+    x = mx.random.normal((1, length, lm.config.hidden_size)).astype(dtype)
     positions = mx.arange(length)[None]
     state = [model.state, mx.random.state]
 
     def loss():
-        return lm(x, positions, "causal").sum()
+        return lm(x, positions, "causal").astype(mx.float32).sum()
 
-    step = mx.compile(nn.value_and_grad(model, loss), inputs=state, outputs=state)
+    step = nn.value_and_grad(model, loss)
+    return model, mx.compile(step, inputs=state, outputs=state) if compiled else step
+
+
+def trace_seconds(config: dict, length: int, tiles: bool, keep: bool) -> float:
+    """Seconds for the first call of the compiled step (trace + compile; outputs left unevaluated)."""
+    _, step = trunk_step(config, length, tiles, keep)
     t = time.perf_counter()
     step()
     return time.perf_counter() - t

@@ -34,11 +34,7 @@ from pathlib import Path
 
 import mlxrl  # (first: the fast BLAS before mlx.core)
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-
-from mlxrl.models import build_model, lora
-from mlxrl.models.tiled import tile_tokens_for
 
 
 def naive_attention(q, k, v, scale, mask):
@@ -100,29 +96,13 @@ def cached_kernels() -> int:
 
 
 def step(a) -> None:
-    config = dict(model_type="qwen3", vocab_size=151936, num_hidden_layers=a.layers, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                  rope_theta=1_000_000.0, tie_word_embeddings=True, hidden_size=1024, intermediate_size=3072)
-    dtype = getattr(mx, a.dtype)
+    from bench_trace import BASE, SHAPES, trunk_step
+
     print(f"device {mx.default_device()}; {a.layers} layers of the 0.6B shape, {a.length} tokens, {a.dtype}, "
           f"{'compiled' if a.compile else 'eager'}, LoRA r16, checkpointing, tiled MLP", flush=True)
-    model = build_model(config)
-    model.set_dtype(dtype)
-    lm = model.language_model
-    lm.gradient_checkpointing = True
-    lm.tile_mlp(tile_tokens_for(None, lm.config.hidden_size, checkpointing=True))
-    lora.apply_lora(model, r=16, alpha=32, dropout=0.05)
-    model.train()
+    config = {**BASE, **SHAPES["qwen3-0.6b"], "num_hidden_layers": a.layers}
+    model, fn = trunk_step(config, a.length, dtype=getattr(mx, a.dtype), compiled=bool(a.compile))
     mx.eval(model.parameters())
-    x = mx.random.normal((1, a.length, lm.config.hidden_size)).astype(dtype)
-    positions = mx.arange(a.length)[None]
-    state = [model.state, mx.random.state]
-
-    def loss():
-        return lm(x, positions, "causal").astype(mx.float32).sum()
-
-    fn = nn.value_and_grad(model, loss)
-    fn = mx.compile(fn, inputs=state, outputs=state) if a.compile else fn
     before = cached_kernels()
     for i in range(a.calls):
         t = time.perf_counter()
