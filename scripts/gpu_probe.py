@@ -4,6 +4,7 @@ sticky device error still names the last case that ran.
     python scripts/gpu_probe.py sdpa            # mx.fast.scaled_dot_product_attention against the naive softmax
     python scripts/gpu_probe.py step --layers 2 # a compiled (and an eager) LoRA step of the 0.6B shape, timed
     python scripts/gpu_probe.py vl              # tiny VL models: images alone against together, packed rows
+    python scripts/gpu_probe.py decode          # cached decoding against the uncached forward, greedy
 
 `sdpa`: per query / key length, head dim, dtype and mask (none, "causal", a boolean block-diagonal mask as
 packed rows use, left-padding masks, additive and boolean), the largest difference of the output and of dq / dk /
@@ -16,7 +17,16 @@ dim 16 is the tiny test models'). On this CPU both sides are MLX's own ops, so t
 Qwen3-VL: the vision tower's features of five images of different sizes, each alone against all in one call
 (the per-segment attention's gather / scatter), eager and compiled; then the hidden states of packed and
 padding-free rows against each document alone (what `test_packed_documents_match_unpacked_forward` compares).
-Each line is the largest absolute difference: on this CPU ~1e-6.
+Each line is the largest absolute difference: on this CPU ~1e-6. Where one is over 1e-4 the probe says where it
+starts: per vision block (its attention, then the block) for the images, and per document of the first differing
+batch its M-RoPE positions (equal or not) and each decoder layer's output.
+
+`sdpa` ends with decoding's case: k / v as the views of mlx-lm's `KVCache` buffer that generation passes (strided,
+256 positions a step), and the grouped-query heads' broadcast batched matmul. `decode`: for a tiny Qwen3 and
+Qwen2.5-VL and the embedded Qwen3-VL, a prefill then cached steps against the uncached forward (teacher-forced
+hidden states), and greedy generation through the engine (two left-padded prompts, two samples each: the shared
+prompt cache) against the uncached forward token by token, with the reference's top-1 minus top-2 logit at the
+first difference (a near tie flips on rounding, a wide gap is a fault).
 
 `step`: the trainer's trunk step as `bench_trace.py` builds it (LoRA r16 on the seven projections, gradient
 checkpointing, tiled MLP), this time with materialised weights and evaluated: the wall time of each of the first
@@ -86,6 +96,36 @@ def sdpa(_a) -> None:
                              for a, b in zip([*o, *g], [*ro, *rg], strict=True)]
                     names = ["out", "dq", "dk", "dv"]
                     print("  ".join(f"{n} {d:.2e}" for n, d in zip(names, diffs, strict=True)), flush=True)
+    cached_sdpa(B, Hq, Hkv)
+
+
+def cached_sdpa(B: int, Hq: int, Hkv: int) -> None:
+    """Decoding's attention as generation calls it: k / v are what mlx-lm's `KVCache.update_and_fetch` returns,
+    views of its preallocated buffer (256 positions a step: strided, not contiguous; MLX's CUDA backend reads
+    such views in place for cuDNN's decoding at S >= 256), against the naive softmax over contiguous copies."""
+    from mlx_lm.models.cache import KVCache
+
+    print("  k / v as views of mlx-lm's KVCache buffer (cached decoding), forward only:", flush=True)
+    for L, S in ((1, 9), (1, 70), (7, 70), (1, 256), (1, 300), (3, 600)):
+        for D in (16, 64, 128):
+            for dtype in (mx.float32, mx.bfloat16):
+                q = mx.random.normal((B, Hq, L, D)).astype(dtype)
+                k, v = (mx.random.normal((B, Hkv, S, D)).astype(dtype) for _ in range(2))
+                cache = KVCache()
+                cache.update_and_fetch(k[:, :, : S - L], v[:, :, : S - L])
+                kc, vc = cache.update_and_fetch(k[:, :, S - L :], v[:, :, S - L :])
+                mx.eval(kc, vc)
+                for name, mask in (("none", None), ("causal", "causal"),
+                                   ("left-padding bool", masks(B, L, S)["left-padding bool [B,1,1,S]"])):
+                    out = mx.fast.scaled_dot_product_attention(q, kc, vc, scale=D**-0.5, mask=mask)
+                    ref = naive_attention(*(x.astype(mx.float32) for x in (q, k, v)), D**-0.5, mask)
+                    d = mx.abs(out.astype(mx.float32) - ref).max().item()
+                    print(f"  L {L:>3} S {S:>3} D {D:>3} {str(dtype)[9:]:>8} {name:<18} out {d:.2e}", flush=True)
+    # the broadcast batched matmul of grouped-query heads (the unfused path, SharedPrefixCache.attention)
+    n, rep, L, S, D = 4, 2, 1, 70, 16
+    a, b = mx.random.normal((n, Hkv, rep, L, D)), mx.random.normal((n, Hkv, 1, D, S))
+    d = mx.abs(a @ b - a @ mx.repeat(b, rep, axis=2)).max().item()
+    print(f"  matmul [{n},{Hkv},{rep},{L},{D}] @ [{n},{Hkv},1,{D},{S}] (broadcast) vs repeated: {d:.2e}", flush=True)
 
 
 def cached_kernels() -> int:
@@ -120,15 +160,16 @@ def images():
             for w, h in ((100, 37), (60, 90), (150, 120), (80, 80), (40, 100))]
 
 
-def vl_models():
-    """(name, model, processor): the tiny Qwen2-VL and Qwen2.5-VL built here, and the embedded Qwen3-VL."""
+def probe_models(archs=("qwen2_vl", "qwen2_5_vl")):
+    """(name, model, processor): the tiny checkpoints of `archs` built here (random weights, float32), then the
+    embedded Qwen3-VL."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("tiny", Path(__file__).with_name("tiny_checkpoints.py"))
     tiny = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny)
     root = Path(tempfile.mkdtemp(prefix="gpu_probe_"))
-    for arch in ("qwen2_vl", "qwen2_5_vl"):
+    for arch in archs:
         yield (arch, *mlxrl.load(tiny.build(arch, root / arch), dtype="float32"))
     yield ("qwen3_vl (embedded)", *mlxrl.load_default())
 
@@ -146,7 +187,7 @@ def vl(_a) -> None:
 
     print(f"device {mx.default_device()}; max abs difference", flush=True)
     pics = images()
-    for name, model, proc in vl_models():
+    for name, model, proc in probe_models():
         alone = [model.image_features(*map(mx.array, proc.image_processor([p])))[0] for p in pics]
         pv, grid = proc.image_processor(pics)
         pv, meta = mx.array(pv), model.vision_metadata(grid)  # the layout on the host, as the trainers do
@@ -157,6 +198,8 @@ def vl(_a) -> None:
             diffs = [mx.abs(a - b).max().item() for a, b in zip(alone, parts, strict=True)]
             print(f"  {name:<20} vision, 5 images together vs alone, {label:<8}: "
                   + " ".join(f"{d:.1e}" for d in diffs), flush=True)
+            if label == "eager" and max(diffs) > 1e-4:
+                vision_stages(model, proc, pics, pv, meta)
         rows = [{"images": [pics[i]], "messages": [{"role": "user", "content": f"Image {i}?"},
                                                    {"role": "assistant", "content": "A picture."}]}
                 for i in range(len(pics))] + [{"images": [], "messages": [
@@ -174,18 +217,128 @@ def vl(_a) -> None:
                                        for (row, seg), ex in zip(docs, b.example_ids, strict=True)])
             print(f"  {name:<20} hidden states, {next(iter(kw))} rows vs each document alone: {worst:.1e}",
                   flush=True)
+            if worst > 1e-4:
+                b = make_batches(examples, 3, max_length=512, pad_token_id=proc.pad_token_id, seed=1, **kw)[0]
+                text_stages(model, examples, b)
+
+
+def recorded(fn, classes):
+    """fn()'s result and the output of every call of an instance of `classes` during it, in call order."""
+    log, saved = [], {c: c.__call__ for c in classes}
+
+    def wrap(orig):
+        def call(self, *a, **k):
+            out = orig(self, *a, **k)
+            log.append((type(self).__name__, out))
+            return out
+        return call
+
+    for c in classes:
+        c.__call__ = wrap(saved[c])
+    try:
+        return fn(), log
+    finally:
+        for c, f in saved.items():
+            c.__call__ = f
+
+
+def vision_stages(model, proc, pics, pv, meta) -> None:
+    """Where images together first leave images alone: each vision block's attention and output, per image."""
+    tower = model.vision_tower
+    classes = (type(tower.blocks[0]), type(tower.blocks[0].attn))
+    _, together = recorded(lambda: mx.eval(model.image_features(pv, None, meta)[0]), classes)
+    counts = [int(np.prod(g)) for g in proc.image_processor(pics)[1]]
+    bounds = np.cumsum([0, *counts])
+    worst = [0.0] * len(together)
+    for i, p in enumerate(pics):
+        _, alone = recorded(lambda p=p: mx.eval(model.image_features(*map(mx.array, proc.image_processor([p])))[0]),
+                            classes)
+        for j, ((_, a), (_, b)) in enumerate(zip(alone, together, strict=True)):
+            worst[j] = max(worst[j], mx.abs(a - b[int(bounds[i]) : int(bounds[i + 1])]).max().item())
+    print("    per vision stage (patches of each image, together vs alone): "
+          + " ".join(f"{n}{j // 2} {w:.1e}" for j, ((n, _), w) in enumerate(zip(together, worst, strict=True))),
+          flush=True)
+
+
+def text_stages(model, examples, b) -> None:
+    """For a packed / padding-free batch that differs: the M-RoPE positions and each decoder layer's output of
+    each document against the document alone."""
+    from mlxrl.models.vl import mrope_positions
+
+    opt = lambda x: None if x is None else mx.array(x)  # noqa: E731
+    layer = type(model.language_model.layers[0])
+    run = lambda **kw: mx.eval(model(return_hidden=True, **kw))  # noqa: E731
+    _, packed = recorded(lambda: run(input_ids=mx.array(b.input_ids), attention_mask=mx.array(b.attention_mask),
+                                     segment_ids=mx.array(b.segment_ids), pixel_values=opt(b.pixel_values),
+                                     image_grid_thw=opt(b.image_grid_thw)), (layer,))
+    pos, _ = mrope_positions(mx.array(b.input_ids), opt(b.image_grid_thw), mx.array(b.attention_mask),
+                             model.image_token_id, model.merge_size, mx.array(b.segment_ids))
+    docs = [(row, seg) for row, ids in enumerate(b.segment_ids) for seg in range(1, ids.max() + 1)]
+    for (row, seg), ex in zip(docs, b.example_ids, strict=True):
+        e = examples[ex]
+        where = b.segment_ids[row] == seg
+        _, alone = recorded(lambda e=e: run(input_ids=mx.array(e.input_ids[None]), pixel_values=opt(e.pixel_values),
+                                            image_grid_thw=opt(e.image_grid_thw)), (layer,))
+        own, _ = mrope_positions(mx.array(e.input_ids[None]), opt(e.image_grid_thw), None, model.image_token_id,
+                                 model.merge_size)
+        same_pos = np.array_equal(np.array(pos)[:, row][:, where], np.array(own)[:, 0])
+        layers = [float(np.abs(np.array(p)[row][where] - np.array(a)[0]).max())
+                  for (_, p), (_, a) in zip(packed, alone, strict=True)]
+        n_img = 0 if e.image_grid_thw is None else len(e.image_grid_thw)
+        print(f"    document {ex} (row {row}, {int(where.sum())} tokens, {n_img} images): positions "
+              f"{'equal' if same_pos else 'DIFFER'}; per layer " + " ".join(f"{d:.1e}" for d in layers), flush=True)
+
+
+def decode(_a) -> None:
+    from mlxrl.generation import generate
+
+    print(f"device {mx.default_device()}; cached decoding against the uncached forward (float32)", flush=True)
+    rng = np.random.default_rng(1)
+    for name, model, _proc in probe_models(("qwen3", "qwen2_5_vl")):
+        ids = rng.integers(10, 5000, size=(1, 12))
+        full = hidden(model, ids, None, None)[0]
+        cache = model.make_cache()
+        steps = [np.array(model(input_ids=mx.array(ids[:, :8]), cache=cache, return_hidden=True))[0]]
+        diffs = [float(np.abs(steps[0] - full[:8]).max())]
+        for t in range(8, ids.shape[1]):
+            h = np.array(model(input_ids=mx.array(ids[:, t : t + 1]), cache=cache, return_hidden=True))[0, 0]
+            diffs.append(float(np.abs(h - full[t]).max()))
+        print(f"  {name:<20} hidden, prefill of 8 then 4 cached steps (teacher-forced): "
+              + " ".join(f"{d:.1e}" for d in diffs), flush=True)
+        # greedy through the engine (two left-padded prompts, 2 samples each: the shared-prompt cache) against the
+        # uncached forward token by token; at a first difference, the reference's top-1 minus top-2 logit there
+        # (a near tie flips on rounding; a wide gap is a fault)
+        prompts = [rng.integers(10, 5000, size=n).tolist() for n in (5, 9)]
+        width = max(map(len, prompts))
+        batch = np.array([[0] * (width - len(p)) + p for p in prompts])
+        mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = generate(model, mx.array(batch), mx.array(mask), num_generations=2, max_tokens=6, temperature=0.0,
+                       stop_token_ids=[], pad_token_id=-1)
+        got = np.array(out.completion_ids)
+        for r, p in enumerate(prompts):
+            seq, line = list(p), "same 6 tokens"
+            for t in range(6):
+                logits = np.array(model(input_ids=mx.array([seq])))[0, -1]
+                top = np.sort(logits)[-2:]
+                want = int(np.argmax(logits))
+                if (got[2 * r : 2 * r + 2, t] != want).any():
+                    line = f"first difference at token {t}: {got[2 * r : 2 * r + 2, t].tolist()} vs {want}, " \
+                           f"reference top-1 - top-2 logit {top[1] - top[0]:.2e}"
+                    break
+                seq.append(want)
+            print(f"  {name:<20} greedy, prompt {r} ({len(p)} tokens, left-padded) x 2 samples: {line}", flush=True)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["sdpa", "step", "vl"])
+    ap.add_argument("what", choices=["sdpa", "step", "vl", "decode"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--compile", type=int, default=1)
     a = ap.parse_args(argv)
-    {"sdpa": sdpa, "step": step, "vl": vl}[a.what](a)
+    {"sdpa": sdpa, "step": step, "vl": vl, "decode": decode}[a.what](a)
 
 
 if __name__ == "__main__":
