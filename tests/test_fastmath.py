@@ -294,6 +294,47 @@ def _torch_decoder_ops():
     return torch, rms_norm, rotary, silu_mul
 
 
+def test_layer_norm_and_gelu_gradients_equal_float64_torch(path):
+    """LayerNorm (weight and bias: the vision towers') and GELU's tanh form: values and the gradients of
+    every input, under a non-uniform cotangent, equal float64 torch autograd, eagerly and compiled, with
+    the input a temporary whose buffer the kernel may take."""
+    import torch
+
+    rng = np.random.default_rng(11)
+    arrays = {"x": rng.normal(0.5, 2, (3, 7, 48)), "w": rng.normal(1, 0.3, (48,)), "b": rng.normal(0, 0.5, (48,)),
+              "h": np.concatenate([rng.normal(0, 3, (6, 200)), np.full((1, 200), 12.0)])}
+    weights = {"ln": rng.normal(0, 1, (3, 7, 48)), "gelu": rng.normal(0, 1, (7, 200))}
+    eps = 1e-6
+
+    def loss(a):
+        ln = fastmath.layer_norm(a["x"] * 1.0, a["w"], a["b"], eps)
+        gelu = fastmath.gelu_approx(a["h"] * 1.0)
+        return (ln * mx.array(weights["ln"].astype(np.float32))).sum() + \
+            (gelu * mx.array(weights["gelu"].astype(np.float32))).sum()
+
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in arrays.items()}
+    t_ln = torch.nn.functional.layer_norm(t["x"], (48,), t["w"], t["b"], eps)
+    t_gelu = torch.nn.functional.gelu(t["h"], approximate="tanh")
+    t_loss = (t_ln * torch.tensor(weights["ln"])).sum() + (t_gelu * torch.tensor(weights["gelu"])).sum()
+    t_loss.backward()
+    a = {k: mx.array(v.astype(np.float32)) for k, v in arrays.items()}
+    np.testing.assert_allclose(np.array(fastmath.layer_norm(a["x"], a["w"], a["b"], eps)), t_ln.detach().numpy(),
+                               rtol=1e-5, atol=1e-5)
+    for compiled in (False, True):
+        fn = mx.value_and_grad(loss)
+        value, grads = (mx.compile(fn) if compiled else fn)(a)
+        np.testing.assert_allclose(value.item(), t_loss.item(), rtol=1e-5, atol=1e-3)
+        for k in arrays:
+            np.testing.assert_allclose(np.array(grads[k]), t[k].grad.numpy(), rtol=1e-4, atol=1e-4, err_msg=k)
+    # the x gradient alone (the kernel without the weight / bias sums), and the JVP
+    gx = mx.grad(lambda x: (fastmath.layer_norm(x, a["w"], a["b"], eps) * mx.array(weights["ln"])).sum())(a["x"])
+    np.testing.assert_allclose(np.array(gx), t["x"].grad.numpy(), rtol=1e-4, atol=1e-4)
+    tangent = mx.array(rng.normal(0, 1, (7, 200)).astype(np.float32))
+    _, (jvp,) = mx.jvp(fastmath.gelu_approx, [a["h"]], [tangent])
+    _, (ref_jvp,) = mx.jvp(lambda h: h * mx.sigmoid(1.5957691216057308 * (h + 0.044715 * h**3)), [a["h"]], [tangent])
+    np.testing.assert_allclose(np.array(jvp), np.array(ref_jvp), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_decoder_ops_and_gradients_equal_float64_torch(path, compiled):
     """RMSNorm, rotary (x a transposed view, cos / sin broadcast over heads, halves that differ) and

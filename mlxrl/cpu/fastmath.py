@@ -1,5 +1,5 @@
-"""Elementwise math that is fast on MLX's CPU backend: exp, sigmoid, SiLU, softmax, the SwiGLU
-product, RMSNorm, rotary embedding.
+"""Elementwise math that is fast on MLX's CPU backend: exp, sigmoid, SiLU, GELU (tanh), softmax, the
+SwiGLU product, RMSNorm, LayerNorm, rotary embedding.
 
 MLX's Linux CPU wheel evaluates `mx.exp` and `mx.sigmoid` an order of magnitude slower than a multiply:
 its kernels are scalar Cephes polynomials whose `fma` calls go through libm, the wheel being built for
@@ -85,17 +85,15 @@ def silu(x: mx.array) -> mx.array:
     return x * sigmoid(x)
 
 
-GELU_TANH = 2 * 0.7978845608028654  # 2 sqrt(2 / pi): 0.5 (1 + tanh(z)) = sigmoid(2 z)
 
 
 def gelu_approx(x: mx.array) -> mx.array:
-    """GELU's tanh approximation (`mlx.nn.gelu_approx`, torch's gelu(approximate="tanh")), written on
-    float32 CPU arrays as x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)), the same function through the
-    native sigmoid (MLX's CPU tanh is a scalar loop: ~6x slower over a vision MLP's [6272, 4096]);
+    """GELU's tanh approximation (`mlx.nn.gelu_approx`, torch's gelu(approximate="tanh")); native: the same
+    function as x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) in one pass forward and one backward (MLX's CPU
+    tanh is a scalar loop, and its composed ops a pass each on one core, over a vision MLP's [6272, 4096]);
     elsewhere MLX's own."""
-    if not uses_native(x):
-        return nn.gelu_approx(x)
-    return x * sigmoid(GELU_TANH * (x + 0.044715 * x * x * x))
+    k = kernels_for(x)
+    return k.gelu_tanh(x) if k is not None else nn.gelu_approx(x)
 
 
 def _all_native(*arrays: mx.array):
@@ -115,6 +113,14 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     weight's gradient summed over rows per core (MLX's CPU backend composes it from single-core ops)."""
     k = _all_native(x, weight)
     return k.rms_norm(x, weight, eps) if k is not None else mx.fast.rms_norm(x, weight, eps)
+
+
+def layer_norm(x: mx.array, weight: mx.array, bias: mx.array, eps: float) -> mx.array:
+    """`mx.fast.layer_norm` with a weight and a bias (the vision towers' norms); native: one pass per row
+    forward (its two sums, then the output) and one backward, the weight's and bias's gradients summed
+    over rows per core."""
+    k = _all_native(x, weight, bias)
+    return k.layer_norm(x, weight, bias, eps) if k is not None else mx.fast.layer_norm(x, weight, bias, eps)
 
 
 def rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:

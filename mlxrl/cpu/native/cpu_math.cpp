@@ -1382,6 +1382,227 @@ std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, 
                                 std::make_shared<SiluMulGrad>(stream), {dense(g, stream), dense(u, stream), cd});
 }
 
+// GELU's tanh approximation (torch's gelu(approximate="tanh")) as x sigmoid(z), z = k (x + a x^3),
+// k = 2 sqrt(2 / pi) (0.5 (1 + tanh(t)) = sigmoid(2 t)), in one pass; its VJP in one pass over (x, c):
+// dx = c (s + x s (1 - s) k (1 + 3 a x^2)),  s = sigmoid(z).
+constexpr float kGeluK = 1.5957691216057308f, kGeluA = 0.044715f;
+
+void gelu_tanh_range(const float* in, float* out, size_t n) {
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) {
+    const float x = in[i];
+    out[i] = x / (1.0f + fast_exp(-kGeluK * (x + kGeluA * x * x * x)));
+  }
+}
+
+mx::array gelu_tanh_grad_op(const mx::array& x, const mx::array& c, mx::Stream s);
+
+class GeluTanh : public Unary {
+ public:
+  using Unary::Unary;
+  const char* name() const override { return "MlxrlGeluTanh"; }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    run_elementwise(stream(), inputs[0], outputs[0], gelu_tanh_range);
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>&, const std::vector<mx::array>&) override {
+    return {gelu_tanh_grad_op(primals[0], cotangents[0], stream())};
+  }
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>&) override {
+    return {gelu_tanh_grad_op(primals[0], tangents[0], stream())};  // elementwise: the same product
+  }
+};
+
+class GeluTanhGrad : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+  const char* name() const override { return "MlxrlGeluTanhGrad"; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  // inputs: x, c; output: dx
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& c = inputs[1];
+    auto& out = outputs[0];
+    allocate_like_either(stream(), c, x, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(c);
+    encoder.set_output_array(out);
+    encoder.dispatch([xp = x.data<float>(), cp = c.data<float>(), dx = out.data<float>(), n = x.size()]() {
+      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+        for (size_t i = b; i < e; ++i) {
+          const float v = xp[i], x2 = v * v;
+          const float sg = 1.0f / (1.0f + fast_exp(-kGeluK * (v + kGeluA * x2 * v)));
+          dx[i] = cp[i] * (sg + v * sg * (1.0f - sg) * kGeluK * (1.0f + 3.0f * kGeluA * x2));
+        }
+      });
+    });
+  }
+};
+
+mx::array gelu_tanh_op(const mx::array& x, mx::StreamOrDevice s = {}) { return make_unary<GeluTanh>(x, s); }
+
+mx::array gelu_tanh_grad_op(const mx::array& x, const mx::array& c, mx::Stream s) {
+  auto stream = cpu_stream({&x}, s);
+  auto cd = dense(mx::broadcast_to(mx::astype(c, mx::float32, stream), x.shape(), stream), stream);
+  return mx::array(x.shape(), mx::float32, std::make_shared<GeluTanhGrad>(stream), {dense(x, stream), cd});
+}
+
+// LayerNorm over rows of d (mx.fast.layer_norm with a weight and a bias): y = (x - mean) r w + b,
+// r = 1 / sqrt(var + eps), the mean and the (biased) variance over the row, one pass per row after its
+// two sums. The VJP per row, with x^ = (x - mean) r and c = g w:
+// dx = r (c - mean(c) - x^ mean(c x^)),  dw += g x^,  db += g (summed over rows: per worker, then in order).
+void layer_norm_rows(const float* x, const float* w, const float* bias, float* y, size_t rows, size_t d, float eps) {
+  for (size_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * d;
+    float* yr = y + i * d;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (size_t k = 0; k < d; ++k) sum += xr[k];
+    const float mean = sum / float(d);
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (size_t k = 0; k < d; ++k) ss += (xr[k] - mean) * (xr[k] - mean);
+    const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+#pragma omp simd
+    for (size_t k = 0; k < d; ++k) yr[k] = (xr[k] - mean) * r * w[k] + bias[k];
+  }
+}
+
+std::vector<mx::array> layer_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                          bool affine_grads, mx::Stream s);
+
+class LayerNorm : public CpuPrimitive {
+ public:
+  LayerNorm(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
+  const char* name() const override { return "MlxrlLayerNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const LayerNorm&>(other).eps_ == eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  // inputs: x [..., d], w [d], b [d]
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    auto& out = outputs[0];
+    auto& encoder = encode_unary_output(stream(), inputs, out);
+    const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
+    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), bp = inputs[2].data<float>(),
+                      yp = out.data<float>(), rows, d, eps = eps_]() {
+      over_rows(rows, d, [=](size_t b, size_t n) { layer_norm_rows(xp + b * d, wp, bp, yp + b * d, n, d, eps); });
+    });
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    bool affine = std::any_of(argnums.begin(), argnums.end(), [](int a) { return a > 0; });
+    auto grads = layer_norm_grad_op(primals[0], primals[1], cotangents[0], eps_, affine, stream());
+    std::vector<mx::array> out;
+    for (int a : argnums) out.push_back(grads[a]);
+    return out;
+  }
+
+ private:
+  float eps_;
+};
+
+class LayerNormGrad : public CpuPrimitive {
+ public:
+  LayerNormGrad(mx::Stream s, float eps, bool affine) : CpuPrimitive(s), eps_(eps), affine_(affine) {}
+  const char* name() const override { return affine_ ? "MlxrlLayerNormGradWB" : "MlxrlLayerNormGrad"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const LayerNormGrad&>(other).eps_ == eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (affine_) return {inputs[0].shape(), inputs[1].shape(), inputs[1].shape()};
+    return {inputs[0].shape()};
+  }
+  // inputs: x [..., d], w [d], g [..., d]; outputs: dx (, dw, db)
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& g = inputs[2];
+    if (affine_) {
+      for (auto& o : outputs) o.set_data(fresh(stream(), o.nbytes()));
+    } else {
+      allocate_like_either(stream(), g, x, outputs[0]);
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
+    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), gp = g.data<float>(),
+                      dx = outputs[0].data<float>(), dw = affine_ ? outputs[1].data<float>() : nullptr,
+                      db = affine_ ? outputs[2].data<float>() : nullptr, rows, d, eps = eps_]() {
+      const size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(1, d));
+      const size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, rows / grain));
+      std::vector<float> partial(dw != nullptr ? 2 * parts * d : 0, 0.0f);
+      parallel_for(rows, std::max<size_t>(grain, (rows + parts - 1) / parts), [&](size_t part, size_t b, size_t e) {
+        float* acc_w = dw != nullptr ? partial.data() + 2 * part * d : nullptr;
+        float* acc_b = dw != nullptr ? acc_w + d : nullptr;
+        for (size_t i = b; i < e; ++i) {
+          const float* xr = xp + i * d;
+          const float* gr = gp + i * d;
+          float* o = dx + i * d;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (size_t k = 0; k < d; ++k) sum += xr[k];
+          const float mean = sum / float(d);
+          float ss = 0.0f, sc = 0.0f, scx = 0.0f;
+#pragma omp simd reduction(+ : ss, sc, scx)
+          for (size_t k = 0; k < d; ++k) {
+            const float xc = xr[k] - mean, c = gr[k] * wp[k];
+            ss += xc * xc;
+            sc += c;
+            scx += c * xc;
+          }
+          const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+          const float mc = sc / float(d), mcx = scx * r / float(d);  // mean(c), mean(c x^)
+          if (acc_w != nullptr) {
+#pragma omp simd
+            for (size_t k = 0; k < d; ++k) {
+              acc_w[k] += gr[k] * (xr[k] - mean) * r;
+              acc_b[k] += gr[k];
+            }
+          }
+#pragma omp simd
+          for (size_t k = 0; k < d; ++k) o[k] = r * (gr[k] * wp[k] - mc - (xr[k] - mean) * r * mcx);
+        }
+      });
+      if (dw != nullptr) {
+        std::fill(dw, dw + d, 0.0f);
+        std::fill(db, db + d, 0.0f);
+        for (size_t p = 0; p < parts; ++p)
+          for (size_t k = 0; k < d; ++k) {
+            dw[k] += partial[2 * p * d + k];
+            db[k] += partial[(2 * p + 1) * d + k];
+          }
+      }
+    });
+  }
+
+ private:
+  float eps_;
+  bool affine_;
+};
+
+mx::array layer_norm_op(const mx::array& x, const mx::array& w, const mx::array& b, float eps, mx::StreamOrDevice s = {}) {
+  auto stream = cpu_stream({&x, &w, &b}, s);
+  if (x.ndim() == 0 || w.ndim() != 1 || b.ndim() != 1 || w.shape(0) != x.shape(-1) || b.shape(0) != x.shape(-1))
+    throw std::invalid_argument("layer_norm: x [..., d], weight [d] and bias [d] expected.");
+  return mx::array(x.shape(), mx::float32, std::make_shared<LayerNorm>(stream, eps),
+                   {dense(x, stream), dense(w, stream), dense(b, stream)});
+}
+
+std::vector<mx::array> layer_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                          bool affine_grads, mx::Stream s) {
+  auto stream = cpu_stream({&x, &w}, s);
+  auto gd = dense(mx::broadcast_to(mx::astype(g, mx::float32, stream), x.shape(), stream), stream);
+  std::vector<mx::array> in{dense(x, stream), dense(w, stream), gd};
+  auto prim = std::make_shared<LayerNormGrad>(stream, eps, affine_grads);
+  if (!affine_grads) return {mx::array(x.shape(), mx::float32, prim, in)};
+  return mx::array::make_arrays({x.shape(), w.shape(), w.shape()}, {mx::float32, mx::float32, mx::float32}, prim, in);
+}
+
 // ----------------------------------------------------------------------------- flash attention
 
 // Attention without the score square (FlashAttention's memory shape): per (batch, kv-head) and block of
@@ -1896,6 +2117,12 @@ NB_MODULE(_cpu_math, m) {
           return rotary_op(x, cos, sin, false);
         }, nb::arg("x"), nb::arg("cos"), nb::arg("sin"),
         "Rotary embedding of x [B, H, L, D] (any strides): x cos + rotate_half(x) sin, cos / sin broadcast to x.");
+  m.def("gelu_tanh", [](const mx::array& x) { return gelu_tanh_op(x); }, nb::arg("x"),
+        "GELU's tanh approximation, x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)).");
+  m.def("layer_norm", [](const mx::array& x, const mx::array& w, const mx::array& b, float eps) {
+          return layer_norm_op(x, w, b, eps);
+        }, nb::arg("x"), nb::arg("weight"), nb::arg("bias"), nb::arg("eps"),
+        "LayerNorm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.");
   m.def("silu_mul", [](const mx::array& g, const mx::array& u) { return silu_mul_op(g, u); }, nb::arg("g"),
         nb::arg("u"), "silu(g) * u (the SwiGLU product).");
   m.def("flash_attention", [](const mx::array& q, const mx::array& k, const mx::array& v, bool causal,

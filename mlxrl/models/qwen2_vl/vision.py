@@ -182,11 +182,22 @@ def run_block(block: nn.Module, x: mx.array, checkpoint: bool, *args) -> mx.arra
 
 
 def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """x [N, H, D] in any dtype; the rotation itself runs in float32 (cos/sin [N, D])."""
-    x32 = x.astype(mx.float32)
-    x1, x2 = mx.split(x32, 2, axis=-1)
-    rotated = mx.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+    """x [N, H, D] in any dtype (typically a strided view of the fused qkv output), cos / sin [N, D] or
+    [N, 1, D] float32: the rotation runs in float32 and returns x's dtype (`fastmath.rotary` over x as
+    [1, N, H, D]: on float32 CPU arrays one native pass that reads the view in place)."""
+    if cos.ndim == 2:
+        cos, sin = cos[:, None], sin[:, None]
+    return fastmath.rotary(x[None], cos[None], sin[None])[0]
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (same parameters, same math) through `fastmath.layer_norm`: on float32 CPU arrays one
+    multi-threaded pass per row forward and backward instead of MLX's composed single-core ops."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "weight" not in self or "bias" not in self:
+            return super().__call__(x)
+        return fastmath.layer_norm(x, self["weight"], self["bias"], self.eps)
 
 
 class Conv3dWeight(nn.Module):
@@ -240,8 +251,8 @@ class Block(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         dim = config.embed_dim
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm1 = LayerNorm(dim, eps=1e-6)
+        self.norm2 = LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, config.num_heads)
         self.mlp = MLP(dim, int(dim * config.mlp_ratio), config.hidden_act)
 
@@ -293,7 +304,7 @@ class VisionModel(nn.Module):
         c = config
         self.patch_embed = PatchEmbed(c.embed_dim, c.in_channels, c.temporal_patch_size, c.patch_size)
         self.blocks = [Block(c) for _ in range(c.depth)]
-        self.merger = PatchMerger(c.hidden_size, c.embed_dim, c.spatial_merge_size, nn.LayerNorm(c.embed_dim, eps=1e-6))
+        self.merger = PatchMerger(c.hidden_size, c.embed_dim, c.spatial_merge_size, LayerNorm(c.embed_dim, eps=1e-6))
 
     def metadata(self, grid_thw) -> dict:
         """cos/sin [N, head_dim] float32, segment_ids [N] (one per frame) and their attention

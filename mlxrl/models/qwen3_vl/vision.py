@@ -26,7 +26,7 @@ import mlx.core as mx  # mlxrl/__init__ (fast BLAS) has run by the time this pac
 import mlx.nn as nn
 import numpy as np
 
-from ..qwen2_vl.vision import ACT, attend, run_block, segment_groups, segment_layout, to_mx
+from ..qwen2_vl.vision import ACT, LayerNorm, apply_rotary, attend, run_block, segment_groups, segment_layout, to_mx
 
 
 @dataclass
@@ -92,11 +92,6 @@ class PatchEmbed(nn.Module):
         return self.proj(x)
 
 
-def _rotate_half(x: mx.array) -> mx.array:
-    x1, x2 = mx.split(x, 2, axis=-1)
-    return mx.concatenate([-x2, x1], axis=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -109,11 +104,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, layout) -> mx.array:
         n = x.shape[0]
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, -1)  # [N, 3, H, hd]
-        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         # rotary in float32 (as HF), then back to the compute dtype
-        qf, kf = q.astype(mx.float32), k.astype(mx.float32)
-        q = (qf * cos + _rotate_half(qf) * sin).astype(v.dtype)
-        k = (kf * cos + _rotate_half(kf) * sin).astype(v.dtype)
+        q, k, v = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin), qkv[:, 2]
         return self.proj(attend(q, k, v, self.scale, layout).reshape(n, -1))
 
 
@@ -131,8 +123,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm1 = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm2 = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attn = Attention(config)
         self.mlp = MLP(config)
 
@@ -153,7 +145,7 @@ class PatchMerger(nn.Module):
         self.window_dim = config.hidden_size * config.spatial_merge_size**2
         self.postshuffle = postshuffle
         norm_dim = self.window_dim if postshuffle else config.hidden_size
-        self.norm = nn.LayerNorm(norm_dim, eps=config.layer_norm_eps)
+        self.norm = LayerNorm(norm_dim, eps=config.layer_norm_eps)
         self.linear_fc1 = nn.Linear(self.window_dim, self.window_dim, bias=True)
         self.linear_fc2 = nn.Linear(self.window_dim, config.out_hidden_size, bias=True)
 
