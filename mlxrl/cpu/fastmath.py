@@ -85,8 +85,6 @@ def silu(x: mx.array) -> mx.array:
     return x * sigmoid(x)
 
 
-
-
 def gelu_approx(x: mx.array) -> mx.array:
     """GELU's tanh approximation (`mlx.nn.gelu_approx`, torch's gelu(approximate="tanh")); native: the same
     function as x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) in one pass forward and one backward (MLX's CPU
