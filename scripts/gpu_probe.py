@@ -5,6 +5,7 @@ sticky device error still names the last case that ran.
     python scripts/gpu_probe.py step --layers 2 # a compiled (and an eager) LoRA step of the 0.6B shape, timed
     python scripts/gpu_probe.py vl              # tiny VL models: images alone against together, packed rows
     python scripts/gpu_probe.py decode          # cached decoding against the uncached forward, greedy
+    python scripts/gpu_probe.py ops             # reductions, scans, gathers: the device against the CPU stream
 
 `sdpa`: per query / key length, head dim, dtype and mask (none, "causal", a boolean block-diagonal mask as
 packed rows use, left-padding masks, additive and boolean), the largest difference of the output and of dq / dk /
@@ -20,6 +21,10 @@ padding-free rows against each document alone (what `test_packed_documents_match
 Each line is the largest absolute difference: on this CPU ~1e-6. Where one is over 1e-4 the probe says where it
 starts: per vision block (its attention, then the block) for the images, and per document of the first differing
 batch its M-RoPE positions (equal or not) and each decoder layer's output.
+
+`ops`: MLX's own ops that mlxrl's forward and data layout rest on (reductions over one and several axes, the
+M-RoPE index's scans, gathers and their scatter-add VJPs, strided copies), each on the device against the CPU
+stream in the same process: on this CPU both are the CPU, so every line is 0.
 
 `sdpa` ends with decoding's case: k / v as the views of mlx-lm's `KVCache` buffer that generation passes (strided,
 256 positions a step), and the grouped-query heads' broadcast batched matmul. `decode`: for a tiny Qwen3 and
@@ -329,16 +334,52 @@ def decode(_a) -> None:
             print(f"  {name:<20} greedy, prompt {r} ({len(p)} tokens, left-padded) x 2 samples: {line}", flush=True)
 
 
+def ops(_a) -> None:
+    """MLX's ops on the default device against the same ops on the CPU stream, the kinds mlxrl's forward and
+    data layout use: reductions over one or several axes (MLX's CUDA reduce kernels: ml-explore/mlx#3109, an
+    illegal memory access in them when built with CUDA 13.1), the scans of the M-RoPE index, gathers and their
+    scatter-add VJPs, strided copies."""
+    dev = mx.default_device()
+    print(f"device {dev}; each op on it against the CPU stream: max abs difference", flush=True)
+    rng = np.random.default_rng(0)
+    a = mx.array(rng.normal(size=(2, 4, 8, 16)).astype(np.float32))
+    pos = mx.array(rng.integers(0, 300, (3, 2, 70)).astype(np.int32))
+    seg = mx.array(np.sort(rng.integers(0, 5, (2, 256)), axis=1).astype(np.int32))
+    table, idx = mx.array(rng.normal(size=(256, 64)).astype(np.float32)), mx.array(rng.integers(0, 256, (500, 4)))
+    cot = mx.array(rng.normal(size=(500, 4, 64)).astype(np.float32))
+    cases = {}
+    for ax in (0, 1, 2, 3, (0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (0, 1, 2), (0, 1, 3)):
+        cases[f"sum over {ax} of [2, 4, 8, 16]"] = lambda s, ax=ax: mx.sum(a, axis=ax, stream=s)
+        cases[f"max over {ax} of [2, 4, 8, 16]"] = lambda s, ax=ax: mx.max(a, axis=ax, stream=s)
+    cases["sum over (1, 2) of a transposed view"] = lambda s: mx.sum(a.transpose(3, 1, 0, 2), axis=(1, 2), stream=s)
+    cases["int32 max over (0, 2) of [3, 2, 70] (M-RoPE deltas)"] = lambda s: mx.max(pos, axis=(0, 2), stream=s)
+    cases["int32 cumsum along rows of [2, 256]"] = lambda s: mx.cumsum(seg, axis=1, stream=s)
+    cases["int32 cummax along rows of [2, 256]"] = lambda s: mx.cummax(seg, axis=1, stream=s)
+    cases["int32 cumsum, flattened [512]"] = lambda s: mx.cumsum(seg.reshape(-1), stream=s)
+    cases["take [256, 64] rows by [500, 4]"] = lambda s: mx.take(table, idx, axis=0, stream=s)
+    cases["scatter-add: the VJP of that take"] = lambda s: mx.vjp(
+        lambda t: mx.take(t, idx, axis=0, stream=s), [table], [cot])[1][0]
+    cases["copy of a [2, 4, 8, 16] slice, transposed"] = lambda s: mx.contiguous(
+        a[:, 1:3, ::2].transpose(0, 2, 1, 3), stream=s)
+    for name, fn in cases.items():
+        with mx.stream(dev):
+            got = fn(dev)
+        with mx.stream(mx.cpu):
+            ref = fn(mx.cpu)
+        d = mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+        print(f"  {name:<52} {d:.2e}", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["sdpa", "step", "vl", "decode"])
+    ap.add_argument("what", choices=["sdpa", "step", "vl", "decode", "ops"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--compile", type=int, default=1)
     a = ap.parse_args(argv)
-    {"sdpa": sdpa, "step": step, "vl": vl, "decode": decode}[a.what](a)
+    {"sdpa": sdpa, "step": step, "vl": vl, "decode": decode, "ops": ops}[a.what](a)
 
 
 if __name__ == "__main__":

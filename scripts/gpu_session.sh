@@ -4,8 +4,9 @@
 #   bash scripts/gpu_session.sh prepare     # here: the cp312 wheels into .whl1/ and .whl2/ (each < 64 MiB)
 #   bash scripts/gpu_session.sh stage       # there, call 1 (carry .whl1): keep the first half in /tmp/w1
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
-#                                           # MLX CUDA wheel, install, then gpu_probe.py (attention, cached
-#                                           # too; VL images alone / together, packed rows; cached decoding
+#                                           # MLX CUDA wheel, install, then gpu_probe.py (reductions, scans
+#                                           # and gathers against the CPU; attention, cached too; VL images
+#                                           # alone / together, packed rows; cached decoding
 #                                           # against uncached; a 2-layer step compiled on an empty and
 #                                           # a warm kernel cache, and eager), the suite on
 #                                           # 16 workers and the GPU bench (--live) at full depth, for about
@@ -59,7 +60,8 @@ run)
   # in 40 s, the eager one took 6.2 s and then 0.04 s): the fused attention, the VL models' images alone against
   # together and packed rows, the compiled step on an empty kernel cache, again on the warm cache, and eager;
   # then the suite (a sticky CUDA error now ends only its worker), then the real-scale bench with what is left
-  { timeout -s INT 40 python3 scripts/gpu_probe.py sdpa
+  { timeout -s INT 20 python3 scripts/gpu_probe.py ops
+    timeout -s INT 40 python3 scripts/gpu_probe.py sdpa
     timeout -s INT 60 python3 scripts/gpu_probe.py vl
     timeout -s INT 40 python3 scripts/gpu_probe.py decode
     timeout -s INT 150 python3 scripts/gpu_probe.py step --layers 2 --calls 3
