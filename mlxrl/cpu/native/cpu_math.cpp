@@ -330,6 +330,53 @@ void run_elementwise(mx::Stream stream, const mx::array& in, mx::array& out, Ran
   });
 }
 
+using BinaryRangeFn = void (*)(const float*, const float*, float*, size_t);
+
+// out = fn(a, b) elementwise over same-shaped dense arrays; out takes b's or a's buffer when it may.
+void run_binary(mx::Stream stream, const mx::array& a, const mx::array& b, mx::array& out, BinaryRangeFn fn) {
+  allocate_like_either(stream, b, a, out);
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  encoder.set_input_array(a);
+  encoder.set_input_array(b);
+  encoder.set_output_array(out);
+  encoder.dispatch([ap = a.data<float>(), bp = b.data<float>(), dst = out.data<float>(), n = a.size(), fn]() {
+    parallel_for(n, kGrain, [=](size_t, size_t lo, size_t hi) { fn(ap + lo, bp + lo, dst + lo, hi - lo); });
+  });
+}
+
+// A norm's VJP over rows of d, inputs (x, weight, g): dx takes g's or x's buffer when it may and is the only
+// output; with the parameters' gradients every output gets a fresh buffer. fn(row, dx, acc) runs per row in
+// parallel parts (dx: the first output's data), acc a zeroed per-part accumulator of (outputs - 1) x d floats
+// (null when dx is the only output); the parts' accumulators are then added in order into the other outputs.
+template <class F>
+void norm_grad_rows(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, F fn) {
+  if (outputs.size() > 1) {
+    for (auto& o : outputs) o.set_data(fresh(s, o.nbytes()));
+  } else {
+    allocate_like_either(s, inputs[2], inputs[0], outputs[0]);
+  }
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& a : outputs) encoder.set_output_array(a);
+  std::vector<float*> sums;
+  for (size_t j = 1; j < outputs.size(); ++j) sums.push_back(outputs[j].data<float>());
+  const size_t d = inputs[0].shape().back(), rows = d == 0 ? 0 : inputs[0].size() / d;
+  encoder.dispatch([=, dx = outputs[0].data<float>()]() {
+    const size_t width = sums.size() * d, grain = std::max<size_t>(1, kGrain / std::max<size_t>(1, d));
+    const size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, rows / grain));
+    std::vector<float> partial(parts * width, 0.0f);
+    parallel_for(rows, std::max<size_t>(grain, (rows + parts - 1) / parts), [&](size_t part, size_t b, size_t e) {
+      float* acc = width > 0 ? partial.data() + part * width : nullptr;
+      for (size_t i = b; i < e; ++i) fn(i, dx, acc);
+    });
+    for (size_t j = 0; j < sums.size(); ++j) {
+      std::fill(sums[j], sums[j] + d, 0.0f);
+      for (size_t p = 0; p < parts; ++p)
+        for (size_t k = 0; k < d; ++k) sums[j][k] += partial[p * width + j * d + k];
+    }
+  });
+}
+
 // What every primitive here shares: CPU only; equivalent to another of the same name (subclasses
 // with parameters compare those too).
 class CpuPrimitive : public mx::Primitive {
@@ -1066,11 +1113,16 @@ mx::array softmax_grad_op(const mx::array& y, const mx::array& g, mx::StreamOrDe
 
 // ------------------------------------------------------------------------- decoder elementwise work
 //
-// The decoder's non-matmul work, fused and spread over the cores (MLX runs each of its ops on one
-// core, one pass per op): RMSNorm (forward and its VJP), rotary embedding (forward = its VJP with
-// the rotation reversed) and the SwiGLU product silu(g) u (forward and VJP).
+// The decoder's and the vision towers' non-matmul work, fused and spread over the cores (MLX runs each of
+// its ops on one core, one pass per op): RMSNorm and LayerNorm (forward and VJP), rotary embedding (forward =
+// its VJP with the rotation reversed), the SwiGLU product silu(g) u and GELU's tanh form (forward and VJP).
 
-// RMSNorm over rows of d: y = x r w, r = 1 / sqrt(mean(x^2) + eps).
+// The decoder's RMSNorm, y = x r w with r = 1 / sqrt(mean(x^2) + eps), and the vision towers' LayerNorm,
+// y = (x - mean) r w + b with r = 1 / sqrt(var + eps) (mean and biased variance over the row): one primitive,
+// `centered` telling them apart, one pass per row after its sums. The VJPs per row, with c = g w:
+//   RMSNorm:   dx = r c - x r^3 mean(c x),              dw += g x r
+//   LayerNorm: dx = r (c - mean(c) - x^ mean(c x^)),     dw += g x^,  db += g   (x^ = (x - mean) r)
+// the parameters' gradients summed over rows per worker, then added in order.
 void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, size_t d, float eps) {
   for (size_t i = 0; i < rows; ++i) {
     const float* xr = x + i * d;
@@ -1084,124 +1136,171 @@ void rms_norm_rows(const float* x, const float* w, float* y, size_t rows, size_t
   }
 }
 
-mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s = {});
-std::vector<mx::array> rms_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
-                                        bool weight_grad, mx::Stream s);
+void layer_norm_rows(const float* x, const float* w, const float* bias, float* y, size_t rows, size_t d, float eps) {
+  for (size_t i = 0; i < rows; ++i) {
+    const float* xr = x + i * d;
+    float* yr = y + i * d;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (size_t k = 0; k < d; ++k) sum += xr[k];
+    const float mean = sum / float(d);
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (size_t k = 0; k < d; ++k) ss += (xr[k] - mean) * (xr[k] - mean);
+    const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+#pragma omp simd
+    for (size_t k = 0; k < d; ++k) yr[k] = (xr[k] - mean) * r * w[k] + bias[k];
+  }
+}
 
-class RmsNorm : public CpuPrimitive {
+// One row of the RMSNorm's VJP; acc ([d]: dw) may be null.
+inline void rms_norm_grad_row(const float* xr, const float* gr, const float* wp, float* o, float* acc, size_t d,
+                              float eps) {
+  float ss = 0.0f, cx = 0.0f;
+#pragma omp simd reduction(+ : ss, cx)
+  for (size_t k = 0; k < d; ++k) {
+    ss += xr[k] * xr[k];
+    cx += gr[k] * wp[k] * xr[k];
+  }
+  const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+  const float coef = r * r * r * cx / float(d);
+  if (acc != nullptr) {
+#pragma omp simd
+    for (size_t k = 0; k < d; ++k) acc[k] += gr[k] * xr[k] * r;
+  }
+#pragma omp simd
+  for (size_t k = 0; k < d; ++k) o[k] = r * gr[k] * wp[k] - coef * xr[k];
+}
+
+// One row of the LayerNorm's VJP; acc ([2 d]: dw, then db) may be null.
+inline void layer_norm_grad_row(const float* xr, const float* gr, const float* wp, float* o, float* acc, size_t d,
+                                float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (size_t k = 0; k < d; ++k) sum += xr[k];
+  const float mean = sum / float(d);
+  float ss = 0.0f, sc = 0.0f, scx = 0.0f;
+#pragma omp simd reduction(+ : ss, sc, scx)
+  for (size_t k = 0; k < d; ++k) {
+    const float xc = xr[k] - mean, c = gr[k] * wp[k];
+    ss += xc * xc;
+    sc += c;
+    scx += c * xc;
+  }
+  const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+  const float mc = sc / float(d), mcx = scx * r / float(d);  // mean(c), mean(c x^)
+  if (acc != nullptr) {
+#pragma omp simd
+    for (size_t k = 0; k < d; ++k) {
+      acc[k] += gr[k] * (xr[k] - mean) * r;
+      acc[d + k] += gr[k];
+    }
+  }
+#pragma omp simd
+  for (size_t k = 0; k < d; ++k) o[k] = r * (gr[k] * wp[k] - mc - (xr[k] - mean) * r * mcx);
+}
+
+std::vector<mx::array> norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                    bool centered, bool param_grads, mx::Stream s);
+
+class Norm : public CpuPrimitive {
  public:
-  RmsNorm(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
-  const char* name() const override { return "MlxrlRmsNorm"; }
+  Norm(mx::Stream s, float eps, bool centered) : CpuPrimitive(s), eps_(eps), centered_(centered) {}
+  const char* name() const override { return centered_ ? "MlxrlLayerNorm" : "MlxrlRmsNorm"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return CpuPrimitive::is_equivalent(other) && static_cast<const RmsNorm&>(other).eps_ == eps_;
+    return CpuPrimitive::is_equivalent(other) && static_cast<const Norm&>(other).eps_ == eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  // inputs: x [..., d], w [d] (, b [d])
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     auto& out = outputs[0];
     auto& encoder = encode_unary_output(stream(), inputs, out);
     const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
-    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), yp = out.data<float>(), rows, d,
+    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(),
+                      bp = centered_ ? inputs[2].data<float>() : nullptr, yp = out.data<float>(), rows, d,
                       eps = eps_]() {
-      over_rows(rows, d, [=](size_t b, size_t n) { rms_norm_rows(xp + b * d, wp, yp + b * d, n, d, eps); });
+      over_rows(rows, d, [=](size_t b, size_t n) {
+        if (bp != nullptr) {
+          layer_norm_rows(xp + b * d, wp, bp, yp + b * d, n, d, eps);
+        } else {
+          rms_norm_rows(xp + b * d, wp, yp + b * d, n, d, eps);
+        }
+      });
     });
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>&) override {
-    bool want_w = std::find(argnums.begin(), argnums.end(), 1) != argnums.end();
-    auto grads = rms_norm_grad_op(primals[0], primals[1], cotangents[0], eps_, want_w, stream());
+    bool params = std::any_of(argnums.begin(), argnums.end(), [](int a) { return a > 0; });
+    auto grads = norm_grad_op(primals[0], primals[1], cotangents[0], eps_, centered_, params, stream());
     std::vector<mx::array> out;
-    for (int a : argnums) out.push_back(a == 0 ? grads[0] : grads[1]);
+    for (int a : argnums) out.push_back(grads[a]);
     return out;
   }
 
  private:
   float eps_;
+  bool centered_;
 };
 
-// The RMSNorm's VJP per row, with c = g w:  dx = r c - x r^3 mean(c x),  dw += g x r (summed over
-// rows: per worker into its own [d] partial, the partials then added in order).
-class RmsNormGrad : public CpuPrimitive {
+class NormGrad : public CpuPrimitive {
  public:
-  RmsNormGrad(mx::Stream s, float eps, bool weight_grad) : CpuPrimitive(s), eps_(eps), dw_(weight_grad) {}
-  const char* name() const override { return dw_ ? "MlxrlRmsNormGradW" : "MlxrlRmsNormGrad"; }
+  NormGrad(mx::Stream s, float eps, bool centered, bool params)
+      : CpuPrimitive(s), eps_(eps), centered_(centered), params_(params) {}
+  const char* name() const override {
+    static const char* names[2][2] = {{"MlxrlRmsNormGrad", "MlxrlRmsNormGradW"},
+                                      {"MlxrlLayerNormGrad", "MlxrlLayerNormGradWB"}};
+    return names[centered_][params_];
+  }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return CpuPrimitive::is_equivalent(other) && static_cast<const RmsNormGrad&>(other).eps_ == eps_;
+    return CpuPrimitive::is_equivalent(other) && static_cast<const NormGrad&>(other).eps_ == eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    if (dw_) return {inputs[0].shape(), inputs[1].shape()};
-    return {inputs[0].shape()};
+    std::vector<mx::Shape> shapes{inputs[0].shape()};
+    for (int j = 0; params_ && j < (centered_ ? 2 : 1); ++j) shapes.push_back(inputs[1].shape());
+    return shapes;
   }
-  // inputs: x [..., d], w [d], g [..., d]; outputs: dx (, dw)
+  // inputs: x [..., d], w [d], g [..., d]; outputs: dx (, dw (, db))
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    const auto& g = inputs[2];
-    if (dw_) {  // two outputs: each holds the inputs, so none is donatable
-      outputs[0].set_data(fresh(stream(), outputs[0].nbytes()));
-    } else {
-      allocate_like_either(stream(), g, x, outputs[0]);
-    }
-    if (dw_) outputs[1].set_data(fresh(stream(), outputs[1].nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
-    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), gp = g.data<float>(),
-                      dx = outputs[0].data<float>(), dw = dw_ ? outputs[1].data<float>() : nullptr, rows, d,
-                      eps = eps_]() {
-      const size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(1, d));
-      const size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, rows / grain));
-      std::vector<float> partial(dw != nullptr ? parts * d : 0, 0.0f);
-      parallel_for(rows, std::max<size_t>(grain, (rows + parts - 1) / parts), [&](size_t part, size_t b, size_t e) {
-        float* acc = dw != nullptr ? partial.data() + part * d : nullptr;
-        for (size_t i = b; i < e; ++i) {
-          const float* xr = xp + i * d;
-          const float* gr = gp + i * d;
-          float* o = dx + i * d;
-          float ss = 0.0f, cx = 0.0f;
-#pragma omp simd reduction(+ : ss, cx)
-          for (size_t k = 0; k < d; ++k) {
-            ss += xr[k] * xr[k];
-            cx += gr[k] * wp[k] * xr[k];
-          }
-          const float r = 1.0f / std::sqrt(ss / float(d) + eps);
-          const float coef = r * r * r * cx / float(d);
-          if (acc != nullptr) {
-#pragma omp simd
-            for (size_t k = 0; k < d; ++k) acc[k] += gr[k] * xr[k] * r;
-          }
-#pragma omp simd
-          for (size_t k = 0; k < d; ++k) o[k] = r * gr[k] * wp[k] - coef * xr[k];
-        }
-      });
-      if (dw != nullptr) {
-        std::fill(dw, dw + d, 0.0f);
-        for (size_t p = 0; p < parts; ++p)
-          for (size_t k = 0; k < d; ++k) dw[k] += partial[p * d + k];
-      }
+    const size_t d = inputs[0].shape().back();
+    norm_grad_rows(stream(), inputs, outputs, [xp = inputs[0].data<float>(), wp = inputs[1].data<float>(),
+                                               gp = inputs[2].data<float>(), d, eps = eps_,
+                                               centered = centered_](size_t i, float* dx, float* acc) {
+      auto row = centered ? layer_norm_grad_row : rms_norm_grad_row;
+      row(xp + i * d, gp + i * d, wp, dx + i * d, acc, d, eps);
     });
   }
 
  private:
   float eps_;
-  bool dw_;
+  bool centered_, params_;
 };
 
-mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
+mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s = {}) {
   auto stream = cpu_stream({&x, &w}, s);
   if (x.ndim() == 0 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
     throw std::invalid_argument("rms_norm: x [..., d] and weight [d] expected.");
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), {dense(x, stream), dense(w, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Norm>(stream, eps, false),
+                   {dense(x, stream), dense(w, stream)});
 }
 
-std::vector<mx::array> rms_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
-                                        bool weight_grad, mx::Stream s) {
+mx::array layer_norm_op(const mx::array& x, const mx::array& w, const mx::array& b, float eps, mx::StreamOrDevice s = {}) {
+  auto stream = cpu_stream({&x, &w, &b}, s);
+  if (x.ndim() == 0 || w.ndim() != 1 || b.ndim() != 1 || w.shape(0) != x.shape(-1) || b.shape(0) != x.shape(-1))
+    throw std::invalid_argument("layer_norm: x [..., d], weight [d] and bias [d] expected.");
+  return mx::array(x.shape(), mx::float32, std::make_shared<Norm>(stream, eps, true),
+                   {dense(x, stream), dense(w, stream), dense(b, stream)});
+}
+
+std::vector<mx::array> norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
+                                    bool centered, bool param_grads, mx::Stream s) {
   auto stream = cpu_stream({&x, &w}, s);
   auto gd = dense(mx::broadcast_to(mx::astype(g, mx::float32, stream), x.shape(), stream), stream);
-  std::vector<mx::array> in{dense(x, stream), dense(w, stream), gd};
-  auto prim = std::make_shared<RmsNormGrad>(stream, eps, weight_grad);
-  if (!weight_grad) return {mx::array(x.shape(), mx::float32, prim, in)};
-  return mx::array::make_arrays({x.shape(), w.shape()}, {mx::float32, mx::float32}, prim, in);
+  auto prim = std::make_shared<NormGrad>(stream, eps, centered, param_grads);
+  std::vector<mx::Shape> shapes{x.shape()};
+  for (int j = 0; param_grads && j < (centered ? 2 : 1); ++j) shapes.push_back(w.shape());
+  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), prim,
+                                {dense(x, stream), dense(w, stream), gd});
 }
 
 // Rotary embedding of x [B, H, L, D] (any strides: the input is typically a transposed view of
@@ -1321,19 +1420,9 @@ class SiluMul : public CpuPrimitive {
   const char* name() const override { return "MlxrlSiluMul"; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& g = inputs[0];
-    const auto& u = inputs[1];
-    auto& out = outputs[0];
-    allocate_like_either(stream(), u, g, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(g);
-    encoder.set_input_array(u);
-    encoder.set_output_array(out);
-    encoder.dispatch([gp = g.data<float>(), up = u.data<float>(), yp = out.data<float>(), n = g.size()]() {
-      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+    run_binary(stream(), inputs[0], inputs[1], outputs[0], [](const float* g, const float* u, float* y, size_t n) {
 #pragma omp simd
-        for (size_t i = b; i < e; ++i) yp[i] = gp[i] / (1.0f + fast_exp(-gp[i])) * up[i];
-      });
+      for (size_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
     });
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
@@ -1421,23 +1510,13 @@ class GeluTanhGrad : public CpuPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
   // inputs: x, c; output: dx
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    const auto& c = inputs[1];
-    auto& out = outputs[0];
-    allocate_like_either(stream(), c, x, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(c);
-    encoder.set_output_array(out);
-    encoder.dispatch([xp = x.data<float>(), cp = c.data<float>(), dx = out.data<float>(), n = x.size()]() {
-      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+    run_binary(stream(), inputs[0], inputs[1], outputs[0], [](const float* x, const float* c, float* dx, size_t n) {
 #pragma omp simd
-        for (size_t i = b; i < e; ++i) {
-          const float v = xp[i], x2 = v * v;
-          const float sg = 1.0f / (1.0f + fast_exp(-kGeluK * (v + kGeluA * x2 * v)));
-          dx[i] = cp[i] * (sg + v * sg * (1.0f - sg) * kGeluK * (1.0f + 3.0f * kGeluA * x2));
-        }
-      });
+      for (size_t i = 0; i < n; ++i) {
+        const float v = x[i], x2 = v * v;
+        const float sg = 1.0f / (1.0f + fast_exp(-kGeluK * (v + kGeluA * x2 * v)));
+        dx[i] = c[i] * (sg + v * sg * (1.0f - sg) * kGeluK * (1.0f + 3.0f * kGeluA * x2));
+      }
     });
   }
 };
@@ -1448,159 +1527,6 @@ mx::array gelu_tanh_grad_op(const mx::array& x, const mx::array& c, mx::Stream s
   auto stream = cpu_stream({&x}, s);
   auto cd = dense(mx::broadcast_to(mx::astype(c, mx::float32, stream), x.shape(), stream), stream);
   return mx::array(x.shape(), mx::float32, std::make_shared<GeluTanhGrad>(stream), {dense(x, stream), cd});
-}
-
-// LayerNorm over rows of d (mx.fast.layer_norm with a weight and a bias): y = (x - mean) r w + b,
-// r = 1 / sqrt(var + eps), the mean and the (biased) variance over the row, one pass per row after its
-// two sums. The VJP per row, with x^ = (x - mean) r and c = g w:
-// dx = r (c - mean(c) - x^ mean(c x^)),  dw += g x^,  db += g (summed over rows: per worker, then in order).
-void layer_norm_rows(const float* x, const float* w, const float* bias, float* y, size_t rows, size_t d, float eps) {
-  for (size_t i = 0; i < rows; ++i) {
-    const float* xr = x + i * d;
-    float* yr = y + i * d;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (size_t k = 0; k < d; ++k) sum += xr[k];
-    const float mean = sum / float(d);
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (size_t k = 0; k < d; ++k) ss += (xr[k] - mean) * (xr[k] - mean);
-    const float r = 1.0f / std::sqrt(ss / float(d) + eps);
-#pragma omp simd
-    for (size_t k = 0; k < d; ++k) yr[k] = (xr[k] - mean) * r * w[k] + bias[k];
-  }
-}
-
-std::vector<mx::array> layer_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
-                                          bool affine_grads, mx::Stream s);
-
-class LayerNorm : public CpuPrimitive {
- public:
-  LayerNorm(mx::Stream s, float eps) : CpuPrimitive(s), eps_(eps) {}
-  const char* name() const override { return "MlxrlLayerNorm"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return CpuPrimitive::is_equivalent(other) && static_cast<const LayerNorm&>(other).eps_ == eps_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
-  // inputs: x [..., d], w [d], b [d]
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    auto& out = outputs[0];
-    auto& encoder = encode_unary_output(stream(), inputs, out);
-    const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
-    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), bp = inputs[2].data<float>(),
-                      yp = out.data<float>(), rows, d, eps = eps_]() {
-      over_rows(rows, d, [=](size_t b, size_t n) { layer_norm_rows(xp + b * d, wp, bp, yp + b * d, n, d, eps); });
-    });
-  }
-  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
-                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
-    bool affine = std::any_of(argnums.begin(), argnums.end(), [](int a) { return a > 0; });
-    auto grads = layer_norm_grad_op(primals[0], primals[1], cotangents[0], eps_, affine, stream());
-    std::vector<mx::array> out;
-    for (int a : argnums) out.push_back(grads[a]);
-    return out;
-  }
-
- private:
-  float eps_;
-};
-
-class LayerNormGrad : public CpuPrimitive {
- public:
-  LayerNormGrad(mx::Stream s, float eps, bool affine) : CpuPrimitive(s), eps_(eps), affine_(affine) {}
-  const char* name() const override { return affine_ ? "MlxrlLayerNormGradWB" : "MlxrlLayerNormGrad"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return CpuPrimitive::is_equivalent(other) && static_cast<const LayerNormGrad&>(other).eps_ == eps_;
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    if (affine_) return {inputs[0].shape(), inputs[1].shape(), inputs[1].shape()};
-    return {inputs[0].shape()};
-  }
-  // inputs: x [..., d], w [d], g [..., d]; outputs: dx (, dw, db)
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& x = inputs[0];
-    const auto& g = inputs[2];
-    if (affine_) {
-      for (auto& o : outputs) o.set_data(fresh(stream(), o.nbytes()));
-    } else {
-      allocate_like_either(stream(), g, x, outputs[0]);
-    }
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    const size_t d = x.shape().back(), rows = d == 0 ? 0 : x.size() / d;
-    encoder.dispatch([xp = x.data<float>(), wp = inputs[1].data<float>(), gp = g.data<float>(),
-                      dx = outputs[0].data<float>(), dw = affine_ ? outputs[1].data<float>() : nullptr,
-                      db = affine_ ? outputs[2].data<float>() : nullptr, rows, d, eps = eps_]() {
-      const size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(1, d));
-      const size_t parts = std::min<size_t>(worker_count(), std::max<size_t>(1, rows / grain));
-      std::vector<float> partial(dw != nullptr ? 2 * parts * d : 0, 0.0f);
-      parallel_for(rows, std::max<size_t>(grain, (rows + parts - 1) / parts), [&](size_t part, size_t b, size_t e) {
-        float* acc_w = dw != nullptr ? partial.data() + 2 * part * d : nullptr;
-        float* acc_b = dw != nullptr ? acc_w + d : nullptr;
-        for (size_t i = b; i < e; ++i) {
-          const float* xr = xp + i * d;
-          const float* gr = gp + i * d;
-          float* o = dx + i * d;
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (size_t k = 0; k < d; ++k) sum += xr[k];
-          const float mean = sum / float(d);
-          float ss = 0.0f, sc = 0.0f, scx = 0.0f;
-#pragma omp simd reduction(+ : ss, sc, scx)
-          for (size_t k = 0; k < d; ++k) {
-            const float xc = xr[k] - mean, c = gr[k] * wp[k];
-            ss += xc * xc;
-            sc += c;
-            scx += c * xc;
-          }
-          const float r = 1.0f / std::sqrt(ss / float(d) + eps);
-          const float mc = sc / float(d), mcx = scx * r / float(d);  // mean(c), mean(c x^)
-          if (acc_w != nullptr) {
-#pragma omp simd
-            for (size_t k = 0; k < d; ++k) {
-              acc_w[k] += gr[k] * (xr[k] - mean) * r;
-              acc_b[k] += gr[k];
-            }
-          }
-#pragma omp simd
-          for (size_t k = 0; k < d; ++k) o[k] = r * (gr[k] * wp[k] - mc - (xr[k] - mean) * r * mcx);
-        }
-      });
-      if (dw != nullptr) {
-        std::fill(dw, dw + d, 0.0f);
-        std::fill(db, db + d, 0.0f);
-        for (size_t p = 0; p < parts; ++p)
-          for (size_t k = 0; k < d; ++k) {
-            dw[k] += partial[2 * p * d + k];
-            db[k] += partial[(2 * p + 1) * d + k];
-          }
-      }
-    });
-  }
-
- private:
-  float eps_;
-  bool affine_;
-};
-
-mx::array layer_norm_op(const mx::array& x, const mx::array& w, const mx::array& b, float eps, mx::StreamOrDevice s = {}) {
-  auto stream = cpu_stream({&x, &w, &b}, s);
-  if (x.ndim() == 0 || w.ndim() != 1 || b.ndim() != 1 || w.shape(0) != x.shape(-1) || b.shape(0) != x.shape(-1))
-    throw std::invalid_argument("layer_norm: x [..., d], weight [d] and bias [d] expected.");
-  return mx::array(x.shape(), mx::float32, std::make_shared<LayerNorm>(stream, eps),
-                   {dense(x, stream), dense(w, stream), dense(b, stream)});
-}
-
-std::vector<mx::array> layer_norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
-                                          bool affine_grads, mx::Stream s) {
-  auto stream = cpu_stream({&x, &w}, s);
-  auto gd = dense(mx::broadcast_to(mx::astype(g, mx::float32, stream), x.shape(), stream), stream);
-  std::vector<mx::array> in{dense(x, stream), dense(w, stream), gd};
-  auto prim = std::make_shared<LayerNormGrad>(stream, eps, affine_grads);
-  if (!affine_grads) return {mx::array(x.shape(), mx::float32, prim, in)};
-  return mx::array::make_arrays({x.shape(), w.shape(), w.shape()}, {mx::float32, mx::float32, mx::float32}, prim, in);
 }
 
 // ----------------------------------------------------------------------------- flash attention
