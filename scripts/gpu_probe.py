@@ -179,10 +179,20 @@ def probe_models(archs=("qwen2_vl", "qwen2_5_vl")):
     yield ("qwen3_vl (embedded)", *mlxrl.load_default())
 
 
+def as_mx(x):
+    return None if x is None else mx.array(x)
+
+
+def documents_of(b):
+    """(row, segment mask, example id) of each document of a packed / padding-free batch: a row's documents are
+    its segments 1, 2, ...; example_ids lists them row by row."""
+    docs = [(row, ids == seg) for row, ids in enumerate(b.segment_ids) for seg in range(1, ids.max() + 1)]
+    return [(row, where, ex) for (row, where), ex in zip(docs, b.example_ids, strict=True)]
+
+
 def hidden(model, input_ids, pixel_values, grid, **rest):
     """The model's last hidden states (numpy) for numpy inputs (pixel_values / grid None: a row without images)."""
-    opt = lambda x: None if x is None else mx.array(x)  # noqa: E731
-    out = model(input_ids=mx.array(input_ids), pixel_values=opt(pixel_values), image_grid_thw=opt(grid),
+    out = model(input_ids=mx.array(input_ids), pixel_values=as_mx(pixel_values), image_grid_thw=as_mx(grid),
                 return_hidden=True, **{k: mx.array(v) for k, v in rest.items()})
     return np.array(out)
 
@@ -204,7 +214,7 @@ def vl(_a) -> None:
             print(f"  {name:<20} vision, 5 images together vs alone, {label:<8}: "
                   + " ".join(f"{d:.1e}" for d in diffs), flush=True)
             if label == "eager" and max(diffs) > 1e-4:
-                vision_stages(model, proc, pics, pv, meta)
+                vision_stages(model, proc, pics, pv, grid, meta)
         rows = [{"images": [pics[i]], "messages": [{"role": "user", "content": f"Image {i}?"},
                                                    {"role": "assistant", "content": "A picture."}]}
                 for i in range(len(pics))] + [{"images": [], "messages": [
@@ -212,19 +222,18 @@ def vl(_a) -> None:
         examples = [tokenize_example(r, proc, index=i) for i, r in enumerate(rows)]
         ref = [hidden(model, e.input_ids[None], e.pixel_values, e.image_grid_thw)[0] for e in examples]
         for kw in ({"packing": True}, {"padding_free": True}):
-            worst = 0.0
+            worst, differing = 0.0, None
             for b in make_batches(examples, 3, max_length=512, pad_token_id=proc.pad_token_id, seed=1, **kw):
                 h = hidden(model, b.input_ids, b.pixel_values, b.image_grid_thw, attention_mask=b.attention_mask,
                            segment_ids=b.segment_ids)
-                # each row's documents are its segments 1, 2, ...; example_ids lists them row by row
-                docs = [(row, seg) for row, ids in enumerate(b.segment_ids) for seg in range(1, ids.max() + 1)]
-                worst = max([worst] + [float(np.abs(h[row][b.segment_ids[row] == seg] - ref[ex]).max())
-                                       for (row, seg), ex in zip(docs, b.example_ids, strict=True)])
+                batch_worst = max(float(np.abs(h[row][where] - ref[ex]).max()) for row, where, ex in documents_of(b))
+                if batch_worst > 1e-4 and differing is None:
+                    differing = b
+                worst = max(worst, batch_worst)
             print(f"  {name:<20} hidden states, {next(iter(kw))} rows vs each document alone: {worst:.1e}",
                   flush=True)
-            if worst > 1e-4:
-                b = make_batches(examples, 3, max_length=512, pad_token_id=proc.pad_token_id, seed=1, **kw)[0]
-                text_stages(model, examples, b)
+            if differing is not None:
+                text_stages(model, examples, differing)
 
 
 def recorded(fn, classes):
@@ -247,12 +256,12 @@ def recorded(fn, classes):
             c.__call__ = f
 
 
-def vision_stages(model, proc, pics, pv, meta) -> None:
+def vision_stages(model, proc, pics, pv, grid, meta) -> None:
     """Where images together first leave images alone: each vision block's attention and output, per image."""
     tower = model.vision_tower
     classes = (type(tower.blocks[0]), type(tower.blocks[0].attn))
     _, together = recorded(lambda: mx.eval(model.image_features(pv, None, meta)[0]), classes)
-    counts = [int(np.prod(g)) for g in proc.image_processor(pics)[1]]
+    counts = [int(np.prod(g)) for g in grid]
     bounds = np.cumsum([0, *counts])
     worst = [0.0] * len(together)
     for i, p in enumerate(pics):
@@ -270,21 +279,18 @@ def text_stages(model, examples, b) -> None:
     each document against the document alone."""
     from mlxrl.models.vl import mrope_positions
 
-    opt = lambda x: None if x is None else mx.array(x)  # noqa: E731
     layer = type(model.language_model.layers[0])
     run = lambda **kw: mx.eval(model(return_hidden=True, **kw))  # noqa: E731
     _, packed = recorded(lambda: run(input_ids=mx.array(b.input_ids), attention_mask=mx.array(b.attention_mask),
-                                     segment_ids=mx.array(b.segment_ids), pixel_values=opt(b.pixel_values),
-                                     image_grid_thw=opt(b.image_grid_thw)), (layer,))
-    pos, _ = mrope_positions(mx.array(b.input_ids), opt(b.image_grid_thw), mx.array(b.attention_mask),
+                                     segment_ids=mx.array(b.segment_ids), pixel_values=as_mx(b.pixel_values),
+                                     image_grid_thw=as_mx(b.image_grid_thw)), (layer,))
+    pos, _ = mrope_positions(mx.array(b.input_ids), as_mx(b.image_grid_thw), mx.array(b.attention_mask),
                              model.image_token_id, model.merge_size, mx.array(b.segment_ids))
-    docs = [(row, seg) for row, ids in enumerate(b.segment_ids) for seg in range(1, ids.max() + 1)]
-    for (row, seg), ex in zip(docs, b.example_ids, strict=True):
+    for row, where, ex in documents_of(b):
         e = examples[ex]
-        where = b.segment_ids[row] == seg
-        _, alone = recorded(lambda e=e: run(input_ids=mx.array(e.input_ids[None]), pixel_values=opt(e.pixel_values),
-                                            image_grid_thw=opt(e.image_grid_thw)), (layer,))
-        own, _ = mrope_positions(mx.array(e.input_ids[None]), opt(e.image_grid_thw), None, model.image_token_id,
+        _, alone = recorded(lambda e=e: run(input_ids=mx.array(e.input_ids[None]), pixel_values=as_mx(e.pixel_values),
+                                            image_grid_thw=as_mx(e.image_grid_thw)), (layer,))
+        own, _ = mrope_positions(mx.array(e.input_ids[None]), as_mx(e.image_grid_thw), None, model.image_token_id,
                                  model.merge_size)
         same_pos = np.array_equal(np.array(pos)[:, row][:, where], np.array(own)[:, 0])
         layers = [float(np.abs(np.array(p)[row][where] - np.array(a)[0]).max())
