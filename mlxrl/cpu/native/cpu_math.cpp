@@ -430,6 +430,11 @@ mx::array dense(const mx::array& a, mx::Stream s) {
   return mx::contiguous(a, false, s);
 }
 
+// A cotangent (any dtype, broadcastable) as a dense float32 array of `like`'s shape, what the VJP kernels read.
+mx::array dense_cotangent(const mx::array& c, const mx::array& like, mx::Stream s) {
+  return dense(mx::broadcast_to(mx::astype(c, mx::float32, s), like.shape(), s), s);
+}
+
 mx::array fast_exp_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_sigmoid_op(const mx::array& x, mx::StreamOrDevice s = {});
 mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s = {});
@@ -1105,9 +1110,8 @@ mx::array fast_softmax_op(const mx::array& x, mx::StreamOrDevice s) {
 
 mx::array softmax_grad_op(const mx::array& y, const mx::array& g, mx::StreamOrDevice s) {
   auto stream = cpu_stream({&y, &g}, s);
-  auto gb = mx::broadcast_to(mx::astype(g, mx::float32, stream), y.shape(), stream);
   return mx::array(y.shape(), mx::float32, std::make_shared<SoftmaxGrad>(stream),
-                   {dense(y, stream), dense(gb, stream)});
+                   {dense(y, stream), dense_cotangent(g, y, stream)});
 }
 
 
@@ -1295,7 +1299,7 @@ mx::array layer_norm_op(const mx::array& x, const mx::array& w, const mx::array&
 std::vector<mx::array> norm_grad_op(const mx::array& x, const mx::array& w, const mx::array& g, float eps,
                                     bool centered, bool param_grads, mx::Stream s) {
   auto stream = cpu_stream({&x, &w}, s);
-  auto gd = dense(mx::broadcast_to(mx::astype(g, mx::float32, stream), x.shape(), stream), stream);
+  auto gd = dense_cotangent(g, x, stream);
   auto prim = std::make_shared<NormGrad>(stream, eps, centered, param_grads);
   std::vector<mx::Shape> shapes{x.shape()};
   for (int j = 0; param_grads && j < (centered ? 2 : 1); ++j) shapes.push_back(w.shape());
@@ -1466,7 +1470,7 @@ mx::array silu_mul_op(const mx::array& g, const mx::array& u, mx::StreamOrDevice
 
 std::vector<mx::array> silu_mul_grad_op(const mx::array& g, const mx::array& u, const mx::array& c, mx::Stream s) {
   auto stream = cpu_stream({&g, &u}, s);
-  auto cd = dense(mx::broadcast_to(mx::astype(c, mx::float32, stream), g.shape(), stream), stream);
+  auto cd = dense_cotangent(c, g, stream);
   return mx::array::make_arrays({g.shape(), g.shape()}, {mx::float32, mx::float32},
                                 std::make_shared<SiluMulGrad>(stream), {dense(g, stream), dense(u, stream), cd});
 }
@@ -1525,7 +1529,7 @@ mx::array gelu_tanh_op(const mx::array& x, mx::StreamOrDevice s = {}) { return m
 
 mx::array gelu_tanh_grad_op(const mx::array& x, const mx::array& c, mx::Stream s) {
   auto stream = cpu_stream({&x}, s);
-  auto cd = dense(mx::broadcast_to(mx::astype(c, mx::float32, stream), x.shape(), stream), stream);
+  auto cd = dense_cotangent(c, x, stream);
   return mx::array(x.shape(), mx::float32, std::make_shared<GeluTanhGrad>(stream), {dense(x, stream), cd});
 }
 
