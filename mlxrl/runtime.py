@@ -220,17 +220,20 @@ def apply_tf32(flag: bool | None = None) -> bool:
     return os.environ["MLX_ENABLE_TF32"] not in ("0", "")
 
 
-def setup(cli: bool = False, tf32: bool | None = None) -> None:
+def setup(cli: bool = False, tf32: bool | None = None, use_cpu: bool = False) -> None:
     """What mlxrl changes in the process, done when asked instead of at import: a CLI
     (`cli=True`, called first thing in its main) re-executes itself with malloc's huge pages (only
     for `python -m mlxrl...`; the new process sees the tunable and goes on); every call applies
     `tf32` (`apply_tf32`); the first call sets malloc's reuse of freed memory (`keep_freed_memory`) and
     MLX's CPU buffer cache (`default_cache_limit`: none when malloc keeps freed memory; a trainer's
-    --cache_limit is applied after it)."""
+    --cache_limit is applied after it). `use_cpu` (TrainingArguments' flag): MLX's default device becomes
+    the CPU, before a CLI loads the model (whose default dtype follows the device)."""
     global _SET_UP
     if cli:
         blas.reexec_with_huge_pages()
     apply_tf32(tf32)
+    if use_cpu:
+        mx.set_default_device(mx.cpu)
     if not _SET_UP:
         default_cache_limit(kept=keep_freed_memory())
         _SET_UP = True

@@ -107,7 +107,7 @@ def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool 
                  packing_strategy: str = "bfd", padding_free: bool = False, max_length: int,
                  pad_token_id: int, seq_buckets: Sequence[int] | None = None, shuffle: bool = True,
                  seed: int = 0, epoch: int = 0, lazy: bool = False, num_shards: int = 1,
-                 shard: int = 0) -> list[Batch]:
+                 shard: int = 0, drop_last: bool = False, pad_to_multiple_of: int | None = None) -> list[Batch]:
     """One epoch of batches, the same for the same (seed, epoch).
 
     Without packing a batch holds ``batch_size`` examples (the last one may hold fewer). With
@@ -115,7 +115,8 @@ def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool 
     once, independently of the epoch, and the rows are shuffled per epoch; "wrapped" concatenates
     the examples in this epoch's order and cuts. ``padding_free`` turns each batch into one row.
     seq_buckets: allowed row lengths (default ``default_buckets`` up to ``max_length``, or up to
-    ``batch_size * max_length`` when padding-free).
+    ``batch_size * max_length`` when padding-free), each rounded up to a multiple of ``pad_to_multiple_of``.
+    drop_last: leave out the last batch when it holds fewer than ``batch_size`` rows (per rank).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -140,8 +141,11 @@ def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool 
         rows = [[(int(order[j]), s, e) for j, s, e in row] for row in pack_wrapped(ordered, max_length)]
     if seq_buckets is None:
         seq_buckets = default_buckets(max_length * batch_size if padding_free else max_length)
-    buckets = sorted(int(b) for b in seq_buckets)
+    m = pad_to_multiple_of or 1
+    buckets = sorted({-(-int(b) // m) * m for b in seq_buckets})
     groups = [rows[k:k + batch_size] for k in range(0, len(rows), batch_size)]
+    if drop_last:
+        groups = [g for g in groups if len(g) == batch_size]
     if num_shards > 1:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard must be in [0, {num_shards}), got {shard}")
@@ -149,7 +153,7 @@ def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool 
         groups = []
         for k in range(0, len(rows), size):
             chunk = rows[k:k + size]
-            if len(chunk) < num_shards:
+            if len(chunk) < (size if drop_last else num_shards):
                 break
             cut = np.array_split(np.arange(len(chunk)), num_shards)[shard]
             groups.append([chunk[int(i)] for i in cut])

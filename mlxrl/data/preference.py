@@ -284,10 +284,10 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
                             pad_token_id: int, seq_buckets: Sequence[int] | None = None,
                             padding_free: bool = False, shuffle: bool = True, seed: int = 0, epoch: int = 0,
                             ld_alpha: float | None = None, bucket_rows: bool = True, num_shards: int = 1,
-                            shard: int = 0) -> list[dict]:
-    """One epoch of pair batches (the same for the same seed and epoch); the last may hold fewer pairs.
-    num_shards / shard: data-parallel ranks get their slice of each global batch of
-    ``batch_size * num_shards`` pairs (as `mlxrl.data.make_batches`)."""
+                            shard: int = 0, drop_last: bool = False) -> list[dict]:
+    """One epoch of pair batches (the same for the same seed and epoch); the last may hold fewer pairs
+    (dropped with ``drop_last``). num_shards / shard: data-parallel ranks get their slice of each global
+    batch of ``batch_size * num_shards`` pairs (as `mlxrl.data.make_batches`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     longest = max((len(e) for e in examples), default=1)
@@ -299,6 +299,8 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     size = batch_size * num_shards
     groups = [order[k:k + size] for k in range(0, len(order), size)]
+    if drop_last:
+        groups = [g for g in groups if len(g) == size]
     if num_shards > 1:
         groups = [np.array_split(g, num_shards)[shard] for g in groups if len(g) >= num_shards]
     return [preference_batch([examples[i] for i in g], pad_token_id=pad_token_id, buckets=buckets,

@@ -123,3 +123,15 @@ class Dropout(nn.Module):
         if kernels is not None and w.dtype == mx.float32 and w.ndim == 2:
             return kernels.lora_down(x, next_key(), w, self._keep)
         return self(x) @ w
+
+
+def embedding_noise(h: mx.array, scale: mx.array | None, training: bool) -> mx.array:
+    """NEFTune (TRL's `neftune_noise_alpha`, transformers' `neftune_post_forward_hook`): in training, the
+    input embeddings plus uniform noise in [-scale, scale], scale = alpha / sqrt(L * hidden) with L the
+    batch's padded length in TRL's collation (the SFT trainer computes it: `SFTTrainer.prepare`). A
+    constant to the backward (the gradient of h is unchanged); drawn with the next key, as dropout is."""
+    if scale is None or not training:
+        return h
+    noise = mx.random.uniform(-1.0, 1.0, h.shape, dtype=mx.float32, key=next_key())
+    return h + (noise * scale.astype(mx.float32)).astype(h.dtype)
+

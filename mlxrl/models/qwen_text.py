@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .dropout import embedding_noise
 from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, restart_positions
 
 
@@ -39,12 +40,15 @@ class Model(CausalLMHead, nn.Module):
         return_hidden: bool = False,
         segment_ids: mx.array | None = None,
         pixel_values=None,
+        neftune_scale: mx.array | None = None,
         **_ignored,
     ) -> mx.array:
-        """Logits [B, L, V], or hidden states [B, L, D] before the LM head with return_hidden."""
+        """Logits [B, L, V], or hidden states [B, L, D] before the LM head with return_hidden. neftune_scale:
+        NEFTune's noise scale for the input embeddings in training (`dropout.embedding_noise`)."""
         if pixel_values is not None:
             raise ValueError(f"{self.config.get('model_type')} is a text-only model: it cannot take images")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = embedding_noise(h, neftune_scale, self.training)
         offset = cache[0].offset if cache is not None else 0
         if position_ids is None and segment_ids is not None:
             # packed documents: positions restart per document (padding does not advance)

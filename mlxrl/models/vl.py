@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .dropout import embedding_noise
 from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, restart_positions
 
 
@@ -137,6 +138,7 @@ class QwenVLBase(CausalLMHead, nn.Module):
         segment_ids: mx.array | None = None,
         pixel_values_videos=None,
         video_grid_thw=None,
+        neftune_scale: mx.array | None = None,
         **_ignored,
     ) -> mx.array:
         """Logits [B, L, V] (or hidden states [B, L, D] with return_hidden=True).
@@ -144,11 +146,13 @@ class QwenVLBase(CausalLMHead, nn.Module):
         position_ids: [3, B, L] M-RoPE positions; computed from input_ids, image_grid_thw and
         attention_mask when omitted (text-only batches get 0..L-1, as in transformers).
         segment_ids [B, L]: packed documents that must not attend to each other.
+        neftune_scale: NEFTune's noise scale for the input embeddings in training (`dropout.embedding_noise`).
         """
         if pixel_values_videos is not None or video_grid_thw is not None:
             raise NotImplementedError("video inputs are not supported yet: pass images (pixel_values)")
         lm = self.language_model
         h = lm.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = embedding_noise(h, neftune_scale, self.training)  # text embeddings, as transformers' hook
         deepstack = None
         if pixel_values is not None:
             if image_grid_thw is None:

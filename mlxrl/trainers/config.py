@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..hub import MlxrlError
 from ..optim import OPTIMIZERS, check_optim  # noqa: F401  (config.check_optim: the CLIs' and engine's door)
+from .trl_fields import ElsewhereArguments
 
 
 def _f(default, help, **kw):
@@ -37,8 +38,9 @@ def refused(default, reason: str):
 
 
 @dataclass
-class TrainConfig:
-    """What every trainer shares (the engine's knobs)."""
+class TrainConfig(ElsewhereArguments):
+    """What every trainer shares (the engine's knobs), and TrainingArguments' fields with no use here
+    (`trl_fields`: accepted at TRL's default, refused otherwise)."""
 
     output_dir: str = _f("out", "where checkpoints, metrics.jsonl and the final model go")
     overwrite_output_dir: bool = _f(False, "Overwrite the content of the output directory. Use this to continue "
@@ -124,6 +126,66 @@ class TrainConfig:
     cache_limit: str | None = _f(None, "(mlxrl) mx.set_cache_limit: bytes, '2GB' or a fraction of memory")
     wired_limit: str | None = _f(None, "(mlxrl) mx.set_wired_limit (Metal): bytes, '8GB' or a fraction")
     disable_tqdm: bool = _f(False, "no progress bar")
+    # transformers' TrainingArguments names (those with no meaning here: `trl_fields.ELSEWHERE`)
+    bf16: bool | None = _f(None, "bfloat16 compute: the same as --dtype bfloat16 (false: --dtype float32); "
+                                 "default: --dtype's")
+    fp16: bool = refused(False, "float16 cannot train without loss scaling, which mlxrl does not do: use --bf16")
+    activation_checkpointing: bool | None = _f(None, "transformers 5's name for gradient_checkpointing: when set, "
+                                                     "it decides")
+    activation_checkpointing_kwargs: str | None = _f(None, "torch's checkpoint options: only {\"use_reentrant\": "
+                                                           "true | false} is accepted (MLX's checkpointing has one "
+                                                           "variant, the same gradients either way)")
+    gradient_checkpointing_kwargs: str | None = _f(None, "the old name of activation_checkpointing_kwargs")
+    use_cpu: bool = _f(False, "train on the CPU even where MLX has a GPU")
+    data_seed: int | None = _f(None, "seed of the data order (default: seed)")
+    dataloader_drop_last: bool = _f(False, "drop each epoch's last batch when it holds fewer examples (or packed "
+                                           "rows) than the batch size")
+    logging_first_step: bool = _f(False, "also log the first optimizer step")
+    eval_on_start: bool = _f(False, "evaluate once before the first step")
+    remove_unused_columns: bool = _f(True, "either value: mlxrl reads the columns it needs from each row and passes "
+                                           "the model nothing else (TRL's vision recipes set it false)")
+    # TRL's model fields (every trainer's config has them)
+    model_init_kwargs: str | None = refused(None, "load the model with mlxrl.load (dtype: --dtype)")
+    trust_remote_code: bool = refused(False, "mlxrl never runs model code from the Hub")
+    router_aux_loss_coef: float | None = refused(None, "mlxrl has no Mixture-of-Experts models yet")
+
+    def __post_init__(self):
+        """TRL's aliases resolved into the fields the trainers read: activation_checkpointing into
+        gradient_checkpointing, bf16 into dtype (a contradiction is refused)."""
+        if self.activation_checkpointing is not None:
+            self.gradient_checkpointing = bool(self.activation_checkpointing)
+        if self.bf16 is not None:
+            want = "bfloat16" if self.bf16 else "float32"
+            given = {"bf16": "bfloat16", "fp32": "float32"}.get(str(self.dtype).lower(), self.dtype)
+            if self.dtype is not None and given != want:
+                raise ConfigError(f"bf16={self.bf16} contradicts dtype={self.dtype!r}: set one of them")
+            self.dtype = want
+
+
+def checkpointing_kwargs(args) -> dict:
+    """activation_checkpointing_kwargs (or its old name), checked: a dict or its JSON text, whose only key
+    may be torch's use_reentrant (both of torch's variants compute the same gradients; MLX has one)."""
+    import json
+
+    out = {}
+    for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ConfigError(f"{name} {value!r}: expected a JSON object such as "
+                                  f'{{"use_reentrant": false}}') from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping such as {{\"use_reentrant\": false}}, got {value!r}")
+        other = sorted(set(value) - {"use_reentrant"})
+        if other:
+            raise ConfigError(f"{name}: {', '.join(map(repr, other))} not supported (torch's checkpoint options; "
+                              "MLX's checkpointing has none but use_reentrant, which changes nothing here)")
+        out.update(value)
+    return out
 
 
 @dataclass
@@ -142,6 +204,23 @@ class SFTConfig(TrainConfig):
                                  "(see README, Losses)", choices=("fused", "two_phase", "differentiable"))
     dataset_text_field: str = _f("text", "column of language-modelling datasets")
     eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
+    eval_packing: bool | None = _f(None, "pack the evaluation set (default: as packing)")
+    shuffle_dataset: bool = _f(False, "shuffle the training examples once (seed) before packing them; the batches' "
+                                      "order is shuffled every epoch either way")
+    pad_to_multiple_of: str | None = _f("auto", "pad every row's length up to a multiple of this (on top of "
+                                                "seq_buckets); 'auto' (TRL: a multiple of 128 on AWS Neuron only) "
+                                                "or unset: no extra padding")
+    eos_token: str | None = _f(None, "the end-of-sequence token appended to texts and completions and saved with "
+                                     "the tokenizer (default: the tokenizer's)")
+    chat_template_path: str | None = _f(None, "a .jinja / .j2 chat template file, or a local tokenizer folder whose "
+                                              "chat template and eos token to use")
+    pad_token: str | None = refused(None, "deprecated in TRL; the processor's pad token is used")
+    dataset_num_proc: int | None = refused(None, "tokenisation runs in-process")
+    dataset_kwargs: str | None = refused(None, "mlxrl always prepares the rows itself (no skip_prepare_dataset)")
+    activation_offloading: bool = refused(False, "MLX has unified memory; use gradient_checkpointing")
+    neftune_noise_alpha: float | None = _f(None, "NEFTune: uniform noise in +-alpha / sqrt(L x hidden) added to the "
+                                                 "input embeddings in training (L: the batch's longest row); TRL's "
+                                                 "typical 5-15")
 
 
 class ConfigError(MlxrlError, ValueError):
@@ -200,6 +279,7 @@ RANGES = {
     "lora_dropout": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
     "q_group_size": _range(lambda v: v in (32, 64, 128), "32, 64 or 128 (the group sizes of mx.quantize)"),
     "chunk_size": _POSITIVE_INT,
+    "neftune_noise_alpha": _POSITIVE,
     "tiled_mlp_tokens": _POSITIVE_INT,
     "seq_buckets": _range(lambda v: v >= 1, ">= 1 each"),
     "max_compiled_shapes": _NON_NEGATIVE,
@@ -289,7 +369,8 @@ def check_config(args, flags: bool = False) -> None:
                         raise ConfigError(f"{label} {v:g}: must be {allowed}")
         why = f.metadata.get("refused")
         if why is not None:
-            if value != f.default:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if value != default and not (value in ([], ()) and default is None):
                 raise ConfigError(f"{label}={value!r} is not supported by mlxrl's "
                                   f"{type(args).__name__.replace('Config', 'Trainer')}: {why}")
             continue
@@ -301,6 +382,8 @@ def check_config(args, flags: bool = False) -> None:
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{label} {value!r}: must be one of {', '.join(choices)}{hint}")
     check_quantization_flags(args, flags)
+    checkpointing_kwargs(args)
+    multiple_of(args, flags)
     for name in ("memory_limit", "cache_limit", "wired_limit"):
         value = getattr(args, name, None)
         if value is not None:
@@ -310,6 +393,30 @@ def check_config(args, flags: bool = False) -> None:
                 parse_size(value, 1 << 40, name=name)  # the syntax only: any memory size will do
             except ValueError as e:
                 raise ConfigError(f"{'--' if flags else ''}{e}") from None
+
+
+def check_model_dtype(args, dtype) -> None:
+    """bf16 set in a config (TRL's flag) must match the model given to the trainer: mlxrl computes in the
+    model's dtype and changes no parameter's dtype (the CLIs load the model in the dtype it asks for)."""
+    bf16 = getattr(args, "bf16", None)
+    if bf16 is not None and (str(dtype).endswith("bfloat16") != bool(bf16)):
+        want = "bfloat16" if bf16 else "float32"
+        raise ConfigError(f"bf16={bf16}, but the model computes in {str(dtype).split('.')[-1]}: load it in {want} "
+                          f"(mlxrl.load(..., dtype={want!r})) or leave bf16 unset")
+
+
+def multiple_of(args, flags: bool = False) -> int | None:
+    """pad_to_multiple_of as an int (None for unset or TRL's 'auto', which pads only on AWS Neuron)."""
+    value = getattr(args, "pad_to_multiple_of", None)
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        m = int(str(value).strip())
+    except ValueError:
+        m = 0
+    if m < 1:
+        raise ConfigError(f"{'--' if flags else ''}pad_to_multiple_of {value!r}: must be a positive integer or 'auto'")
+    return m
 
 
 def check_quantization_flags(args, flags: bool = False) -> None:

@@ -60,9 +60,6 @@ class DPOConfig(TrainConfig):
     head_mode: str = _f("differentiable", "(mlxrl) DPO drives the streamed head differentiably (its per-token "
                                           "gradients depend on whole sequences)", choices=("differentiable",))
     # model
-    model_init_kwargs: str | None = refused(None, "load the model with mlxrl.load (dtype: --dtype)")
-    trust_remote_code: bool = refused(False, "mlxrl never runs model code from the Hub")
-    router_aux_loss_coef: float | None = refused(None, "mlxrl has no Mixture-of-Experts models yet")
     disable_dropout: bool = _f(True, "disable dropout (LoRA dropout included) in the model")
     ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model")
     # data
@@ -99,6 +96,7 @@ class DPOConfig(TrainConfig):
     eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
 
     def __post_init__(self):
+        super().__post_init__()
         if self.loss_type is None:
             self.loss_type = ["sigmoid"]
         if isinstance(self.loss_type, str):
@@ -198,9 +196,10 @@ class DPOTrainer(Trainer):
         a = self.args
         return make_preference_batches(examples, batch_size, max_length=a.max_length,
                                        pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
-                                       padding_free=a.padding_free, shuffle=shuffle, seed=a.seed, epoch=epoch,
-                                       ld_alpha=a.ld_alpha, bucket_rows=a.compile,
-                                       num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0)
+                                       padding_free=a.padding_free, shuffle=shuffle, seed=self.data_seed,
+                                       epoch=epoch, ld_alpha=a.ld_alpha, bucket_rows=a.compile,
+                                       num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0,
+                                       drop_last=a.dataloader_drop_last and shuffle)
 
     def make_batches(self, epoch):
         return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, shard=True)

@@ -40,7 +40,7 @@ from ..models.widened import check_trainable_dtypes, planned_config
 from ..optim import make_optimizer
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
-from .config import check_config, check_optim
+from .config import check_config, check_model_dtype, check_optim
 from .distributed import DataParallel, PeerLostError
 from .reporting import Logging, Reporter
 from .saving import Saving
@@ -59,8 +59,8 @@ def accumulate(total, grads):
 def hidden_rows(model, batch: dict) -> mx.array:
     """Hidden states [R, D] at the scored positions `batch["rows"]` (the trunk up to the final norm); a
     batch without `attention_mask` is right-padded (`data.batches.right_padded`) and attends causally."""
-    kw = {k: batch[k] for k in ("attention_mask", "segment_ids", "pixel_values", "image_grid_thw", "vision_meta")
-          if k in batch}
+    kw = {k: batch[k] for k in ("attention_mask", "segment_ids", "pixel_values", "image_grid_thw", "vision_meta",
+                                "neftune_scale") if k in batch}
     hidden = model(input_ids=batch["input_ids"], return_hidden=True, **kw)
     return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
 
@@ -93,11 +93,12 @@ class Trainer(Signals, Saving, DataParallel, Logging):
                                          merged=checkpoint_lib.merged_folders(args))
         check_config(args)  # types, ranges, choices, refused TRL fields: one line each
         check_optim(args)
-        runtime.setup(tf32=args.tf32)  # MLX's CPU buffer cache, TF32 on a GPU (nothing is set at import)
+        runtime.setup(tf32=args.tf32, use_cpu=args.use_cpu)  # MLX's CPU cache, TF32 on a GPU, --use_cpu
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
         check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
+        check_model_dtype(args, model.lm_head_weight().dtype)  # --bf16 against the model the user loaded
         self.optimizer = None
         self.global_step = 0
         self.epoch = 0
@@ -240,9 +241,12 @@ class Trainer(Signals, Saving, DataParallel, Logging):
 
     @property
     def overwrite_output_dir(self) -> bool:
-        """HF's overwrite_output_dir: start over in an output_dir holding another run (its checkpoints and
-        metrics.jsonl are deleted; nothing else)."""
+        """HF's: start over in an output_dir holding another run (its checkpoints and metrics.jsonl go)."""
         return bool(getattr(self.args, "overwrite_output_dir", False))
+
+    @property
+    def data_seed(self) -> int:
+        return self.args.seed if self.args.data_seed is None else self.args.data_seed  # TrainingArguments'
 
     @property
     def has_eval_data(self) -> bool:
@@ -250,10 +254,10 @@ class Trainer(Signals, Saving, DataParallel, Logging):
 
     def train(self):
         args = self.args
-        if args.eval_strategy in ("steps", "epoch") and not self.has_eval_data:
-            # the HF Trainer raises here too (it would otherwise be silently ignored)
-            raise ValueError(f"eval_strategy {args.eval_strategy!r} needs evaluation data: pass --eval_dataset (or "
-                             "--eval_split), or set --eval_strategy no")
+        if (args.eval_strategy != "no" or args.eval_on_start) and not self.has_eval_data:  # HF's Trainer raises too
+            what = "eval_strategy" if args.eval_strategy != "no" else "eval_on_start"
+            raise ValueError(f"{what} {getattr(args, what)!r} needs evaluation data: pass --eval_dataset (or "
+                             f"--eval_split), or set --{what} {'no' if what == 'eval_strategy' else 'false'}")
         if self.is_main:
             checkpoint_lib.start_run(self.output_dir, resume=args.resume_from_checkpoint,
                                      overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
@@ -271,6 +275,8 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
                    f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
         self.memory_plan = self._memory_plan()
+        if args.eval_on_start:
+            self._log_eval()
         restore_signals = self._catch_signals()
         try:
             self._train_loop(total)
@@ -371,7 +377,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def _after_step(self, window: dict, total: int) -> dict:
         """Logging, evaluation and checkpoints at their step cadence; returns the log window."""
         args, step = self.args, self.global_step
-        if step % args.logging_steps == 0 or step == total:
+        if step % args.logging_steps == 0 or step == total or (step == 1 and args.logging_first_step):
             self._log(window)
             window = self._new_window()
         if args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0:

@@ -67,6 +67,8 @@ def build_parser(cls, prog: str, description: str, extra=None) -> argparse.Argum
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         kw = {"type": tp, "default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {default})"}
+        if f.metadata.get("hidden"):  # TrainingArguments' fields with no use here (`trl_fields`)
+            kw["help"] = argparse.SUPPRESS
         if nargs == "?":
             kw.update(nargs="?", const=True)
         elif nargs:
@@ -186,11 +188,18 @@ def read_yaml_config(path: str, cls) -> dict:
             raise ConfigError(f"{where}: unknown field {key!r}{hint}")
         if value is False and "no" in (choices_of(cls, key) or ()):
             value = "no"  # `eval_strategy: no` unquoted is a YAML boolean
+        if isinstance(value, dict) and (key.endswith("checkpointing_kwargs") or refused_field(cls, key)):
+            out[key] = value  # a mapping (`config.checkpointing_kwargs`), or refused in one line by check_config
+            continue
         try:
             out[key] = coerce_value(hints[key], value, key)
         except _BadValue as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
     return out
+
+
+def refused_field(cls, name: str) -> bool:
+    return any(f.name == name and "refused" in f.metadata for f in dataclasses.fields(cls))
 
 
 def config_from_args(cls, ns: argparse.Namespace):
@@ -205,6 +214,10 @@ def config_from_args(cls, ns: argparse.Namespace):
     cfg = cls(**values)
     check_config(cfg, flags=True)
     check_optim(cfg)  # before any model is loaded
+    if cfg.use_cpu:  # before the model loads: its default dtype follows the device
+        from .. import runtime
+
+        runtime.setup(tf32=cfg.tf32, use_cpu=True)
     return cfg
 
 

@@ -177,7 +177,7 @@ class GRPOTrainer(Trainer):
         n, k = len(self.rows), self.prompts_per_round
         per_epoch = n // (k * self.world_size)
         epoch, pos = divmod(round_index, per_epoch)
-        order = (np.random.default_rng((self.args.seed, epoch)).permutation(n) if self.args.shuffle_dataset
+        order = (np.random.default_rng((self.data_seed, epoch)).permutation(n) if self.args.shuffle_dataset
                  else np.arange(n))
         first = (pos * self.world_size + self.rank) * k
         return order[first:first + k].tolist(), epoch, self.rank * k

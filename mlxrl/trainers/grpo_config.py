@@ -26,9 +26,6 @@ class GRPOConfig(TrainConfig):
                         choices=("auto", "fused", "differentiable"))
     per_device_train_batch_size: int = _f(8, "completions per micro-batch (TRL counts completions, not prompts)")
     # model
-    model_init_kwargs: str | None = refused(None, "load the model with mlxrl.load (dtype: --dtype)")
-    trust_remote_code: bool = refused(False, "mlxrl never runs model code from the Hub")
-    router_aux_loss_coef: float | None = refused(None, "mlxrl has no Mixture-of-Experts models yet")
     keep_frozen_dtype: bool = _f(False, "(mlxrl) as SFT's, off by default here: generation would widen every "
                                         "kept weight once per decoded token")
     disable_dropout: bool = _f(False, "disable dropout (LoRA dropout included) in the model")
@@ -36,6 +33,7 @@ class GRPOConfig(TrainConfig):
     ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model (beta > 0)")
     # data and generation
     remove_unused_columns: bool = refused(False, "every dataset column is passed to the reward functions")
+    dataloader_drop_last: bool = refused(False, "a generation round always takes whole groups of prompts")
     num_generations: int = _f(8, "completions sampled per prompt (G)")
     num_generations_eval: int | None = refused(None, "GRPO has no evaluation loop in mlxrl yet")
     max_completion_length: int = _f(512, "maximum tokens per completion")
@@ -119,6 +117,7 @@ class GRPOConfig(TrainConfig):
     shared_prefill: bool = _f(True, "(mlxrl) generation with each prompt prefilled once and its KV cache shared")
 
     def __post_init__(self):
+        super().__post_init__()
         # TRL maps the old boolean scale_rewards onto the strings
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"

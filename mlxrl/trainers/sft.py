@@ -18,8 +18,9 @@ from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
 from ..tokens import IGNORE_INDEX
-from .config import SFTConfig
+from .config import SFTConfig, multiple_of
 from .engine import Trainer, hidden_rows
+from .tokenizer_args import apply_tokenizer_args
 
 
 def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndarray:
@@ -43,7 +44,11 @@ class SFTTrainer(Trainer):
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
         self._head_trainable = self.head_trainable
+        apply_tokenizer_args(self.processor, args)  # eos_token, chat_template_path: before any row is tokenised
         self.train_examples = self._tokenize(train_dataset)
+        if args.shuffle_dataset:  # TRL shuffles before packing: which examples share a packed row changes
+            order = np.random.default_rng(self.data_seed).permutation(len(self.train_examples))
+            self.train_examples = [self.train_examples[i] for i in order]
         self.eval_examples = self._tokenize(eval_dataset) if eval_dataset is not None else None
 
     # ------------------------------------------------------------------ data
@@ -56,17 +61,20 @@ class SFTTrainer(Trainer):
                                  assistant_only_loss=a.assistant_only_loss, dataset_text_field=a.dataset_text_field)
                 for i, row in enumerate(rows)]
 
-    def _batches_of(self, examples, epoch, shuffle, batch_size, lazy=False, shard=False):
+    def _batches_of(self, examples, epoch, shuffle, batch_size, lazy=False, shard=False, train=True):
         """One epoch of prepared batches; lazy: callables that collate (decoding the images) and
-        prepare a batch when the engine's data worker calls them."""
+        prepare a batch when the engine's data worker calls them. train=False: the evaluation set's
+        (eval_packing; every batch kept)."""
         from ..data import make_batches
 
         a = self.args
-        plans = make_batches(examples, batch_size, packing=a.packing, packing_strategy=a.packing_strategy,
+        packing = a.packing if train or a.eval_packing is None else a.eval_packing
+        plans = make_batches(examples, batch_size, packing=packing, packing_strategy=a.packing_strategy,
                              padding_free=a.padding_free, max_length=a.max_length,
                              pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
-                             shuffle=shuffle, seed=a.seed, epoch=epoch, lazy=True,
-                             num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0)
+                             shuffle=shuffle, seed=self.data_seed, epoch=epoch, lazy=True,
+                             num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0,
+                             drop_last=a.dataloader_drop_last and train, pad_to_multiple_of=multiple_of(a))
         batches = [lambda plan=plan: self.prepare(plan()) for plan in plans]
         return batches if lazy else [make() for make in batches]
 
@@ -96,6 +104,10 @@ class SFTTrainer(Trainer):
             out["attention_mask"] = np.asarray(batch.attention_mask, np.int32)
         if seg is not None:
             out["segment_ids"] = np.asarray(seg, np.int32)
+        if self.args.neftune_noise_alpha:  # TRL pads to the longest row: NEFTune's L
+            longest = int(np.asarray(batch.attention_mask).sum(axis=1).max())
+            width = self.model.language_model.config.hidden_size
+            out["neftune_scale"] = np.array(self.args.neftune_noise_alpha / np.sqrt(longest * width), np.float32)
         if batch.pixel_values is not None:
             out["pixel_values"] = np.asarray(batch.pixel_values, np.float32)
             out["image_grid_thw"] = np.asarray(batch.image_grid_thw, np.int32)
@@ -153,7 +165,8 @@ class SFTTrainer(Trainer):
             return {}
         self.model.eval()
         total, items = 0.0, 0
-        for make in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size, lazy=True):
+        for make in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size, lazy=True,
+                                     train=False):
             b = make()
             arrays = self.to_device(b)
             loss, _ = self.loss(self.model, arrays, mx.array(b["trained_tokens"], dtype=mx.float32))

@@ -1,0 +1,115 @@
+"""transformers' TrainingArguments fields that TRL's configs inherit and mlxrl has no use for.
+
+Each is a field of every mlxrl config (`TrainConfig` inherits them from `ElsewhereArguments`), so a
+TRL script, YAML file or command line that names one is read as TRL reads it: at TRL's default it
+is accepted (the default is what mlxrl does), any other value is refused by `config.check_config`
+in one line saying why and what to use instead. They are left out of `--help` (`hidden`).
+`tests/test_errors.py` checks that every field of TRL's SFTConfig, DPOConfig and GRPOConfig is a
+field of ours, with TRL's default where it is one of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DISTRIBUTED = "mlxrl runs one process per device on mx.distributed (mlx.launch; README, Data-parallel training)"
+DATA = "batches are prepared on one background thread of the trainer's process"
+HUB = "upload output_dir (its folders are in the Hub's layouts) with `huggingface-cli upload`"
+TORCH = "a torch option; mlxrl's step is compiled with mx.compile (--compile)"
+NO_BEST = "mlxrl does not track a best checkpoint; every checkpoint's eval metrics are in metrics.jsonl"
+LOGGING = "mlxrl logs every logging_steps optimizer steps to stdout and metrics.jsonl (report_to for W&B / TensorBoard)"
+EVAL = "mlxrl's evaluation computes the loss over the whole evaluation set (no predictions kept)"
+SCRIPTS = "a flag of HF's example scripts, which the Trainer itself ignores"
+
+# name: (annotation, TRL's default, why not here)
+ELSEWHERE: dict[str, tuple[object, object, str]] = {
+    "lr_scheduler_kwargs": ("str | None", None, "the schedules are linear, cosine, constant and "
+                                                "constant_with_warmup, without options"),
+    "optim_args": ("str | None", None, "AdamW's options are adam_beta1 / adam_beta2 / adam_epsilon / weight_decay"),
+    "optim_target_modules": ("str | None", None, "GaLore / APOLLO optimizers are not implemented"),
+    "average_tokens_across_devices": ("bool", True, "the loss is always normalised by the tokens of every rank"),
+    "label_smoothing_factor": ("float", 0.0, "the streamed LM head computes each label's log-probability only"),
+    "bf16_full_eval": ("bool", False, "evaluation runs in the model's dtype (--dtype / --bf16)"),
+    "fp16_full_eval": ("bool", False, "float16 is not supported (use --bf16)"),
+    "torch_compile": ("bool", False, TORCH),
+    "torch_compile_backend": ("str | None", None, TORCH),
+    "torch_compile_mode": ("str | None", None, TORCH),
+    "use_liger_kernel": ("bool", False, "Liger's kernels are torch's; mlxrl's LM head is already fused (--head_mode)"),
+    "liger_kernel_config": ("str | None", None, "Liger's kernels are torch's; mlxrl's LM head is already fused"),
+    "use_cache": ("bool", False, "training never keeps a KV cache; generation always does"),
+    "neftune_noise_alpha": ("float | None", None, "NEFTune is SFT's here (SFTTrainer adds the noise)"),
+    "torch_empty_cache_steps": ("int | None", None, "MLX's cache: --cache_limit"),
+    "auto_find_batch_size": ("bool", False, "the memory planner predicts the peak: `python -m mlxrl.plan`"),
+    "logging_strategy": ("str", "steps", LOGGING),
+    "log_on_each_node": ("bool", True, DISTRIBUTED),
+    "logging_nan_inf_filter": ("bool", True, "a non-finite loss stops the run with a resumable checkpoint"),
+    "include_num_input_tokens_seen": ("str", "no", "SFT logs num_tokens, the tokens seen so far"),
+    "log_level": ("str", "passive", "mlxrl prints its progress; MLXRL_DEBUG=1 shows an error's traceback"),
+    "log_level_replica": ("str", "warning", DISTRIBUTED),
+    "project": ("str", "huggingface", "Trackio is not supported (report_to: wandb, tensorboard)"),
+    "trackio_space_id": ("str | None", None, "Trackio is not supported (report_to: wandb, tensorboard)"),
+    "trackio_bucket_id": ("str | None", None, "Trackio is not supported (report_to: wandb, tensorboard)"),
+    "trackio_static_space_id": ("str | None", None, "Trackio is not supported (report_to: wandb, tensorboard)"),
+    "eval_delay": ("float", 0, "evaluation follows eval_strategy from the first step"),
+    "prediction_loss_only": ("bool", False, EVAL),
+    "eval_do_concat_batches": ("bool", True, EVAL),
+    "eval_use_gather_object": ("bool", False, DISTRIBUTED),
+    "eval_accumulation_steps": ("int | None", None, EVAL),
+    "include_for_metrics": ("list[str] | None", None, EVAL),
+    "batch_eval_metrics": ("bool", False, EVAL),
+    "save_only_model": ("bool", False, "every checkpoint is resumable: model, optimizer, scheduler and data position"),
+    "save_on_each_node": ("bool", False, DISTRIBUTED),
+    "enable_jit_checkpoint": ("bool", False, "Ctrl-C and SIGTERM always leave a resumable checkpoint"),
+    "push_to_hub": ("bool", False, HUB),
+    "hub_token": ("str | None", None, HUB),
+    "hub_private_repo": ("bool | None", None, HUB),
+    "hub_model_id": ("str | None", None, HUB),
+    "hub_strategy": ("str", "every_save", HUB),
+    "hub_always_push": ("bool", False, HUB),
+    "hub_revision": ("str | None", None, HUB),
+    "load_best_model_at_end": ("bool", False, NO_BEST),
+    "metric_for_best_model": ("str | None", None, NO_BEST),
+    "greater_is_better": ("bool | None", None, NO_BEST),
+    "ignore_data_skip": ("bool", False, "a resumed run always continues from the data position it stopped at"),
+    "restore_callback_states_from_checkpoint": ("bool", False, "mlxrl has no callbacks"),
+    "full_determinism": ("bool", False, "a run is a function of its seed already (MLX's kernels are deterministic)"),
+    "accelerator_config": ("str | None", None, DISTRIBUTED),
+    "parallelism_config": ("str | None", None, DISTRIBUTED),
+    "dataloader_num_workers": ("int", 0, DATA),
+    "dataloader_pin_memory": ("bool", True, DATA),
+    "dataloader_persistent_workers": ("bool", False, DATA),
+    "dataloader_prefetch_factor": ("int | None", None, DATA),
+    "dataloader_multiprocessing_context": ("str | None", None, DATA),
+    "dataloader_in_order": ("bool", True, DATA),
+    "label_names": ("list[str] | None", None, "each trainer knows its labels"),
+    "train_sampling_strategy": ("str", "random", "the batches are shuffled every epoch (seed, data_seed)"),
+    "length_column_name": ("str", "length", "the batches are shuffled every epoch (seed, data_seed)"),
+    "ddp_find_unused_parameters": ("bool | None", None, DISTRIBUTED),
+    "ddp_bucket_cap_mb": ("int | None", None, DISTRIBUTED),
+    "ddp_broadcast_buffers": ("bool | None", None, DISTRIBUTED),
+    "ddp_static_graph": ("bool | None", None, DISTRIBUTED),
+    "ddp_backend": ("str | None", None, DISTRIBUTED),
+    "ddp_timeout": ("int", 1800, DISTRIBUTED),
+    "fsdp": ("str | None", None, DISTRIBUTED),
+    "fsdp_config": ("str | None", None, DISTRIBUTED),
+    "deepspeed": ("str | None", None, DISTRIBUTED),
+    "local_rank": ("int", -1, DISTRIBUTED),
+    "debug": ("str", "", "MLXRL_DEBUG=1 shows an error's traceback"),
+    "skip_memory_metrics": ("bool", True, "the memory planner and the logged peak memory cover it"),
+    "do_train": ("bool", False, SCRIPTS),
+    "do_eval": ("bool", False, SCRIPTS),
+    "do_predict": ("bool", False, SCRIPTS),
+}
+
+
+def _field(default, reason):
+    return dataclasses.field(default=default, metadata={"help": f"not supported: {reason}", "refused": reason,
+                                                         "hidden": True})
+
+
+# The fields' annotations are strings, as `from __future__ import annotations` makes every other config's.
+ElsewhereArguments = dataclasses.make_dataclass(
+    "ElsewhereArguments", [(name, annotation, _field(default, why))
+                           for name, (annotation, default, why) in ELSEWHERE.items()])
+ElsewhereArguments.__doc__ = "TrainingArguments fields with no counterpart in mlxrl (see the module's docstring)."
+ElsewhereArguments.__module__ = __name__
