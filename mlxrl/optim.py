@@ -17,12 +17,11 @@ stay float32.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
+from . import schedules
 from .cpu import fastmath
 
 FLOAT32 = mx.float32
@@ -56,24 +55,6 @@ def update_peak_bytes(optim_name: str, trainable_bytes: int, largest_trainable: 
         return trainable_bytes
     largest = largest_trainable * (4 // elem if mixed_precision else 1)
     return trainable_bytes + (trainable_bytes if clip else 0) + ADAFACTOR_UPDATE_COPIES * largest
-
-
-def make_schedule(args, total_steps: int):
-    warmup = args.warmup_steps or int(math.ceil(args.warmup_ratio * total_steps))
-    decay_steps = max(1, total_steps - warmup)
-    lr = args.learning_rate
-    kind = args.lr_scheduler_type
-    if kind == "linear":
-        main = optim.linear_schedule(lr, 0.0, decay_steps)
-    elif kind == "cosine":
-        main = optim.cosine_decay(lr, decay_steps, 0.0)
-    elif kind in ("constant", "constant_with_warmup"):
-        main = lambda step: mx.array(lr, dtype=mx.float32)  # noqa: E731
-    else:
-        raise ValueError(f"lr_scheduler_type {kind!r} is not supported: use linear, cosine or constant")
-    if warmup == 0:
-        return main
-    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), main], [warmup])
 
 
 @mx.compile
@@ -211,7 +192,7 @@ class ClippedAdafactor(MixedPrecision, optim.Adafactor):
 def make_optimizer(args, total_steps: int):
     """The optimizer `args.optim` names, on the learning-rate schedule of `args`."""
     check_optim(args)
-    lr = make_schedule(args, total_steps)
+    lr = schedules.make_schedule(args, total_steps)
     master = bool(getattr(args, "master_weights", True))
     if args.optim == "adafactor":
         return ClippedAdafactor(lr, weight_decay=args.weight_decay, master_weights=master)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..hub import MlxrlError
 from ..optim import OPTIMIZERS, check_optim  # noqa: F401  (config.check_optim: the CLIs' and engine's door)
+from ..schedules import SCHEDULES, scheduler_kwargs
 from .trl_fields import ElsewhereArguments
 
 
@@ -51,9 +52,13 @@ class TrainConfig(ElsewhereArguments):
     per_device_train_batch_size: int = _f(8, "examples (or packed rows) per micro-batch")
     per_device_eval_batch_size: int = _f(8, "examples per evaluation batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
-    lr_scheduler_type: str = _f("linear", "linear | cosine | constant (after warmup)")
+    lr_scheduler_type: str = _f("linear", "transformers' schedules: " + " | ".join(SCHEDULES))
+    lr_scheduler_kwargs: str | None = _f(None, "the schedule's options as transformers names them, e.g. "
+                                               "'{\"min_lr_rate\": 0.1}' (cosine_with_min_lr), num_cycles, lr_end, "
+                                               "power, timescale")
     warmup_ratio: float = _f(0.0, "fraction of the steps spent warming up (used when warmup_steps is 0)")
-    warmup_steps: int = _f(0, "linear warmup steps")
+    warmup_steps: float = _f(0, "linear warmup steps (below 1: a fraction of the training steps, as transformers "
+                                "5 reads it)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
@@ -263,7 +268,8 @@ RANGES = {
     "per_device_eval_batch_size": _POSITIVE_INT,
     "gradient_accumulation_steps": _POSITIVE_INT,
     "warmup_ratio": _range(lambda v: 0 <= v <= 1, "in [0, 1] (a fraction of the training steps)"),
-    "warmup_steps": _NON_NEGATIVE,
+    "warmup_steps": _range(lambda v: 0 <= v < 1 or float(v).is_integer(), "a whole number of steps, or a fraction "
+                                                                         "in [0, 1) of the training steps"),
     "weight_decay": _NON_NEGATIVE,
     "adam_beta1": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
     "adam_beta2": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -308,7 +314,7 @@ RANGES_BY_CONFIG = {
                                                   "nothing or the opposite preference)")},
 }
 CHOICES = {
-    "lr_scheduler_type": ("linear", "cosine", "constant", "constant_with_warmup"),
+    "lr_scheduler_type": tuple(SCHEDULES),
     "eval_strategy": ("no", "steps", "epoch"),
     "save_strategy": ("no", "steps", "epoch"),
     "truncation_mode": ("keep_start", "keep_end"),
@@ -384,6 +390,10 @@ def check_config(args, flags: bool = False) -> None:
     check_quantization_flags(args, flags)
     checkpointing_kwargs(args)
     multiple_of(args, flags)
+    try:
+        scheduler_kwargs(args)
+    except ValueError as e:
+        raise ConfigError(f"{'--' if flags else ''}{e}") from None
     for name in ("memory_limit", "cache_limit", "wired_limit"):
         value = getattr(args, name, None)
         if value is not None:

@@ -188,7 +188,7 @@ def read_yaml_config(path: str, cls) -> dict:
             raise ConfigError(f"{where}: unknown field {key!r}{hint}")
         if value is False and "no" in (choices_of(cls, key) or ()):
             value = "no"  # `eval_strategy: no` unquoted is a YAML boolean
-        if isinstance(value, dict) and (key.endswith("checkpointing_kwargs") or refused_field(cls, key)):
+        if isinstance(value, dict) and (key.endswith("_kwargs") or refused_field(cls, key)):
             out[key] = value  # a mapping (`config.checkpointing_kwargs`), or refused in one line by check_config
             continue
         try:

@@ -23,8 +23,6 @@ SCRIPTS = "a flag of HF's example scripts, which the Trainer itself ignores"
 
 # name: (annotation, TRL's default, why not here)
 ELSEWHERE: dict[str, tuple[object, object, str]] = {
-    "lr_scheduler_kwargs": ("str | None", None, "the schedules are linear, cosine, constant and "
-                                                "constant_with_warmup, without options"),
     "optim_args": ("str | None", None, "AdamW's options are adam_beta1 / adam_beta2 / adam_epsilon / weight_decay"),
     "optim_target_modules": ("str | None", None, "GaLore / APOLLO optimizers are not implemented"),
     "average_tokens_across_devices": ("bool", True, "the loss is always normalised by the tokens of every rank"),
