@@ -20,7 +20,6 @@ transformers' `get_scheduler` step by step.
 
 from __future__ import annotations
 
-import json
 import math
 
 import mlx.core as mx
@@ -47,27 +46,19 @@ def warmup_steps(args, total_steps: int) -> int:
 
 def scheduler_kwargs(args) -> dict:
     """lr_scheduler_kwargs (a dict, or its JSON text from the command line), checked against the schedule."""
-    value = getattr(args, "lr_scheduler_kwargs", None)
-    if value is None or value == "":
-        value = {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ValueError(f"lr_scheduler_kwargs {value!r}: expected a JSON object such as "
-                             '{"min_lr_rate": 0.1}') from None
-    if not isinstance(value, dict):
-        raise ValueError(f"lr_scheduler_kwargs: expected a mapping, got {value!r}")
+    from .trainers.config import ConfigError, parse_mapping  # (the config module imports this one)
+
+    value = parse_mapping("lr_scheduler_kwargs", getattr(args, "lr_scheduler_kwargs", None), '{"min_lr_rate": 0.1}')
     kind = args.lr_scheduler_type
     allowed = SCHEDULES.get(kind, ())
     other = sorted(set(value) - set(allowed))
     if other:
         takes = f"takes {', '.join(allowed)}" if allowed else "takes none"
-        raise ValueError(f"lr_scheduler_kwargs: {', '.join(map(repr, other))} not an option of the {kind} schedule "
-                         f"(it {takes})")
+        raise ConfigError(f"lr_scheduler_kwargs: {', '.join(map(repr, other))} not an option of the {kind} "
+                          f"schedule (it {takes})")
     if kind == "cosine_with_min_lr" and ("min_lr" in value) == ("min_lr_rate" in value):
-        raise ValueError("lr_scheduler_type cosine_with_min_lr needs one of lr_scheduler_kwargs min_lr and "
-                         "min_lr_rate")
+        raise ConfigError("lr_scheduler_type cosine_with_min_lr needs one of lr_scheduler_kwargs min_lr and "
+                          "min_lr_rate")
     return value
 
 

@@ -167,24 +167,29 @@ class TrainConfig(ElsewhereArguments):
             self.dtype = want
 
 
-def checkpointing_kwargs(args) -> dict:
-    """activation_checkpointing_kwargs (or its old name), checked: a dict or its JSON text, whose only key
-    may be torch's use_reentrant (both of torch's variants compute the same gradients; MLX has one)."""
+def parse_mapping(name: str, value, example: str) -> dict:
+    """A mapping-valued field (TrainingArguments' *_kwargs): a dict (Python, YAML) or its JSON text (a flag);
+    None is empty. One-line ConfigError otherwise, showing `example`."""
     import json
 
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"{name} {value!r}: expected a JSON object such as {example}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected a mapping such as {example}, got {value!r}")
+    return value
+
+
+def checkpointing_kwargs(args) -> dict:
+    """activation_checkpointing_kwargs (or its old name), checked: its only key may be torch's use_reentrant
+    (both of torch's variants compute the same gradients; MLX has one)."""
     out = {}
     for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ConfigError(f"{name} {value!r}: expected a JSON object such as "
-                                  f'{{"use_reentrant": false}}') from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{name}: expected a mapping such as {{\"use_reentrant\": false}}, got {value!r}")
+        value = parse_mapping(name, getattr(args, name, None), '{"use_reentrant": false}')
         other = sorted(set(value) - {"use_reentrant"})
         if other:
             raise ConfigError(f"{name}: {', '.join(map(repr, other))} not supported (torch's checkpoint options; "
@@ -390,10 +395,7 @@ def check_config(args, flags: bool = False) -> None:
     check_quantization_flags(args, flags)
     checkpointing_kwargs(args)
     multiple_of(args, flags)
-    try:
-        scheduler_kwargs(args)
-    except ValueError as e:
-        raise ConfigError(f"{'--' if flags else ''}{e}") from None
+    scheduler_kwargs(args)
     for name in ("memory_limit", "cache_limit", "wired_limit"):
         value = getattr(args, name, None)
         if value is not None:
