@@ -260,3 +260,36 @@ def test_neftune_in_training_only(arch, tiny_checkpoint, tmp_path):
     assert abs(loss(noisy, b_noisy)[0] - base) <= 1e-6 * abs(base)  # evaluation: no noise
     with pytest.raises(ConfigError, match="neftune_noise_alpha=5.0 is not supported by mlxrl's DPOTrainer"):
         check_config(DPOConfig(neftune_noise_alpha=5.0))
+
+
+@pytest.mark.parametrize("greater", [True, False])
+def test_load_best_model_at_end(greater, tiny_checkpoint, tmp_path):
+    t = _trainer(tiny_checkpoint, tmp_path, max_steps=6, learning_rate=3e-3, eval_strategy="steps", eval_steps=2,
+                 save_steps=2, save_total_limit=1, load_best_model_at_end=True, greater_is_better=greater)
+    t.eval_examples = t.train_examples[:3]
+    history = t.train()
+    evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
+    assert [s for s, _ in evals] == [2, 4, 6] and len({v for _, v in evals}) == 3
+    best_step = (max if greater else min)(evals, key=lambda e: e[1])[0]
+    kept = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert kept == sorted({f"checkpoint-{best_step}", "checkpoint-6"})  # the best survives save_total_limit=1
+    saved = mx.load(str(tmp_path / "run" / f"checkpoint-{best_step}" / "trainable.safetensors"))
+    now = dict(tree_flatten(t.model.trainable_parameters()))
+    assert all(np.array_equal(np.asarray(now[k]), np.asarray(v)) for k, v in saved.items())
+    state = json.loads((tmp_path / "run" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == f"checkpoint-{best_step}"
+    if best_step != 6:
+        last = mx.load(str(tmp_path / "run" / "checkpoint-6" / "trainable.safetensors"))
+        assert any(not np.array_equal(np.asarray(now[k]), np.asarray(v)) for k, v in last.items())
+
+
+def test_load_best_model_at_end_checks(tiny_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="needs eval_strategy and save_strategy to be the same"):
+        check_config(SFTConfig(load_best_model_at_end=True))
+    with pytest.raises(ConfigError, match=r"save_steps \(3\) to be a multiple of eval_steps \(2\)"):
+        check_config(SFTConfig(load_best_model_at_end=True, eval_strategy="steps", eval_steps=2, save_steps=3))
+    t = _trainer(tiny_checkpoint, tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, save_steps=2,
+                 load_best_model_at_end=True, metric_for_best_model="accuracy")
+    t.eval_examples = t.train_examples[:2]
+    with pytest.raises(mlxrl.MlxrlError, match="metric_for_best_model 'accuracy' is not an evaluation metric"):
+        t.train()

@@ -147,6 +147,12 @@ class TrainConfig(ElsewhereArguments):
                                            "rows) than the batch size")
     logging_first_step: bool = _f(False, "also log the first optimizer step")
     eval_on_start: bool = _f(False, "evaluate once before the first step")
+    load_best_model_at_end: bool = _f(False, "end with the weights of the checkpoint whose evaluation was best "
+                                             "(needs save_strategy = eval_strategy; that checkpoint is never "
+                                             "rotated out)")
+    metric_for_best_model: str | None = _f(None, "the evaluation metric that ranks checkpoints (default: loss)")
+    greater_is_better: bool | None = _f(None, "whether a larger metric_for_best_model is better (default: false "
+                                              "for a loss, true otherwise)")
     remove_unused_columns: bool = _f(True, "either value: mlxrl reads the columns it needs from each row and passes "
                                            "the model nothing else (TRL's vision recipes set it false)")
     # TRL's model fields (every trainer's config has them)
@@ -395,6 +401,7 @@ def check_config(args, flags: bool = False) -> None:
     check_quantization_flags(args, flags)
     checkpointing_kwargs(args)
     multiple_of(args, flags)
+    check_best_model(args, "--" if flags else "")
     scheduler_kwargs(args)
     for name in ("memory_limit", "cache_limit", "wired_limit"):
         value = getattr(args, name, None)
@@ -405,6 +412,28 @@ def check_config(args, flags: bool = False) -> None:
                 parse_size(value, 1 << 40, name=name)  # the syntax only: any memory size will do
             except ValueError as e:
                 raise ConfigError(f"{'--' if flags else ''}{e}") from None
+
+
+def check_best_model(args, p: str = "") -> None:
+    """load_best_model_at_end as transformers' TrainingArguments checks it: an evaluation, and checkpoints
+    saved when it runs (the same strategy; with steps, save_steps a multiple of eval_steps)."""
+    if not getattr(args, "load_best_model_at_end", False):
+        return
+    if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
+        raise ConfigError(f"{p}load_best_model_at_end needs {p}eval_strategy and {p}save_strategy to be the same "
+                          f"(steps or epoch), got {args.eval_strategy} and {args.save_strategy}")
+    every = args.eval_steps or args.logging_steps
+    if args.eval_strategy == "steps" and (not args.save_steps or args.save_steps % every):
+        raise ConfigError(f"{p}load_best_model_at_end needs {p}save_steps ({args.save_steps}) to be a multiple of "
+                          f"{p}eval_steps ({every}): a checkpoint where each evaluation runs")
+
+
+def best_metric_key(args) -> tuple[str, bool]:
+    """(log key of metric_for_best_model, whether greater is better), transformers' defaults."""
+    name = args.metric_for_best_model or "loss"
+    name = name if name.startswith("eval_") else f"eval_{name}"
+    greater = args.greater_is_better
+    return name, (name not in ("eval_loss",) and not name.endswith("_loss")) if greater is None else bool(greater)
 
 
 def check_model_dtype(args, dtype) -> None:

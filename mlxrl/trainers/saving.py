@@ -22,6 +22,7 @@ from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX
+from .config import best_metric_key
 from .signals import TrainingInterrupted
 
 
@@ -53,9 +54,11 @@ class Saving:
 
     def _final_save(self) -> None:
         """save_final with Ctrl-C / SIGTERM held until it completes (then raised); if the save fails, the
-        trained weights are kept as a resumable checkpoint before the error is raised."""
+        trained weights are kept as a resumable checkpoint before the error is raised. With
+        load_best_model_at_end the best checkpoint's weights are loaded first."""
         try:
             with self._critical(raise_pending=False):
+                self._load_best()
                 self.save_final()
         except Exception:
             if self.is_main and self.global_step > 0 and not self._save_failed:
@@ -90,6 +93,9 @@ class Saving:
                  "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
                  "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
                  "mlxrl": checkpoint_lib.run_record(self)}
+        best = self._rank_checkpoint(final.name)
+        if best is not None:  # transformers' names in trainer_state.json
+            state["best_model_checkpoint"], state["best_metric"] = best
 
         source = {k: mx.array(v) for k, v in (self.source.state_dict() if self.source else {}).items()}
 
@@ -107,19 +113,52 @@ class Saving:
                 self._save_failed = True
                 raise
             self._saved_step = self.global_step
+            self._best = best
             self._rotate()
         return final
+
+    # ------------------------------------------------------------------ load_best_model_at_end
+    def _rank_checkpoint(self, name: str):
+        """(best checkpoint's name, its metric) once the checkpoint `name` of this step is counted: the
+        evaluation logged at this step against the best so far (transformers' rule); None when not asked."""
+        if not getattr(self.args, "load_best_model_at_end", False):
+            return None
+        best = getattr(self, "_best", None)
+        evals = [e for e in self.log_history if e.get("step") == self.global_step and any(k.startswith("eval_")
+                                                                                            for k in e)]
+        if not evals:
+            return best
+        key, greater = best_metric_key(self.args)
+        if key not in evals[-1]:
+            names = ", ".join(k[5:] for k in evals[-1] if k.startswith("eval_"))
+            raise MlxrlError(f"metric_for_best_model {key[5:]!r} is not an evaluation metric of this trainer "
+                             f"(it logs {names})")
+        value = float(evals[-1][key])
+        if best is None or (value > best[1] if greater else value < best[1]):
+            return name, value
+        return best
+
+    def _load_best(self) -> None:
+        best = getattr(self, "_best", None)
+        if not getattr(self.args, "load_best_model_at_end", False) or best is None or not self.is_main:
+            return
+        path = self.output_dir / best[0]
+        _, weights, _ = checkpoint_lib.read_checkpoint(path)
+        self.model.load_weights(list(weights.items()), strict=False)
+        mx.eval(self.model.parameters())
+        self.print(f"loaded the best checkpoint {path} ({best_metric_key(self.args)[0]} {best[1]:.6g})")
 
     def _checkpoints(self) -> list[Path]:
         return checkpoint_lib.list_checkpoints(self.output_dir)
 
     def _rotate(self):
         """save_total_limit: delete this run's oldest checkpoints (checkpoint-<int> folders whose
-        trainer_state.json carries this run's id and that hold only our files)."""
+        trainer_state.json carries this run's id and that hold only our files), never the best one."""
         limit = self.args.save_total_limit
         if limit:
+            best = getattr(self, "_best", None)
             for old in checkpoint_lib.list_checkpoints(self.output_dir, self.run_id)[:-limit]:
-                if checkpoint_lib.is_our_checkpoint(old):
+                if checkpoint_lib.is_our_checkpoint(old) and (best is None or old.name != best[0]):
                     shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, path):
@@ -149,6 +188,8 @@ class Saving:
             source = checkpoint_lib.load_file(path, "batch_source.safetensors", "the batch source's state")
             self.source.load_state_dict({k: np.array(v) for k, v in source.items()})
         self.run_id = state.get("run_id") or self.run_id
+        if state.get("best_model_checkpoint") is not None:
+            self._best = (state["best_model_checkpoint"], float(state["best_metric"]))
         if path.resolve().parent == self.output_dir.resolve():
             self._saved_step = self.global_step  # this checkpoint is this run's
         if self.is_main:  # the steps after the checkpoint are trained again: do not repeat them

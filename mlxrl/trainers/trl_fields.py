@@ -16,7 +16,6 @@ DISTRIBUTED = "mlxrl runs one process per device on mx.distributed (mlx.launch; 
 DATA = "batches are prepared on one background thread of the trainer's process"
 HUB = "upload output_dir (its folders are in the Hub's layouts) with `huggingface-cli upload`"
 TORCH = "a torch option; mlxrl's step is compiled with mx.compile (--compile)"
-NO_BEST = "mlxrl does not track a best checkpoint; every checkpoint's eval metrics are in metrics.jsonl"
 LOGGING = "mlxrl logs every logging_steps optimizer steps to stdout and metrics.jsonl (report_to for W&B / TensorBoard)"
 EVAL = "mlxrl's evaluation computes the loss over the whole evaluation set (no predictions kept)"
 SCRIPTS = "a flag of HF's example scripts, which the Trainer itself ignores"
@@ -65,9 +64,6 @@ ELSEWHERE: dict[str, tuple[object, object, str]] = {
     "hub_strategy": ("str", "every_save", HUB),
     "hub_always_push": ("bool", False, HUB),
     "hub_revision": ("str | None", None, HUB),
-    "load_best_model_at_end": ("bool", False, NO_BEST),
-    "metric_for_best_model": ("str | None", None, NO_BEST),
-    "greater_is_better": ("bool | None", None, NO_BEST),
     "ignore_data_skip": ("bool", False, "a resumed run always continues from the data position it stopped at"),
     "restore_callback_states_from_checkpoint": ("bool", False, "mlxrl has no callbacks"),
     "full_determinism": ("bool", False, "a run is a function of its seed already (MLX's kernels are deterministic)"),
