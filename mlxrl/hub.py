@@ -25,6 +25,10 @@ class MlxrlError(Exception):
     The CLIs print it without a traceback and exit with status 2."""
 
 
+class ConfigError(MlxrlError, ValueError):
+    """A bad config value or file: one line naming the field (or the file and line)."""
+
+
 def _looks_like_path(name: str) -> bool:
     # Hub ids are exactly "owner/name"; anything else is meant as a folder.
     return name.startswith(("/", ".", "~")) or name.count("/") != 1

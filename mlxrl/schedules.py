@@ -20,6 +20,7 @@ transformers' `get_scheduler` step by step.
 
 from __future__ import annotations
 
+import json
 import math
 
 import mlx.core as mx
@@ -44,22 +45,26 @@ def warmup_steps(args, total_steps: int) -> int:
     return int(w) if w >= 1 else int(math.ceil(getattr(args, "warmup_ratio", 0.0) * total_steps))
 
 
-def scheduler_kwargs(args) -> dict:
-    """lr_scheduler_kwargs (a dict, or its JSON text from the command line), checked against the schedule."""
-    from .trainers.config import ConfigError, parse_mapping  # (the config module imports this one)
-
-    value = parse_mapping("lr_scheduler_kwargs", getattr(args, "lr_scheduler_kwargs", None), '{"min_lr_rate": 0.1}')
-    kind = args.lr_scheduler_type
+def check_options(kind: str, kw: dict) -> None:
+    """ValueError for an option the schedule `kind` does not take, or cosine_with_min_lr without its floor."""
     allowed = SCHEDULES.get(kind, ())
-    other = sorted(set(value) - set(allowed))
+    other = sorted(set(kw) - set(allowed))
     if other:
         takes = f"takes {', '.join(allowed)}" if allowed else "takes none"
-        raise ConfigError(f"lr_scheduler_kwargs: {', '.join(map(repr, other))} not an option of the {kind} "
-                          f"schedule (it {takes})")
-    if kind == "cosine_with_min_lr" and ("min_lr" in value) == ("min_lr_rate" in value):
-        raise ConfigError("lr_scheduler_type cosine_with_min_lr needs one of lr_scheduler_kwargs min_lr and "
-                          "min_lr_rate")
-    return value
+        raise ValueError(f"lr_scheduler_kwargs: {', '.join(map(repr, other))} not an option of the {kind} "
+                         f"schedule (it {takes})")
+    if kind == "cosine_with_min_lr" and ("min_lr" in kw) == ("min_lr_rate" in kw):
+        raise ValueError("lr_scheduler_type cosine_with_min_lr needs one of lr_scheduler_kwargs min_lr and "
+                         "min_lr_rate")
+
+
+def scheduler_kwargs(args) -> dict:
+    """lr_scheduler_kwargs as a dict (its JSON text from the command line parsed; `config.check_config` has
+    refused a malformed one in one line before the run)."""
+    value = getattr(args, "lr_scheduler_kwargs", None) or {}
+    kw = json.loads(value) if isinstance(value, str) else dict(value)
+    check_options(args.lr_scheduler_type, kw)
+    return kw
 
 
 def multiplier(kind: str, step, warmup: int, total: int, lr: float, kw: dict):

@@ -20,10 +20,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from ..hub import MlxrlError
+from ..hub import ConfigError, MlxrlError  # noqa: F401  (ConfigError: config's name for it)
 from ..optim import OPTIMIZERS, check_optim  # noqa: F401  (config.check_optim: the CLIs' and engine's door)
-from ..schedules import SCHEDULES, scheduler_kwargs
-from .trl_fields import ElsewhereArguments
+from ..schedules import SCHEDULES, check_options
+from .trl_fields import (  # noqa: F401  (check_model_dtype: the engine's door, as check_config)
+    ElsewhereArguments,
+    check_best_model,
+    check_model_dtype,
+    checkpointing_kwargs,
+    multiple_of,
+    parse_mapping,
+)
 
 
 def _f(default, help, **kw):
@@ -173,35 +180,6 @@ class TrainConfig(ElsewhereArguments):
             self.dtype = want
 
 
-def parse_mapping(name: str, value, example: str) -> dict:
-    """A mapping-valued field (TrainingArguments' *_kwargs): a dict (Python, YAML) or its JSON text (a flag);
-    None is empty. One-line ConfigError otherwise, showing `example`."""
-    import json
-
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ConfigError(f"{name} {value!r}: expected a JSON object such as {example}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name}: expected a mapping such as {example}, got {value!r}")
-    return value
-
-
-def checkpointing_kwargs(args) -> dict:
-    """activation_checkpointing_kwargs (or its old name), checked: its only key may be torch's use_reentrant
-    (both of torch's variants compute the same gradients; MLX has one)."""
-    out = {}
-    for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
-        value = parse_mapping(name, getattr(args, name, None), '{"use_reentrant": false}')
-        other = sorted(set(value) - {"use_reentrant"})
-        if other:
-            raise ConfigError(f"{name}: {', '.join(map(repr, other))} not supported (torch's checkpoint options; "
-                              "MLX's checkpointing has none but use_reentrant, which changes nothing here)")
-        out.update(value)
-    return out
 
 
 @dataclass
@@ -237,10 +215,6 @@ class SFTConfig(TrainConfig):
     neftune_noise_alpha: float | None = _f(None, "NEFTune: uniform noise in +-alpha / sqrt(L x hidden) added to the "
                                                  "input embeddings in training (L: the batch's longest row); TRL's "
                                                  "typical 5-15")
-
-
-class ConfigError(MlxrlError, ValueError):
-    """A bad config value or file: one line naming the field (or the file and line)."""
 
 
 def field_kind(tp) -> tuple[str, bool, type | None]:
@@ -402,7 +376,11 @@ def check_config(args, flags: bool = False) -> None:
     checkpointing_kwargs(args)
     multiple_of(args, flags)
     check_best_model(args, "--" if flags else "")
-    scheduler_kwargs(args)
+    options = parse_mapping("lr_scheduler_kwargs", getattr(args, "lr_scheduler_kwargs", None), '{"min_lr_rate": 0.1}')
+    try:
+        check_options(args.lr_scheduler_type, options)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for name in ("memory_limit", "cache_limit", "wired_limit"):
         value = getattr(args, name, None)
         if value is not None:
@@ -412,52 +390,6 @@ def check_config(args, flags: bool = False) -> None:
                 parse_size(value, 1 << 40, name=name)  # the syntax only: any memory size will do
             except ValueError as e:
                 raise ConfigError(f"{'--' if flags else ''}{e}") from None
-
-
-def check_best_model(args, p: str = "") -> None:
-    """load_best_model_at_end as transformers' TrainingArguments checks it: an evaluation, and checkpoints
-    saved when it runs (the same strategy; with steps, save_steps a multiple of eval_steps)."""
-    if not getattr(args, "load_best_model_at_end", False):
-        return
-    if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
-        raise ConfigError(f"{p}load_best_model_at_end needs {p}eval_strategy and {p}save_strategy to be the same "
-                          f"(steps or epoch), got {args.eval_strategy} and {args.save_strategy}")
-    every = args.eval_steps or args.logging_steps
-    if args.eval_strategy == "steps" and (not args.save_steps or args.save_steps % every):
-        raise ConfigError(f"{p}load_best_model_at_end needs {p}save_steps ({args.save_steps}) to be a multiple of "
-                          f"{p}eval_steps ({every}): a checkpoint where each evaluation runs")
-
-
-def best_metric_key(args) -> tuple[str, bool]:
-    """(log key of metric_for_best_model, whether greater is better), transformers' defaults."""
-    name = args.metric_for_best_model or "loss"
-    name = name if name.startswith("eval_") else f"eval_{name}"
-    greater = args.greater_is_better
-    return name, (name not in ("eval_loss",) and not name.endswith("_loss")) if greater is None else bool(greater)
-
-
-def check_model_dtype(args, dtype) -> None:
-    """bf16 set in a config (TRL's flag) must match the model given to the trainer: mlxrl computes in the
-    model's dtype and changes no parameter's dtype (the CLIs load the model in the dtype it asks for)."""
-    bf16 = getattr(args, "bf16", None)
-    if bf16 is not None and (str(dtype).endswith("bfloat16") != bool(bf16)):
-        want = "bfloat16" if bf16 else "float32"
-        raise ConfigError(f"bf16={bf16}, but the model computes in {str(dtype).split('.')[-1]}: load it in {want} "
-                          f"(mlxrl.load(..., dtype={want!r})) or leave bf16 unset")
-
-
-def multiple_of(args, flags: bool = False) -> int | None:
-    """pad_to_multiple_of as an int (None for unset or TRL's 'auto', which pads only on AWS Neuron)."""
-    value = getattr(args, "pad_to_multiple_of", None)
-    if value is None or str(value).strip().lower() == "auto":
-        return None
-    try:
-        m = int(str(value).strip())
-    except ValueError:
-        m = 0
-    if m < 1:
-        raise ConfigError(f"{'--' if flags else ''}pad_to_multiple_of {value!r}: must be a positive integer or 'auto'")
-    return m
 
 
 def check_quantization_flags(args, flags: bool = False) -> None:

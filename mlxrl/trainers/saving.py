@@ -22,8 +22,8 @@ from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX
-from .config import best_metric_key
 from .signals import TrainingInterrupted
+from .trl_fields import best_metric_key
 
 
 class Saving:

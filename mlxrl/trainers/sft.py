@@ -18,9 +18,10 @@ from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
 from ..tokens import IGNORE_INDEX
-from .config import SFTConfig, multiple_of
+from .config import SFTConfig
 from .engine import Trainer, hidden_rows
 from .tokenizer_args import apply_tokenizer_args
+from .trl_fields import multiple_of
 
 
 def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndarray:

@@ -4,13 +4,19 @@ Each is a field of every mlxrl config (`TrainConfig` inherits them from `Elsewhe
 TRL script, YAML file or command line that names one is read as TRL reads it: at TRL's default it
 is accepted (the default is what mlxrl does), any other value is refused by `config.check_config`
 in one line saying why and what to use instead. They are left out of `--help` (`hidden`).
-`tests/test_errors.py` checks that every field of TRL's SFTConfig, DPOConfig and GRPOConfig is a
+`tests/test_trl_fields.py` checks that every field of TRL's SFTConfig, DPOConfig and GRPOConfig is a
 field of ours, with TRL's default where it is one of these.
+
+Below them, the checks of the TRL / TrainingArguments fields that do work here and need more than a type,
+a range or a choice (`config.check_config` calls them): the *_kwargs mappings, pad_to_multiple_of,
+load_best_model_at_end, bf16 against the model given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from ..hub import ConfigError
 
 DISTRIBUTED = "mlxrl runs one process per device on mx.distributed (mlx.launch; README, Data-parallel training)"
 DATA = "batches are prepared on one background thread of the trainer's process"
@@ -107,3 +113,82 @@ ElsewhereArguments = dataclasses.make_dataclass(
                            for name, (annotation, default, why) in ELSEWHERE.items()])
 ElsewhereArguments.__doc__ = "TrainingArguments fields with no counterpart in mlxrl (see the module's docstring)."
 ElsewhereArguments.__module__ = __name__
+
+
+# ---------------------------------------------------------- the TRL fields that work: their checks
+
+def parse_mapping(name: str, value, example: str) -> dict:
+    """A mapping-valued field (TrainingArguments' *_kwargs): a dict (Python, YAML) or its JSON text (a flag);
+    None is empty. One-line ConfigError otherwise, showing `example`."""
+    import json
+
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"{name} {value!r}: expected a JSON object such as {example}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected a mapping such as {example}, got {value!r}")
+    return value
+
+
+def checkpointing_kwargs(args) -> dict:
+    """activation_checkpointing_kwargs (or its old name), checked: its only key may be torch's use_reentrant
+    (both of torch's variants compute the same gradients; MLX has one)."""
+    out = {}
+    for name in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+        value = parse_mapping(name, getattr(args, name, None), '{"use_reentrant": false}')
+        other = sorted(set(value) - {"use_reentrant"})
+        if other:
+            raise ConfigError(f"{name}: {', '.join(map(repr, other))} not supported (torch's checkpoint options; "
+                              "MLX's checkpointing has none but use_reentrant, which changes nothing here)")
+        out.update(value)
+    return out
+
+
+def check_best_model(args, p: str = "") -> None:
+    """load_best_model_at_end as transformers' TrainingArguments checks it: an evaluation, and checkpoints
+    saved when it runs (the same strategy; with steps, save_steps a multiple of eval_steps)."""
+    if not getattr(args, "load_best_model_at_end", False):
+        return
+    if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
+        raise ConfigError(f"{p}load_best_model_at_end needs {p}eval_strategy and {p}save_strategy to be the same "
+                          f"(steps or epoch), got {args.eval_strategy} and {args.save_strategy}")
+    every = args.eval_steps or args.logging_steps
+    if args.eval_strategy == "steps" and (not args.save_steps or args.save_steps % every):
+        raise ConfigError(f"{p}load_best_model_at_end needs {p}save_steps ({args.save_steps}) to be a multiple of "
+                          f"{p}eval_steps ({every}): a checkpoint where each evaluation runs")
+
+
+def best_metric_key(args) -> tuple[str, bool]:
+    """(log key of metric_for_best_model, whether greater is better), transformers' defaults."""
+    name = args.metric_for_best_model or "loss"
+    name = name if name.startswith("eval_") else f"eval_{name}"
+    greater = args.greater_is_better
+    return name, (name not in ("eval_loss",) and not name.endswith("_loss")) if greater is None else bool(greater)
+
+
+def check_model_dtype(args, dtype) -> None:
+    """bf16 set in a config (TRL's flag) must match the model given to the trainer: mlxrl computes in the
+    model's dtype and changes no parameter's dtype (the CLIs load the model in the dtype it asks for)."""
+    bf16 = getattr(args, "bf16", None)
+    if bf16 is not None and (str(dtype).endswith("bfloat16") != bool(bf16)):
+        want = "bfloat16" if bf16 else "float32"
+        raise ConfigError(f"bf16={bf16}, but the model computes in {str(dtype).split('.')[-1]}: load it in {want} "
+                          f"(mlxrl.load(..., dtype={want!r})) or leave bf16 unset")
+
+
+def multiple_of(args, flags: bool = False) -> int | None:
+    """pad_to_multiple_of as an int (None for unset or TRL's 'auto', which pads only on AWS Neuron)."""
+    value = getattr(args, "pad_to_multiple_of", None)
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    try:
+        m = int(str(value).strip())
+    except ValueError:
+        m = 0
+    if m < 1:
+        raise ConfigError(f"{'--' if flags else ''}pad_to_multiple_of {value!r}: must be a positive integer or 'auto'")
+    return m
