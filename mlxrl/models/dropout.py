@@ -134,4 +134,3 @@ def embedding_noise(h: mx.array, scale: mx.array | None, training: bool) -> mx.a
         return h
     noise = mx.random.uniform(-1.0, 1.0, h.shape, dtype=mx.float32, key=next_key())
     return h + (noise * scale.astype(mx.float32)).astype(h.dtype)
-
