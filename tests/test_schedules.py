@@ -53,5 +53,6 @@ def test_warmup_ratio_and_bad_options():
         check_config(SFTConfig(lr_scheduler_type="cosine_with_min_lr"))
     with pytest.raises(ConfigError, match="must be one of linear, cosine"):
         check_config(SFTConfig(lr_scheduler_type="reduce_lr_on_plateau"))
-    with pytest.raises(ConfigError, match="warmup_steps 2.5: must be a whole number"):
-        check_config(SFTConfig(warmup_steps=2.5))
+    for bad in (2.5, -1):
+        with pytest.raises(ConfigError, match=f"warmup_steps {bad:g}: must be >= 0: a whole number"):
+            check_config(SFTConfig(warmup_steps=bad))

@@ -253,8 +253,8 @@ RANGES = {
     "per_device_eval_batch_size": _POSITIVE_INT,
     "gradient_accumulation_steps": _POSITIVE_INT,
     "warmup_ratio": _range(lambda v: 0 <= v <= 1, "in [0, 1] (a fraction of the training steps)"),
-    "warmup_steps": _range(lambda v: 0 <= v < 1 or float(v).is_integer(), "a whole number of steps, or a fraction "
-                                                                         "in [0, 1) of the training steps"),
+    "warmup_steps": _range(lambda v: v >= 0 and (v < 1 or float(v).is_integer()),
+                           ">= 0: a whole number of steps, or a fraction in [0, 1) of the training steps"),
     "weight_decay": _NON_NEGATIVE,
     "adam_beta1": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
     "adam_beta2": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
