@@ -204,7 +204,7 @@ FLAG_CASES = [
     ("scheduler kwargs option", "sft", ["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"power": 2}'],
      ["'power' not an option of the cosine schedule"]),
     ("pad multiple 0", "sft", ["--pad_to_multiple_of", "0"], ["--pad_to_multiple_of '0'", "positive integer"]),
-    ("best model without eval", "sft", ["--load_best_model_at_end"], ["--load_best_model_at_end needs --eval_strategy"]),
+    ("best model without eval", "sft", ["--load_best_model_at_end"], ["--load_best_model_at_end needs --eval"]),
     ("neftune 0", "sft", ["--neftune_noise_alpha", "0"], ["--neftune_noise_alpha 0", "> 0"]),
     ("checkpointing kwargs", "sft", ["--gradient_checkpointing_kwargs", '{"preserve_rng_state": true}'],
      ["gradient_checkpointing_kwargs", "use_reentrant"]),
