@@ -293,3 +293,20 @@ def test_load_best_model_at_end_checks(tiny_checkpoint, tmp_path):
     t.eval_examples = t.train_examples[:2]
     with pytest.raises(mlxrl.MlxrlError, match="metric_for_best_model 'accuracy' is not an evaluation metric"):
         t.train()
+
+
+def test_dpo_pad_to_multiple_of_changes_nothing_but_the_width(tiny_checkpoint, tmp_path):
+    from mlxrl.trainers.dpo import DPOTrainer
+
+    rows = [{"prompt": f"Question {i}?", "chosen": " a fine answer" * (i + 1), "rejected": " no"} for i in range(4)]
+    losses = []
+    for m in ("auto", "48"):
+        model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+        t = DPOTrainer(model, processor, DPOConfig(output_dir=str(tmp_path / m), max_length=128, compile=False,
+                                                   gradient_checkpointing=False, disable_tqdm=True, save_steps=0,
+                                                   pad_to_multiple_of=m), train_dataset=rows)
+        batch = t._batches_of(t.train_examples, 0, False, 4)[0]
+        assert m == "auto" or batch["input_ids"].shape[1] % 48 == 0
+        arrays = t.gradient_free_inputs(t.to_device(batch))
+        losses.append(t.loss(t.model, arrays, mx.array(float(batch["num_pairs"])))[0].item())
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])

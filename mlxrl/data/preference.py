@@ -284,17 +284,20 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
                             pad_token_id: int, seq_buckets: Sequence[int] | None = None,
                             padding_free: bool = False, shuffle: bool = True, seed: int = 0, epoch: int = 0,
                             ld_alpha: float | None = None, bucket_rows: bool = True, num_shards: int = 1,
-                            shard: int = 0, drop_last: bool = False) -> list[dict]:
+                            shard: int = 0, drop_last: bool = False,
+                            pad_to_multiple_of: int | None = None) -> list[dict]:
     """One epoch of pair batches (the same for the same seed and epoch); the last may hold fewer pairs
     (dropped with ``drop_last``). num_shards / shard: data-parallel ranks get their slice of each global
-    batch of ``batch_size * num_shards`` pairs (as `mlxrl.data.make_batches`)."""
+    batch of ``batch_size * num_shards`` pairs (as `mlxrl.data.make_batches`). The length buckets are
+    rounded up to multiples of ``pad_to_multiple_of``."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     longest = max((len(e) for e in examples), default=1)
     limit = max(max_length or longest, longest)
     if seq_buckets is None:
         seq_buckets = default_buckets(limit * 2 * batch_size if padding_free else limit, smallest=32)
-    buckets = sorted(int(x) for x in seq_buckets)
+    m = pad_to_multiple_of or 1
+    buckets = sorted({-(-int(x) // m) * m for x in seq_buckets})
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     size = batch_size * num_shards

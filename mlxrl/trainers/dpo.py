@@ -47,6 +47,7 @@ from ..losses.head import head_logprobs
 from ..models.reference import adapters_disabled, frozen_copy
 from .config import TrainConfig, _f, check_config, refused
 from .engine import Trainer, hidden_rows
+from .trl_fields import multiple_of
 
 __all__ = ["DPOConfig", "DPOTrainer"]
 
@@ -68,7 +69,8 @@ class DPOConfig(TrainConfig):
     truncation_mode: str = _f("keep_start", "keep_start | keep_end (deprecated in TRL; text only)")
     padding_free: bool = _f(False, "concatenate the 2B sequences of a batch into one row without padding "
                                    "(TRL 1.16 falls back to padding; mlxrl does it)")
-    pad_to_multiple_of: str | None = _f("auto", "not supported beyond 'auto' (rows are padded to seq_buckets)")
+    pad_to_multiple_of: str | None = _f("auto", "pad every row's length up to a multiple of this (on top of "
+                                                "seq_buckets); 'auto' or unset: no extra padding")
     precompute_ref_log_probs: bool = _f(False, "compute the reference log-probs of the whole dataset before "
                                                "training (no reference kept in memory)")
     precompute_ref_batch_size: int | None = _f(None, "pairs per batch when precomputing (default: the train / "
@@ -109,9 +111,6 @@ class DPOConfig(TrainConfig):
 def check_dpo_config(args: DPOConfig) -> None:
     """One-line ValueErrors for unsupported or inconsistent settings (TRL's checks plus ours)."""
     check_config(args)  # types, ranges, choices and the refused TRL fields
-    if args.pad_to_multiple_of not in ("auto", None, "none", "None"):
-        raise ValueError(f"pad_to_multiple_of={args.pad_to_multiple_of!r} is not supported: rows are padded to "
-                         "length buckets (set seq_buckets)")
     unknown = [t for t in args.loss_type if t not in DPO_LOSSES]
     if unknown or not args.loss_type:
         raise ValueError(f"unknown loss_type {unknown}; valid: {', '.join(DPO_LOSSES)}")
@@ -199,7 +198,8 @@ class DPOTrainer(Trainer):
                                        padding_free=a.padding_free, shuffle=shuffle, seed=self.data_seed,
                                        epoch=epoch, ld_alpha=a.ld_alpha, bucket_rows=a.compile,
                                        num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0,
-                                       drop_last=a.dataloader_drop_last and shuffle)
+                                       drop_last=a.dataloader_drop_last and shuffle,
+                                       pad_to_multiple_of=multiple_of(a))
 
     def make_batches(self, epoch):
         return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, shard=True)
