@@ -25,6 +25,8 @@ import math
 
 import mlx.core as mx
 
+from .hub import ConfigError
+
 # name -> the lr_scheduler_kwargs it accepts
 SCHEDULES = {
     "linear": (),
@@ -46,15 +48,16 @@ def warmup_steps(args, total_steps: int) -> int:
 
 
 def check_options(kind: str, kw: dict) -> None:
-    """ValueError for an option the schedule `kind` does not take, or cosine_with_min_lr without its floor."""
+    """One-line ConfigError for an option the schedule `kind` does not take, or cosine_with_min_lr without
+    its floor."""
     allowed = SCHEDULES.get(kind, ())
     other = sorted(set(kw) - set(allowed))
     if other:
         takes = f"takes {', '.join(allowed)}" if allowed else "takes none"
-        raise ValueError(f"lr_scheduler_kwargs: {', '.join(map(repr, other))} not an option of the {kind} "
+        raise ConfigError(f"lr_scheduler_kwargs: {', '.join(map(repr, other))} not an option of the {kind} "
                          f"schedule (it {takes})")
     if kind == "cosine_with_min_lr" and ("min_lr" in kw) == ("min_lr_rate" in kw):
-        raise ValueError("lr_scheduler_type cosine_with_min_lr needs one of lr_scheduler_kwargs min_lr and "
+        raise ConfigError("lr_scheduler_type cosine_with_min_lr needs one of lr_scheduler_kwargs min_lr and "
                          "min_lr_rate")
 
 

@@ -54,6 +54,12 @@ def default_buckets(max_length: int, smallest: int = 64) -> tuple[int, ...]:
     return (*out, max_length)
 
 
+def padded_buckets(seq_buckets: Sequence[int], multiple: int | None = None) -> list[int]:
+    """The sorted sequence buckets, each rounded up to a multiple of `multiple` (pad_to_multiple_of)."""
+    m = multiple or 1
+    return sorted({-(-int(b) // m) * m for b in seq_buckets})
+
+
 def shape_key(batch: Batch) -> tuple[int, int, int]:
     """(rows, sequence length, image patches): what a compiled step is specialised on."""
     patches = 0 if batch.pixel_values is None else int(batch.pixel_values.shape[0])
@@ -141,8 +147,7 @@ def make_batches(examples: Sequence[Example], batch_size: int, *, packing: bool 
         rows = [[(int(order[j]), s, e) for j, s, e in row] for row in pack_wrapped(ordered, max_length)]
     if seq_buckets is None:
         seq_buckets = default_buckets(max_length * batch_size if padding_free else max_length)
-    m = pad_to_multiple_of or 1
-    buckets = sorted({-(-int(b) // m) * m for b in seq_buckets})
+    buckets = padded_buckets(seq_buckets, pad_to_multiple_of)
     groups = [rows[k:k + batch_size] for k in range(0, len(rows), batch_size)]
     if drop_last:
         groups = [g for g in groups if len(g) == batch_size]

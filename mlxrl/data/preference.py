@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..tokens import IGNORE_INDEX
-from .batches import default_buckets, fit_bucket, right_padded
+from .batches import default_buckets, fit_bucket, padded_buckets, right_padded
 from .formats import (
     DataError,
     chatml,
@@ -296,8 +296,7 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
     limit = max(max_length or longest, longest)
     if seq_buckets is None:
         seq_buckets = default_buckets(limit * 2 * batch_size if padding_free else limit, smallest=32)
-    m = pad_to_multiple_of or 1
-    buckets = sorted({-(-int(x) // m) * m for x in seq_buckets})
+    buckets = padded_buckets(seq_buckets, pad_to_multiple_of)
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     size = batch_size * num_shards

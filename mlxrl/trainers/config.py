@@ -376,11 +376,8 @@ def check_config(args, flags: bool = False) -> None:
     checkpointing_kwargs(args)
     multiple_of(args, flags)
     check_best_model(args, "--" if flags else "")
-    options = parse_mapping("lr_scheduler_kwargs", getattr(args, "lr_scheduler_kwargs", None), '{"min_lr_rate": 0.1}')
-    try:
-        check_options(args.lr_scheduler_type, options)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    options = getattr(args, "lr_scheduler_kwargs", None)
+    check_options(args.lr_scheduler_type, parse_mapping("lr_scheduler_kwargs", options, '{"min_lr_rate": 0.1}'))
     for name in ("memory_limit", "cache_limit", "wired_limit"):
         value = getattr(args, name, None)
         if value is not None:
