@@ -34,7 +34,7 @@ import mlx.core as mx
 from .cpu import fastmath
 from .generation import continue_positions, is_vl, prompt_positions, repeat_prompts
 from .losses.head import head_logprobs
-from .models import dropout
+from .models import checkpointing
 from .models.language import attention_mask_for
 from .models.vl import merge_image_features
 from .tokens import IGNORE_INDEX
@@ -173,12 +173,11 @@ def shared_prompt_hidden(
         hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G, bounds))  # its G completions
         return hp, hc
 
-    for i, layer in enumerate(lm.layers):
-        fn = dropout.keyed(layer, lambda *a, _l=layer: run_layer(_l, *a), checkpoint=lm.gradient_checkpointing,
-                           keep_attention=lm.keep_attention)
-        hp, hc = fn(hp, hc, cos_p, sin_p, cos_c, sin_c)
-        if deepstack is not None and i < len(feats):
-            hp = hp + mx.where(vis_mask[..., None], feats[i][vis_idx].astype(hp.dtype), 0)
+    def add(carry, feat):  # Qwen3-VL's deepstack features: the prompt's visual positions
+        return carry[0] + mx.where(vis_mask[..., None], feat[vis_idx].astype(carry[0].dtype), 0), carry[1]
+
+    hp, hc = checkpointing.run_layers(lm, run_layer, (hp, hc), (cos_p, sin_p, cos_c, sin_c), add,
+                                      feats if deepstack is not None else ())
 
     # the prompt's last real token predicts the first completion token of each of its G rows
     last = mx.take_along_axis(hp, _last_real(prompt_mask)[:, None, None], axis=1)  # [P, 1, D]

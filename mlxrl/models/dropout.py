@@ -55,7 +55,7 @@ def scope(key: mx.array | None):
         _KEYS.pop()
 
 
-def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool = False):
+def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool = False, key: mx.array | None = None):
     """`fn` (a call of `module`) run with one key for its `Dropout` masks, drawn per call; with `checkpoint`,
     as `nn.utils.checkpoint(module, fn)` whose recomputation sees the same masks as the forward. The masks
     are the same with and without checkpointing (a tiled MLP, `models.tiled`, draws one key per tile: the
@@ -64,7 +64,10 @@ def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool 
     keep_attention (with checkpoint, in training): the recomputation reuses the forward's FlashAttention
     outputs instead of running the attention again (`fastmath.KeptAttention`; the native kernel path only,
     elsewhere the attention is recomputed). `mx.checkpoint` traces `fn` twice per call: the forward, then
-    the recomputation when the backward is built; each call gets its own keeper, which tells them apart."""
+    the recomputation when the backward is built; each call gets its own keeper, which tells them apart.
+
+    key: the key of the call (in training), drawn by the caller; None: a fresh one per call
+    (`models.checkpointing` draws a segment's keys before it and passes each in)."""
     keep, training = checkpoint and keep_attention, module.training
     if not training and not keep:
         return nn.utils.checkpoint(module, fn) if checkpoint else fn
@@ -84,8 +87,8 @@ def keyed(module: nn.Module, fn, checkpoint: bool = False, keep_attention: bool 
                     keeper.replay = True  # the next trace of this call is the backward's recomputation
 
         inner = nn.utils.checkpoint(module, run) if checkpoint else run
-        key = fresh_key() if training else mx.zeros((2,), mx.uint32)  # eval: no masks, no draw
-        return inner(mx.stop_gradient(key), *args)
+        k = (fresh_key() if key is None else key) if training else mx.zeros((2,), mx.uint32)  # eval: no draw
+        return inner(mx.stop_gradient(k), *args)
 
     return call
 

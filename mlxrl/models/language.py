@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cpu import fastmath
-from . import dropout
+from . import checkpointing
 from .tiled import tiled
 
 
@@ -244,6 +244,15 @@ class LanguageModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.keep_attention = False  # with checkpointing: the recomputation reuses the forward's attention
+        self.checkpoint_segments = 0  # with checkpointing: the layers also checkpointed in this many segments
+
+    def set_checkpointing(self, on: bool, keep_attention: bool = False, segments: int = 0) -> None:
+        """Gradient checkpointing per decoder layer (`on`), the recomputation reusing the forward's attention
+        (`keep_attention`), the layers checkpointed in `segments` nested segments too (`models.checkpointing`;
+        0: off). ConfigError for a combination that cannot apply."""
+        checkpointing.check_segments(int(segments or 0), len(self.layers), bool(on), bool(keep_attention))
+        self.gradient_checkpointing, self.keep_attention = bool(on), bool(keep_attention)
+        self.checkpoint_segments = int(segments or 0)
 
     def tile_mlp(self, tokens: int) -> None:
         """Run every layer's MLP in tiles of `tokens` positions, recomputed tile by tile in the backward
@@ -266,22 +275,22 @@ class LanguageModel(nn.Module):
         """
         cos, sin = self.rotary_emb(position_ids)
         h = inputs_embeds
+        add, feats = None, ()
         if deepstack is not None:
             vis_mask, feats = deepstack
             # row of each visual token in the flat feature list (index arithmetic, no scatter loop)
             idx = mx.maximum(mx.cumsum(vis_mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(vis_mask.shape)
-        caches = cache if cache is not None else [None] * len(self.layers)
-        for i, (layer, c) in enumerate(zip(self.layers, caches, strict=True)):
-            if c is None:
-                # one dropout key per layer call; with checkpointing the layer is recomputed in backward
-                # with the same masks (`dropout.keyed`); mask may be the string "causal", so close over it
-                run = dropout.keyed(layer, lambda x, c_, s_, _l=layer: _l(x, c_, s_, mask),
-                                    checkpoint=self.gradient_checkpointing, keep_attention=self.keep_attention)
-                h = run(h, cos, sin)
-            else:
-                h = layer(h, cos, sin, mask, c)
-            if deepstack is not None and i < len(feats):
-                h = h + mx.where(vis_mask[..., None], feats[i][idx].astype(h.dtype), 0)
+
+            def add(c, feat):
+                return (c[0] + mx.where(vis_mask[..., None], feat[idx].astype(c[0].dtype), 0),)
+        if cache is None:  # one dropout key per layer call: a checkpointed layer is recomputed with the same masks
+            h, = checkpointing.run_layers(self, lambda layer, x, c_, s_: (layer(x, c_, s_, mask),), (h,), (cos, sin),
+                                          add, feats)
+            return self.norm(h)
+        for i, (layer, c) in enumerate(zip(self.layers, cache, strict=True)):
+            h = layer(h, cos, sin, mask, c)
+            if i < len(feats):
+                h, = add((h,), feats[i])
         return self.norm(h)
 
 

@@ -91,6 +91,11 @@ class TrainConfig(ElsewhereArguments):
                                      "backward (faster at long sequences; 4 x tokens x q heads x (head_dim + 1) bytes "
                                      "more per layer; the native CPU kernel path, elsewhere the attention is "
                                      "recomputed)")
+    checkpoint_segments: int = _f(0, "(mlxrl) with gradient_checkpointing: also checkpoint the decoder layers in this "
+                                     "many consecutive segments (torch's checkpoint_sequential, nested around each "
+                                     "layer's checkpoint): S + ceil(L / S) - 1 layer inputs kept instead of L, for one "
+                                     "more forward of every layer (round(sqrt(L)) keeps the fewest: 5 for 28 layers); "
+                                     "0: off. For long sequences that do not fit otherwise (mlxrl.plan suggests it)")
     tiled_mlp: bool | None = _f(None, "(mlxrl) run each decoder layer's MLP over the sequence in tiles of "
                                       "tiled_mlp_tokens positions, recomputed tile by tile in the backward, so no "
                                       "[tokens, intermediate] array exists for the whole sequence (default: on with "
@@ -252,6 +257,8 @@ RANGES = {
     "per_device_train_batch_size": _POSITIVE_INT,
     "per_device_eval_batch_size": _POSITIVE_INT,
     "gradient_accumulation_steps": _POSITIVE_INT,
+    "checkpoint_segments": _range(lambda v: v == 0 or v >= 2, "0 (off) or at least 2 segments (one segment keeps "
+                                                              "every layer's input: nothing saved)"),
     "warmup_ratio": _range(lambda v: 0 <= v <= 1, "in [0, 1] (a fraction of the training steps)"),
     "warmup_steps": _range(lambda v: v >= 0 and (v < 1 or float(v).is_integer()),
                            ">= 0: a whole number of steps, or a fraction in [0, 1) of the training steps"),

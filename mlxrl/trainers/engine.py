@@ -125,7 +125,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
                              "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
         lm = m.language_model
-        lm.gradient_checkpointing, lm.keep_attention = bool(a.gradient_checkpointing), bool(a.keep_attention)
+        lm.set_checkpointing(a.gradient_checkpointing, a.keep_attention, a.checkpoint_segments)
         lm.tile_mlp(tile_tokens_for(a, lm.config.hidden_size))
         if a.keep_attention and (not a.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
             warnings.warn("keep_attention has no effect in this run: it needs gradient_checkpointing and the native "
