@@ -52,6 +52,9 @@ Sides, each in its own subprocess:
            memory saving and its cost, side by side).
   ours_f32base  the same with keep_frozen_dtype=False: a bfloat16 checkpoint's (--ckpt_dtype bfloat16) frozen
            base read all in float32, where ours keeps its linears in bfloat16 (`mlxrl.models.widened`).
+  ours_seg the same with checkpoint_segments=round(sqrt(layers)) (the layers also checkpointed in nested
+           segments, `mlxrl.models.checkpointing`: fewer layer inputs kept, one more forward). `--checkpoint_segments
+           N` sets it on every side of ours and in the frontier's planner.
   trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
            AutoModelForCausalLM / Qwen3VLForConditionalGeneration; Qwen3VLProcessor with the PIL image
            processor for VL: no torchvision here). Its process never imports mlxrl (see bench_sft.run_peak).
@@ -115,6 +118,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -374,7 +378,17 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
                      learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
                      max_length=max_length, gradient_checkpointing=True, seed=42,
                      keep_attention=s.get("keep_attention", False), tiled_mlp=s.get("tiled_mlp"),
-                     keep_frozen_dtype=s.get("keep_frozen_dtype", True), **kw)
+                     keep_frozen_dtype=s.get("keep_frozen_dtype", True),
+                     checkpoint_segments=_segments(s), **kw)
+
+
+def _segments(s: dict) -> int:
+    """checkpoint_segments of our run: s["segments"] (-1: round(sqrt(decoder layers)), the fewest kept inputs)."""
+    n = int(s.get("segments") or 0)
+    if n < 0:
+        config = json.loads((Path(s["ckpt"]) / "config.json").read_text())
+        n = round(math.sqrt(config.get("text_config", config)["num_hidden_layers"]))
+    return n
 
 
 def run_plan(s: dict) -> dict:
@@ -644,7 +658,8 @@ def run_grpo_trl(s: dict) -> dict:
 CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours,
             "ours_keep": lambda s: run_ours({**s, "keep_attention": True}),
             "ours_untiled": lambda s: run_ours({**s, "tiled_mlp": False}),
-            "ours_f32base": lambda s: run_ours({**s, "keep_frozen_dtype": False}), "trl": run_trl, "mlxlm": run_mlxlm,
+            "ours_f32base": lambda s: run_ours({**s, "keep_frozen_dtype": False}),
+            "ours_seg": lambda s: run_ours({**s, "segments": -1}), "trl": run_trl, "mlxlm": run_mlxlm,
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
             "grpo_trl": run_grpo_trl, "gpu_peak": run_gpu_peak}
 
@@ -792,6 +807,7 @@ def summarise_sft(r: dict, warmup: int, max_length: int) -> dict:
 
 
 NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "ours_untiled": "mlxrl untiled", "ours_f32base": "mlxrl f32base",
+         "ours_seg": "mlxrl segments",
          "trl": "TRL", "mlxlm": "mlx-lm",
          "grpo_shared": "mlxrl shared", "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
 
@@ -804,7 +820,7 @@ def sft_spec(a, folder: Path, out: Path, mode: str, t: int, vl: bool) -> dict:
     return {"ckpt": str(folder), "out": str(out), "mode": mode, "bits": a.quant, "q_group_size": a.q_group_size,
             "max_length": t, "steps": a.steps, "warmup": a.warmup, "lr": a.lr_full if mode == "full" else a.lr_lora,
             "lora_dropout": a.lora_dropout, "vl": vl, "images": a.images, "image_px": a.image_px,
-            "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu}
+            "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu, "segments": a.checkpoint_segments}
 
 
 def run_frontier(a, root: Path, tmp: Path, env) -> dict:
@@ -956,7 +972,7 @@ def print_sft(a, results: list, peak: float) -> None:
         line = f"  {e['flops'] / 1e12:.3f} TFLOP/step (model); rows identical: {same}"
         if images:
             line += f"; image tokens per row {images}"
-        for mine in ("ours", "ours_keep", "ours_untiled", "ours_f32base"):
+        for mine in ("ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg"):
             if mine not in ok:
                 continue
             o = ok[mine]
@@ -1021,9 +1037,13 @@ def main(argv=None):
                          "too), or the decoder linears only (ours' set)")
     ap.add_argument("--max_length", type=int, nargs="+", default=[4096], help="tokens per row (batch 1)")
     ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"],
-                    choices=["ours", "ours_keep", "ours_untiled", "ours_f32base", "trl", "mlxlm"],
+                    choices=["ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg", "trl", "mlxlm"],
                     help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output); "
-                         "ours_untiled: mlxrl with tiled_mlp=False; ours_f32base: with keep_frozen_dtype=False")
+                         "ours_untiled: mlxrl with tiled_mlp=False; ours_f32base: with keep_frozen_dtype=False; "
+                         "ours_seg: with checkpoint_segments round(sqrt(layers))")
+    ap.add_argument("--checkpoint_segments", type=int, default=0,
+                    help="checkpoint_segments on every side of ours and in the frontier's planner (-1: "
+                         "round(sqrt(layers)); default 0: off)")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     ap.add_argument("--lr_full", type=float, default=1e-5)

@@ -16,6 +16,7 @@ from ..data.preference import row_bucket
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
+from ..models.checkpointing import kept_inputs
 from ..models.language import SCORE_COPIES, layer_saved_bytes, lora_saved_bytes
 from ..models.tiled import tile_tokens_for
 from ..models.widened import kept_saving
@@ -42,13 +43,12 @@ DEFAULT_PROMPT_LENGTH = 512  # GRPO prompt tokens when --prompt_length is not gi
 
 def load_config(model: str | os.PathLike | None = None) -> dict:
     """config.json of a local folder or cached Hub id (weights are never read); None: the embedded default."""
+    from ..hub import resolve_model_path
     from ..loading import DEFAULT_CONFIG, read_config
 
     if model is None:
         cfg = json.loads(Path(DEFAULT_CONFIG).read_text())
     else:
-        from ..hub import resolve_model_path
-
         p = Path(model).expanduser()
         cfg = read_config(p if (p / "config.json").exists() else resolve_model_path(str(model)))
     cfg.pop("preprocessor_config", None)
@@ -143,8 +143,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
     in_layers = sum(nbytes(k, v) for k, v in trainable if ".layers." in k and "visual" not in k)
     n_train = sum(v.size for _, v in trainable)
     n_master = 0 if s == 4 else sum(v.size for k, v in trainable if "lora_" not in k)
-    t = _text_config(cfg)
-    lm = model.language_model.config
+    t, lm = _text_config(cfg), model.language_model.config
     vision = None
     if "vision_config" in cfg:
         vc = cfg["vision_config"]
@@ -215,7 +214,9 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     tile = tile_tokens_for(args, a.D, checkpointing) if native_cpu(args) else 0
     layer = per_layer(tile)
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
-    kept = a.layers * (s * sh.tokens * a.D + kept_attention_bytes(a, args, sh) if checkpointing else layer)
+    segments = getattr(args, "checkpoint_segments", 0) or 0  # nested segments keep fewer layer inputs
+    kept = (kept_inputs(a.layers, segments) * s * sh.tokens * a.D + a.layers * kept_attention_bytes(a, args, sh)
+            if checkpointing else a.layers * layer)
     drained = drains_queue(args, sh.tokens, max(a.D, a.heads * a.head_dim))
     ckpt = ckpt_layers(trainer, drained)
     live = layer
@@ -307,8 +308,7 @@ def vision_bytes(a: Arch, args, B: int, s: int, images: int, image_size: int | N
 def image_tokens(a: Arch, images: int, image_size: int | None) -> int:
     if not images or not a.vision or not image_size:
         return 0
-    v = a.vision
-    return images * (image_size // v["patch"]) ** 2 // (v["merge"] ** 2)
+    return images * (image_size // a.vision["patch"]) ** 2 // (a.vision["merge"] ** 2)
 
 
 def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, str]:
@@ -383,8 +383,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     L_img = image_tokens(a, images, image_size)
     sh = _shape(args, trainer, L_img, prompt_length)
     W, T = a.weight_bytes, a.trainable_bytes
-    accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-    ckpt = bool(getattr(args, "gradient_checkpointing", False))
+    accum, ckpt = int(getattr(args, "gradient_accumulation_steps", 1) or 1), bool(args.gradient_checkpointing)
     act = {c: activations(a, args, sh, s, c, trainer) for c in (True, False)}
     q = quantization_of(cfg, args)
     what = (f"{q[0]}-bit base (group {q[1]}: {q[0] + 32 / q[1]:g} bits per quantized weight), float embedding / "
@@ -409,7 +408,8 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
         ref = T
         out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
-    out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' if ckpt else 'off'} "
+    segments = f" in {args.checkpoint_segments} segments" if ckpt and getattr(args, "checkpoint_segments", 0) else ""
+    out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' + segments if ckpt else 'off'} "
                                              f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
     head = head_bytes(a, args, sh.rows, s, trainer)
     chunk = args.chunk_size or default_chunk_size(sh.rows, a.V, width=a.D)

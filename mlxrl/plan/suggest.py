@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .report import dtype_bytes
 
 
-def _candidates(args, trainer: str):
+def _candidates(args, trainer: str, layers: int = 0):
     """Changes in the order of how little they change the run: same result (chunk size, the attention
-    recomputed, the MLP in tiles, checkpointing, smaller micro-batches with more accumulation), then bf16
+    recomputed, the MLP in tiles, checkpointing, smaller micro-batches with more accumulation, the layers
+    checkpointed in nested segments: one more forward), then bf16
     weights without a float32 master copy (stochastic rounding), a smaller adapter, LoRA instead of full
     fine-tuning, a shorter max_length, fewer generations, and last a 4-bit base (QLoRA)."""
     yield {"chunk_size": 1024}
@@ -29,6 +31,14 @@ def _candidates(args, trainer: str):
         yield same
         if not args.gradient_checkpointing:
             yield {**same, "gradient_checkpointing": True}
+    segments = round(math.sqrt(layers))  # the fewest layer inputs kept (`models.checkpointing.kept_inputs`)
+    if 2 <= segments < layers and getattr(args, "checkpoint_segments", 0) != segments:
+        change = {"checkpoint_segments": segments}
+        if not args.gradient_checkpointing:
+            change["gradient_checkpointing"] = True
+        if getattr(args, "keep_attention", False):
+            change["keep_attention"] = False
+        yield change
     if dtype_bytes(args) != 4 and not args.use_peft and getattr(args, "master_weights", True):
         yield {"master_weights": False}
     if args.use_peft:
@@ -85,7 +95,8 @@ def suggest_change(predict, cfg: dict, args, trainer: str, limit: int | None, **
             return None
 
     longer = getattr(args, "max_length", None)  # the last max_length that did not fit
-    for change in _candidates(args, trainer):
+    layers = int({**cfg, **cfg.get("text_config", {})}.get("num_hidden_layers", 0) or 0)
+    for change in _candidates(args, trainer, layers):
         t = total(change)
         if set(change) == {"max_length"}:
             if t is not None and t <= limit:
@@ -94,7 +105,7 @@ def suggest_change(predict, cfg: dict, args, trainer: str, limit: int | None, **
         elif t is not None and t <= limit:
             return change, t
     combined, best = {}, predict(cfg, args, trainer, memory_limit=limit, suggest=False, **kw).total
-    for change in _candidates(args, trainer):
+    for change in _candidates(args, trainer, layers):
         trial = {**combined, **change}  # a later, stronger value of the same knob replaces the earlier one
         t = total(trial)
         if t is not None and t < best:
