@@ -185,6 +185,13 @@ FLAG_CASES = [
     ("seed negative", "sft", ["--seed", "-1"], ["--seed", "2**32"]),
     ("eval_split 1", "sft", ["--eval_split", "1"], ["--eval_split", "[0, 1)"]),
     ("chunk_size 0", "sft", ["--chunk_size", "0"], ["--chunk_size", ">= 1"]),
+    ("checkpoint_segments 1", "sft", ["--checkpoint_segments", "1"], ["--checkpoint_segments 1", "at least 2"]),
+    ("segments over the layers", "sft", ["--checkpoint_segments", "4"],
+     ["checkpoint_segments 4", "between 2 and 3", "4 decoder layers"]),
+    ("segments without checkpointing", "sft", ["--checkpoint_segments", "2", "--gradient_checkpointing", "false"],
+     ["--checkpoint_segments", "turn --gradient_checkpointing on"]),
+    ("segments and keep_attention", "sft", ["--checkpoint_segments", "2", "--keep_attention", "true"],
+     ["--keep_attention", "use one of them"]),
     ("seq_buckets 0", "sft", ["--seq_buckets", "64", "0"], ["--seq_buckets", ">= 1"]),
     ("memory_limit lots", "sft", ["--memory_limit", "lots"], ["--memory_limit 'lots'", "12GB"]),
     ("cache_limit 1.5", "sft", ["--cache_limit", "1.5"], ["--cache_limit", "fraction"]),
@@ -403,6 +410,8 @@ MODEL_CASES = [
     ("config unsupported type", _set(model_type="llama"), ["config.json", "unsupported model_type 'llama'"]),
     ("config not json", lambda p, c: p.write_text("{oops"), ["config.json", "not valid JSON"]),
     ("config a list", lambda p, c: p.write_text("[1, 2]"), ["config.json", "JSON object"]),
+    ("rope type dynamic", _set(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     ["config.json", "rope type 'dynamic' is not supported yet", "yarn"]),
 ]
 
 

@@ -168,6 +168,8 @@ def test_refusals():
 
     with pytest.raises(ConfigError, match="checkpoint_segments 1: must be 0"):
         check_config(SFTConfig(output_dir="out", checkpoint_segments=1), flags=True)
+    with pytest.raises(ConfigError, match="--checkpoint_segments nests .* turn --gradient_checkpointing on"):
+        check_config(SFTConfig(output_dir="out", checkpoint_segments=2, gradient_checkpointing=False), flags=True)
     lm = build_model(CONFIG).language_model
     for kw, match in ((dict(on=True, segments=5), "between 2 and 4 for this model's 5 decoder layers"),
                       (dict(on=False, segments=2), "turn gradient_checkpointing on"),

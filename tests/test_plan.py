@@ -38,6 +38,10 @@ SFT_CASES = [
     # keep_attention: each checkpointed layer's attention output and log-sum-exp kept for the backward
     ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True,
                    keep_attention=True)),
+    # the layers also checkpointed in nested segments: 4 + 3 - 1 layer inputs kept instead of 12
+    ("deep", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True,
+                  checkpoint_segments=4)),
+    ("deep", dict(max_length=1024, per_device_train_batch_size=2, gradient_checkpointing=True, checkpoint_segments=3)),
 ]
 DPO_CASES = [
     ("default", dict(max_length=32, per_device_train_batch_size=1, use_peft=True)),
@@ -61,8 +65,11 @@ GRPO_CASES = [
 ]
 
 
+DEEP = dict(SMALL, num_hidden_layers=12)  # where the layer inputs kept through the step matter
+
+
 def _config(name):
-    return plan.load_config(None) if name == "default" else dict(SMALL)
+    return plan.load_config(None) if name == "default" else dict(DEEP if name == "deep" else SMALL)
 
 
 def _check(trainer, cls, name, kw, **shape):
@@ -111,6 +118,27 @@ def test_suggestions_ranked_least_disruptive_first():
     # smaller micro-batches keep the effective batch (more accumulation)
     assert {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2} in changes
     assert changes.index({"use_peft": True}) < changes.index({"max_length": 128})
+    # nested segments (the same result, one more forward) after the micro-batches, before LoRA; with
+    # checkpointing turned on where it is off
+    deep = list(_candidates(args, "sft", layers=28))
+    seg = deep.index({"checkpoint_segments": 5, "gradient_checkpointing": True})
+    assert deep.index({"per_device_train_batch_size": 1, "gradient_accumulation_steps": 8}) < seg
+    assert seg < deep.index({"use_peft": True})
+
+
+def test_segments_suggested_when_they_fit_and_measured_to_fit():
+    """A long LoRA row over a limit halfway between its per-layer and its segmented predictions: the suggestion
+    is round(sqrt(12)) = 3 segments (the same result; the chunk sizes before it do not fit), and measured, it
+    fits."""
+    args = SFTConfig(max_length=4096, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True)
+    layer = plan.predict(DEEP, args, "sft", suggest=False).total
+    segmented = plan.predict(DEEP, dataclasses.replace(args, checkpoint_segments=3), "sft", suggest=False).total
+    assert segmented < 0.8 * layer
+    limit = (layer + segmented) // 2
+    p = plan.predict(DEEP, args, "sft", memory_limit=limit)
+    assert p.suggestion == {"checkpoint_segments": 3}, p.table()
+    measured = measure(DEEP, dataclasses.replace(args, **p.suggestion), "sft", steps=2)
+    assert measured <= limit, (measured, limit, layer, segmented)
 
 
 def test_a_shorter_max_length_is_the_longest_that_fits():

@@ -50,19 +50,23 @@ def kept_inputs(layers: int, segments: int) -> int:
     return math.ceil(layers / size) + size - 1
 
 
-def check_segments(segments: int, layers: int, checkpointing: bool, keep_attention: bool) -> None:
-    """ConfigError (a ValueError) when `checkpoint_segments` cannot apply to a model of `layers` decoder layers."""
+def check_segments(segments: int, layers: int | None, checkpointing: bool, keep_attention: bool, p: str = "") -> None:
+    """ConfigError (a ValueError) when `checkpoint_segments` cannot apply (layers None: before the model is
+    known); p: the flags' prefix ("--" on a command line)."""
     if not segments:
         return
-    if segments < 2 or segments >= layers:
-        raise ConfigError(f"checkpoint_segments {segments}: between 2 and {layers - 1} for this model's {layers} "
-                         f"decoder layers ({round(math.sqrt(layers))} keeps the fewest inputs), or 0 for off")
     if not checkpointing:
-        raise ConfigError("checkpoint_segments nests checkpoints around gradient_checkpointing's: turn "
-                         "gradient_checkpointing on, or set checkpoint_segments 0")
+        raise ConfigError(f"{p}checkpoint_segments nests checkpoints around gradient_checkpointing's: turn "
+                          f"{p}gradient_checkpointing on, or set {p}checkpoint_segments 0")
     if keep_attention:
-        raise ConfigError("checkpoint_segments saves memory at the cost of a recomputation, keep_attention spends "
-                         "memory to skip one: use one of them")
+        raise ConfigError(f"{p}checkpoint_segments saves memory at the cost of a recomputation, {p}keep_attention "
+                          "spends memory to skip one: use one of them")
+    if layers is not None and layers < 3:
+        raise ConfigError(f"{p}checkpoint_segments {segments}: this model's {layers} decoder layer(s) are too few to "
+                          f"segment (at least 3): set {p}checkpoint_segments 0")
+    if layers is not None and not 2 <= segments < layers:
+        raise ConfigError(f"{p}checkpoint_segments {segments}: between 2 and {layers - 1} for this model's {layers} "
+                          f"decoder layers ({round(math.sqrt(layers))} keeps the fewest inputs), or 0 for off")
 
 
 def run_layers(lm, layer_fn, carry: tuple, args: tuple = (), after=None, extras: list | tuple = ()) -> tuple:

@@ -12,6 +12,7 @@ Positions are explicit arrays (`[B, L]` or `[3, B, L]`), never a scalar offset, 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -55,21 +56,25 @@ class TextConfig:
 
     def _resolve_rope(self):
         # transformers >= 5 nests rope settings under rope_parameters; older configs use
-        # rope_theta + rope_scaling ({"type": "mrope", "mrope_section": [...]}).
-        params = dict(self.rope_scaling or {})
-        params.update(self.rope_parameters or {})
+        # rope_theta + rope_scaling ({"type": "mrope", "mrope_section": [...]}). Where both are there (a
+        # rope_scaling added to a newer config.json, as Qwen's model cards say for YaRN), rope_scaling wins;
+        # the rope_theta of rope_parameters stays (transformers 5.24 then takes rope_scaling alone, with its
+        # default theta, 10000: not the checkpoint's).
+        params = dict(self.rope_parameters or {})
+        params.update(self.rope_scaling or {})
         if "rope_theta" in params:
             self.rope_theta = float(params["rope_theta"])
         if params.get("mrope_section") and self.mrope_section is None:
             self.mrope_section = list(params["mrope_section"])
         if params.get("mrope_interleaved"):
             self.mrope_interleaved = True
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ("default", "mrope", None):
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ROPE_TYPES:
             raise NotImplementedError(
-                f"rope type {kind!r} is not supported yet (supported: default, mrope); "
+                f"rope type {kind!r} is not supported yet (supported: {', '.join(ROPE_TYPES)}); "
                 "remove rope_scaling from config.json to train at the native context length"
             )
+        self.rope_type, self.rope_params = ("default" if kind == "mrope" else kind), params
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -96,13 +101,57 @@ def rope_axis_of_frequency(half_dim: int, section: list[int] | None, interleaved
     return axes
 
 
+ROPE_TYPES = ("default", "mrope", "linear", "yarn")
+
+
+def rope_frequencies(config: TextConfig) -> tuple[mx.array, float]:
+    """The rotary inverse frequencies [head_dim / 2] and the scale of cos / sin of config's rope type, as
+    transformers' `ROPE_INIT_FUNCTIONS` compute them: default (M-RoPE's too) theta^(-2i / d); linear
+    (position interpolation) those over `factor`; yarn (YaRN, Peng et al. 2023: Qwen3's long-context setting,
+    rope_scaling {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}) the
+    interpolated frequencies (over `factor`) for the dimensions that turn fewer than `beta_slow` times over
+    the original context, the original ones for those that turn more than `beta_fast` times, a linear ramp
+    between, and cos / sin scaled by the attention factor 0.1 ln(factor) + 1 (or mscale / mscale_all_dim's
+    ratio, or `attention_factor` as given)."""
+    dim, base, p = config.head_dim, config.rope_theta, getattr(config, "rope_params", {})
+    pos_freqs = base ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim)
+    kind = getattr(config, "rope_type", "default")
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    if kind == "linear":
+        return 1.0 / (float(p["factor"]) * pos_freqs), 1.0
+    original = p.get("original_max_position_embeddings") or config.max_position_embeddings
+    factor = float(p.get("factor") or config.max_position_embeddings / original)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def turns_to_dim(turns):  # the dimension whose wavelength fits `turns` times into the original context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turns_to_dim(p.get("beta_fast") or 32), turns_to_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = mx.clip((mx.arange(dim // 2, dtype=mx.float32) - low) / ((high + 0.001 if low == high else high) - low),
+                   0, 1)
+    extrapolated = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
+    return inv_freq, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for explicit positions; float32 math whatever the model dtype."""
 
     def __init__(self, config: TextConfig):
         super().__init__()
         dim = config.head_dim
-        self._inv_freq = 1.0 / (config.rope_theta ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim))
+        self._inv_freq, self._scale = rope_frequencies(config)
         self._axes = mx.array(rope_axis_of_frequency(dim // 2, config.mrope_section, config.mrope_interleaved))
         self.multimodal = bool(config.mrope_section)
 
@@ -117,6 +166,8 @@ class RotaryEmbedding(nn.Module):
             # pick, per frequency, the axis that drives it: [3, B, L] -> [B, L, D/2]
             freqs = mx.take(positions, self._axes, axis=0).transpose(1, 2, 0) * self._inv_freq
         emb = mx.concatenate([freqs, freqs], axis=-1)[:, None]
+        if self._scale != 1.0:  # YaRN's attention factor
+            return mx.cos(emb) * self._scale, mx.sin(emb) * self._scale
         return mx.cos(emb), mx.sin(emb)
 
 

@@ -21,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 
 from ..hub import ConfigError, MlxrlError  # noqa: F401  (ConfigError: config's name for it)
+from ..models.checkpointing import check_segments
 from ..optim import OPTIMIZERS, check_optim  # noqa: F401  (config.check_optim: the CLIs' and engine's door)
 from ..schedules import SCHEDULES, check_options
 from .trl_fields import (  # noqa: F401  (check_model_dtype: the engine's door, as check_config)
@@ -383,6 +384,8 @@ def check_config(args, flags: bool = False) -> None:
     checkpointing_kwargs(args)
     multiple_of(args, flags)
     check_best_model(args, "--" if flags else "")
+    check_segments(args.checkpoint_segments, None, args.gradient_checkpointing, args.keep_attention,
+                   "--" if flags else "")
     options = getattr(args, "lr_scheduler_kwargs", None)
     check_options(args.lr_scheduler_type, parse_mapping("lr_scheduler_kwargs", options, '{"min_lr_rate": 0.1}'))
     for name in ("memory_limit", "cache_limit", "wired_limit"):
