@@ -4,17 +4,17 @@ Per layer (`gradient_checkpointing`): each layer keeps its input [B, T, D] throu
 recomputed from it in the backward: L kept inputs. At long sequences they are most of the step's memory
 (Qwen3-1.7B at 40960 tokens: 28 x 335 MB = 9.4 GB, next to 7 GB of weights).
 
-Segments (`checkpoint_segments = S`, with gradient_checkpointing, in training): the layers also run in S
-consecutive segments of ceil(L / S) layers, each checkpointed around its layers' own checkpoints (torch's
-`checkpoint_sequential`, nested; the sqrt(L) schedule of Chen et al., 2016). Through the step only each
-segment's input is kept; in the backward a segment is recomputed once more, and its layers' inputs live
-only while it is differentiated: S + ceil(L / S) - 1 kept inputs instead of L (10 instead of 28 at S = 5),
-for one more forward of every layer (the last segment's too: MLX recomputes a checkpointed function from its
-inputs). The dropout keys of a segment's layers are drawn
-before it, in the order the per-layer loop draws them, and enter it as inputs, so the masks, the loss and
-the gradients are the per-layer ones, bit for bit (`tests/test_checkpointing.py`). MLX evaluates a
-segment's recomputation when the backward reaches it (depth-first on the CPU, MLX's own breadth-first order
-on a GPU: both measured to keep the saving).
+Segments (`checkpoint_segments = S`, with gradient_checkpointing, in training): the layers also run in
+consecutive segments of ceil(L / S) layers (S of them, fewer where the division rounds up), each checkpointed
+around its layers' own checkpoints (torch's `checkpoint_sequential`, nested; the sqrt(L) schedule of Chen et
+al., 2016). Through the step only each segment's input is kept; in the backward a segment is recomputed once
+more, and its layers' inputs live only while it is differentiated: `kept_inputs` (10 instead of 28 at S = 5),
+for one more forward of every layer but the last segment's (that segment runs per layer: its layers' inputs
+are all alive when the backward begins with it either way, so wrapping it would only recompute it). The
+dropout keys of a segment's layers are drawn before it, in the order the per-layer loop draws them, and enter
+it as inputs, so the masks, the loss and the gradients are the per-layer ones, bit for bit
+(`tests/test_checkpointing.py`). MLX evaluates a segment's recomputation when the backward reaches it
+(depth-first on the CPU, and under MLX's own breadth-first order, a GPU's: both measured to keep the saving).
 """
 
 from __future__ import annotations
@@ -90,6 +90,12 @@ def run_layers(lm, layer_fn, carry: tuple, args: tuple = (), after=None, extras:
     size, n_c, n_a = segment_size(len(layers), segments), len(carry), len(args)
     for s0 in range(0, len(layers), size):
         idx = range(s0, min(len(layers), s0 + size))
+        if idx[-1] == len(layers) - 1:  # the last segment, per layer: its layers' inputs are all alive while
+            for i in idx:                # it is differentiated anyway, and the backward begins with it
+                carry = one(layers[i])(*carry, *args)
+                if after is not None and i < len(extras):
+                    carry = after(carry, extras[i])
+            break
         keys = [dropout.fresh_key() for _ in idx]  # what the per-layer loop draws, in its order
         feats = [extras[i] for i in idx if i < len(extras)]
 

@@ -92,11 +92,12 @@ class TrainConfig(ElsewhereArguments):
                                      "backward (faster at long sequences; 4 x tokens x q heads x (head_dim + 1) bytes "
                                      "more per layer; the native CPU kernel path, elsewhere the attention is "
                                      "recomputed)")
-    checkpoint_segments: int = _f(0, "(mlxrl) with gradient_checkpointing: also checkpoint the decoder layers in this "
-                                     "many consecutive segments (torch's checkpoint_sequential, nested around each "
-                                     "layer's checkpoint): S + ceil(L / S) - 1 layer inputs kept instead of L, for one "
-                                     "more forward of every layer (round(sqrt(L)) keeps the fewest: 5 for 28 layers); "
-                                     "0: off. For long sequences that do not fit otherwise (mlxrl.plan suggests it)")
+    checkpoint_segments: int = _f(0, "(mlxrl) with gradient_checkpointing: also checkpoint the L decoder layers in S "
+                                     "consecutive segments of ceil(L / S) layers (torch's checkpoint_sequential, "
+                                     "nested around each layer's checkpoint): about S + L / S - 1 layer inputs kept "
+                                     "instead of L, for one more forward of every layer (round(sqrt(L)) keeps the "
+                                     "fewest: 5 for 28 layers); 0: off. For long rows that do not fit otherwise "
+                                     "(mlxrl.plan suggests it)")
     tiled_mlp: bool | None = _f(None, "(mlxrl) run each decoder layer's MLP over the sequence in tiles of "
                                       "tiled_mlp_tokens positions, recomputed tile by tile in the backward, so no "
                                       "[tokens, intermediate] array exists for the whole sequence (default: on with "
