@@ -52,7 +52,7 @@ Sides, each in its own subprocess:
            memory saving and its cost, side by side).
   ours_f32base  the same with keep_frozen_dtype=False: a bfloat16 checkpoint's (--ckpt_dtype bfloat16) frozen
            base read all in float32, where ours keeps its linears in bfloat16 (`mlxrl.models.widened`).
-  ours_seg the same with checkpoint_segments=round(sqrt(layers)) (the layers also checkpointed in nested
+  ours_seg the same with the planner's checkpoint_segments (4 for 28 layers: the layers also checkpointed in nested
            segments, `mlxrl.models.checkpointing`: fewer layer inputs kept, one more forward). `--checkpoint_segments
            N` sets it on every side of ours and in the frontier's planner.
   trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
@@ -118,7 +118,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -383,11 +382,13 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
 
 
 def _segments(s: dict) -> int:
-    """checkpoint_segments of our run: s["segments"] (-1: round(sqrt(decoder layers)), the fewest kept inputs)."""
+    """checkpoint_segments of our run: s["segments"] (-1: the planner's count, `best_segments`)."""
     n = int(s.get("segments") or 0)
     if n < 0:
+        from mlxrl.models.checkpointing import best_segments
+
         config = json.loads((Path(s["ckpt"]) / "config.json").read_text())
-        n = round(math.sqrt(config.get("text_config", config)["num_hidden_layers"]))
+        n = best_segments(config.get("text_config", config)["num_hidden_layers"])
     return n
 
 
@@ -1040,10 +1041,10 @@ def main(argv=None):
                     choices=["ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg", "trl", "mlxlm"],
                     help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output); "
                          "ours_untiled: mlxrl with tiled_mlp=False; ours_f32base: with keep_frozen_dtype=False; "
-                         "ours_seg: with checkpoint_segments round(sqrt(layers))")
+                         "ours_seg: with the planner's checkpoint_segments (4 for 28 layers)")
     ap.add_argument("--checkpoint_segments", type=int, default=0,
-                    help="checkpoint_segments on every side of ours and in the frontier's planner (-1: "
-                         "round(sqrt(layers)); default 0: off)")
+                    help="checkpoint_segments on every side of ours and in the frontier's planner (-1: the "
+                         "planner's count; default 0: off)")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     ap.add_argument("--lr_full", type=float, default=1e-5)

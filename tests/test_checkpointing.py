@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 import mlxrl
 from mlxrl.hub import ConfigError
 from mlxrl.models import build_model
-from mlxrl.models.checkpointing import kept_inputs, segment_size
+from mlxrl.models.checkpointing import best_segments, kept_inputs, recomputed_layers, segment_size
 from mlxrl.models.lora import apply_lora
 
 CONFIG = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
@@ -65,6 +65,11 @@ def test_counts():
     """The layer inputs kept: every layer's per layer; each segment's plus one segment's layers'."""
     assert [segment_size(28, s) for s in (2, 5, 6, 27)] == [14, 6, 5, 2]
     assert [kept_inputs(28, s) for s in (0, 1, 2, 5, 6, 27)] == [28, 28, 15, 10, 10, 15]
+    # the last segment runs per layer: every layer of the others runs one more forward
+    assert [recomputed_layers(28, s) for s in (0, 2, 4, 5, 6)] == [0, 14, 21, 24, 25]
+    # the fewest inputs kept, then the fewest layers recomputed; none where nothing is saved
+    assert [best_segments(n) for n in (2, 3, 4, 9, 28, 36)] == [0, 0, 2, 3, 4, 6]
+    assert all(kept_inputs(28, s) >= kept_inputs(28, 4) for s in range(2, 28))
 
 
 @pytest.mark.usefixtures("kernel_path")

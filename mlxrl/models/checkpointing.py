@@ -50,6 +50,23 @@ def kept_inputs(layers: int, segments: int) -> int:
     return math.ceil(layers / size) + size - 1
 
 
+def recomputed_layers(layers: int, segments: int) -> int:
+    """Layers that run one more forward: all but the last segment's (which runs per layer)."""
+    if segments <= 1:
+        return 0
+    size = segment_size(layers, segments)
+    return (math.ceil(layers / size) - 1) * size
+
+
+def best_segments(layers: int) -> int:
+    """The segment count that keeps the fewest layer inputs and, among those, recomputes the fewest layers
+    (4 for Qwen3's 28 layers: 10 inputs, 21 layers recomputed; 5 also keeps 10 but recomputes 24); 0 where
+    no count keeps fewer than every layer's input (3 layers or fewer)."""
+    best = min(range(2, max(layers, 2)), key=lambda s: (kept_inputs(layers, s), recomputed_layers(layers, s), s),
+               default=0)
+    return best if best and kept_inputs(layers, best) < layers else 0
+
+
 def check_segments(segments: int, layers: int | None, checkpointing: bool, keep_attention: bool, p: str = "") -> None:
     """ConfigError (a ValueError) when `checkpoint_segments` cannot apply (layers None: before the model is
     known); p: the flags' prefix ("--" on a command line)."""
@@ -66,7 +83,7 @@ def check_segments(segments: int, layers: int | None, checkpointing: bool, keep_
                           f"segment (at least 3): set {p}checkpoint_segments 0")
     if layers is not None and not 2 <= segments < layers:
         raise ConfigError(f"{p}checkpoint_segments {segments}: between 2 and {layers - 1} for this model's {layers} "
-                          f"decoder layers ({round(math.sqrt(layers))} keeps the fewest inputs), or 0 for off")
+                          f"decoder layers ({best_segments(layers) or 'none'} keeps the fewest inputs), or 0 for off")
 
 
 def run_layers(lm, layer_fn, carry: tuple, args: tuple = (), after=None, extras: list | tuple = ()) -> tuple:

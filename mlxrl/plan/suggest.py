@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
+from ..models.checkpointing import best_segments
 from .report import dtype_bytes
 
 
@@ -31,8 +31,8 @@ def _candidates(args, trainer: str, layers: int = 0):
         yield same
         if not args.gradient_checkpointing:
             yield {**same, "gradient_checkpointing": True}
-    segments = round(math.sqrt(layers))  # the fewest layer inputs kept (`models.checkpointing.kept_inputs`)
-    if 2 <= segments < layers and getattr(args, "checkpoint_segments", 0) != segments:
+    segments = best_segments(layers)  # the fewest layer inputs kept, then the fewest layers recomputed
+    if segments and getattr(args, "checkpoint_segments", 0) != segments:
         change = {"checkpoint_segments": segments}
         if not args.gradient_checkpointing:
             change["gradient_checkpointing"] = True

@@ -95,9 +95,9 @@ class TrainConfig(ElsewhereArguments):
     checkpoint_segments: int = _f(0, "(mlxrl) with gradient_checkpointing: also checkpoint the L decoder layers in S "
                                      "consecutive segments of ceil(L / S) layers (torch's checkpoint_sequential, "
                                      "nested around each layer's checkpoint): about S + L / S - 1 layer inputs kept "
-                                     "instead of L, for one more forward of every layer (round(sqrt(L)) keeps the "
-                                     "fewest: 5 for 28 layers); 0: off. For long rows that do not fit otherwise "
-                                     "(mlxrl.plan suggests it)")
+                                     "instead of L, for one more forward of every layer but the last segment's (4 "
+                                     "keeps the fewest for 28 layers, 10, and recomputes 21); 0: off. For long rows "
+                                     "that do not fit otherwise (mlxrl.plan suggests the count)")
     tiled_mlp: bool | None = _f(None, "(mlxrl) run each decoder layer's MLP over the sequence in tiles of "
                                       "tiled_mlp_tokens positions, recomputed tile by tile in the backward, so no "
                                       "[tokens, intermediate] array exists for the whole sequence (default: on with "
