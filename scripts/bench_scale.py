@@ -764,6 +764,26 @@ def checkpoint(root: Path, shape: str, layers: int | None, env, dtype: str = "fl
     return folder
 
 
+def yarn_variant(folder: Path, factor: float) -> Path:
+    """The checkpoint with Qwen's YaRN setting (`factor` over the original 32768 positions: 4 gives Qwen3's
+    131072) and that context as max_position_embeddings: config.json rewritten (rope_parameters, which
+    transformers 5 and ours read alike), every other file linked."""
+    out = folder.parent / f"{folder.name}-yarn{factor:g}"
+    out.mkdir(exist_ok=True)
+    for f in folder.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", config)
+    theta = (text.get("rope_parameters") or {}).get("rope_theta", text.get("rope_theta", 1e6))
+    text["rope_parameters"] = {**(text.get("rope_parameters") or {}), "rope_theta": theta, "rope_type": "yarn",
+                               "factor": factor, "original_max_position_embeddings": 32768}
+    text.pop("rope_scaling", None)
+    text["max_position_embeddings"] = int(factor * 32768)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def vision_flops(config: dict, grids) -> float:
     """Forward matmul FLOPs of the vision tower over images of grid (t, h, w) patches: patch embedding, per
     block qkv / proj / MLP and attention (within each image), the merger and the deepstack mergers."""
@@ -834,6 +854,8 @@ def run_frontier(a, root: Path, tmp: Path, env) -> dict:
     results = []
     for shape in a.shapes:
         folder = checkpoint(root, shape, a.layers, env, a.ckpt_dtype)
+        if a.yarn:
+            folder = yarn_variant(folder, a.yarn)
         config = json.loads((folder / "config.json").read_text())
         vl = SHAPES[shape][0] == "vl"
         top = config.get("text_config", config)["max_position_embeddings"]
@@ -1079,6 +1101,8 @@ def main(argv=None):
                     help="the memory frontier under --budget_gb: the planner's longest max_length, then real steps at "
                          "--ours_lengths / --trl_lengths / --mlxlm_lengths (instead of the SFT table)")
     ap.add_argument("--frontier_step", type=int, default=512, help="the planner's max_length grid")
+    ap.add_argument("--yarn", type=float, help="frontier: the checkpoints with Qwen's YaRN rope scaling, this factor "
+                                               "over 32768 positions (4: 131072, the grid's top)")
     ap.add_argument("--ours_lengths", type=int, nargs="*", default=[],
                     help="frontier: our real steps (default: the planner's longest)")
     ap.add_argument("--trl_lengths", type=int, nargs="*", default=[], help="frontier: TRL's real steps")
@@ -1103,6 +1127,8 @@ def main(argv=None):
         env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:glibc.malloc.hugetlb=1".lstrip(":")}
     if a.frontier and not a.budget_gb:
         ap.error("--frontier needs --budget_gb")
+    if a.yarn and not a.frontier:
+        ap.error("--yarn: the frontier's checkpoints only (with --frontier)")
     global BUDGET, LIVE
     BUDGET = Budget(a.budget_gb) if a.budget_gb else None
     LIVE = a.live

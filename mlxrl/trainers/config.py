@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from ..hub import ConfigError, MlxrlError  # noqa: F401  (ConfigError: config's name for it)
 from ..models.checkpointing import check_segments
-from ..optim import OPTIMIZERS, check_optim  # noqa: F401  (config.check_optim: the CLIs' and engine's door)
+from ..optim import check_optim
 from ..schedules import SCHEDULES, check_options
 from .trl_fields import (  # noqa: F401  (check_model_dtype: the engine's door, as check_config)
     ElsewhereArguments,
@@ -382,6 +382,7 @@ def check_config(args, flags: bool = False) -> None:
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{label} {value!r}: must be one of {', '.join(choices)}{hint}")
     check_quantization_flags(args, flags)
+    check_optim(args)
     checkpointing_kwargs(args)
     multiple_of(args, flags)
     check_best_model(args, "--" if flags else "")

@@ -40,7 +40,7 @@ from ..models.widened import check_trainable_dtypes, planned_config
 from ..optim import make_optimizer
 from . import checkpoint as checkpoint_lib
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
-from .config import check_config, check_model_dtype, check_optim
+from .config import check_config, check_model_dtype
 from .distributed import DataParallel, PeerLostError
 from .reporting import Logging, Reporter
 from .saving import Saving
@@ -86,19 +86,20 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         self.rank, self.world_size = self.world.rank(), self.world.size()
         self.is_main = self.rank == 0
         self.output_dir = Path(args.output_dir)
+        check_config(args)  # types, ranges, choices, refused TRL fields, the optimizer: one line each, no folder yet
+        check_model_dtype(args, model.lm_head_weight().dtype)  # --bf16 against the model the user loaded
+        model.language_model.set_checkpointing(args.gradient_checkpointing, args.keep_attention,
+                                               args.checkpoint_segments)  # segments the model cannot have: refused
         checkpoint_lib.check_output_dir(self.output_dir)
         if self.is_main:  # before any work: a folder holding another run, or files the final save would replace
             checkpoint_lib.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
                                          overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
                                          merged=checkpoint_lib.merged_folders(args))
-        check_config(args)  # types, ranges, choices, refused TRL fields: one line each
-        check_optim(args)
         runtime.setup(tf32=args.tf32, use_cpu=args.use_cpu)  # MLX's CPU cache, TF32 on a GPU, --use_cpu
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self._setup_trainable()
         check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
-        check_model_dtype(args, model.lm_head_weight().dtype)  # --bf16 against the model the user loaded
         self.optimizer = None
         self.global_step = 0
         self.epoch = 0
@@ -125,7 +126,6 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
                              "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
         lm = m.language_model
-        lm.set_checkpointing(a.gradient_checkpointing, a.keep_attention, a.checkpoint_segments)
         lm.tile_mlp(tile_tokens_for(a, lm.config.hidden_size))
         if a.keep_attention and (not a.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
             warnings.warn("keep_attention has no effect in this run: it needs gradient_checkpointing and the native "

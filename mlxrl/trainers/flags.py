@@ -15,7 +15,7 @@ import types
 import typing
 from pathlib import Path
 
-from .config import ConfigError, check_config, check_optim, choices_of, field_kind
+from .config import ConfigError, check_config, choices_of, field_kind
 
 
 def _parse_bool(s: str) -> bool:
@@ -212,8 +212,7 @@ def config_from_args(cls, ns: argparse.Namespace):
     if (values.get("load_in_4bit") or values.get("load_in_8bit")) and "use_peft" not in values:
         values["use_peft"] = True  # a quantized base implies LoRA (an explicit --use_peft false is refused)
     cfg = cls(**values)
-    check_config(cfg, flags=True)
-    check_optim(cfg)  # before any model is loaded
+    check_config(cfg, flags=True)  # the optimizer too: before any model is loaded
     if cfg.use_cpu:  # before the model loads: its default dtype follows the device
         from .. import runtime
 
