@@ -30,15 +30,15 @@ SCALINGS = {
 
 
 def scaled_copy(folder, tmp_path, scaling: dict):
-    """The tiny checkpoint with `scaling` as its rope parameters (transformers 5's rope_parameters, the
-    rope_theta kept) and a context of 4 x ORIGINAL."""
+    """The tiny checkpoint with `scaling` in its (text model's) rope parameters (transformers 5's
+    rope_parameters; the rope_theta and M-RoPE's sections kept) and a context of 4 x ORIGINAL."""
     out = tmp_path / "scaled"
     shutil.copytree(folder, out)
     config = json.loads((out / "config.json").read_text())
-    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
-    config["rope_parameters"] = {"rope_theta": theta, **scaling}
-    config.pop("rope_scaling", None)
-    config["max_position_embeddings"] = 4 * ORIGINAL
+    text = config.get("text_config", config)
+    rope = {**(text.get("rope_parameters") or {}), **(text.pop("rope_scaling", None) or {})}
+    text["rope_parameters"] = {"rope_theta": text.get("rope_theta", 10000.0), **rope, **scaling}
+    text["max_position_embeddings"] = 4 * ORIGINAL
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -61,14 +61,7 @@ def test_logits_match_transformers(tiny_checkpoint, tmp_path, arch, name):
 
 def test_yarn_on_interleaved_mrope_matches_transformers(tiny_checkpoint, tmp_path):
     """Qwen3-VL's text model (interleaved M-RoPE) with YaRN: the same logits as transformers on a long text row."""
-    out = tmp_path / "vl"
-    shutil.copytree(tiny_checkpoint("qwen3_vl"), out)
-    config = json.loads((out / "config.json").read_text())
-    text = config["text_config"]
-    rope = {**(text.get("rope_parameters") or {}), **(text.pop("rope_scaling", None) or {})}
-    text["rope_parameters"] = {**rope, **SCALINGS["yarn"]}
-    text["max_position_embeddings"] = 4 * ORIGINAL
-    (out / "config.json").write_text(json.dumps(config))
+    out = scaled_copy(tiny_checkpoint("qwen3_vl"), tmp_path, SCALINGS["yarn"])
     ref = transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(out), dtype=torch.float32).eval()
     assert ref.config.text_config.rope_parameters["rope_type"] == "yarn"
     model, _ = mlxrl.load(out, dtype="float32")

@@ -8,7 +8,7 @@ Segments (`checkpoint_segments = S`, with gradient_checkpointing, in training): 
 consecutive segments of ceil(L / S) layers (S of them, fewer where the division rounds up), each checkpointed
 around its layers' own checkpoints (torch's `checkpoint_sequential`, nested; the sqrt(L) schedule of Chen et
 al., 2016). Through the step only each segment's input is kept; in the backward a segment is recomputed once
-more, and its layers' inputs live only while it is differentiated: `kept_inputs` (10 instead of 28 at S = 5),
+more, and its layers' inputs live only while it is differentiated: `kept_inputs` (10 instead of 28 at S = 4),
 for one more forward of every layer but the last segment's (that segment runs per layer: its layers' inputs
 are all alive when the backward begins with it either way, so wrapping it would only recompute it). The
 dropout keys of a segment's layers are drawn before it, in the order the per-layer loop draws them, and enter
@@ -98,13 +98,9 @@ def run_layers(lm, layer_fn, carry: tuple, args: tuple = (), after=None, extras:
         return dropout.keyed(layer, lambda *a, _l=layer: tuple(layer_fn(_l, *a)), checkpoint=lm.gradient_checkpointing,
                              keep_attention=lm.keep_attention and key is None, key=key)
 
-    if not (segments > 1 and lm.gradient_checkpointing and lm.training):
-        for i, layer in enumerate(layers):
-            carry = one(layer)(*carry, *args)
-            if after is not None and i < len(extras):
-                carry = after(carry, extras[i])
-        return tuple(carry)
-    size, n_c, n_a = segment_size(len(layers), segments), len(carry), len(args)
+    segmenting = segments > 1 and lm.gradient_checkpointing and lm.training
+    size = segment_size(len(layers), segments) if segmenting else max(len(layers), 1)  # else one, per layer
+    n_c, n_a = len(carry), len(args)
     for s0 in range(0, len(layers), size):
         idx = range(s0, min(len(layers), s0 + size))
         if idx[-1] == len(layers) - 1:  # the last segment, per layer: its layers' inputs are all alive while
@@ -126,4 +122,4 @@ def run_layers(lm, layer_fn, carry: tuple, args: tuple = (), after=None, extras:
             return tuple(c)
 
         carry = tuple(nn.utils.checkpoint(_Segment([layers[i] for i in idx]), segment)(*carry, *args, *keys, *feats))
-    return carry
+    return tuple(carry)
