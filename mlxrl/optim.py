@@ -1,4 +1,5 @@
-"""The optimizers (AdamW, Adafactor), their learning-rate schedule, mixed precision, and their memory model.
+"""The optimizers (AdamW, 8-bit AdamW, Adafactor), their learning-rate schedule, mixed precision, and their
+memory model.
 
 Mixed precision (what torch AMP + an fp32 optimizer does, without fp32 compute weights): a trainable
 parameter whose dtype is not float32 (bf16 on a GPU) gets a float32 master copy in the optimizer's
@@ -21,11 +22,12 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
+from . import optim_8bit as q8
 from . import schedules
 from .cpu import fastmath
 
 FLOAT32 = mx.float32
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adafactor", *q8.NAMES)
 # MLX's Adafactor update holds about two float32 copies of the largest trained array (measured, MLX 0.32)
 ADAFACTOR_UPDATE_COPIES = 2.0
 
@@ -33,27 +35,39 @@ ADAFACTOR_UPDATE_COPIES = 2.0
 def check_optim(args) -> None:
     if args.optim not in OPTIMIZERS:
         raise ValueError(f"optim {args.optim!r} is not supported: use adamw_torch (the default; adamw_torch_fused "
-                         "is the same kernel here) or adafactor")
+                         "is the same kernel here), adamw_8bit (bitsandbytes' 8-bit AdamW; adamw_bnb_8bit is the "
+                         "same) or adafactor")
 
 
 def state_bytes(optim_name: str, trainable_params: int, master_params: int, master_weights: bool = True) -> int:
     """Memory model (the planner's): the optimizer's persistent state. AdamW: float32 m and v whatever the
     dtype; Adafactor: a row and a column per matrix, no first moment (~0); plus the float32 master copy of
     bf16 trainable weights (mixed precision) unless master_weights is off."""
-    moments = 0 if optim_name == "adafactor" else 2 * 4 * trainable_params
+    moments = (0 if optim_name == "adafactor" else q8.state_bytes(trainable_params) if optim_name in q8.NAMES
+               else 2 * 4 * trainable_params)
     return moments + (4 * master_params if master_weights else 0)
 
 
+def state_label(optim_name: str) -> str:
+    """What the planner's table calls the optimizer's state."""
+    if optim_name == "adafactor":
+        return "Adafactor factored v"
+    return "AdamW m, v (8-bit, block-wise)" if optim_name in q8.NAMES else "AdamW m, v (fp32)"
+
+
 def update_peak_bytes(optim_name: str, trainable_bytes: int, largest_trainable: int, clip: bool, elem: int,
-                      mixed_precision: bool) -> float:
-    """Memory model (the planner's): what the update holds above the weights and the persistent state.
-    AdamW (the native CPU step, or the graph path's three single-output kernels) writes the new weights,
-    master and moments into the old ones' buffers, the clip scale and a bf16 gradient's cast folded in:
-    the gradients only. Adafactor: the gradients, the clipped gradients and about two float32 copies of
-    the largest trained array (a bf16 parameter's update runs in float32)."""
+                      mixed_precision: bool, native: bool = True) -> float:
+    """Memory model (the planner's): what the update holds above the weights and the persistent state. AdamW (the
+    native CPU step, or the graph path's three single-output kernels) writes the new weights, master and moments
+    into the old ones' buffers, the clip scale and a bf16 gradient's cast folded in: the gradients only. 8-bit
+    AdamW: also the largest array's new weights and codes and a few chunks' temporaries (`optim_8bit`).
+    Adafactor: the gradients, the clipped gradients and about two float32 copies of the largest trained array (a
+    bf16 parameter's update runs in float32)."""
+    largest = largest_trainable * (4 // elem if mixed_precision else 1)
+    if optim_name in q8.NAMES:
+        return trainable_bytes + q8.update_bytes(largest, native)
     if optim_name != "adafactor":
         return trainable_bytes
-    largest = largest_trainable * (4 // elem if mixed_precision else 1)
     return trainable_bytes + (trainable_bytes if clip else 0) + ADAFACTOR_UPDATE_COPIES * largest
 
 
@@ -171,6 +185,67 @@ class FusedAdamW(MixedPrecision, optim.AdamW):
         return w_step(parameter, m, v, self.learning_rate, c1, c2)
 
 
+class AdamW8bit(FusedAdamW):
+    """FusedAdamW (the clipping scale folded in, float32 master weights for bf16 parameters) with 8-bit
+    block-wise moments for arrays of at least 4096 elements (`mlxrl.optim_8bit`: bitsandbytes' `AdamW8bit`
+    scheme). State: `m_codes` / `v_codes` (uint8, the parameter's shape) and `m_max` / `v_max` (float32, one
+    per block of 256), or float32 `m` / `v` as AdamW for smaller arrays."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._maps, self._luts = mx.array(q8.MAPS), mx.array(q8.LUTS)
+        self._after = None
+        self._codes = (mx.array(q8.CODE_M), mx.array(q8.CODE_V))
+        self._mids = (mx.array(q8.midpoints(q8.CODE_M)), mx.array(q8.midpoints(q8.CODE_V)))
+
+    def apply_gradients(self, gradients, parameters):
+        self._after = None  # the previous 8-bit parameter's outputs: each update waits for them (`_apply32`)
+        return super().apply_gradients(gradients, parameters)
+
+    def init_single(self, parameter, state):
+        super().init_single(parameter, state)  # step, float32 m / v (never evaluated when replaced), master
+        if parameter.size >= q8.MIN_8BIT_SIZE:
+            for k in ("m", "v"):
+                del state[k]
+                state[f"{k}_codes"] = mx.zeros(parameter.shape, mx.uint8)
+                state[f"{k}_max"] = mx.zeros((q8.blocks(parameter.size),), FLOAT32)
+
+    def _apply32(self, gradient, parameter, state):
+        if "m_codes" not in state:
+            return super()._apply32(gradient, parameter, state)
+        b1, b2 = self.betas
+        step = self.step
+        c1 = 1 / (1 - b1**step)
+        c2 = mx.rsqrt(1 - b2**step)
+        # The parameters are updated one after another (the clip scale, which every kernel reads, waits for
+        # the previous one's outputs): MLX would otherwise run each stage for all of them at once, with every
+        # parameter's float32 moments (graph path) or gradient copy (native) alive together, ~3.5x the
+        # trainable bytes on the graph path.
+        scale = self.grad_scale if self._after is None else mx.depends(self.grad_scale, self._after)
+        kernels = fastmath.kernels_for(parameter)
+        if kernels is not None and gradient.dtype == FLOAT32:
+            hyper = mx.stack([mx.array(x).astype(FLOAT32) for x in (scale, self.learning_rate, c1, c2)])
+            w, state["m_codes"], state["m_max"], state["v_codes"], state["v_max"] = kernels.adamw8_step(
+                gradient, parameter, state["m_codes"], state["m_max"], state["v_codes"], state["v_max"], self._maps,
+                self._luts, hyper, float(self.weight_decay), float(b1), float(b2), float(self.eps))
+            self._after = [w]  # its kernel runs after the new codes'
+            return w
+        scale = scale.astype(FLOAT32)
+
+        def step_chunk(w, g, mq, ma, vq, va):
+            g = g.astype(FLOAT32) * scale
+            m = b1 * q8.dequantize(mq, ma, self._codes[0]) + (1 - b1) * g
+            v = b2 * q8.dequantize(vq, va, self._codes[1]) + (1 - b2) * mx.square(g)
+            return (self._kernels[2](w, m, v, self.learning_rate, c1, c2), *q8.quantize(m, self._mids[0]),
+                    *q8.quantize(v, self._mids[1]))
+
+        keys = ("m_codes", "m_max", "v_codes", "v_max")
+        (w, *new), self._after = q8.chunked(step_chunk, [parameter, gradient, *(state[k] for k in keys)],
+                                            self._after)
+        state.update(zip(keys, new, strict=True))
+        return w
+
+
 class ClippedAdafactor(MixedPrecision, optim.Adafactor):
     """transformers' Adafactor as the HF Trainer builds it for `optim="adafactor"` (scale_parameter=False,
     relative_step=False, the learning rate from the schedule), with the engine's gradient-clipping scale
@@ -196,5 +271,6 @@ def make_optimizer(args, total_steps: int):
     master = bool(getattr(args, "master_weights", True))
     if args.optim == "adafactor":
         return ClippedAdafactor(lr, weight_decay=args.weight_decay, master_weights=master)
-    return FusedAdamW(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
+    kind = AdamW8bit if args.optim in q8.NAMES else FusedAdamW
+    return kind(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
                       weight_decay=args.weight_decay, master_weights=master)

@@ -149,6 +149,8 @@ def _script(name: str):
     return module
 
 
+# our --optim -> TRL's (transformers') name for the same optimizer
+TRL_OPTIM = {"adamw_torch": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit"}
 SFT = _script("bench_sft")  # text_rows, model_flops, rss_gb, _peaks, _timed_trainer
 GRPO = _script("bench_grpo")  # reward_vowels, make_prompts, summarise, _args_common
 rss_gb = SFT.rss_gb
@@ -378,7 +380,7 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
                      max_length=max_length, gradient_checkpointing=True, seed=42,
                      keep_attention=s.get("keep_attention", False), tiled_mlp=s.get("tiled_mlp"),
                      keep_frozen_dtype=s.get("keep_frozen_dtype", True),
-                     checkpoint_segments=_segments(s), **kw)
+                     checkpoint_segments=_segments(s), optim=s.get("optim") or "adamw_torch", **kw)
 
 
 def _segments(s: dict) -> int:
@@ -458,7 +460,8 @@ def run_trl(s: dict) -> dict:
     args = SFTConfig(output_dir=s["out"], max_steps=s["steps"] + s["warmup"], per_device_train_batch_size=1,
                      learning_rate=s["lr"], logging_steps=1, save_strategy="no", report_to="none", bf16=gpu,
                      use_cpu=not gpu, gradient_checkpointing=True, max_length=s["max_length"], disable_tqdm=True,
-                     seed=42, dataloader_num_workers=0, optim="adamw_torch", max_grad_norm=1.0, weight_decay=0.0)
+                     seed=42, dataloader_num_workers=0, optim=TRL_OPTIM[s.get("optim") or "adamw_torch"],
+                     max_grad_norm=1.0, weight_decay=0.0)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=processing,
                          peft_config=_lora_config(s) if s["mode"] == "lora" else None, callbacks=[Stamp()])
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -661,6 +664,8 @@ CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours,
             "ours_untiled": lambda s: run_ours({**s, "tiled_mlp": False}),
             "ours_f32base": lambda s: run_ours({**s, "keep_frozen_dtype": False}),
             "ours_seg": lambda s: run_ours({**s, "segments": -1}), "trl": run_trl, "mlxlm": run_mlxlm,
+            "ours_8bit": lambda s: run_ours({**s, "optim": "adamw_8bit"}),
+            "trl_8bit": lambda s: run_trl({**s, "optim": "adamw_8bit"}),
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
             "grpo_trl": run_grpo_trl, "gpu_peak": run_gpu_peak}
 
@@ -828,7 +833,7 @@ def summarise_sft(r: dict, warmup: int, max_length: int) -> dict:
 
 
 NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "ours_untiled": "mlxrl untiled", "ours_f32base": "mlxrl f32base",
-         "ours_seg": "mlxrl segments",
+         "ours_seg": "mlxrl segments", "ours_8bit": "mlxrl 8-bit AdamW", "trl_8bit": "TRL 8-bit AdamW",
          "trl": "TRL", "mlxlm": "mlx-lm",
          "grpo_shared": "mlxrl shared", "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
 
@@ -841,7 +846,7 @@ def sft_spec(a, folder: Path, out: Path, mode: str, t: int, vl: bool) -> dict:
     return {"ckpt": str(folder), "out": str(out), "mode": mode, "bits": a.quant, "q_group_size": a.q_group_size,
             "max_length": t, "steps": a.steps, "warmup": a.warmup, "lr": a.lr_full if mode == "full" else a.lr_lora,
             "lora_dropout": a.lora_dropout, "vl": vl, "images": a.images, "image_px": a.image_px,
-            "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu, "segments": a.checkpoint_segments}
+            "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu, "segments": a.checkpoint_segments, "optim": a.optim}
 
 
 def run_frontier(a, root: Path, tmp: Path, env) -> dict:
@@ -995,11 +1000,11 @@ def print_sft(a, results: list, peak: float) -> None:
         line = f"  {e['flops'] / 1e12:.3f} TFLOP/step (model); rows identical: {same}"
         if images:
             line += f"; image tokens per row {images}"
-        for mine in ("ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg"):
+        for mine in ("ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg", "ours_8bit"):
             if mine not in ok:
                 continue
             o = ok[mine]
-            for other in ("trl", "mlxlm"):
+            for other in ("trl", "trl_8bit", "mlxlm"):
                 if other in ok:
                     r = ok[other]
                     if a.gpu and "device_peak_gb" in o and "device_peak_gb" in r:
@@ -1060,13 +1065,17 @@ def main(argv=None):
                          "too), or the decoder linears only (ours' set)")
     ap.add_argument("--max_length", type=int, nargs="+", default=[4096], help="tokens per row (batch 1)")
     ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"],
-                    choices=["ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg", "trl", "mlxlm"],
+                    choices=["ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg", "ours_8bit", "trl",
+                             "trl_8bit", "mlxlm"],
                     help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output); "
                          "ours_untiled: mlxrl with tiled_mlp=False; ours_f32base: with keep_frozen_dtype=False; "
                          "ours_seg: with the planner's checkpoint_segments (4 for 28 layers)")
     ap.add_argument("--checkpoint_segments", type=int, default=0,
                     help="checkpoint_segments on every side of ours and in the frontier's planner (-1: the "
                          "planner's count; default 0: off)")
+    ap.add_argument("--optim", choices=list(TRL_OPTIM), default="adamw_torch",
+                    help="the optimizer of ours and TRL's (adamw_8bit: bitsandbytes' AdamW8bit on TRL's side; "
+                         "mlx-lm keeps its AdamW)")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     ap.add_argument("--lr_full", type=float, default=1e-5)

@@ -204,7 +204,7 @@ FLAG_CASES = [
     ("eval_dataset alone", "sft", ["--eval_dataset", "good.jsonl"], ["--eval_dataset needs --dataset"]),
     ("sft loss_type", "sft", ["--loss_type", "sigmoid"], ["--loss_type 'sigmoid'", "nll"]),
     ("packing strategy", "sft", ["--packing_strategy", "ffd"], ["--packing_strategy"]),
-    ("optim", "sft", ["--optim", "adamw_8bit"], ["optim 'adamw_8bit'"]),
+    ("optim", "sft", ["--optim", "paged_adamw_8bit"], ["optim 'paged_adamw_8bit'"]),
     ("deepspeed", "sft", ["--deepspeed", "ds.json"], ["--deepspeed='ds.json' is not supported", "mx.distributed"]),
     ("fp16", "sft", ["--fp16"], ["--fp16=True is not supported", "--bf16"]),
     ("bf16 against dtype", "sft", ["--bf16", "true", "--dtype", "float32"], ["bf16=True contradicts dtype"]),

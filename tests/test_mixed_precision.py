@@ -105,7 +105,7 @@ def test_bf16_full_finetuning_tracks_fp32(graph_path, tmp_path, monkeypatch):
     assert missed_share(as_f32(nearest), w32, w0) > 0.6 and captured_share(as_f32(nearest), w32, w0) < 0.3
 
 
-@pytest.mark.parametrize("optim", ["adamw_torch", "adafactor"])
+@pytest.mark.parametrize("optim", ["adamw_torch", "adafactor", "adamw_8bit"])
 def test_master_weights_resume_exactly(graph_path, tmp_path, optim):
     """A bf16 checkpoint keeps the master copy (AdamW's and Adafactor's): the resumed run's losses equal
     the uninterrupted run's."""

@@ -32,6 +32,7 @@ SFT_CASES = [
     ("small", dict(max_length=64, per_device_train_batch_size=4, gradient_checkpointing=True, use_peft=True,
                    lora_r=32)),
     ("small", dict(max_length=128, per_device_train_batch_size=2, optim="adafactor")),
+    ("small", dict(max_length=128, per_device_train_batch_size=2, optim="adamw_8bit")),
     # long rows: the native CPU path's FlashAttention keeps no score array
     ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True)),
     ("small", dict(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True)),
@@ -123,7 +124,8 @@ def test_suggestions_ranked_least_disruptive_first():
     deep = list(_candidates(args, "sft", layers=28))
     seg = deep.index({"checkpoint_segments": 4, "gradient_checkpointing": True})
     assert deep.index({"per_device_train_batch_size": 1, "gradient_accumulation_steps": 8}) < seg
-    assert seg < deep.index({"use_peft": True})
+    assert seg < deep.index({"optim": "adamw_8bit"}) < deep.index({"use_peft": True})  # 8-bit moments: full only
+    assert {"optim": "adamw_8bit"} not in _candidates(dataclasses.replace(args, use_peft=True), "sft")
 
 
 def test_segments_suggested_and_their_saving_measured():

@@ -191,8 +191,8 @@ def test_adafactor_matches_transformers():
     for k in tp:
         np.testing.assert_allclose(np.array(params[k]), tp[k].detach().numpy(), atol=1e-6, err_msg=k)
     assert "exp_avg_sq_row" in ours.state["w"] and "exp_avg" not in ours.state["w"]  # factored, no m
-    with pytest.raises(ValueError, match="optim 'adamw_8bit' is not supported"):
-        optim_lib.check_optim(SFTConfig(optim="adamw_8bit"))
+    with pytest.raises(ValueError, match="optim 'paged_adamw_8bit' is not supported"):
+        optim_lib.check_optim(SFTConfig(optim="paged_adamw_8bit"))
 
 
 @pytest.mark.parametrize("kernel", ["native", "compiled"])

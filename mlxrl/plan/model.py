@@ -393,11 +393,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     n_train = a.trainable_params
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)
     optim_name = getattr(args, "optim", "adamw_torch")
-    adafactor = optim_name == "adafactor"
     master = 4 * a.master_params if getattr(args, "master_weights", True) else 0
     moments = optim_lib.state_bytes(optim_name, n_train, a.master_params, getattr(args, "master_weights", True))
     accum_sum = 4 * n_train if accum > 1 else 0  # the float32 running sum of the micro-batches' gradients
-    what = "Adafactor factored v" if adafactor else "AdamW m, v (fp32)"
+    what = optim_lib.state_label(optim_name)
     if master:
         what += f" + fp32 master weights ({fmt(master)}; --master_weights false saves it)"
     out.append(Row("trainable state", moments + other + accum_sum,
@@ -441,7 +440,8 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     # not next to the decoder's head
     step = steady + other + accum_sum + img_kept + max(act[ckpt] + head, img_temps)
     clip = (getattr(args, "max_grad_norm", 0) or 0) > 0
-    update = steady + optim_lib.update_peak_bytes(optim_name, T, a.largest_trainable, clip, s, bool(a.master_params))
+    update = steady + optim_lib.update_peak_bytes(optim_name, T, a.largest_trainable, clip, s, bool(a.master_params),
+                                                  native_cpu(args))
     # generation: the weights, the KV cache and the [G, V] float32 logits of a decoding step
     gen = steady + kv + gen_logits if kv else 0
     total = int(max(step, update, gen))

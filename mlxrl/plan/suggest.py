@@ -11,7 +11,7 @@ from .report import dtype_bytes
 def _candidates(args, trainer: str, layers: int = 0):
     """Changes in the order of how little they change the run: same result (chunk size, the attention
     recomputed, the MLP in tiles, checkpointing, smaller micro-batches with more accumulation, the layers
-    checkpointed in nested segments: one more forward), then bf16
+    checkpointed in nested segments: one more forward), then 8-bit AdamW moments (full fine-tuning), bf16
     weights without a float32 master copy (stochastic rounding), a smaller adapter, LoRA instead of full
     fine-tuning, a shorter max_length, fewer generations, and last a 4-bit base (QLoRA)."""
     yield {"chunk_size": 1024}
@@ -39,6 +39,8 @@ def _candidates(args, trainer: str, layers: int = 0):
         if getattr(args, "keep_attention", False):
             change["keep_attention"] = False
         yield change
+    if not args.use_peft and getattr(args, "optim", "adamw_torch") in ("adamw_torch", "adamw_torch_fused"):
+        yield {"optim": "adamw_8bit"}  # a quarter of AdamW's moments
     if dtype_bytes(args) != 4 and not args.use_peft and getattr(args, "master_weights", True):
         yield {"master_weights": False}
     if args.use_peft:

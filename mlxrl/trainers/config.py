@@ -72,9 +72,10 @@ class TrainConfig(ElsewhereArguments):
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
-    optim: str = _f("adamw_torch", "adamw_torch (AdamW; adamw_torch_fused is the same here) | adafactor "
-                                   "(transformers' Adafactor as the HF Trainer sets it up: factored second moments, "
-                                   "no first moment, a fraction of AdamW's state)")
+    optim: str = _f("adamw_torch", "adamw_torch (AdamW; adamw_torch_fused is the same here) | adamw_8bit "
+                                   "(bitsandbytes' 8-bit AdamW: block-wise quantized moments, a quarter of AdamW's "
+                                   "state; adamw_bnb_8bit is the same) | adafactor (transformers' Adafactor as the "
+                                   "HF Trainer sets it up: factored second moments, no first moment)")
     logging_steps: int = _f(10, "log every N optimizer steps")
     eval_strategy: str = _f("no", "no | steps | epoch")
     eval_steps: int | None = _f(None, "evaluate every N steps (eval_strategy=steps; default logging_steps)")

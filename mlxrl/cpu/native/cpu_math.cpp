@@ -691,6 +691,143 @@ std::vector<mx::array> adamw_step_op(const mx::array& g, const mx::array& w, con
   return {w_new, m_new, v_new};
 }
 
+// ------------------------------------------------------------------------- 8-bit AdamW (blockwise)
+//
+// bitsandbytes' 8-bit AdamW (Dettmers et al., "8-bit Optimizers via Block-wise Quantization"): a moment is
+// one uint8 code per element, an index into a sorted 256-value map (m: signed, in [-1, 1]; v: in [0, 1]),
+// times the absolute maximum of its block of 256 consecutive elements (float32, one per block). A step
+// dequantizes both moments, updates them and the weight in float32 exactly as adamw_step, and quantizes each
+// new moment to the code nearest to it over its block's new maximum. The weight is one single-output
+// primitive (it takes w's buffer, as AdamWWeight); each moment is a two-output one (codes, maxima: 1 byte
+// and 1/64 byte per element, fresh each step). maps = [m's 256 codes, v's 256 codes, m's 255 midpoints and
+// +inf, v's 255 midpoints and +inf]; luts = [m's, v's] 65536-entry start tables (nearest_code); hyper as
+// adamw_step.
+constexpr size_t kQBlock = 256;
+
+// The code nearest to x (ties to the lower): the count of midpoints below x. `lut`, indexed by x's upper 16
+// bits (its bfloat16 truncation), holds that count for the lowest value with those bits; the map's codes lie
+// further apart than bfloat16's steps, so at most a step or two up from there reaches x's.
+inline unsigned nearest_code(const float* mid, const uint8_t* lut, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  unsigned i = lut[bits >> 16];
+  while (i < 255 && x > mid[i]) ++i;
+  return i;
+}
+
+class AdamW8Weight : public CpuPrimitive {
+ public:
+  AdamW8Weight(mx::Stream s, float wd, float b1, float b2, float eps)
+      : CpuPrimitive(s), wd_(wd), b1_(b1), b2_(b2), eps_(eps) {}
+  const char* name() const override { return "MlxrlAdamW8Weight"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (!CpuPrimitive::is_equivalent(other)) return false;
+    auto& o = static_cast<const AdamW8Weight&>(other);
+    return wd_ == o.wd_ && b1_ == o.b1_ && b2_ == o.b2_ && eps_ == o.eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  // inputs: w, g, m codes, m maxima, v codes, v maxima, maps, hyper (then the new codes: an order only)
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = encode_unary_output(stream(), inputs, outputs[0]);
+    encoder.dispatch([w = inputs[0].data<float>(), g = inputs[1].data<float>(), mq = inputs[2].data<uint8_t>(),
+                      ma = inputs[3].data<float>(), vq = inputs[4].data<uint8_t>(), va = inputs[5].data<float>(),
+                      maps = inputs[6].data<float>(), hyper = inputs[7].data<float>(),
+                      out = outputs[0].data<float>(), n = inputs[0].size(), wd = wd_, b1 = b1_, b2 = b2_,
+                      eps = eps_]() {
+      const float scale = hyper[0], lr = hyper[1], c1 = hyper[2], c2 = hyper[3];
+      const float decay = 1.0f - lr * wd, step = lr * c1;
+      const float *mmap = maps, *vmap = maps + 256;
+      parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+        for (size_t i = b; i < e; ++i) {
+          const float gi = g[i] * scale;
+          const float m = b1 * (mmap[mq[i]] * ma[i / kQBlock]) + (1.0f - b1) * gi;
+          const float v = b2 * (vmap[vq[i]] * va[i / kQBlock]) + (1.0f - b2) * (gi * gi);
+          out[i] = w[i] * decay - step * m / (std::sqrt(v) * c2 + eps);
+        }
+      });
+    });
+  }
+
+ private:
+  float wd_, b1_, b2_, eps_;
+};
+
+class AdamW8Moment : public CpuPrimitive {
+ public:
+  AdamW8Moment(mx::Stream s, float beta, bool squared) : CpuPrimitive(s), beta_(beta), squared_(squared) {}
+  const char* name() const override { return squared_ ? "MlxrlAdamW8SecondMoment" : "MlxrlAdamW8FirstMoment"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && static_cast<const AdamW8Moment&>(other).beta_ == beta_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[1].shape(), inputs[2].shape()};
+  }
+  // inputs: g, codes, maxima, maps, luts, hyper; outputs: codes, maxima
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = encode_outputs(stream(), inputs, outputs);
+    encoder.dispatch([g = inputs[0].data<float>(), q = inputs[1].data<uint8_t>(), a = inputs[2].data<float>(),
+                      maps = inputs[3].data<float>(), luts = inputs[4].data<uint8_t>(),
+                      hyper = inputs[5].data<float>(), qo = outputs[0].data<uint8_t>(),
+                      ao = outputs[1].data<float>(), n = inputs[1].size(), beta = beta_, squared = squared_]() {
+      const float scale = hyper[0];
+      const float* code = maps + (squared ? 256 : 0);
+      const float* mid = maps + 512 + (squared ? 256 : 0);
+      const uint8_t* lut = luts + (squared ? 65536 : 0);
+      const size_t blocks = (n + kQBlock - 1) / kQBlock;
+      parallel_for(blocks, kGrain / kQBlock, [=](size_t, size_t bb, size_t be) {
+        float x[kQBlock];
+        for (size_t blk = bb; blk < be; ++blk) {
+          const size_t lo = blk * kQBlock, len = std::min(kQBlock, n - lo);
+          const float old = a[blk];
+          float top = 0.0f;
+#pragma omp simd reduction(max : top)
+          for (size_t j = 0; j < len; ++j) {
+            const float gi = g[lo + j] * scale;
+            const float upd = squared ? gi * gi : gi;
+            x[j] = beta * (code[q[lo + j]] * old) + (1.0f - beta) * upd;
+            top = std::max(top, std::fabs(x[j]));
+          }
+          ao[blk] = top;
+          const float inv = top > 0.0f ? 1.0f / top : 0.0f;
+          for (size_t j = 0; j < len; ++j) qo[lo + j] = uint8_t(nearest_code(mid, lut, x[j] * inv));
+        }
+      });
+    });
+  }
+
+ private:
+  float beta_;
+  bool squared_;
+};
+
+std::vector<mx::array> adamw8_step_op(const mx::array& g, const mx::array& w, const mx::array& mq,
+                                      const mx::array& ma, const mx::array& vq, const mx::array& va,
+                                      const mx::array& maps, const mx::array& luts, const mx::array& hyper, float wd,
+                                      float b1, float b2, float eps) {
+  auto stream = cpu_stream({&g, &w, &ma, &va, &maps, &hyper});  // the codes: uint8, checked below
+  const size_t blocks = (w.size() + kQBlock - 1) / kQBlock;
+  if (g.shape() != w.shape() || mq.shape() != w.shape() || vq.shape() != w.shape() || mq.dtype() != mx::uint8 ||
+      vq.dtype() != mx::uint8 || ma.size() != blocks || va.size() != blocks || maps.size() != 1024 ||
+      luts.dtype() != mx::uint8 || luts.size() != 2 * 65536 || hyper.size() != 4)
+    throw std::invalid_argument("adamw8_step: g, w and the uint8 codes must share a shape, each moment hold one "
+                                "maximum per 256 elements, maps 1024 values, luts 2 x 65536 codes and hyper 4.");
+  auto dg = dense(g, stream), dh = dense(hyper, stream), dmaps = dense(maps, stream), dluts = dense(luts, stream);
+  auto dmq = dense(mq, stream), dma = dense(ma, stream), dvq = dense(vq, stream), dva = dense(va, stream);
+  auto m_new = mx::array::make_arrays({w.shape(), ma.shape()}, {mx::uint8, mx::float32},
+                                      std::make_shared<AdamW8Moment>(stream, b1, false),
+                                      {dg, dmq, dma, dmaps, dluts, dh});
+  auto v_new = mx::array::make_arrays({w.shape(), va.shape()}, {mx::uint8, mx::float32},
+                                      std::make_shared<AdamW8Moment>(stream, b2, true),
+                                      {dg, dvq, dva, dmaps, dluts, dh});
+  // The new codes are inputs of the weight's kernel only as an order (it reads the old ones): each
+  // parameter's three kernels then run together, so its gradient (and a dense copy of it) is released
+  // before the next parameter's update instead of after every weight's (as AdamWWeight after m and v).
+  auto w_new = mx::array(w.shape(), mx::float32, std::make_shared<AdamW8Weight>(stream, wd, b1, b2, eps),
+                         {dense(w, stream), dg, dmq, dma, dvq, dva, dmaps, dh, m_new[0], v_new[0]});
+  return {w_new, m_new[0], m_new[1], v_new[0], v_new[1]};
+}
+
 // ------------------------------------------------------------------------- the fused LM head
 //
 // Loss, logp, entropy, argmax, d_hidden and d_weight of a token-separable loss over the LM head,
@@ -2029,6 +2166,12 @@ NB_MODULE(_cpu_math, m) {
         nb::arg("weight_decay"), nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
         "One AdamW step (torch's arithmetic); hyper = [grad scale, lr, 1/(1-b1^t), 1/sqrt(1-b2^t)]. "
         "Returns (w, m, v).");
+  m.def("adamw8_step", &adamw8_step_op, nb::arg("g"), nb::arg("w"), nb::arg("m_codes"), nb::arg("m_max"),
+        nb::arg("v_codes"), nb::arg("v_max"), nb::arg("maps"), nb::arg("luts"), nb::arg("hyper"),
+        nb::arg("weight_decay"),
+        nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"),
+        "One 8-bit blockwise AdamW step (bitsandbytes' scheme; hyper as adamw_step). Returns (w, m codes, m "
+        "maxima, v codes, v maxima).");
   m.def("sum_squares", &sum_squares_op, nb::arg("x"), "sum(x^2) as a float32 scalar (accumulated in double).");
   m.def("fused_head", &fused_head_op, nb::arg("h"), nb::arg("weight"), nb::arg("targets"), nb::arg("w"),
         nb::arg("inv_t"), nb::arg("mode"), nb::arg("chunk_rows"), nb::arg("with_entropy"), nb::arg("weight_grad"),
