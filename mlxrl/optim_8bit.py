@@ -11,8 +11,9 @@ each new moment as the code nearest to it over its block's new maximum. Smaller 
 So a trained parameter costs 2 x (1 + 4 / 256) bytes of optimizer state instead of 8: full fine-tuning of a
 0.6B model holds ~1.2 GB of moments instead of 4.8. On float32 CPU arrays the step is one native kernel per
 moment and one for the weight (`mlxrl.native`: each block updated, measured and re-coded in registers);
-elsewhere (the graph path, bf16 parameters' float32 master copies on a GPU) it is MLX ops, the nearest code
-found by 8 halvings of the map's midpoints, the same comparisons as the kernel.
+elsewhere (the graph path, bf16 parameters' float32 master copies on a GPU) it is MLX ops in chunks, the
+nearest code found by 8 halvings of the map's midpoints (the kernel starts from a table indexed by the
+value's upper 16 bits instead): both give the count of midpoints below the value.
 """
 
 from __future__ import annotations
