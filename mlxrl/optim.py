@@ -167,14 +167,21 @@ class FusedAdamW(MixedPrecision, optim.AdamW):
         self._kernels = _adamw_kernels(float(self.weight_decay), float(self.betas[0]), float(self.betas[1]),
                                        float(self.eps))
 
-    def _apply32(self, gradient, parameter, state):
+    def _corrections(self):
+        """(b1, b2, c1, c2): the betas and the bias corrections of this step, c1 = 1 / (1 - b1^t) and
+        c2 = 1 / sqrt(1 - b2^t)."""
         b1, b2 = self.betas
-        step = self.step
-        c1 = 1 / (1 - b1**step)
-        c2 = mx.rsqrt(1 - b2**step)
+        return b1, b2, 1 / (1 - b1**self.step), mx.rsqrt(1 - b2**self.step)
+
+    def _hyper(self, scale, c1, c2) -> mx.array:
+        """The native kernels' [grad scale, lr, c1, c2]."""
+        return mx.stack([mx.array(x).astype(FLOAT32) for x in (scale, self.learning_rate, c1, c2)])
+
+    def _apply32(self, gradient, parameter, state):
+        b1, b2, c1, c2 = self._corrections()
         kernels = fastmath.kernels_for(parameter)
         if kernels is not None and gradient.dtype == FLOAT32:
-            hyper = mx.stack([mx.array(x).astype(mx.float32) for x in (self.grad_scale, self.learning_rate, c1, c2)])
+            hyper = self._hyper(self.grad_scale, c1, c2)
             w, state["m"], state["v"] = kernels.adamw_step(
                 gradient, parameter, state["m"], state["v"], hyper, float(self.weight_decay), float(b1), float(b2),
                 float(self.eps))
@@ -196,7 +203,7 @@ class AdamW8bit(FusedAdamW):
         self._maps, self._luts = mx.array(q8.MAPS), mx.array(q8.LUTS)
         self._after = None
         self._codes = (mx.array(q8.CODE_M), mx.array(q8.CODE_V))
-        self._mids = (mx.array(q8.midpoints(q8.CODE_M)), mx.array(q8.midpoints(q8.CODE_V)))
+        self._mids = (mx.array(q8.MID_M), mx.array(q8.MID_V))
 
     def apply_gradients(self, gradients, parameters):
         self._after = None  # the previous 8-bit parameter's outputs: each update waits for them (`_apply32`)
@@ -213,10 +220,7 @@ class AdamW8bit(FusedAdamW):
     def _apply32(self, gradient, parameter, state):
         if "m_codes" not in state:
             return super()._apply32(gradient, parameter, state)
-        b1, b2 = self.betas
-        step = self.step
-        c1 = 1 / (1 - b1**step)
-        c2 = mx.rsqrt(1 - b2**step)
+        b1, b2, c1, c2 = self._corrections()
         # The parameters are updated one after another (the clip scale, which every kernel reads, waits for
         # the previous one's outputs): MLX would otherwise run each stage for all of them at once, with every
         # parameter's float32 moments (graph path) or gradient copy (native) alive together, ~3.5x the
@@ -224,7 +228,7 @@ class AdamW8bit(FusedAdamW):
         scale = self.grad_scale if self._after is None else mx.depends(self.grad_scale, self._after)
         kernels = fastmath.kernels_for(parameter)
         if kernels is not None and gradient.dtype == FLOAT32:
-            hyper = mx.stack([mx.array(x).astype(FLOAT32) for x in (scale, self.learning_rate, c1, c2)])
+            hyper = self._hyper(scale, c1, c2)
             w, state["m_codes"], state["m_max"], state["v_codes"], state["v_max"] = kernels.adamw8_step(
                 gradient, parameter, state["m_codes"], state["m_max"], state["v_codes"], state["v_max"], self._maps,
                 self._luts, hyper, float(self.weight_decay), float(b1), float(b2), float(self.eps))
@@ -240,8 +244,8 @@ class AdamW8bit(FusedAdamW):
                     *q8.quantize(v, self._mids[1]))
 
         keys = ("m_codes", "m_max", "v_codes", "v_max")
-        (w, *new), self._after = q8.chunked(step_chunk, [parameter, gradient, *(state[k] for k in keys)],
-                                            self._after)
+        self._after = q8.chunked(step_chunk, [parameter, gradient, *(state[k] for k in keys)], self._after)
+        w, *new = self._after
         state.update(zip(keys, new, strict=True))
         return w
 
@@ -273,4 +277,4 @@ def make_optimizer(args, total_steps: int):
         return ClippedAdafactor(lr, weight_decay=args.weight_decay, master_weights=master)
     kind = AdamW8bit if args.optim in q8.NAMES else FusedAdamW
     return kind(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
-                      weight_decay=args.weight_decay, master_weights=master)
+                weight_decay=args.weight_decay, master_weights=master)

@@ -73,8 +73,9 @@ def start_table(mid: np.ndarray) -> np.ndarray:
 
 
 CODE_M, CODE_V = dynamic_map(True), dynamic_map(False)
-MAPS = np.concatenate([CODE_M, CODE_V, midpoints(CODE_M), midpoints(CODE_V)])  # the native kernel's layout
-LUTS = np.concatenate([start_table(midpoints(CODE_M)), start_table(midpoints(CODE_V))])
+MID_M, MID_V = midpoints(CODE_M), midpoints(CODE_V)
+MAPS = np.concatenate([CODE_M, CODE_V, MID_M, MID_V])  # the native kernel's layout
+LUTS = np.concatenate([start_table(MID_M), start_table(MID_V)])
 
 
 def blocks(n: int) -> int:
@@ -109,7 +110,7 @@ def quantize(x: mx.array, mid: mx.array) -> tuple[mx.array, mx.array]:
     return (codes[:n] if pad else codes).reshape(x.shape), top
 
 
-def chunked(step, arrays: list, after: list | None) -> tuple[list, list]:
+def chunked(step, arrays: list, after: list | None) -> list:
     """step(w, g, m codes, m maxima, v codes, v maxima) -> the same five, new, applied to CHUNK elements at a
     time (and their blocks' maxima), each chunk's inputs waiting for the previous chunk's outputs (`after`:
     the previous array's); the outputs joined in the arrays' shapes."""
@@ -123,8 +124,7 @@ def chunked(step, arrays: list, after: list | None) -> tuple[list, list]:
         parts.append(step(*(ins if after is None else mx.depends(ins, after))))
         after = list(parts[-1])
     joined = [p[0] if len(parts) == 1 else mx.concatenate(p) for p in zip(*parts, strict=True)]
-    out = [x.reshape(w.shape) if i in (0, 1, 3) else x for i, x in enumerate(joined)]
-    return out, out
+    return [x.reshape(w.shape) if i in (0, 1, 3) else x for i, x in enumerate(joined)]
 
 
 def state_bytes(trainable_params: int) -> int:
