@@ -66,6 +66,11 @@ def write_error_reason(e: BaseException) -> str | None:
             return f"the disk is full or not writable ({msg})"
         if "Failed to open file" in msg:
             return f"cannot create the file ({msg})"
+    if type(e) is Exception:  # tokenizers' Rust writer raises a bare Exception with the OS's words
+        msg = str(e)
+        for code, words in _REASONS.items():
+            if os.strerror(code) in msg:
+                return words
     return None
 
 

@@ -14,17 +14,43 @@ ERRORS = (MlxrlError, ValueError, FileNotFoundError, NotImplementedError)
 
 
 def run(body) -> int:
-    """Run `body()`; a user error prints one line (MLXRL_DEBUG=1: the traceback) and returns 2,
-    Ctrl-C returns 130 (the trainer has saved a resumable checkpoint)."""
+    """The error boundary of every entry point: run `body()`; a user error prints one line (MLXRL_DEBUG=1:
+    the traceback) and returns 2, as does a disk error from any library (a full disk while tokenizers
+    writes tokenizer.json); Ctrl-C returns 130 (the trainer has saved a resumable checkpoint), and a
+    second Ctrl-C during the shutdown that follows is ignored (no "Exception ignored in atexit" noise)."""
+    from .atomic import write_error_reason
+
     try:
         return body() or 0
     except KeyboardInterrupt:
+        _ignore_further_interrupts()
         return 130
     except ERRORS as e:
-        if os.environ.get("MLXRL_DEBUG"):
+        return _one_line(e)
+    except Exception as e:
+        reason = write_error_reason(e)
+        if reason is None:
             raise
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return _one_line(MlxrlError(f"cannot write to disk: {reason} ({str(e).splitlines()[0] if str(e) else ''}); "
+                                    "free space or choose another folder"))
+
+
+def _one_line(e: BaseException) -> int:
+    if os.environ.get("MLXRL_DEBUG"):
+        raise e
+    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    return 2
+
+
+def _ignore_further_interrupts() -> None:
+    """In a `python -m mlxrl...` process only (not a program or test calling `main()`): the process is
+    about to exit, and a Ctrl-C in its shutdown would interrupt an atexit callback."""
+    import signal
+    import threading
+
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.startswith("mlxrl") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def apply_overrides(args, explicit: set, overrides: dict) -> None:
@@ -73,6 +99,9 @@ def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
     if ns.model is None:
         raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
     check_model_reference(ns.model)  # a missing folder or a mistyped id, before reading the data
+    from .trainers.run_dir import check_target
+
+    check_target(args.output_dir, model=ns.model, data=(ns.dataset, getattr(ns, "eval_dataset", None)))
     exclude = (args.output_dir,)
     train = load_rows(ns.dataset, split=ns.dataset_split, exclude=exclude)
     evaluation = None

@@ -3,13 +3,15 @@ skipped), or a Hugging Face dataset; every problem one line naming the file and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 from ..hub import MlxrlError
 
-__all__ = ["DataError", "load_rows"]
+__all__ = ["DataError", "load_rows", "rows_fingerprint"]
 
 
 class DataError(MlxrlError, ValueError):
@@ -64,33 +66,51 @@ def _read_file(path: Path) -> list[dict]:
     return rows
 
 
-# Files in a dataset folder that belong to a training run or a saved model, never data: an output_dir
-# inside the dataset folder must not be read back as rows.
-_RUN_MARKERS = ("metrics.jsonl", "trainer_state.json", "mlxrl_save.json", "adapter_config.json", "config.json")
+# Files that belong to a training run or a saved model, never data; a folder holding weights or one of
+# mlxrl's own records is a saved model, adapter, checkpoint or run, and is not read as data either.
+_RUN_FILES = ("metrics.jsonl", "trainer_state.json", "mlxrl_save.json", "mlxrl_run.json", "adapter_config.json",
+              "config.json")
+_RUN_RECORDS = ("mlxrl_save.json", "mlxrl_run.json")
 
 
-def _data_files(folder: Path, exclude) -> list[Path]:
-    """Data files under `folder` in name order, skipping hidden entries, the run files themselves, the
-    `exclude` folders (the run's output_dir) and any subfolder that holds a run or a model (_RUN_MARKERS)."""
+def _holds_a_save(folder: Path) -> bool:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(n.endswith(".safetensors") or n in _RUN_RECORDS for n in names)
+
+
+def _data_files(folder: Path, exclude) -> tuple[list[Path], list[str]]:
+    """(data files under `folder` in name order, what was skipped in words). Hidden entries are skipped
+    silently; the `exclude` folders (the run's output_dir), folders that hold a saved model, adapter,
+    checkpoint or run, and run files (metrics.jsonl, config.json, ...) are skipped and named."""
     skip = {Path(e).expanduser().resolve() for e in exclude if e}
-    files = []
+    files, skipped = [], []
     for root, dirs, names in os.walk(folder):
         here = Path(root)
-        if here.resolve() in skip or (here != folder and any((here / m).is_file() for m in _RUN_MARKERS)):
+        if here != folder and (here.resolve() in skip or _holds_a_save(here)):
+            why = "the run's output_dir" if here.resolve() in skip else "a saved model, checkpoint or run"
+            skipped.append(f"{here.relative_to(folder)}/ ({why})")
             dirs[:] = []
             continue
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        files += [here / n for n in names
-                  if not n.startswith(".") and n not in _RUN_MARKERS and Path(n).suffix in _DATA_SUFFIXES]
-    return sorted(files)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for n in sorted(names):
+            if n.startswith(".") or Path(n).suffix not in _DATA_SUFFIXES:
+                continue
+            if n in _RUN_FILES:
+                skipped.append(f"{(here / n).relative_to(folder)} (a run's or a model's file, not rows)")
+            else:
+                files.append(here / n)
+    return sorted(files), skipped
 
 
 def load_rows(dataset: str | os.PathLike, split: str = "train", exclude=()) -> list[dict]:
     """Rows of a local .json / .jsonl / .parquet file, a folder of them (sorted by name), or a Hub
     dataset (``datasets.load_dataset(name, split=split)``; images stay undecoded dicts).
 
-    In a folder, the `exclude` folders (the run's output_dir) and folders that hold a training run or a
-    saved model are skipped. An empty dataset is an error."""
+    In a folder, the `exclude` folders (the run's output_dir), folders that hold a saved model or a run
+    and a run's files are skipped, each named in a note on stderr. An empty dataset is an error."""
     path = Path(dataset).expanduser()
     if path.is_file():
         if path.suffix not in _DATA_SUFFIXES:
@@ -98,10 +118,14 @@ def load_rows(dataset: str | os.PathLike, split: str = "train", exclude=()) -> l
                             "(use .json, .jsonl or .parquet)")
         rows = _read_file(path)
     elif path.is_dir():
-        files = _data_files(path, exclude)
+        files, skipped = _data_files(path, exclude)
         if not files:
-            raise DataError(f"dataset {str(path)!r}: folder has no .json, .jsonl or .parquet file")
+            why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+            raise DataError(f"dataset {str(path)!r}: folder has no .json, .jsonl or .parquet file of rows{why}")
         rows = [row for f in files for row in _read_file(f)]
+        if skipped:
+            print(f"note: dataset {path}: read {len(rows)} rows from {len(files)} file(s); skipped "
+                  f"{'; '.join(skipped)}", file=sys.stderr, flush=True)
     elif path.suffix in _DATA_SUFFIXES or str(dataset).startswith((".", "/", "~")):
         raise DataError(f"dataset {str(dataset)!r}: no such file or folder")
     else:
@@ -118,3 +142,27 @@ def load_rows(dataset: str | os.PathLike, split: str = "train", exclude=()) -> l
     if not rows:
         raise DataError(f"dataset {str(dataset)!r} has no rows (an empty file or split)")
     return rows
+
+
+def rows_fingerprint(rows) -> str:
+    """A digest of a dataset's rows, in order: what a checkpoint's data position refers to (a resume on
+    other rows is refused). A `datasets.Dataset` brings its own fingerprint; a list of rows is hashed as
+    JSON, images and byte strings by their content."""
+    own = getattr(rows, "_fingerprint", None)
+    if isinstance(own, str):
+        return own
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=_content_digest).encode())
+    return digest.hexdigest()[:16]
+
+
+def _content_digest(value) -> str:
+    """A JSON stand-in for a value json cannot write: PIL images and arrays by their pixels, bytes by content."""
+    for attr in ("tobytes", "tostring"):
+        if hasattr(value, attr):  # PIL images, numpy arrays
+            meta = (getattr(value, "size", None), getattr(value, "mode", None), getattr(value, "shape", None))
+            return f"{meta}:{hashlib.sha256(getattr(value, attr)()).hexdigest()}"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return hashlib.sha256(bytes(value)).hexdigest()
+    return f"<{type(value).__name__}>"

@@ -1,5 +1,5 @@
-"""Checkpoints and the run folder: what a checkpoint belongs to, the checks before a resume, and
-one run per output_dir (the Hugging Face scripts' rule).
+"""Checkpoints: what a checkpoint belongs to, and the checks before a resume (the run folder around
+them: `run_dir`).
 
 A checkpoint is `output_dir/checkpoint-<step>/` with trainable.safetensors (the trained weights),
 optimizer.safetensors (moments, master copies, step count), trainer_state.json (step, data
@@ -10,11 +10,6 @@ the trainable parameters' names and shapes, dtype, master_weights and optimizer.
 it field by field with the run being started and refuses the first difference in one line that
 names it and the flag that fixes it; the weights and optimizer files are also checked key by key
 (that also covers checkpoints written before the record existed).
-
-The run folder. An output_dir holding another run (checkpoint-N folders, metrics.jsonl, a final
-adapter) is refused unless the run resumes one of its checkpoints or `overwrite_output_dir` is set;
-overwriting deletes only that run's checkpoints and metrics.jsonl, and the final save later replaces
-only files mlxrl wrote (`mlxrl.atomic`). Nothing else in the folder is touched.
 """
 
 from __future__ import annotations
@@ -22,19 +17,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..atomic import MARKER, check_save_target, clean_stale, read_marker, write_file_atomically
+from ..atomic import write_file_atomically
 from ..hub import MlxrlError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "trainer_state.json", "batch_source.safetensors")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_LEFTOVER_RE = re.compile(r"^\.(checkpoint-\d+|metrics\.jsonl|model|merged-quantized|merged|adapter|mlxrl_save\.json)"
-                          r"\.(?:tmp|old)-")
 # what the final LoRA save writes into output_dir (the adapter and the processor's files)
 FINAL_FILES = ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "chat_template.json", "special_tokens_map.json", "added_tokens.json",
@@ -57,6 +49,55 @@ def read_state(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) and "global_step" in state and "batch_in_epoch" in state else None
+
+
+def _count(minimum: int):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum), f"a whole number >= {minimum}"
+
+
+def _kind(kinds, words):
+    return (lambda v: isinstance(v, kinds) and not isinstance(v, bool)), words
+
+
+# trainer_state.json's fields: (test, what it must be, required); what a resume reads must pass before it is used
+_STATE_FIELDS = {
+    "global_step": (*_count(0), True), "epoch": (*_count(0), True), "batch_in_epoch": (*_count(0), True),
+    "num_tokens": (*_count(0), False), "world_size": (*_count(1), False), "per_device_batch": (*_count(1), False),
+    "log_history": (lambda v: isinstance(v, list) and all(isinstance(e, dict) for e in v), "a list of objects", False),
+    "run_id": (*_kind(str, "a string"), False),
+    "mlxrl": (*_kind(dict, "an object"), False),
+    "data": (*_kind(dict, "an object"), False),
+    "best_model_checkpoint": (lambda v: v is None or isinstance(v, str), "a checkpoint name or null", False),
+    "best_metric": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)), "a number",
+                    False),
+}
+_RECORD_FIELDS = {
+    "trainer": _kind(str, "a string"), "model_type": _kind(str, "a string"), "model_config": _kind(dict, "an object"),
+    "adapter": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "trainable": (lambda v: isinstance(v, dict) and all(
+        isinstance(s, list) and all(isinstance(n, int) for n in s) for s in v.values()), "parameter name -> shape"),
+    "dtype": _kind(str, "a string"),
+}
+
+
+def check_state(state: dict, path: Path) -> None:
+    """Every field of a checkpoint's trainer_state.json a resume reads, its type and range; one line naming
+    the file and the first bad field."""
+    where = f"--resume_from_checkpoint {path}: trainer_state.json"
+    fix = "resume from another checkpoint (this file was edited or damaged)"
+    for name, (test, words, required) in _STATE_FIELDS.items():
+        if name not in state:
+            if required:
+                raise MlxrlError(f"{where} has no {name}: {fix}")
+            continue
+        if not test(state[name]):
+            raise MlxrlError(f"{where} has {name} {json.dumps(state[name])[:40]}, which must be {words}: {fix}")
+    if state.get("best_model_checkpoint") is not None and state.get("best_metric") is None:
+        raise MlxrlError(f"{where} names best_model_checkpoint without best_metric: {fix}")
+    for name, (test, words) in _RECORD_FIELDS.items():
+        record = state.get("mlxrl") or {}
+        if name in record and not test(record[name]):
+            raise MlxrlError(f"{where} has mlxrl.{name} {json.dumps(record[name])[:40]}, which must be {words}: {fix}")
 
 
 def list_checkpoints(output_dir: Path, run_id: str | None = None) -> list[Path]:
@@ -219,6 +260,7 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     if state is None:
         raise MlxrlError(f"{where}: trainer_state.json is truncated or not an mlxrl trainer state; resume from an "
                          "earlier checkpoint")
+    check_state(state, path)
     weights = load_file(path, "trainable.safetensors", "the trained weights")
     opt = load_file(path, "optimizer.safetensors", "the optimizer state an exact resume needs")
     return state, weights, opt
@@ -230,112 +272,6 @@ def check_optimizer_state(loaded: dict, expected: dict, path: Path) -> None:
                   f"--resume_from_checkpoint {path} (optimizer.safetensors)", "holds")
 
 
-def resolve_checkpoint(output_dir: Path, spec) -> Path:
-    """`last` -> the newest checkpoint in output_dir; anything else -> that path."""
-    if str(spec) != "last":
-        return Path(spec)
-    found = [p for p in list_checkpoints(output_dir) if (p / "trainer_state.json").exists()]
-    if not found:
-        raise MlxrlError(f"--resume_from_checkpoint last: no checkpoint in {output_dir}")
-    return found[-1]
-
-
 def rewrite_metrics(output_dir: Path, history: list[dict]) -> None:
     """metrics.jsonl = the resumed checkpoint's log history (the steps after it are trained again)."""
     write_file_atomically(Path(output_dir) / "metrics.jsonl", "".join(json.dumps(e) + "\n" for e in history))
-
-
-# ---------------------------------------------------------------------------------------------- the run folder
-
-def check_output_dir(out: Path) -> None:
-    """A usable output_dir: created if missing, a folder, writable. One line otherwise."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise MlxrlError(f"--output_dir {out} is a file, not a folder: choose another --output_dir (the file was left "
-                         "as it is)")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".mlxrl-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        from ..atomic import write_error_reason
-
-        raise MlxrlError(f"--output_dir {out} is not writable ({write_error_reason(e) or e}): choose another "
-                         "--output_dir") from None
-
-
-def other_run(out: Path) -> list[str]:
-    """What in `out` belongs to an earlier run: checkpoint folders, metrics.jsonl, a final save."""
-    found = [p.name for p in list_checkpoints(out)]
-    if (out / "metrics.jsonl").exists():
-        found.append("metrics.jsonl")
-    marker = read_marker(out)
-    if marker:
-        found.append(f"a saved {marker.get('kind', 'model')} ({MARKER})")
-    if (out / "model").is_dir() and read_marker(out / "model"):
-        found.append("model/")
-    return found
-
-
-def leftovers(out: Path) -> list[Path]:
-    """Our temp folders/files in `out` from a killed process (removed by `clean_leftovers`)."""
-    try:
-        return [out / n for n in os.listdir(out) if _LEFTOVER_RE.match(n)]
-    except OSError:
-        return []
-
-
-def clean_leftovers(out: Path) -> list[Path]:
-    removed = []
-    for name in sorted({_LEFTOVER_RE.match(p.name).group(1) for p in leftovers(out)}):
-        removed += clean_stale(out / name)
-    return removed
-
-
-def merged_folders(args) -> tuple[str, ...]:
-    """The merged models the final save of a LoRA run writes into output_dir (--merge, --merge_quantized)."""
-    return (("merged",) if getattr(args, "merge", False) else ()) + (
-        ("merged-quantized",) if getattr(args, "merge_quantized", False) else ())
-
-
-def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = ()) -> list[str]:
-    """Refuse an output_dir holding another run (unless resuming one of its checkpoints or
-    overwriting) or files of the user's that the final save would replace. Returns the other run's
-    entries (for `start_run` to delete when overwriting)."""
-    out = Path(out)
-    found = other_run(out)
-    resuming_here = resume is not None and (str(resume) == "last" or
-                                            Path(resume).resolve().parent == out.resolve())
-    if found and not resuming_here and not overwrite:
-        more = f" and {len(found) - 2} more" if len(found) > 2 else ""
-        raise MlxrlError(f"--output_dir {out} holds another run ({', '.join(found[:2])}{more}): resume it with "
-                         "--resume_from_checkpoint last, pass --overwrite_output_dir true to start over (its "
-                         "checkpoints and metrics.jsonl are deleted, nothing else), or choose another --output_dir")
-    if lora:
-        marker = read_marker(out)
-        ours = set(marker["files"]) if marker else set()
-        for name in FINAL_FILES:
-            if (out / name).exists() and name not in ours:
-                raise MlxrlError(f"--output_dir {out} holds {name}, which mlxrl did not write and the final adapter "
-                                 "save would replace: choose another --output_dir (nothing was changed)")
-        for name in merged:
-            check_save_target((out / name).resolve(), True, "")
-    else:
-        check_save_target((out / "model").resolve(), True, "")
-    return [] if resuming_here else found
-
-
-def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = ()) -> None:
-    """At the start of train() on the writing rank: the checks of `check_run_dir`, our leftovers from
-    a killed process removed, and with overwrite_output_dir the other run's checkpoints and
-    metrics.jsonl deleted (checkpoint folders holding anything but our three files are left)."""
-    out = Path(out)
-    clean_leftovers(out)
-    found = check_run_dir(out, resume=resume, overwrite=overwrite, lora=lora, merged=merged)
-    if not found or not overwrite:
-        return
-    for path in list_checkpoints(out):
-        if is_our_checkpoint(path):
-            shutil.rmtree(path)
-    (out / "metrics.jsonl").unlink(missing_ok=True)

@@ -82,7 +82,11 @@ class TrainConfig(ElsewhereArguments):
     save_strategy: str = _f("steps", "no | steps | epoch")
     save_steps: int = _f(500, "save a resumable checkpoint every N steps")
     save_total_limit: int | None = _f(None, "keep at most this many checkpoints (oldest deleted)")
-    resume_from_checkpoint: str | None = _f(None, "checkpoint folder to resume from, or 'last'")
+    resume_from_checkpoint: str | None = _f(None, "checkpoint folder to resume from, or 'last' (the newest checkpoint "
+                                                  "of the run that wrote output_dir last)")
+    ignore_data_skip: bool = _f(False, "when resuming, start the data at the first batch of epoch 0 instead of the "
+                                       "checkpoint's position (needed to resume on other rows or another data order, "
+                                       "which a resume refuses otherwise)")
     seed: int = _f(42, "seed for data order, LoRA init and dropout")
     report_to: str = _f("none", "none | wandb | tensorboard | all, or a comma-separated list (metrics.jsonl always)")
     run_name: str | None = _f(None, "run name for W&B")

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..data.files import rows_fingerprint
 from ..losses.dpo import DPO_LOSSES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, dpo_loss
 from ..losses.head import head_logprobs
 from ..models.reference import adapters_disabled, frozen_copy
@@ -165,6 +166,7 @@ class DPOTrainer(Trainer):
         elif not args.use_peft and not args.precompute_ref_log_probs:
             ref_model = frozen_copy(model)  # TRL loads a second copy; see the module docstring for the cost
         self.ref_model = ref_model
+        self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
         self.train_examples = self._tokenize(train_dataset, "train")
         self.eval_examples = self._tokenize(eval_dataset, "eval") if eval_dataset is not None else None
         if args.precompute_ref_log_probs:

@@ -38,7 +38,7 @@ from ..models import quantize as quantize_lib
 from ..models.tiled import tile_tokens_for
 from ..models.widened import check_trainable_dtypes, planned_config
 from ..optim import make_optimizer
-from . import checkpoint as checkpoint_lib
+from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_model_dtype
 from .distributed import DataParallel, PeerLostError
@@ -90,11 +90,13 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         check_model_dtype(args, model.lm_head_weight().dtype)  # --bf16 against the model the user loaded
         model.language_model.set_checkpointing(args.gradient_checkpointing, args.keep_attention,
                                                args.checkpoint_segments)  # segments the model cannot have: refused
-        checkpoint_lib.check_output_dir(self.output_dir)
-        if self.is_main:  # before any work: a folder holding another run, or files the final save would replace
-            checkpoint_lib.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
-                                         overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
-                                         merged=checkpoint_lib.merged_folders(args))
+        run_dir.check_target(args.output_dir, model=model)  # empty, the current folder, the model's own folder
+        run_dir.check_output_dir(self.output_dir)
+        if self.is_main:  # before any work: a folder another run writes or holds, files the final save would replace
+            run_dir.check_unlocked(self.output_dir)
+            run_dir.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
+                                  overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
+                                  merged=run_dir.merged_folders(args))
         runtime.setup(tf32=args.tf32, use_cpu=args.use_cpu)  # MLX's CPU cache, TF32 on a GPU, --use_cpu
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
@@ -111,6 +113,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         self._shapes_seen: set = set()
         self._dtypes_checked = False  # whether an update has been checked to keep every parameter's dtype
         self.run_id = secrets.token_hex(8)  # in every checkpoint: pruning touches this run's only
+        self.rows_fingerprint = None  # the training rows' digest (set by the trainers): a resume checks it
         self.source = None  # the batch source (`make_source`), made when training starts
         self._consistent = True  # False while an update is half applied (no checkpoint then)
         self._saved_step = None  # the step of the last checkpoint written by this run
@@ -258,15 +261,26 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             what = "eval_strategy" if args.eval_strategy != "no" else "eval_on_start"
             raise ValueError(f"{what} {getattr(args, what)!r} needs evaluation data: pass --eval_dataset (or "
                              f"--eval_split), or set --{what} {'no' if what == 'eval_strategy' else 'false'}")
+        lock = run_dir.RunLock(self.output_dir).acquire() if self.is_main else None  # until train() returns
+        try:
+            return self._train()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self):
+        args = self.args
         if self.is_main:
-            checkpoint_lib.start_run(self.output_dir, resume=args.resume_from_checkpoint,
-                                     overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
-                                     merged=checkpoint_lib.merged_folders(args))
+            run_dir.start_run(self.output_dir, resume=args.resume_from_checkpoint,
+                              overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
+                              merged=run_dir.merged_folders(args))
         steps_per_epoch, total = self._plan()
         self.total_steps = total
         self.optimizer = make_optimizer(args, total)
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
+        if self.is_main:  # this run now owns the folder: `last` continues it, its metrics.jsonl is ours
+            run_dir.write_record(self.output_dir, self.run_id)
         trainable, total_params = lora_lib.trainable_count(self.model)
         ranks = f"; {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
         self.print(runtime.startup_line(*self._precision()))

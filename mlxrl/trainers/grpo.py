@@ -46,6 +46,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
+from ..data.files import rows_fingerprint
 from ..data.formats import DataError, chatml, check_prompt_rows, template_kwargs
 from ..data.images import fill_images, row_images
 from ..losses.fused_head import fused_head_loss
@@ -118,6 +119,7 @@ class GRPOTrainer(Trainer):
         self.reward_funcs = funcs
         self.reward_func_names = names
         self.rows = list(train_dataset)
+        self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
         self.G = args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_batching(args)
         self.prompts_per_round = self.generation_batch_size // self.G

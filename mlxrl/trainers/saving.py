@@ -21,6 +21,7 @@ from ..atomic import write_atomically
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
+from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX
 from .signals import TrainingInterrupted
 from .trl_fields import best_metric_key
@@ -92,6 +93,7 @@ class Saving:
         state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                  "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
                  "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
+                 "data": {"rows": self.rows_fingerprint, "data_seed": self.data_seed},
                  "mlxrl": checkpoint_lib.run_record(self)}
         best = self._rank_checkpoint(final.name)
         if best is not None:  # transformers' names in trainer_state.json
@@ -164,30 +166,26 @@ class Saving:
     def load_checkpoint(self, path):
         """Resume: the checkpoint is checked against this run (one line naming the first difference)
         before anything is loaded; metrics.jsonl is cut back to the checkpoint's history."""
-        path = checkpoint_lib.resolve_checkpoint(self.output_dir, path)
+        path = run_dir.resolve_checkpoint(self.output_dir, path)
         state, weights, opt = checkpoint_lib.read_checkpoint(path)
         here = checkpoint_lib.run_record(self)
         if isinstance(state.get("mlxrl"), dict):
             checkpoint_lib.check_compatible(state["mlxrl"], here, path)
         checkpoint_lib.check_shapes({k: v.shape for k, v in weights.items()}, here["trainable"],
                                      f"--resume_from_checkpoint {path}", "trains")
+        self._check_data(state, path)
+        epoch, batch_in_epoch = self._data_position(state, path)
         self.optimizer.init(self.model.trainable_parameters())
         checkpoint_lib.check_optimizer_state(opt, dict(tree_flatten(self.optimizer.state)), path)
         self.model.load_weights(list(weights.items()), strict=False)
         self.optimizer.state = tree_unflatten(list(opt.items()))
-        self.global_step, self.epoch = state["global_step"], state["epoch"]
-        self.batch_in_epoch, self.num_tokens = state["batch_in_epoch"], state["num_tokens"]
-        # the rows of the epoch already consumed, cut into this run's per-rank batches (a checkpoint
-        # resumes on any number of ranks; keep the global batch the same to continue the same run)
-        here_batch = self.world_size * self.args.per_device_train_batch_size
-        saved_batch = int(state.get("per_device_batch", self.args.per_device_train_batch_size))
-        saved = int(state.get("world_size", 1)) * saved_batch
-        self.batch_in_epoch = self.batch_in_epoch * saved // here_batch
+        self.global_step, self.epoch, self.batch_in_epoch = state["global_step"], epoch, batch_in_epoch
+        self.num_tokens = state.get("num_tokens", 0)
         self.log_history = list(state.get("log_history", []))
         if (path / "batch_source.safetensors").exists():
             source = checkpoint_lib.load_file(path, "batch_source.safetensors", "the batch source's state")
             self.source.load_state_dict({k: np.array(v) for k, v in source.items()})
-        self.run_id = state.get("run_id") or self.run_id
+        self._take_run_id(state, path)
         if state.get("best_model_checkpoint") is not None:
             self._best = (state["best_model_checkpoint"], float(state["best_metric"]))
         if path.resolve().parent == self.output_dir.resolve():
@@ -196,6 +194,50 @@ class Saving:
             checkpoint_lib.rewrite_metrics(self.output_dir, self.log_history)
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.print(f"resumed from {path} at step {self.global_step}")
+
+    def _data_position(self, state: dict, path: Path) -> tuple[int, int]:
+        """(epoch, micro-batches of it consumed) to resume at: the epoch's rows already consumed, cut into
+        this run's per-rank batches (a checkpoint resumes on any number of ranks; keep the global batch the
+        same to continue the same run); epoch 0's start with ignore_data_skip, as TrainingArguments'."""
+        if self.args.ignore_data_skip:
+            return 0, 0
+        here_batch = self.world_size * self.args.per_device_train_batch_size
+        saved = state.get("world_size", 1) * state.get("per_device_batch", self.args.per_device_train_batch_size)
+        epoch, position = state["epoch"], state["batch_in_epoch"] * saved // here_batch
+        if position > self.source.epoch_length(epoch):
+            raise MlxrlError(f"--resume_from_checkpoint {path}: trainer_state.json's data position (batch "
+                             f"{state['batch_in_epoch']} of epoch {epoch}) is past the end of this run's epoch "
+                             f"({self.source.epoch_length(epoch)} batches): resume with the same --dataset and batch "
+                             "size, or from another checkpoint")
+        return epoch, position
+
+    def _check_data(self, state: dict, path: Path) -> None:
+        """The checkpoint's data position means something only on the same rows in the same order: another
+        dataset or data seed is refused in one line (ignore_data_skip starts the new data at its beginning)."""
+        saved = state.get("data") or {}
+        if self.args.ignore_data_skip or not saved:
+            return
+        where = f"--resume_from_checkpoint {path}"
+        skip = "or pass --ignore_data_skip true to start this run's data at its first batch"
+        if saved.get("rows") not in (None, self.rows_fingerprint):
+            raise MlxrlError(f"{where} was trained on other rows than this run's dataset (its data position would "
+                             f"skip or repeat rows): resume with the same --dataset, {skip}")
+        if saved.get("data_seed") not in (None, self.data_seed):
+            raise MlxrlError(f"{where} was trained with data order seed {saved['data_seed']} and this run's is "
+                             f"{self.data_seed}: resume with --seed {saved['data_seed']} (or --data_seed), {skip}")
+
+    def _take_run_id(self, state: dict, path: Path) -> None:
+        """Continue the checkpoint's run, unless that run went on past it in this output_dir: then resuming
+        from the earlier checkpoint starts a new run, so that rotation (save_total_limit) keeps this run's
+        checkpoints and `last` continues this run, not the abandoned one."""
+        saved_id = state.get("run_id")
+        newer = [p.name for p in checkpoint_lib.list_checkpoints(self.output_dir, saved_id)
+                 if saved_id and checkpoint_lib.checkpoint_step(p) > state["global_step"]]
+        if not newer:
+            self.run_id = saved_id or self.run_id
+            return
+        self.print(f"{path.name} is an earlier checkpoint of a run that went on to {newer[-1]}: this is a new run "
+                   f"from it; that run's later checkpoints are kept except those this run's saves replace")
 
     def save_final(self):
         from ..loading import save

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..data.batches import quarter_octave, right_padded
+from ..data.files import rows_fingerprint
 from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
@@ -46,6 +47,7 @@ class SFTTrainer(Trainer):
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
         self._head_trainable = self.head_trainable
         apply_tokenizer_args(self.processor, args)  # eos_token, chat_template_path: before any row is tokenised
+        self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
         self.train_examples = self._tokenize(train_dataset)
         if args.shuffle_dataset:  # TRL shuffles before packing: which examples share a packed row changes
             order = np.random.default_rng(self.data_seed).permutation(len(self.train_examples))

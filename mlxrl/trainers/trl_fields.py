@@ -70,7 +70,6 @@ ELSEWHERE: dict[str, tuple[object, object, str]] = {
     "hub_strategy": ("str", "every_save", HUB),
     "hub_always_push": ("bool", False, HUB),
     "hub_revision": ("str | None", None, HUB),
-    "ignore_data_skip": ("bool", False, "a resumed run always continues from the data position it stopped at"),
     "restore_callback_states_from_checkpoint": ("bool", False, "mlxrl has no callbacks"),
     "full_determinism": ("bool", False, "a run is a function of its seed already (MLX's kernels are deterministic)"),
     "accelerator_config": ("str | None", None, DISTRIBUTED),

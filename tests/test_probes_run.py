@@ -1,0 +1,232 @@
+"""The run folder's promises (issue 48, an outside tester's probes): what a resume, an overwrite, a second
+run and a damaged checkpoint may and may not do to what a user has. Each case reproduces a probe that lost
+or corrupted data (or ended in a traceback) before the run folder had a lock, a record and a run identity;
+every CLI case runs the real `main()` in-process with a tiny model.
+
+    python -m pytest -q tests/test_probes_run.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxrl.data import load_rows
+from mlxrl.sft import main as sft_main
+from mlxrl.trainers.run_dir import RECORD, resolve_checkpoint
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+ROWS = [{"messages": [{"role": "user", "content": f"Say {i} words"},
+                      {"role": "assistant", "content": " ".join(WORDS[i % 5: i % 5 + 2 + i % 4])}]} for i in range(12)]
+
+
+def listing(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def one_line_error(capsys) -> str:
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if not x.startswith("note: ")]
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    return err[0]
+
+
+def write_rows(path: Path, rows=ROWS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def sft(tiny_checkpoint, tmp_path):
+    """sft(*flags, model=..., data=...) -> exit code of `python -m mlxrl.sft` on the tiny Qwen3 and 12 rows."""
+    data = write_rows(tmp_path / "rows.jsonl")
+
+    def run(*flags, model=None, dataset=None):
+        return sft_main(["--model", str(model or tiny_checkpoint("qwen3")), "--dataset", str(dataset or data),
+                         "--max_length", "64", "--disable_tqdm", "true", "--compile", "false",
+                         "--gradient_checkpointing", "false", "--per_device_train_batch_size", "2",
+                         "--logging_steps", "1", *map(str, flags)])
+
+    return run
+
+
+def steps_and_runs(out: Path) -> dict:
+    """checkpoint name -> the run id in its trainer_state.json."""
+    return {p.name: json.loads((p / "trainer_state.json").read_text())["run_id"]
+            for p in sorted(out.glob("checkpoint-*"))}
+
+
+# ------------------------------------------------------------------------------------------ data loss
+
+def test_resuming_an_earlier_checkpoint_keeps_the_new_runs_checkpoints(sft, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert sft("--use_peft", "true", "--save_steps", 1, "--max_steps", 6, "--output_dir", out) == 0
+    first = steps_and_runs(out)
+    assert sft("--use_peft", "true", "--save_steps", 1, "--max_steps", 4, "--output_dir", out,
+               "--resume_from_checkpoint", out / "checkpoint-2", "--save_total_limit", 2) == 0
+    after = steps_and_runs(out)
+    new_id = after["checkpoint-4"]
+    # rotation kept this run's two newest; the abandoned run's checkpoints it did not replace are untouched
+    assert after["checkpoint-3"] == new_id and new_id != first["checkpoint-2"]
+    assert {k for k, v in after.items() if v == new_id} == {"checkpoint-3", "checkpoint-4"}
+    assert {k: v for k, v in after.items() if v != new_id} == {k: first[k] for k in ("checkpoint-1", "checkpoint-2",
+                                                                                    "checkpoint-5", "checkpoint-6")}
+    assert resolve_checkpoint(out, "last").name == "checkpoint-4"  # `last` continues this run, not the old one
+    assert "an earlier checkpoint of a run that went on to checkpoint-6" in capsys.readouterr().out
+    assert sft("--use_peft", "true", "--save_steps", 1, "--max_steps", 5, "--output_dir", out,
+               "--resume_from_checkpoint", "last") == 0
+    assert "resumed from" in capsys.readouterr().out and steps_and_runs(out)["checkpoint-5"] == new_id
+
+
+def test_output_dir_holding_the_model_is_refused(sft, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert sft("--output_dir", out, "--max_steps", 1, "--save_steps", 0) == 0
+    saved = listing(out / "model")
+    capsys.readouterr()
+    for extra in ((), ("--overwrite_output_dir", "true")):
+        assert sft("--output_dir", out, "--max_steps", 1, *extra, model=out / "model") == 2
+        assert "holds the model being trained" in one_line_error(capsys)
+    assert listing(out / "model") == saved
+    assert sft("--output_dir", out / "model", "--max_steps", 1, model=out / "model") == 2  # the model's own folder
+    assert "holds the model being trained" in one_line_error(capsys)
+
+
+def test_a_second_run_into_a_locked_output_dir_is_refused(sft, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    # another process holds the folder's lock, as a running mlxrl run does
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(out)!r}, os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('locked', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert sft("--output_dir", out, "--max_steps", 1, "--use_peft", "true") == 2
+        assert "is being written by another mlxrl run" in one_line_error(capsys)
+        assert os.listdir(out) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    t0 = time.time()
+    assert sft("--output_dir", out, "--max_steps", 1, "--use_peft", "true") == 0  # the lock died with its process
+    assert time.time() - t0 < 120
+
+
+def test_two_trainers_in_one_process_cannot_write_one_folder(tiny_checkpoint, tmp_path):
+    import mlxrl
+    from mlxrl.hub import MlxrlError
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.run_dir import RunLock
+    from mlxrl.trainers.sft import SFTTrainer
+
+    out = tmp_path / "o"
+    out.mkdir()
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    args = SFTConfig(output_dir=str(out), max_steps=1, max_length=64, compile=False, disable_tqdm=True,
+                     gradient_checkpointing=False, use_peft=True)
+    trainer = SFTTrainer(model, processor, args, train_dataset=ROWS)
+    lock = RunLock(out).acquire()  # as the first trainer's train() holds it
+    try:
+        with pytest.raises(MlxrlError, match="being written by another mlxrl run"):
+            trainer.train()
+    finally:
+        lock.release()
+    trainer.train()
+    assert json.loads((out / RECORD).read_text())["run_id"] == trainer.run_id
+
+
+def test_dataset_subfolders_are_read_or_named(tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / "more").mkdir(parents=True)
+    write_rows(data / "a.jsonl")
+    write_rows(data / "more" / "b.jsonl")
+    (data / "more" / "config.json").write_text('{"note": "describes the data"}')  # a dataset's own config file
+    assert len(load_rows(data)) == 24  # every row, not 12
+    assert "more/config.json" in capsys.readouterr().err
+    (data / "model").mkdir()
+    (data / "model" / "model.safetensors").write_bytes(b"")
+    (data / "model" / "tokenizer.json").write_text("{}")
+    assert len(load_rows(data)) == 24
+    assert "skipped" in (err := capsys.readouterr().err) and "model/ (a saved model" in err
+
+
+def test_overwrite_never_deletes_a_metrics_file_mlxrl_did_not_write(sft, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"my": "own results"}\n')
+    for extra in ((), ("--overwrite_output_dir", "true")):
+        assert sft("--output_dir", out, "--max_steps", 1, "--use_peft", "true", *extra) == 2
+        assert "metrics.jsonl, which no mlxrl run wrote" in one_line_error(capsys)
+    assert (out / "metrics.jsonl").read_text() == '{"my": "own results"}\n'
+    other = tmp_path / "p"  # one of ours is deleted by an overwrite, as promised
+    assert sft("--output_dir", other, "--max_steps", 2, "--use_peft", "true") == 0
+    assert sft("--output_dir", other, "--max_steps", 1, "--use_peft", "true", "--overwrite_output_dir", "true") == 0
+    assert len((other / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("batch_in_epoch", -5, "batch_in_epoch -5, which must be a whole number >= 0"),
+    ("log_history", "oops", "log_history \"oops\", which must be a list of objects"),
+    ("global_step", "3", "global_step \"3\", which must be a whole number"),
+    ("epoch", None, "epoch null, which must be a whole number"),
+    ("mlxrl.model_config", "x", "mlxrl.model_config \"x\", which must be an object"),
+    ("batch_in_epoch", 500, "data position \\(batch 500 of epoch 0\\) is past the end"),
+])
+def test_a_damaged_trainer_state_is_one_line(sft, tmp_path, capsys, field, value, words):
+    import re
+
+    out = tmp_path / "o"
+    assert sft("--output_dir", out, "--max_steps", 2, "--save_steps", 2, "--use_peft", "true") == 0
+    state_file = out / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    where = state["mlxrl"] if field.startswith("mlxrl.") else state
+    where[field.split(".")[-1]] = value
+    state_file.write_text(json.dumps(state))
+    metrics = (out / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert sft("--output_dir", out, "--max_steps", 3, "--use_peft", "true", "--resume_from_checkpoint", "last") == 2
+    line = one_line_error(capsys)
+    assert re.search(words, line) and "trainer_state.json" in line, line
+    assert (out / "metrics.jsonl").read_bytes() == metrics  # nothing rewritten
+
+
+def test_resuming_on_other_data_or_another_order_is_refused(sft, tmp_path, capsys):
+    out = tmp_path / "o"
+    base = ("--output_dir", out, "--use_peft", "true", "--save_steps", 2)
+    assert sft(*base, "--max_steps", 2) == 0
+    other = write_rows(tmp_path / "other.jsonl", ROWS[::-1])
+    capsys.readouterr()
+    assert sft(*base, "--max_steps", 3, "--resume_from_checkpoint", "last", dataset=other) == 2
+    assert "trained on other rows than this run's dataset" in one_line_error(capsys)
+    assert sft(*base, "--max_steps", 3, "--resume_from_checkpoint", "last", "--seed", 7) == 2
+    assert "data order seed 42 and this run's is 7: resume with --seed 42" in one_line_error(capsys)
+    # TrainingArguments' ignore_data_skip: the new rows from their first batch
+    assert sft(*base, "--max_steps", 3, "--resume_from_checkpoint", "last", "--ignore_data_skip", "true",
+               dataset=other) == 0
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and state["epoch"] == 0
+
+
+def test_empty_output_dir_and_the_current_folder_are_refused(sft, tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for out, words in (("", "--output_dir is empty"), (".", "is the current folder"),
+                       ("..", "a folder above the current one")):
+        assert sft("--output_dir", out, "--max_steps", 1, "--use_peft", "true") == 2
+        assert words in one_line_error(capsys)
+    assert sorted(os.listdir(work)) == ["notes.txt"]
+
+
+def test_output_dir_equal_to_the_dataset_folder_is_one_clear_line(sft, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "rows.jsonl")
+    assert sft("--output_dir", data, "--max_steps", 1, "--use_peft", "true", dataset=data) == 2
+    assert "holds the dataset" in one_line_error(capsys)
+    assert sorted(os.listdir(data)) == ["rows.jsonl"]
