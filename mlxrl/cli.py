@@ -108,12 +108,9 @@ def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
     if with_eval and getattr(ns, "eval_dataset", None):
         evaluation = load_rows(ns.eval_dataset, exclude=exclude)
     if check_rows is not None:
-        check_rows(train)
-        try:
-            if evaluation is not None:  # no --eval_dataset: nothing to check (an empty list is refused)
-                check_rows(evaluation)
-        except MlxrlError as e:
-            raise MlxrlError(f"--eval_dataset {ns.eval_dataset}: {e}") from None
+        _check_located(check_rows, train, "")
+        if evaluation is not None:  # no --eval_dataset: nothing to check (an empty list is refused)
+            _check_located(check_rows, evaluation, f"--eval_dataset {ns.eval_dataset}: ")
     # a LoRA run's frozen base stays in the checkpoint's bfloat16 (`models.widened`)
     model, processor = mlxrl.load(ns.model, dtype=args.dtype, keep_linear_dtype=keeps_checkpoint_dtype(args))
     prepare_base(model, args)
@@ -126,6 +123,16 @@ def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):
                              f"{'no training' if cut < 1 else 'no evaluation'} rows")
         train, evaluation = train[:cut], train[cut:]
     return model, processor, train, evaluation
+
+
+def _check_located(check_rows, rows, prefix: str) -> None:
+    """check_rows(rows), its "row N: ..." error naming the file and line of row N."""
+    from .data.files import locate
+
+    try:
+        check_rows(rows)
+    except MlxrlError as e:
+        raise MlxrlError(f"{prefix}{locate(rows, str(e))}") from None
 
 
 # Objects and colours of the text variant of the synthetic task (for text-only models).

@@ -230,3 +230,42 @@ def test_output_dir_equal_to_the_dataset_folder_is_one_clear_line(sft, tmp_path,
     assert sft("--output_dir", data, "--max_steps", 1, "--use_peft", "true", dataset=data) == 2
     assert "holds the dataset" in one_line_error(capsys)
     assert sorted(os.listdir(data)) == ["rows.jsonl"]
+
+
+# ------------------------------------------------------------------------------------------ unclear messages
+
+def test_step_fractions_as_training_arguments_read_them(sft, tmp_path):
+    from transformers import TrainingArguments
+
+    out = tmp_path / "o"
+    assert sft("--output_dir", out, "--use_peft", "true", "--max_steps", 4, "--save_steps", 0.5,
+               "--logging_steps", 0.25) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    # the same reading as transformers' (a float in (0, 1) is accepted, 1.5 is not)
+    assert TrainingArguments(output_dir=str(tmp_path / "t"), save_steps=0.5).save_steps == 0.5
+    assert sft("--output_dir", tmp_path / "p", "--max_steps", 4, "--save_steps", 1.5) == 2
+
+
+def test_merge_without_lora_and_the_bf16_resume_hint(sft, tmp_path, capsys):
+    assert sft("--output_dir", tmp_path / "o", "--max_steps", 1, "--merge", "true") == 2
+    assert "--merge saves the LoRA adapters merged" in one_line_error(capsys)
+    out = tmp_path / "f"
+    assert sft("--output_dir", out, "--max_steps", 2, "--save_steps", 1, "--use_peft", "true") == 0
+    capsys.readouterr()
+    resume = ("--output_dir", out, "--max_steps", 3, "--use_peft", "true", "--resume_from_checkpoint", "last")
+    assert sft(*resume, "--bf16", "true") == 2
+    line = one_line_error(capsys)
+    assert "trained in float32" in line and "--bf16 false" in line
+    assert sft(*resume, "--bf16", "false") == 0  # the hint works as given
+
+
+def test_a_bad_row_is_named_by_file_and_line(sft, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_rows(data / "a.jsonl", ROWS[:3])
+    (data / "b.jsonl").write_text("\n" + json.dumps(ROWS[0]) + "\n\n" + json.dumps({"messages": [
+        {"role": "bot", "content": "hi"}]}) + "\n")
+    assert sft("--output_dir", tmp_path / "o", "--max_steps", 1, dataset=data) == 2
+    line = one_line_error(capsys)
+    assert f"{data / 'b.jsonl'} line 4 (row 4)" in line and "role 'bot'" in line, line

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..hub import MlxrlError
 
-__all__ = ["DataError", "load_rows", "rows_fingerprint"]
+__all__ = ["DataError", "Rows", "load_rows", "locate", "rows_fingerprint"]
 
 
 class DataError(MlxrlError, ValueError):
@@ -26,14 +26,40 @@ def _json_error(path: Path, e: json.JSONDecodeError, line: int | None = None) ->
     return DataError(f"{path}: {at}: invalid JSON ({e.msg}); fix or remove that line")
 
 
-def _read_file(path: Path) -> list[dict]:
-    """The rows of one .json (a list of rows, or one row per line), .jsonl or .parquet file; errors name the
-    file and the line."""
+class Rows(list):
+    """A dataset's rows, each with where it came from (`origins[i]`: "data.jsonl line 7"), so that an
+    error about row i can name the file and line the user can open."""
+
+    origins: list[str] = []
+
+
+def locate(rows, message: str) -> str:
+    """`message` about "row N: ..." of `rows`, with the file and line of that row put in front."""
+    origins = getattr(rows, "origins", None)
+    head, sep, rest = message.partition(": ")
+    parts = head.split()
+    if not origins or not sep or len(parts) != 2 or parts[0] != "row" or not parts[1].isdigit():
+        return message
+    n = int(parts[1])
+    return f"{origins[n]} (row {n}): {rest}" if n < len(origins) else message
+
+
+def _read_file(path: Path) -> Rows:
+    """The rows of one .json (a list of rows, or one row per line), .jsonl or .parquet file, with their
+    origins; errors name the file and the line."""
+    rows, where = _read_rows(path)
+    out = Rows(rows)
+    out.origins = [f"{path} {w}" for w in where]
+    return out
+
+
+def _read_rows(path: Path) -> tuple[list, list[str]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(path).to_pylist()
+            rows = pq.read_table(path).to_pylist()
+            return rows, [f"row {i}" for i in range(len(rows))]
         except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError, ...) say what is wrong on their first line
             reason = (str(e).strip().splitlines() or [""])[0]
             raise DataError(f"{path}: cannot read it as Parquet ({type(e).__name__}: {reason})") from None
@@ -52,18 +78,19 @@ def _read_file(path: Path) -> list[dict]:
                 raise _json_error(path, e) from None
             data = None  # maybe one object per line (what datasets' to_json writes)
         if isinstance(data, list):
-            return data
+            return data, [f"element {i}" for i in range(len(data))]
         if isinstance(data, dict) and "\n" not in text.strip():
-            return [data]
+            return [data], ["line 1"]
     # .jsonl, and .json written as one object per line
-    rows = []
+    rows, where = [], []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise _json_error(path, e, n) from None
-    return rows
+            where.append(f"line {n}")
+    return rows, where
 
 
 # Files that belong to a training run or a saved model, never data; a folder holding weights or one of
@@ -122,7 +149,9 @@ def load_rows(dataset: str | os.PathLike, split: str = "train", exclude=()) -> l
         if not files:
             why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             raise DataError(f"dataset {str(path)!r}: folder has no .json, .jsonl or .parquet file of rows{why}")
-        rows = [row for f in files for row in _read_file(f)]
+        parts = [_read_file(f) for f in files]
+        rows = Rows(row for part in parts for row in part)
+        rows.origins = [w for part in parts for w in part.origins]
         if skipped:
             print(f"note: dataset {path}: read {len(rows)} rows from {len(files)} file(s); skipped "
                   f"{'; '.join(skipped)}", file=sys.stderr, flush=True)

@@ -194,8 +194,9 @@ def check_compatible(saved: dict, here: dict, path: Path) -> None:
                                  f"--{flag} {value}")
     check_shapes(saved.get("trainable") or {}, here["trainable"], where, "trains")
     if saved.get("dtype") != here["dtype"]:
+        bf16 = "true" if saved.get("dtype") == "bfloat16" else "false"
         raise MlxrlError(f"{where} was trained in {saved.get('dtype')} and this run is {here['dtype']}: resume with "
-                         f"--dtype {saved.get('dtype')}")
+                         f"--dtype {saved.get('dtype')} (and no --bf16), or --bf16 {bf16}")
     if saved.get("master_weights") != here["master_weights"]:
         raise MlxrlError(f"{where} was trained with master_weights {str(saved.get('master_weights')).lower()} and "
                          f"this run has {str(here['master_weights']).lower()}: resume with --master_weights "

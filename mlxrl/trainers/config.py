@@ -76,11 +76,14 @@ class TrainConfig(ElsewhereArguments):
                                    "(bitsandbytes' 8-bit AdamW: block-wise quantized moments, a quarter of AdamW's "
                                    "state; adamw_bnb_8bit is the same) | adafactor (transformers' Adafactor as the "
                                    "HF Trainer sets it up: factored second moments, no first moment)")
-    logging_steps: int = _f(10, "log every N optimizer steps")
+    logging_steps: float = _f(10, "log every N optimizer steps (below 1: a fraction of the total steps, as "
+                                  "TrainingArguments reads it)")
     eval_strategy: str = _f("no", "no | steps | epoch")
-    eval_steps: int | None = _f(None, "evaluate every N steps (eval_strategy=steps; default logging_steps)")
+    eval_steps: float | None = _f(None, "evaluate every N steps (eval_strategy=steps; default logging_steps; below "
+                                        "1: a fraction of the total steps)")
     save_strategy: str = _f("steps", "no | steps | epoch")
-    save_steps: int = _f(500, "save a resumable checkpoint every N steps")
+    save_steps: float = _f(500, "save a resumable checkpoint every N steps (below 1: a fraction of the total steps; "
+                                "0: none)")
     save_total_limit: int | None = _f(None, "keep at most this many checkpoints (oldest deleted)")
     resume_from_checkpoint: str | None = _f(None, "checkpoint folder to resume from, or 'last' (the newest checkpoint "
                                                   "of the run that wrote output_dir last)")
@@ -254,6 +257,8 @@ def _range(test, text):
 _POSITIVE_INT = _range(lambda v: v >= 1, ">= 1")
 _NON_NEGATIVE = _range(lambda v: v >= 0, ">= 0")
 _POSITIVE = _range(lambda v: v > 0, "> 0")
+_STEPS = _range(lambda v: 0 < v < 1 or (v >= 1 and float(v).is_integer()),
+                "a whole number of steps >= 1, or a fraction in (0, 1) of the total steps")
 
 # field -> (test, allowed range); None always passes for Optional fields. What TrainingArguments, torch's
 # AdamW, PEFT and TRL refuse, plus values that would silently train nothing (warmup past the run, no epochs).
@@ -274,9 +279,9 @@ RANGES = {
     "adam_beta2": _range(lambda v: 0 <= v < 1, "in [0, 1)"),
     "adam_epsilon": _NON_NEGATIVE,
     "max_grad_norm": _range(lambda v: v >= 0, ">= 0 (0 disables clipping)"),
-    "logging_steps": _POSITIVE_INT,
-    "eval_steps": _POSITIVE_INT,
-    "save_steps": _range(lambda v: v >= 0, ">= 0 (0: no periodic checkpoints)"),
+    "logging_steps": _STEPS,
+    "eval_steps": _STEPS,
+    "save_steps": _range(lambda v: v == 0 or _STEPS[0](v), f"{_STEPS[1]}, or 0 for no periodic checkpoints"),
     "save_total_limit": _range(lambda v: v >= 1, ">= 1 (leave it unset to keep every checkpoint)"),
     "seed": _range(lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
     "lora_r": _range(lambda v: v >= 1, ">= 1 (PEFT: r must be a positive integer)"),
@@ -415,6 +420,10 @@ def check_quantization_flags(args, flags: bool = False) -> None:
     if getattr(args, "merge_quantized", False) and not getattr(args, "use_peft", False):
         raise ConfigError(f"{p}merge_quantized merges LoRA adapters into a quantized base: add "
                           f"{p}use_peft{'' if flags else '=True'} (with {p}load_in_4bit or an MLX-quantized model)")
+    if getattr(args, "merge", False) and not getattr(args, "use_peft", False):
+        raise ConfigError(f"{p}merge saves the LoRA adapters merged into the base, but this run fine-tunes the full "
+                          f"model (saved whole in output_dir/model): drop {p}merge, or add "
+                          f"{p}use_peft{'' if flags else '=True'}")
     if (four or eight) and not getattr(args, "use_peft", False):
         flag = "load_in_4bit" if four else "load_in_8bit"
         raise ConfigError(f"{p}{flag} trains LoRA adapters over a frozen quantized base; full fine-tuning cannot "

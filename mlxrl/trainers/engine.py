@@ -46,6 +46,7 @@ from .reporting import Logging, Reporter
 from .saving import Saving
 from .signals import Signals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
 from .sources import DatasetSource
+from .trl_fields import every_steps
 
 
 def accumulate(total, grads):
@@ -276,6 +277,9 @@ class Trainer(Signals, Saving, DataParallel, Logging):
                               merged=run_dir.merged_folders(args))
         steps_per_epoch, total = self._plan()
         self.total_steps = total
+        # (log, evaluate, save) every so many steps; TrainingArguments' fractions of the total resolved
+        self._every = tuple(every_steps(v, total) for v in (args.logging_steps, args.eval_steps or args.logging_steps,
+                                                            args.save_steps))
         self.optimizer = make_optimizer(args, total)
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
@@ -391,12 +395,13 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def _after_step(self, window: dict, total: int) -> dict:
         """Logging, evaluation and checkpoints at their step cadence; returns the log window."""
         args, step = self.args, self.global_step
-        if step % args.logging_steps == 0 or step == total or (step == 1 and args.logging_first_step):
+        log_every, eval_every, save_every = self._every
+        if step % log_every == 0 or step == total or (step == 1 and args.logging_first_step):
             self._log(window)
             window = self._new_window()
-        if args.eval_strategy == "steps" and step % (args.eval_steps or args.logging_steps) == 0:
+        if args.eval_strategy == "steps" and step % eval_every == 0:
             self._log_eval()
-        if args.save_strategy == "steps" and args.save_steps and step % args.save_steps == 0:
+        if args.save_strategy == "steps" and save_every and step % save_every == 0:
             self.save_checkpoint()
         return window
 
@@ -468,7 +473,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_sum:.4f}")
-            if self._pending_signal is not None and (self.global_step % args.logging_steps == 0 or
+            if self._pending_signal is not None and (self.global_step % self._every[0] == 0 or
                                                      self.global_step == total):
                 self._log(window)  # the step's log entry goes into the checkpoint the signal is about to save
 

@@ -15,6 +15,7 @@ load_best_model_at_end, bf16 against the model given.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..hub import ConfigError
 
@@ -155,10 +156,23 @@ def check_best_model(args, p: str = "") -> None:
     if args.eval_strategy == "no" or args.save_strategy != args.eval_strategy:
         raise ConfigError(f"{p}load_best_model_at_end needs {p}eval_strategy and {p}save_strategy to be the same "
                           f"(steps or epoch), got {args.eval_strategy} and {args.save_strategy}")
-    every = args.eval_steps or args.logging_steps
-    if args.eval_strategy == "steps" and (not args.save_steps or args.save_steps % every):
-        raise ConfigError(f"{p}load_best_model_at_end needs {p}save_steps ({args.save_steps}) to be a multiple of "
-                          f"{p}eval_steps ({every}): a checkpoint where each evaluation runs")
+    every, save = args.eval_steps or args.logging_steps, args.save_steps
+    if args.eval_strategy != "steps":
+        return
+    if (save < 1) != (every < 1):
+        raise ConfigError(f"{p}load_best_model_at_end needs {p}save_steps ({save:g}) and {p}eval_steps ({every:g}) "
+                          "both as step counts or both as fractions of the total steps")
+    if not save or round(save * 10**6) % round(every * 10**6):  # transformers' check, ratios included
+        raise ConfigError(f"{p}load_best_model_at_end needs {p}save_steps ({save:g}) to be a multiple of "
+                          f"{p}eval_steps ({every:g}): a checkpoint where each evaluation runs")
+
+
+def every_steps(value: float | None, total: int) -> int:
+    """logging_steps / eval_steps / save_steps as transformers' Trainer reads them: below 1, a fraction of
+    the total optimizer steps (rounded up); otherwise a step count. 0 stays 0 (never)."""
+    if not value:
+        return 0
+    return max(1, math.ceil(total * value)) if value < 1 else int(value)
 
 
 def best_metric_key(args) -> tuple[str, bool]:
