@@ -269,3 +269,31 @@ def test_a_bad_row_is_named_by_file_and_line(sft, tmp_path, capsys):
     assert sft("--output_dir", tmp_path / "o", "--max_steps", 1, dataset=data) == 2
     line = one_line_error(capsys)
     assert f"{data / 'b.jsonl'} line 4 (row 4)" in line and "role 'bot'" in line, line
+
+
+def test_ctrl_c_held_down_through_the_shutdown_is_quiet(tiny_checkpoint, tmp_path):
+    """Ctrl-C, then more Ctrl-C while the process saves and shuts down: exit 130 with the checkpoint, and no
+    "Exception ignored in atexit callback ... KeyboardInterrupt" or other traceback on the way out."""
+    import signal
+
+    data = write_rows(tmp_path / "rows.jsonl")
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "-m", "mlxrl.sft", "--model", str(tiny_checkpoint("qwen3")),
+                             "--dataset", str(data), "--output_dir", str(out), "--use_peft", "true", "--max_steps",
+                             "100000", "--logging_steps", "1", "--disable_tqdm", "true", "--compile", "false",
+                             "--gradient_checkpointing", "false", "--max_length", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith('{"step": 2'):
+                break
+        deadline = time.time() + 60
+        while proc.poll() is None and time.time() < deadline:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.01)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Exception ignored" not in err and "Traceback" not in err, err[-2000:]
+    assert list(out.glob("checkpoint-*"))
