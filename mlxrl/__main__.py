@@ -18,7 +18,6 @@ if __name__ == "__main__":  # first, before the heavy imports: may re-execute wi
     runtime.setup(cli=True)
 
 import argparse
-import os
 import sys
 import time
 
@@ -46,61 +45,63 @@ def main(argv=None) -> int:
                     help="with --save: replace an earlier mlxrl save in that folder")
     args = ap.parse_args(argv)
 
+    import mlxrl
+    from mlxrl.cli import run
+
+    print(mlxrl.runtime.startup_line(), flush=True)
+    return run(lambda: _main(args))  # the CLIs' boundary: a user error is one line and exit 2, Ctrl-C 130
+
+
+def _main(args) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     import mlxrl
-    from mlxrl.hub import MlxrlError
 
-    print(mlxrl.runtime.startup_line(), flush=True)
-    try:
-        dtype = mlxrl.runtime.compute_dtype(args.dtype)  # a bad --dtype is refused before anything loads
-        if args.save:  # a folder we may not write is refused before the model loads
-            from pathlib import Path
+    dtype = mlxrl.runtime.compute_dtype(args.dtype)  # a bad --dtype is refused before anything loads
+    if args.save:  # a folder we may not write is refused before the model loads
+        from pathlib import Path
 
-            from mlxrl.atomic import check_save_target
+        from mlxrl.atomic import check_save_target
 
-            check_save_target(Path(args.save).expanduser().resolve(), args.overwrite, "--overwrite")
-        t0 = time.perf_counter()
-        model, processor = mlxrl.load(args.model, dtype=dtype) if args.model else mlxrl.load_default(dtype=dtype)
-        n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-        print(f"loaded {getattr(model, 'name_or_path', args.model)} ({model.config.get('model_type')}, "
-              f"{n_params / 1e6:.1f}M parameters) in {time.perf_counter() - t0:.1f}s")
-        vl = processor.image_processor is not None
-        content = ([{"type": "image"}] if vl else []) + [{"type": "text", "text": args.prompt}]
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        if vl:
-            from PIL import Image
+        check_save_target(Path(args.save).expanduser().resolve(), args.overwrite, "--overwrite")
+    t0 = time.perf_counter()
+    model, processor = mlxrl.load(args.model, dtype=dtype) if args.model else mlxrl.load_default(dtype=dtype)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(f"loaded {getattr(model, 'name_or_path', args.model)} ({model.config.get('model_type')}, "
+          f"{n_params / 1e6:.1f}M parameters) in {time.perf_counter() - t0:.1f}s")
+    vl = processor.image_processor is not None
+    content = ([{"type": "image"}] if vl else []) + [{"type": "text", "text": args.prompt}]
+    text = chat_text(model, processor, [{"role": "user", "content": content}])
+    if vl:
+        from mlxrl.generate.cli import read_images  # opened as transformers opens a picture: one line if it cannot be
 
-            try:
-                image = Image.open(args.image) if args.image else demo_image()
-                image.load()
-            except OSError as e:
-                raise MlxrlError(f"cannot read image {args.image}: {e}") from None
-            batch = processor(text=[text], images=[[image]])
-        else:
-            batch = processor(text=[text])
-        t0 = time.perf_counter()
-        logits = model(**batch)
-        probs = mx.softmax(logits[0, -1].astype(mx.float32))
-        top = mx.argsort(-probs)[:5]
-        mx.eval(top, probs)
-        ms = (time.perf_counter() - t0) * 1e3
-        shape = "x".join(map(str, batch["image_grid_thw"].tolist()[0])) if vl else "none"
-        print(f"forward: {batch['input_ids'].shape[1]} tokens, image grid {shape}, {ms:.0f} ms")
-        preds = ", ".join(f"{processor.decode([int(i)])!r} {float(probs[i]):.3f}" for i in top.tolist())
-        print(f"next-token top-5: {preds}")
-        if args.save:
-            out = mlxrl.save(model, processor, args.save, overwrite=args.overwrite)
-            print(f"saved Hugging Face folder: {out}")
-    except (MlxrlError, ValueError) as e:
-        if os.environ.get("MLXRL_DEBUG"):
-            raise
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        image = read_images([args.image])[0] if args.image else demo_image()
+        batch = processor(text=[text], images=[[image]])
+    else:
+        batch = processor(text=[text])
+    t0 = time.perf_counter()
+    logits = model(**batch)
+    probs = mx.softmax(logits[0, -1].astype(mx.float32))
+    top = mx.argsort(-probs)[:5]
+    mx.eval(top, probs)
+    ms = (time.perf_counter() - t0) * 1e3
+    shape = "x".join(map(str, batch["image_grid_thw"].tolist()[0])) if vl else "none"
+    print(f"forward: {batch['input_ids'].shape[1]} tokens, image grid {shape}, {ms:.0f} ms")
+    preds = ", ".join(f"{processor.decode([int(i)])!r} {float(probs[i]):.3f}" for i in top.tolist())
+    print(f"next-token top-5: {preds}")
+    if args.save:
+        out = mlxrl.save(model, processor, args.save, overwrite=args.overwrite)
+        print(f"saved Hugging Face folder: {out}")
+
+
+def chat_text(model, processor, messages) -> str:
+    """The prompt through the model's chat template (`mlxrl.generate`'s `render`: what the template raises
+    is one line naming its file)."""
+    from mlxrl.generate.api import render
+    from mlxrl.generate.refs import template_file
+
+    return render(processor, messages, template_file(getattr(model, "name_or_path", None)), add_generation_prompt=True)
 
 
 if __name__ == "__main__":

@@ -60,10 +60,13 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 
 def to_rgb(image) -> np.ndarray:
-    """PIL / uint8 array / path -> HWC uint8 RGB; transparency is composited onto white (as HF does)."""
+    """PIL / uint8 array / path -> HWC uint8 RGB; transparency is composited onto white (as HF does).
+    A path is opened by `data.images.open_image`, as transformers' `load_image` opens one (EXIF
+    orientation applied, PIL's decompression-bomb limit)."""
     if isinstance(image, (str, os.PathLike)):
-        with Image.open(image) as im:
-            image = im.copy()
+        from .data.images import open_image  # (mlxrl.data imports this module)
+
+        image = open_image(image, f"image {os.fspath(image)!r}")
     if isinstance(image, Image.Image):
         if "A" in image.getbands() or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")

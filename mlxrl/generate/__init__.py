@@ -11,7 +11,9 @@ trained over a quantized (QLoRA) base goes on.
     python -m mlxrl.generate --model ./base --adapter_path out/run/checkpoint-200 --prompt -   # prompt from stdin
 
 The reply goes to stdout, everything else to stderr. Bad input (a missing adapter, an adapter of another
-base, an image for a text model, a prompt longer than the context) is one `error:` line, exit status 2.
+base, an image for a text model, a prompt longer than the context, stdin that is not text, a chat template
+that raises: named with its file) is one `error:` line, exit status 2. Pictures given as files are opened
+as transformers' `load_image` opens them (`mlxrl.data.images.open_image`: EXIF orientation applied).
 
 In Python (custom evaluation loops):
 

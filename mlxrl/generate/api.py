@@ -12,7 +12,7 @@ import numpy as np
 from ..generation import END_OF_TEXT, is_vl
 from ..hub import MlxrlError
 from .context import Context, Reply, Stats
-from .refs import load_model
+from .refs import load_model, template_file
 from .settings import DEFAULT_BASE_SEED, Settings
 
 
@@ -45,6 +45,19 @@ def split_images(messages: list[dict], images=None) -> list:
     return out
 
 
+def render(processor, messages: list[dict], template: str, **kwargs) -> str:
+    """The chat template applied to `messages` by the trainers' own `data.formats.render_chat`, which turns
+    whatever the template raises (a TemplateSyntaxError, the jinja sandbox's SecurityError, the template's
+    `raise_exception(...)`) into one line; here that line names the template's file (`template_file`)."""
+    from ..data.files import DataError
+    from ..data.formats import render_chat
+
+    try:
+        return render_chat(processor, messages, {}, **kwargs)
+    except DataError as e:  # render_chat names "row", which here is the conversation
+        raise MlxrlError(f"{template}: {str(e).removeprefix('row: ')}") from None
+
+
 def _to_mx(pixel_values):
     return None if pixel_values is None else mx.array(np.asarray(pixel_values, dtype=np.float32))
 
@@ -70,16 +83,19 @@ class Generator:
     settings: max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop_token_ids
     (None: the defaults, i.e. generation_config.json's, else `Settings()`'s)."""
 
-    def __init__(self, model, processor, defaults: dict | None = None, description: str = ""):
+    def __init__(self, model, processor, defaults: dict | None = None, description: str = "",
+                 template: str | None = None):
         self.model, self.processor, self.description = model, processor, description
         self.defaults = Settings(**(defaults or {}))
+        # where the chat template came from, for its errors: by default the model's own folder
+        self.template = template or template_file(getattr(model, "name_or_path", None))
 
     @classmethod
     def load(cls, model: str | None = None, adapter_path=None, *, dtype=None, base_seed: int = DEFAULT_BASE_SEED,
              quantize: tuple[int, int] | None = None, log=None) -> Generator:
-        net, processor, defaults, description = load_model(model, adapter_path, dtype=dtype, base_seed=base_seed,
-                                                           quantize=quantize, log=log)
-        return cls(net, processor, defaults, description)
+        net, processor, defaults, description, template = load_model(model, adapter_path, dtype=dtype,
+                                                                     base_seed=base_seed, quantize=quantize, log=log)
+        return cls(net, processor, defaults, description, template)
 
     @property
     def is_vl(self) -> bool:
@@ -94,12 +110,16 @@ class Generator:
             given["stop_token_ids"] = tuple(int(t) for t in given["stop_token_ids"])
         return replace(self.defaults, **given).check()
 
+    def render(self, messages: list[dict], **kwargs) -> str:
+        """The chat template applied to `messages` (`render`: what the template raises is one line naming it)."""
+        return render(self.processor, messages, self.template, **kwargs)
+
     def encode(self, messages: list[dict], images=None, add_generation_prompt: bool = True):
         """(ids [L] int64, pixel_values or None, image_grid_thw or None, rendered text) of one conversation."""
         imgs = split_images(messages, images)
         if imgs and not self.is_vl:
             raise MlxrlError(f"{self.model.config.get('model_type')} is a text-only model: it cannot take images")
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render(messages, add_generation_prompt=add_generation_prompt)
         batch = self.processor(text=[text], images=[imgs] if imgs else None, return_tensors="np")
         return batch["input_ids"][0], batch.get("pixel_values"), batch.get("image_grid_thw"), text
 
@@ -143,7 +163,7 @@ class Generator:
             imgs = split_images(m)
             if imgs and not self.is_vl:
                 raise MlxrlError(f"{self.model.config.get('model_type')} is a text-only model: it cannot take images")
-            texts.append(self.processor.apply_chat_template(m, add_generation_prompt=True))
+            texts.append(self.render(m, add_generation_prompt=True))
             images.append(imgs)
         batch = self.processor(text=texts, images=images if any(images) else None, padding_side="left")
         longest = int(batch["attention_mask"].sum(axis=1).max().item())
@@ -209,7 +229,7 @@ class Chat:
         user = {"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}
         messages = [*self.messages, user]
         proc = self.gen.processor
-        rendered = proc.apply_chat_template(messages, add_generation_prompt=True)
+        rendered = self.gen.render(messages, add_generation_prompt=True)
         if self._ids and rendered.startswith(self._text):  # append the new turn to what the cache holds
             b = proc(text=[rendered[len(self._text):]], images=[images] if images else None, return_tensors="np")
             ids = self._ids + b["input_ids"][0].tolist()

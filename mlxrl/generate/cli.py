@@ -58,26 +58,46 @@ def settings_from_args(ns) -> dict:
 
 
 def read_images(paths) -> list:
-    """PIL images of the given files (one line for a missing or unreadable one)."""
-    from PIL import Image
+    """Upright RGB PIL images of the given files, opened as transformers opens them
+    (`data.images.open_image`); a missing, unreadable or too large one, or a folder, is one line."""
+    from ..data.images import open_image
 
-    out = []
-    for p in paths:
-        path = Path(p).expanduser()
-        if not path.is_file():
-            raise MlxrlError(f"--image {p}: no such file")
-        try:
-            with Image.open(path) as im:
-                im.load()
-                out.append(im.copy())
-        except OSError as e:
-            raise MlxrlError(f"--image {p}: not a readable image ({str(e).splitlines()[0]})") from None
-    return out
+    return [open_image(Path(p).expanduser(), f"--image {p}") for p in paths]
+
+
+def decode_text(data, where: str, encoding: str = "utf-8", advice: str = "convert it") -> str:
+    """`data` (bytes, or text that Python decoded with surrogateescape, as it does for stdin in a C or
+    UTF-8 locale) as text, or one line: `where`, the first byte that is not `encoding` text, `advice`.
+    (The surrogates surrogateescape leaves would otherwise reach the tokenizer, which fails on them
+    with a TypeError.)"""
+    try:
+        if isinstance(data, (bytes, bytearray)):
+            return data.decode(encoding)
+        data.encode("utf-8")  # lone surrogates refuse to encode
+        return data
+    except UnicodeError as e:
+        bad = e.object[e.start]
+        byte = bad if isinstance(bad, int) else ord(bad) & 0xFF  # a surrogate U+DC80..U+DCFF holds byte 0x80..0xFF
+        raise MlxrlError(f"{where} is not {encoding} text (byte {byte:#04x} at position {e.start}): "
+                         f"{advice}") from None
+
+
+def stdin_encoding() -> str:
+    return getattr(sys.stdin, "encoding", None) or "utf-8"
+
+
+def read_stdin(where: str) -> str:
+    """All of stdin as text, decoded here from its bytes (`decode_text`; a text stream without bytes, as in
+    tests, is checked the same way)."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    encoding = stdin_encoding()
+    return decode_text(sys.stdin.read() if buffer is None else buffer.read(), where, encoding,
+                       f"convert it to {encoding} (e.g. with iconv)")
 
 
 def read_prompt(prompt: str | None) -> str | None:
     if prompt == "-":
-        return sys.stdin.read()
+        return read_stdin("--prompt -: stdin")
     return prompt
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -119,7 +120,32 @@ def _base_of(kind: str, folder: Path) -> str | None:
         cfg = json.loads((folder / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError):
         return None  # load_adapter reports it
-    return cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    if base is not None and not isinstance(base, str):  # it becomes a path or a Hub id: refused while named
+        raise MlxrlError(f"{folder / ADAPTER_CONFIG}: base_model_name_or_path is {json.dumps(base)}, not a model "
+                         "id or folder: fix it, or pass the base model as --model")
+    return base or None
+
+
+BUILT_IN_TEMPLATE = "mlxrl's built-in Qwen chat template"
+
+
+def template_file(folder) -> str:
+    """Where the chat template of a model folder's processor comes from, looked up in the order
+    `Processor.from_pretrained` reads it: chat_template.jinja, chat_template.json, tokenizer_config.json's
+    `chat_template`; else (or with no folder: the embedded default) mlxrl's built-in Qwen template."""
+    root = Path(str(folder)).expanduser() if folder else None
+    if root is None or not root.is_dir():
+        return BUILT_IN_TEMPLATE
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (root / name).is_file():
+            return str(root / name)
+    try:
+        if "chat_template" in json.loads((root / "tokenizer_config.json").read_text()):
+            return str(root / "tokenizer_config.json")
+    except (OSError, ValueError, TypeError):
+        pass  # no readable tokenizer_config.json: the processor could not have taken a template from it
+    return BUILT_IN_TEMPLATE
 
 
 def _load_base(ref: str, dtype, base_seed: int):
@@ -131,6 +157,16 @@ def _load_base(ref: str, dtype, base_seed: int):
 
     check_model_reference(ref)
     return mlxrl.load(ref, dtype=dtype)
+
+
+def _recorded(adapter, key: str, folder: Path):
+    """A number the checkpoint's trainer_state.json records for its LoRA adapter (r, lora_alpha), checked."""
+    value = adapter.get(key) if isinstance(adapter, dict) else None
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not number or (key == "r" and not float(value).is_integer()):
+        raise MlxrlError(f"{folder / CHECKPOINT_STATE}: the recorded adapter's {key} is {json.dumps(value)}, not "
+                         f"{'an integer' if key == 'r' else 'a number'} (the file was edited or truncated)")
+    return int(value) if key == "r" else value
 
 
 def _apply_checkpoint(model, folder: Path) -> str:
@@ -167,7 +203,8 @@ def _apply_checkpoint(model, folder: Path) -> str:
                 raise MlxrlError(f"{where}/{CHECKPOINT_WEIGHTS}: {key} is not a LoRA weight, but the checkpoint "
                                  "records LoRA training")
             paths.add(path)
-        cfg = {"peft_type": "LORA", "r": int(adapter["r"]), "lora_alpha": adapter["lora_alpha"],
+        cfg = {"peft_type": "LORA", "r": _recorded(adapter, "r", folder),
+               "lora_alpha": _recorded(adapter, "lora_alpha", folder),
                "use_dora": bool(adapter.get("use_dora")), "target_modules": adapter.get("target_modules"),
                "lora_dropout": 0.0}
         with tempfile.TemporaryDirectory(prefix="mlxrl-checkpoint-adapter-") as tmp:
@@ -233,10 +270,11 @@ def _check_adapter_base(folder: Path, config: dict, base_ref: str, base_name: st
 
 def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_seed: int = DEFAULT_BASE_SEED,
                quantize: tuple[int, int] | None = None, log=None):
-    """(model, processor, settings defaults, description) for `--model` / `--adapter_path` (see the module
-    docstring for what each may be). model None and no adapter: the embedded default (random weights).
-    quantize (bits, group_size): quantize the base before the adapter goes on, as `--load_in_4bit` did in
-    training (QLoRA: the adapter was fitted to that quantized base). `log(line)` receives notes."""
+    """(model, processor, settings defaults, description, where the chat template comes from: `template_file`)
+    for `--model` / `--adapter_path` (see the module docstring for what each may be). model None and no
+    adapter: the embedded default (random weights). quantize (bits, group_size): quantize the base before
+    the adapter goes on, as `--load_in_4bit` did in training (QLoRA: the adapter was fitted to that
+    quantized base). `log(line)` receives notes."""
     from ..processing import Processor
 
     log = log or (lambda _line: None)
@@ -283,6 +321,7 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
 
         check_quantization(*quantize)
     net, processor = _load_base(base_ref, dtype, base_seed)
+    template = template_file(None if base_ref == DEFAULT_MODEL_NAME else getattr(net, "name_or_path", base_ref))
     description = f"{base_name} ({net.config.get('model_type')})"
     folder_for_defaults = None if base_ref == DEFAULT_MODEL_NAME else getattr(net, "name_or_path", base_ref)
     if quantize is not None:
@@ -306,6 +345,7 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
                             f"{len(paths)} layers)")
             if (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file():
                 processor = Processor.from_pretrained(folder)  # what the run trained with (its chat template)
+                template = template_file(folder)
             if (folder / "generation_config.json").is_file():
                 folder_for_defaults = folder
         else:
@@ -314,4 +354,4 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
         description += f": RANDOM weights (seed {base_seed}), it will babble; train it with `python -m mlxrl.sft` " \
                        "and pass --adapter_path out/sft-demo to talk to the result"
     net.eval()
-    return net, processor, generation_config_defaults(folder_for_defaults), description
+    return net, processor, generation_config_defaults(folder_for_defaults), description, template
