@@ -1,7 +1,9 @@
 """`mlxrl.load` and `mlxrl.save`: Hugging Face folders <-> MLX modules.
 
 Weights keep Hugging Face names and layouts, so loading is: read safetensors -> the model's
-`sanitize()` (the one conversion point, idempotent) -> strict `load_weights`. Saving writes the
+`sanitize()` (the one conversion point, idempotent) -> strict `load_weights`. Each file read is checked where
+it is read (one function per kind of file), so a damaged or malformed one is one line naming the file and the
+field (`MlxrlError` / `ConfigError`), not an error from deep inside transformers or MLX. Saving writes the
 same names back, atomically through `mlxrl.atomic` (a crash or a full disk mid-save leaves the previous
 folder intact), and never over a folder that is not an earlier save of ours.
 """
@@ -9,6 +11,7 @@ folder intact), and never over a folder that is not an earlier save of ours.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -18,12 +21,50 @@ from mlx.utils import tree_flatten
 
 from . import runtime
 from .atomic import check_save_target, replace_dir_atomically, write_atomically  # noqa: F401 (re-exported)
-from .hub import MlxrlError, resolve_model_path, weight_files
+from .hub import ConfigError, MlxrlError, resolve_model_path, weight_files
 from .models import UnsupportedModelError, build_model
 from .models.quantize import prepare_quantized, quantization_config, quantized_layers
 from .models.widened import keep_linears
 
 DTYPE_NAMES = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}
+
+
+def read_json(path: Path, fix: str) -> dict:
+    """The JSON object in `path`; a file that is not JSON, or JSON but not an object, is one line naming it
+    (with the parser's line and column) and saying `fix`."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except OSError as e:  # a folder of that name, no permission
+        raise MlxrlError(f"cannot read {path}: {e.strerror or e}; {fix}") from None
+    except UnicodeDecodeError:
+        raise MlxrlError(f"{path} is not a text file; {fix}") from None
+    except ValueError as e:
+        raise MlxrlError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise MlxrlError(f"{path}: expected a JSON object, got a {type(value).__name__}; {fix}")
+    return value
+
+
+_MISSING = object()
+
+
+def field_error(path: Path, field: str, value, want: str, fix: str) -> ConfigError:
+    """The one line for a bad field of the JSON file `path`: `value` (`_MISSING` when absent) shown as JSON
+    writes it, or by its kind when that is long (a vocabulary)."""
+    shown = "missing" if value is _MISSING else json.dumps(value, default=str)
+    if len(shown) > 60:
+        shown = f"a JSON {type(value).__name__}"
+    return ConfigError(f"{path}: {field} is {shown}, expected {want}; {fix}")
+
+
+def is_number(value) -> bool:
+    """A finite JSON number (JSON's true is a bool, not 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_int(value, least: int) -> bool:
+    """A JSON integer >= `least` (not a bool, not 16.0, not "16")."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def read_config(folder: Path) -> dict:
@@ -36,16 +77,21 @@ def read_config(folder: Path) -> dict:
         raise MlxrlError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from None
 
 
+def read_safetensors(path: Path, fix: str = "delete it and re-download") -> dict[str, mx.array]:
+    """The tensors of one safetensors file. MLX checks the header and every tensor's byte range against the
+    file's size, so a file cut short (an interrupted copy or download) or one that is not safetensors at all
+    is one line naming it."""
+    try:
+        return mx.load(str(path))
+    except (RuntimeError, ValueError) as e:
+        detail = (str(e).splitlines() or [""])[0].split("]", 1)[-1].strip()
+        raise MlxrlError(f"cannot read {path}: truncated or corrupt safetensors file ({detail}); {fix}") from None
+
+
 def read_weights(folder: Path) -> dict[str, mx.array]:
     weights = {}
     for f in weight_files(folder):
-        try:
-            weights.update(mx.load(str(f)))
-        except (RuntimeError, ValueError) as e:
-            detail = str(e).split("]", 1)[-1].strip()
-            raise MlxrlError(
-                f"cannot read {f}: truncated or corrupt safetensors file ({detail}); delete it and re-download"
-            ) from None
+        weights.update(read_safetensors(f))
     return weights
 
 
@@ -107,15 +153,128 @@ def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, 
     (`models.widened`; the trainers refuse to train such a weight). The CLIs' `keep_frozen_dtype`.
     Returns (model, processor).
     """
-    from .processing import Processor
-
     folder = resolve_model_path(id_or_path, revision=revision)
     model = load_model(folder, dtype, keep_linear_dtype)
+    return model, load_processor(folder, model.config)
+
+
+def load_processor(folder: Path, config: dict):
+    """The processor of a model folder whose config.json is `config`. The small files (tokenizer_config.json,
+    preprocessor_config.json) are checked first; tokenizer.json (megabytes) only when transformers fails on
+    the folder, to name the file and field its own errors do not (a KeyError 'added_tokens', a bare
+    JSONDecodeError), so a good folder is parsed once."""
+    from .processing import Processor
+
+    check_tokenizer_config(folder)
+    check_preprocessor_config(folder, config)
     try:
-        processor = Processor.from_pretrained(folder)
+        return Processor.from_pretrained(folder)
     except FileNotFoundError as e:
         raise MlxrlError(str(e).splitlines()[0]) from None
-    return model, processor
+    except Exception as e:  # transformers' and tokenizers' errors, of many classes
+        check_tokenizer_json(folder)
+        text = (str(e).strip().splitlines() or [""])[0]
+        raise MlxrlError(f"{folder}: its tokenizer files do not load ({type(e).__name__}: {text}); "
+                         f"{TOKENIZER_FIX}") from e  # the cause kept for MLXRL_DEBUG: not a case we know
+
+
+# ------------------------------------------------------------------------------ tokenizer and image files
+
+TOKENIZER_FIX = "re-download the checkpoint or copy the tokenizer files of its base model"
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+
+
+def check_tokenizer_config(folder: Path) -> None:
+    """tokenizer_config.json (when present: its absence is the processor's error): a JSON object whose fields
+    transformers reads have their kinds. It does not check them itself: a number for `eos_token` or
+    `tokenizer_class` fails deep inside it, one for `chat_template` only at the first rendering."""
+    path = Path(folder) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    cfg = read_json(path, TOKENIZER_FIX)
+    kinds = {"tokenizer_class": ((str,), "a class name"), "added_tokens_decoder": ((dict,), "an object of id: token"),
+             "extra_special_tokens": ((list, dict), "a list of tokens"),
+             "additional_special_tokens": ((list,), "a list of tokens"),
+             "chat_template": ((str, list), "a Jinja template (a string)"),
+             **dict.fromkeys(_SPECIAL_TOKENS, ((str, dict), "a token (a string)"))}
+    for field, (types, want) in kinds.items():
+        value = cfg.get(field)
+        if value is not None and not isinstance(value, types):
+            raise field_error(path, field, value, want, TOKENIZER_FIX)
+
+
+def check_tokenizer_json(folder: Path) -> None:
+    """tokenizer.json: a JSON object with the `added_tokens` list transformers takes from it and a tokenizer
+    the `tokenizers` library builds (its error gives the field's line and column)."""
+    from tokenizers import Tokenizer
+
+    path = Path(folder) / "tokenizer.json"
+    cfg = read_json(path, TOKENIZER_FIX)
+    for field, kind, want in (("model", dict, "an object (the BPE vocab and merges)"),
+                              ("added_tokens", list, "a list of tokens")):
+        if not isinstance(cfg.get(field), kind):
+            raise field_error(path, field, cfg.get(field, _MISSING), want, TOKENIZER_FIX)
+    try:
+        Tokenizer.from_str(path.read_text())
+    except Exception as e:  # tokenizers raises a bare Exception with serde's words
+        raise MlxrlError(f"{path}: not a tokenizer the tokenizers library reads ({str(e).splitlines()[0]}); "
+                         f"{TOKENIZER_FIX}") from None
+
+
+# integer fields of preprocessor_config.json and their range: the image pipeline divides and reshapes by the
+# sizes, and resample is a PIL filter (NEAREST 0 ... HAMMING 5)
+_IMAGE_INTS = {**dict.fromkeys(("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels",
+                                "size.shortest_edge", "size.longest_edge", "size.min_pixels", "size.max_pixels"),
+                               (1, None)), "resample": (0, 5)}
+# preprocessor field -> the vision tower's (config.json's vision_config): the patches must be the tower's
+_VISION_FIELDS = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
+                  "merge_size": "spatial_merge_size"}
+IMAGE_FIX = "fix it or re-download the checkpoint"
+
+
+def _check_image_fields(path: Path, cfg: dict) -> None:
+    """Each field of a preprocessor_config.json `cfg` of the kind the image pipeline needs."""
+    size = cfg.get("size")
+    if size is not None and not isinstance(size, dict):
+        raise field_error(path, "size", size, 'an object ({"shortest_edge": ..., "longest_edge": ...})', IMAGE_FIX)
+    fields = {**cfg, **{f"size.{k}": v for k, v in (size or {}).items()}}
+    for field, (least, most) in _IMAGE_INTS.items():
+        value = fields.get(field)
+        if field in fields and not (is_int(value, least) and (most is None or value <= most)):
+            want = f"an integer >= {least}" if most is None else f"an integer {least}..{most}"
+            raise field_error(path, field, value, want, IMAGE_FIX)
+    for field in ("image_mean", "image_std"):
+        value = cfg.get(field)
+        if field in cfg and (not (isinstance(value, list) and len(value) == 3 and all(map(is_number, value)))
+                             or (field == "image_std" and 0 in value)):  # normalising divides by the stds
+            raise field_error(path, field, value, "3 numbers, one per RGB channel (stds not 0)", IMAGE_FIX)
+    factor = cfg.get("rescale_factor", 1)
+    if not (is_number(factor) and factor > 0):
+        raise field_error(path, "rescale_factor", factor, "a positive number", IMAGE_FIX)
+
+
+def check_preprocessor_config(folder: Path, config: dict | None = None) -> None:
+    """preprocessor_config.json (when present): positive integer sizes (a string, 0 or a negative size
+    fails only at the first image, as a ZeroDivisionError or a reshape error), three finite means and
+    non-zero stds, min_pixels <= max_pixels, and sizes equal to the vision tower's in `config` (a
+    preprocessor of another model gives patches the tower cannot embed)."""
+    from .processing import ImageProcessor
+
+    path = Path(folder) / "preprocessor_config.json"
+    if not path.is_file():
+        return
+    cfg = read_json(path, IMAGE_FIX)
+    _check_image_fields(path, cfg)
+    image = ImageProcessor.from_dict(cfg)  # min/max as it resolves them (top level first, then size)
+    if image.min_pixels > image.max_pixels:
+        raise ConfigError(f"{path}: min_pixels {image.min_pixels} is above max_pixels {image.max_pixels}; "
+                          f"{IMAGE_FIX}")
+    vision = (config or {}).get("vision_config")
+    for field, theirs in _VISION_FIELDS.items():
+        want = vision.get(theirs) if isinstance(vision, dict) else None
+        if isinstance(want, int) and getattr(image, field) != want:
+            raise ConfigError(f"{path}: {field} is {getattr(image, field)} but config.json's vision_config.{theirs} "
+                              f"is {want}: a preprocessor_config.json of another model? {IMAGE_FIX}")
 
 
 DEFAULT_CONFIG = Path(__file__).parent / "assets" / "default_qwen3_vl.json"

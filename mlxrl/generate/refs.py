@@ -332,13 +332,13 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
     if adapter is not None:
         kind, folder = adapter
         if kind == "adapter":
-            from ..models.lora import load_adapter
+            from ..models.lora import AdapterMismatchError, load_adapter
 
             if known is None:
                 _check_adapter_base(folder, dict(net.config), base_ref, base_name)
             try:
                 paths = load_adapter(net, folder)
-            except MlxrlError as e:
+            except AdapterMismatchError as e:
                 raise MlxrlError(f"the adapter does not fit {base_name} (an adapter of another model?): {e}") from None
             cfg = json.loads((folder / ADAPTER_CONFIG).read_text())
             description += (f" + {'DoRA' if cfg.get('use_dora') else 'LoRA'} adapter {folder} (r {cfg.get('r')}, "

@@ -29,6 +29,7 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
 
 from ..hub import MlxrlError
+from ..loading import field_error, is_int, is_number, read_json, read_safetensors
 from .dropout import Dropout
 from .widened import WidenedLinear
 
@@ -239,37 +240,73 @@ def save_adapter(model, out_dir, base_model_name: str | None = None) -> Path:
     return out
 
 
+class AdapterMismatchError(MlxrlError):
+    """A readable adapter that does not fit the model (weights of modules it lacks, or of other shapes): an
+    adapter of another model. A damaged or malformed adapter folder is a plain MlxrlError."""
+
+
 # options of PEFT's LoraConfig this loader does not implement: (field, value that is fine)
 _UNSUPPORTED = (("modules_to_save", None), ("rank_pattern", None), ("alpha_pattern", None), ("lora_bias", False),
                 ("bias", "none"), ("fan_in_fan_out", False), ("target_parameters", None), ("layer_replication", None))
+ADAPTER_FIX = "fix the field or save the adapter again"
 
 
-def _read_adapter(adapter_dir: Path) -> tuple[dict, dict]:
-    try:
-        cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    except FileNotFoundError:
-        raise MlxrlError(f"{adapter_dir}: not a PEFT adapter folder (no {ADAPTER_CONFIG})") from None
-    except (OSError, ValueError) as e:
-        raise MlxrlError(f"{adapter_dir / ADAPTER_CONFIG}: unreadable ({e})") from None
-    kind = cfg.get("peft_type") if isinstance(cfg, dict) else None
+def _is_flag(value) -> bool:
+    return value is None or isinstance(value, bool)
+
+
+def _is_modules(value) -> bool:
+    """PEFT's target_modules: names (a list), a regex (a string), or none (its defaults for the model)."""
+    return value is None or isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(x, str) for x in value))
+
+
+# the fields load_adapter uses: (name, PEFT's default, check, what it must be). PEFT's LoraConfig checks none of
+# them either: a string rank or alpha fails in its scaling (`lora_alpha / r`), a string "false" is a true use_dora
+_FIELDS = (
+    ("r", 8, lambda v: is_int(v, 1), "a positive integer (the LoRA rank)"),
+    ("lora_alpha", 8, is_number, "a number (the update is scaled by lora_alpha / r)"),
+    ("lora_dropout", 0.0, lambda v: v is None or (is_number(v) and 0 <= v < 1), "a number in [0, 1)"),
+    ("use_dora", False, _is_flag, "true or false"),
+    ("use_rslora", False, _is_flag, "true or false"),
+    ("target_modules", None, _is_modules, "a list of module names or a regex (a string)"),
+    ("base_model_name_or_path", None, lambda v: v is None or isinstance(v, str), "a Hub id or a folder (a string)"),
+)
+
+
+def check_adapter_config(cfg: dict, path: Path) -> dict:
+    """The settings in adapter_config.json (the object `cfg`, read from `path`) that `load_adapter` uses, with
+    PEFT's defaults for absent ones; a value PEFT would also fail on, or an option this loader does not
+    implement, is one line naming the file and the field."""
+    kind = cfg.get("peft_type")
     if kind != "LORA":
-        raise MlxrlError(f"{adapter_dir / ADAPTER_CONFIG}: peft_type {kind!r} is not supported "
-                         "(only LORA, with or without use_dora)")
+        raise MlxrlError(f"{path}: peft_type {kind!r} is not supported (only LORA, with or without use_dora)")
     for name, fine in _UNSUPPORTED:
         value = cfg.get(name)
         if value is not None and value != fine and not (fine is None and not value):
-            raise MlxrlError(f"{adapter_dir / ADAPTER_CONFIG}: {name}={cfg[name]!r} is not supported "
-                             f"(supported: {fine!r}); merge the adapter with PEFT instead")
+            raise MlxrlError(f"{path}: {name}={cfg[name]!r} is not supported (supported: {fine!r}); merge the "
+                             "adapter with PEFT instead")
+    values = {}
+    for name, default, ok, want in _FIELDS:
+        value = cfg.get(name, default)
+        if not ok(value):
+            raise field_error(path, name, value, want, ADAPTER_FIX)
+        values[name] = default if value is None else value
+    return values
+
+
+def _read_adapter(adapter_dir: Path) -> tuple[dict, dict]:
+    """(the checked adapter_config.json settings, the adapter's tensors) of a PEFT adapter folder."""
+    path = adapter_dir / ADAPTER_CONFIG
+    if not path.is_file():
+        raise MlxrlError(f"{adapter_dir}: not a PEFT adapter folder (no {ADAPTER_CONFIG})")
+    cfg = check_adapter_config(read_json(path, ADAPTER_FIX), path)
     weights_file = adapter_dir / ADAPTER_WEIGHTS
     if not weights_file.exists():
         hint = " (adapter_model.bin is a pickle we do not open: re-save it with safe_serialization=True)" \
             if (adapter_dir / "adapter_model.bin").exists() else ""
         raise MlxrlError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}{hint}")
-    try:
-        weights = mx.load(str(weights_file))
-    except Exception as e:  # a truncated or foreign file
-        raise MlxrlError(f"{weights_file}: unreadable ({e})") from None
-    return cfg, weights
+    return cfg, read_safetensors(weights_file, fix="copy the adapter again or save it again")
 
 
 def load_adapter(model, adapter_dir) -> list[str]:
@@ -286,13 +323,13 @@ def load_adapter(model, adapter_dir) -> list[str]:
     for key, value in weights.items():
         suffix = next((s for s in SUFFIXES if key.endswith(s)), None)
         if not key.startswith(PREFIX) or suffix is None:
-            raise MlxrlError(f"{where}: key {key!r} is not a LoRA weight (expected {PREFIX}<module>"
-                             f"{{{', '.join(SUFFIXES)}}})")
+            raise AdapterMismatchError(f"{where}: key {key!r} is not a LoRA weight (expected {PREFIX}<module>"
+                                       f"{{{', '.join(SUFFIXES)}}})")
         path = our_module_path(model, key[len(PREFIX):-len(suffix)])
         modules.setdefault(path, {})[suffix] = value
     if not modules:
-        raise MlxrlError(f"{where}: holds no LoRA weights")
-    r, use_dora = int(cfg.get("r", 8)), bool(cfg.get("use_dora", False))
+        raise AdapterMismatchError(f"{where}: holds no LoRA weights")
+    r, use_dora = cfg["r"], cfg["use_dora"]
     for path, w in sorted(modules.items()):
         try:
             base = _get(model, path)
@@ -300,8 +337,8 @@ def load_adapter(model, adapter_dir) -> list[str]:
             base = None
         if not isinstance(base, LINEAR):
             arch = getattr(model, "config", {}).get("model_type", "")
-            raise MlxrlError(f"{where}: adapts {path!r}, which is not a Linear layer of this {arch} model "
-                             "(an adapter of another architecture?)")
+            raise AdapterMismatchError(f"{where}: adapts {path!r}, which is not a Linear layer of this {arch} "
+                                       "model (an adapter of another architecture?)")
         out_f, in_f = base.weight.shape[0], _in_features(base)
         want = {".lora_A.weight": (r, in_f), ".lora_B.weight": (out_f, r)}
         if use_dora:
@@ -310,10 +347,10 @@ def load_adapter(model, adapter_dir) -> list[str]:
             got = w.get(suffix)
             if got is None or tuple(got.shape) != shape:
                 found = "missing" if got is None else f"shape {tuple(got.shape)}"
-                raise MlxrlError(f"{where}: {path}{suffix} is {found}; r={r} and this model imply {shape}")
+                raise AdapterMismatchError(f"{where}: {path}{suffix} is {found}; r={r} and this model imply {shape}")
     paths = sorted(modules)
-    _wrap(model, paths, r=r, alpha=cfg.get("lora_alpha", 8), dropout=float(cfg.get("lora_dropout", 0.0) or 0.0),
-          use_dora=use_dora, use_rslora=bool(cfg.get("use_rslora", False)))
+    _wrap(model, paths, r=r, alpha=cfg["lora_alpha"], dropout=float(cfg["lora_dropout"]), use_dora=use_dora,
+          use_rslora=cfg["use_rslora"])
     for path in paths:
         m, w = _get(model, path), modules[path]
         m.lora_a = w[".lora_A.weight"].astype(mx.float32).T
