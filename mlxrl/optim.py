@@ -18,9 +18,12 @@ stay float32.
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from . import optim_8bit as q8
 from . import schedules
@@ -90,16 +93,52 @@ def stochastic_round(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return _round_bf16(x.astype(mx.float32), mx.random.randint(0, 1 << 16, x.shape, dtype=mx.uint16))
 
 
+# transformers' Trainer.get_decay_parameter_names: no weight decay for biases and norm weights (by name), nor for
+# the parameters of LayerNorm modules (by type)
+NO_DECAY_PATTERNS = tuple(re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
+                                                   r"_norm(?:$|\.)"))
+
+
+def no_decay_names(model) -> frozenset[str]:
+    """The trainable parameters transformers' Trainer exempts from weight decay: a name matching one of
+    its patterns (bias, layernorm, rmsnorm, norm, *_norm) or a parameter of an `nn.LayerNorm`. mlxrl's
+    modules keep transformers' names and norm types (Qwen2.5-VL's vision RMSNorms named norm1 / norm2 /
+    ln_q are decayed there, and here)."""
+    layer_norms = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, nn.LayerNorm) and name)
+    return frozenset(k for k, _ in tree_flatten(model.trainable_parameters())
+                     if any(p.search(k.lower()) for p in NO_DECAY_PATTERNS) or k.startswith(layer_norms))
+
+
 class MixedPrecision:
     """Mixin over an MLX optimizer whose `_apply32(g, w, state)` updates float32 arrays: float32 master
-    weights and state for parameters of another dtype (see the module docstring)."""
+    weights and state for parameters of another dtype (see the module docstring), and no weight decay for
+    the parameters named in `no_decay` (`no_decay_names`: transformers' parameter groups)."""
 
     master_weights: bool = True
+    no_decay: frozenset = frozenset()
+    _decay = None  # the weight decay of the parameter being updated (None: the optimizer's)
 
     def apply_gradients(self, gradients, parameters):
         if not self._initialized:  # MLX would init from the gradients: the master copy needs the weights
             self.init(tree_map(lambda _, p: p, gradients, parameters))
-        return super().apply_gradients(gradients, parameters)
+        if not self.no_decay or not self.weight_decay:
+            return super().apply_gradients(gradients, parameters)
+        for param, scheduler in self._schedulers.items():  # MLX's apply_gradients, with each parameter's name
+            self.state[param] = scheduler(self.step)
+        self.state["step"] = self.step + 1
+        return tree_map_with_path(self._apply_named, gradients, parameters, self.state)
+
+    def _apply_named(self, path, gradient, parameter, state):
+        self._decay = 0.0 if path in self.no_decay else None
+        try:
+            return self.apply_single(gradient, parameter, state)
+        finally:
+            self._decay = None
+
+    @property
+    def decay(self) -> float:
+        """The weight decay of the parameter being updated."""
+        return float(self.weight_decay) if self._decay is None else self._decay
 
     def init_single(self, parameter, state):
         if parameter.dtype == FLOAT32:
@@ -164,8 +203,15 @@ class FusedAdamW(MixedPrecision, optim.AdamW):
         super().__init__(*args, bias_correction=True, **kw)
         self.master_weights = master_weights
         self.grad_scale = mx.array(1.0)
-        self._kernels = _adamw_kernels(float(self.weight_decay), float(self.betas[0]), float(self.betas[1]),
-                                       float(self.eps))
+        self._kernel_sets = {}
+
+    @property
+    def _kernels(self):
+        """The compiled (m, v, w) kernels for this parameter's weight decay (one set per value)."""
+        if self.decay not in self._kernel_sets:
+            self._kernel_sets[self.decay] = _adamw_kernels(self.decay, float(self.betas[0]), float(self.betas[1]),
+                                                           float(self.eps))
+        return self._kernel_sets[self.decay]
 
     def _corrections(self):
         """(b1, b2, c1, c2): the betas and the bias corrections of this step, c1 = 1 / (1 - b1^t) and
@@ -183,7 +229,7 @@ class FusedAdamW(MixedPrecision, optim.AdamW):
         if kernels is not None and gradient.dtype == FLOAT32:
             hyper = self._hyper(self.grad_scale, c1, c2)
             w, state["m"], state["v"] = kernels.adamw_step(
-                gradient, parameter, state["m"], state["v"], hyper, float(self.weight_decay), float(b1), float(b2),
+                gradient, parameter, state["m"], state["v"], hyper, self.decay, float(b1), float(b2),
                 float(self.eps))
             return w
         m_step, v_step, w_step = self._kernels
@@ -231,7 +277,7 @@ class AdamW8bit(FusedAdamW):
             hyper = self._hyper(scale, c1, c2)
             w, state["m_codes"], state["m_max"], state["v_codes"], state["v_max"] = kernels.adamw8_step(
                 gradient, parameter, state["m_codes"], state["m_max"], state["v_codes"], state["v_max"], self._maps,
-                self._luts, hyper, float(self.weight_decay), float(b1), float(b2), float(self.eps))
+                self._luts, hyper, self.decay, float(b1), float(b2), float(self.eps))
             self._after = [w]  # its kernel runs after the new codes'
             return w
         scale = scale.astype(FLOAT32)
@@ -264,17 +310,25 @@ class ClippedAdafactor(MixedPrecision, optim.Adafactor):
         self.grad_scale = mx.array(1.0)
 
     def _apply32(self, gradient, parameter, state):
-        return optim.Adafactor.apply_single(self, gradient.astype(FLOAT32) * self.grad_scale.astype(FLOAT32),
-                                            parameter, state)
+        decay, self.weight_decay = self.weight_decay, self.decay  # MLX's Adafactor reads its attribute
+        try:
+            return optim.Adafactor.apply_single(self, gradient.astype(FLOAT32) * self.grad_scale.astype(FLOAT32),
+                                                parameter, state)
+        finally:
+            self.weight_decay = decay
 
 
-def make_optimizer(args, total_steps: int):
-    """The optimizer `args.optim` names, on the learning-rate schedule of `args`."""
+def make_optimizer(args, total_steps: int, no_decay=frozenset()):
+    """The optimizer `args.optim` names, on the learning-rate schedule of `args`; `no_decay`: parameter
+    names updated without weight decay (`no_decay_names`)."""
     check_optim(args)
     lr = schedules.make_schedule(args, total_steps)
     master = bool(getattr(args, "master_weights", True))
     if args.optim == "adafactor":
-        return ClippedAdafactor(lr, weight_decay=args.weight_decay, master_weights=master)
-    kind = AdamW8bit if args.optim in q8.NAMES else FusedAdamW
-    return kind(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
-                weight_decay=args.weight_decay, master_weights=master)
+        opt = ClippedAdafactor(lr, weight_decay=args.weight_decay, master_weights=master)
+    else:
+        kind = AdamW8bit if args.optim in q8.NAMES else FusedAdamW
+        opt = kind(learning_rate=lr, betas=[args.adam_beta1, args.adam_beta2], eps=args.adam_epsilon,
+                   weight_decay=args.weight_decay, master_weights=master)
+    opt.no_decay = frozenset(no_decay)
+    return opt

@@ -37,7 +37,7 @@ from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
 from ..models.tiled import tile_tokens_for
 from ..models.widened import check_trainable_dtypes, planned_config
-from ..optim import make_optimizer
+from ..optim import make_optimizer, no_decay_names
 from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_model_dtype
@@ -280,7 +280,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         # (log, evaluate, save) every so many steps; TrainingArguments' fractions of the total resolved
         self._every = tuple(every_steps(v, total) for v in (args.logging_steps, args.eval_steps or args.logging_steps,
                                                             args.save_steps))
-        self.optimizer = make_optimizer(args, total)
+        self.optimizer = make_optimizer(args, total, no_decay_names(self.model))  # transformers' decay groups
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
         if self.is_main:  # this run now owns the folder: `last` continues it, its metrics.jsonl is ours

@@ -1,0 +1,75 @@
+"""Whole runs against TRL 1.16: the same tiny checkpoint, rows and hyper-parameters trained by TRL's own
+SFTTrainer (transformers' Trainer: its parameter groups, its AdamW, its schedule) and by ours, each from the
+same weights; the final weights compared tensor by tensor against the size of the update
+(||W_ours - W_trl|| / ||W_trl - W_0|| <= 2e-3), so a difference in what is decayed or trained shows.
+
+    python -m pytest -q tests/test_trl_runs.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+import mlxrl
+from mlxrl.trainers.config import SFTConfig
+from mlxrl.trainers.sft import SFTTrainer
+
+trl = pytest.importorskip("trl")
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]},
+    {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi there, friend!"}]},
+    {"messages": [{"role": "user", "content": "Colour of the sky?"}, {"role": "assistant", "content": "Blue."}]},
+    {"messages": [{"role": "user", "content": "Name a fruit"}, {"role": "assistant", "content": "An apple."}]},
+]
+HYPER = dict(learning_rate=3e-3, weight_decay=0.1, max_steps=3, per_device_train_batch_size=len(ROWS),
+             max_length=128, max_grad_norm=1.0, lr_scheduler_type="linear", seed=0)
+
+
+def trl_run(folder, tokenizer, tmp_path) -> dict[str, np.ndarray]:
+    from datasets import Dataset
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to=[],
+                         save_strategy="no", logging_steps=1, dataloader_num_workers=0, gradient_checkpointing=False,
+                         **HYPER)
+    trl.SFTTrainer(model=hf, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer).train()
+    return {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+
+
+def ours_run(folder, tmp_path) -> dict[str, np.ndarray]:
+    model, processor = mlxrl.load(folder)
+    args = SFTConfig(output_dir=str(tmp_path / "ours"), compile=False, disable_tqdm=True, save_steps=0,
+                     gradient_checkpointing=False, **HYPER)
+    SFTTrainer(model, processor, args, train_dataset=ROWS).train()
+    return load_file(str(tmp_path / "ours" / "model" / "model.safetensors")), processor
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # Qwen2: q/k/v biases; Qwen3: q/k norms
+def test_full_fine_tuning_with_weight_decay_ends_at_trls_weights(tiny_checkpoint, tmp_path, arch):
+    folder = tiny_checkpoint(arch)
+    start = load_file(str(folder / "model.safetensors"))
+    ours, processor = ours_run(folder, tmp_path)
+    tok = processor.tokenizer
+    tok.chat_template = processor.chat_template
+    theirs = trl_run(folder, tok, tmp_path)
+    exempt = [k for k in start if k.endswith(".bias") or "norm" in k]
+    assert exempt  # what transformers leaves undecayed is in this model
+    checked = 0
+    for name, w0 in start.items():
+        if name not in theirs:
+            continue  # a tied head
+        update = np.linalg.norm(theirs[name] - w0)
+        if update == 0:
+            continue
+        gap = np.linalg.norm(ours[name].astype(np.float64) - theirs[name])
+        # a key bias moves every key of a position alike: its gradient is near zero and mostly rounding, which
+        # Adam scales up to a full step; its tolerance is looser (the others agree to ~1e-5 of the update)
+        tolerance = 2e-2 if name.endswith("k_proj.bias") else 2e-3
+        assert gap <= tolerance * update, (name, gap / update)
+        checked += 1
+    assert checked >= len(start) // 2
