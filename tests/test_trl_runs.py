@@ -30,33 +30,62 @@ HYPER = dict(learning_rate=3e-3, weight_decay=0.1, max_steps=3, per_device_train
              max_length=128, max_grad_norm=1.0, lr_scheduler_type="linear", seed=0)
 
 
-def trl_run(folder, tokenizer, tmp_path) -> dict[str, np.ndarray]:
+def trl_run(folder, tokenizer, tmp_path, rows, hyper) -> tuple[dict[str, np.ndarray], list[dict]]:
     from datasets import Dataset
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to=[],
                          save_strategy="no", logging_steps=1, dataloader_num_workers=0, gradient_checkpointing=False,
-                         **HYPER)
-    trl.SFTTrainer(model=hf, args=args, train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer).train()
-    return {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+                         **hyper)
+    trainer = trl.SFTTrainer(model=hf, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    trainer.train()
+    weights = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    return weights, [e for e in trainer.state.log_history if "loss" in e]
 
 
-def ours_run(folder, tmp_path) -> dict[str, np.ndarray]:
+def ours_run(folder, tmp_path, rows, hyper):
     model, processor = mlxrl.load(folder)
     args = SFTConfig(output_dir=str(tmp_path / "ours"), compile=False, disable_tqdm=True, save_steps=0,
-                     gradient_checkpointing=False, **HYPER)
-    SFTTrainer(model, processor, args, train_dataset=ROWS).train()
-    return load_file(str(tmp_path / "ours" / "model" / "model.safetensors")), processor
+                     gradient_checkpointing=False, logging_steps=1, **hyper)
+    history = SFTTrainer(model, processor, args, train_dataset=rows).train()
+    weights = load_file(str(tmp_path / "ours" / "model" / "model.safetensors"))
+    return weights, [e for e in history if "loss" in e], processor
+
+
+def both_runs(folder, tmp_path, rows, hyper):
+    ours, ours_log, processor = ours_run(folder, tmp_path, rows, hyper)
+    tok = processor.tokenizer
+    tok.chat_template = processor.chat_template
+    theirs, trl_log = trl_run(folder, tok, tmp_path, rows, hyper)
+    return ours, ours_log, theirs, trl_log
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # Qwen2: q/k/v biases; Qwen3: q/k norms
 def test_full_fine_tuning_with_weight_decay_ends_at_trls_weights(tiny_checkpoint, tmp_path, arch):
     folder = tiny_checkpoint(arch)
     start = load_file(str(folder / "model.safetensors"))
-    ours, processor = ours_run(folder, tmp_path)
-    tok = processor.tokenizer
-    tok.chat_template = processor.chat_template
-    theirs = trl_run(folder, tok, tmp_path)
+    ours, _, theirs, _ = both_runs(folder, tmp_path, ROWS, HYPER)
+    assert_same_weights(start, ours, theirs)
+
+
+def test_a_ragged_last_accumulation_step_is_trained_as_trl_trains_it(tiny_checkpoint, tmp_path):
+    """8 rows, batch 3, accumulation 2: 3 micro-batches an epoch, so 2 optimizer steps, the second on the
+    leftover micro-batch (transformers' Trainer); 2 epochs: 4 steps, the schedule over 4."""
+    folder = tiny_checkpoint("qwen3")
+    rows = ROWS + [{"messages": [{"role": "user", "content": m["messages"][0]["content"] + " Again?"},
+                                 m["messages"][1]]} for m in ROWS]
+    hyper = {**HYPER, "max_steps": -1, "num_train_epochs": 2, "per_device_train_batch_size": 3,
+             "gradient_accumulation_steps": 2, "train_sampling_strategy": "sequential"}
+    start = load_file(str(folder / "model.safetensors"))
+    ours, ours_log, theirs, trl_log = both_runs(folder, tmp_path, rows, hyper)
+    assert len(ours_log) == len(trl_log) == 4
+    for a, b in zip(ours_log, trl_log, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
+        assert abs(a["learning_rate"] - b["learning_rate"]) < 1e-9, (a, b)
+    assert_same_weights(start, ours, theirs)
+
+
+def assert_same_weights(start, ours, theirs):
     exempt = [k for k in start if k.endswith(".bias") or "norm" in k]
     assert exempt  # what transformers leaves undecayed is in this model
     checked = 0
@@ -73,3 +102,19 @@ def test_full_fine_tuning_with_weight_decay_ends_at_trls_weights(tiny_checkpoint
         assert gap <= tolerance * update, (name, gap / update)
         checked += 1
     assert checked >= len(start) // 2
+
+
+def test_max_length_none_means_no_truncation(tiny_checkpoint, tmp_path):
+    """SFTConfig(max_length=None), TRL's spelling of "no truncation": accepted, and the longest row trained whole."""
+    from mlxrl.hub import MlxrlError
+
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    long_row = {"messages": [{"role": "user", "content": "word " * 1100}, {"role": "assistant", "content": "ok"}]}
+    args = SFTConfig(output_dir=str(tmp_path / "o"), max_length=None, max_steps=1, compile=False, disable_tqdm=True,
+                     use_peft=True, per_device_train_batch_size=5)
+    trainer = SFTTrainer(model, processor, args, train_dataset=[*ROWS, long_row])
+    assert max(len(e) for e in trainer.train_examples) > 1100  # not cut to the default 1024
+    trainer.train()
+    with pytest.raises(MlxrlError, match="packing fills rows of max_length tokens"):
+        SFTTrainer(model, processor, SFTConfig(output_dir=str(tmp_path / "p"), max_length=None, packing=True),
+                   train_dataset=ROWS)

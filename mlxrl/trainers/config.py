@@ -165,6 +165,8 @@ class TrainConfig(ElsewhereArguments):
     gradient_checkpointing_kwargs: str | None = _f(None, "the old name of activation_checkpointing_kwargs")
     use_cpu: bool = _f(False, "train on the CPU even where MLX has a GPU")
     data_seed: int | None = _f(None, "seed of the data order (default: seed)")
+    train_sampling_strategy: str = _f("random", "random: the training batches in a new order every epoch (seed, "
+                                                "data_seed) | sequential: in the dataset's order")
     dataloader_drop_last: bool = _f(False, "drop each epoch's last batch when it holds fewer examples (or packed "
                                            "rows) than the batch size")
     logging_first_step: bool = _f(False, "also log the first optimizer step")
@@ -320,6 +322,7 @@ RANGES_BY_CONFIG = {
 CHOICES = {
     "lr_scheduler_type": tuple(SCHEDULES),
     "eval_strategy": ("no", "steps", "epoch"),
+    "train_sampling_strategy": ("random", "sequential"),
     "save_strategy": ("no", "steps", "epoch"),
     "truncation_mode": ("keep_start", "keep_end"),
     "packing_strategy": ("bfd", "wrapped"),
@@ -392,6 +395,8 @@ def check_config(args, flags: bool = False) -> None:
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{label} {value!r}: must be one of {', '.join(choices)}{hint}")
     check_quantization_flags(args, flags)
+    if getattr(args, "packing", False) and getattr(args, "max_length", 1) is None:  # TRL refuses it too
+        raise ConfigError(f"{'--' if flags else ''}packing fills rows of max_length tokens: set max_length")
     check_optim(args)
     checkpointing_kwargs(args)
     multiple_of(args, flags)

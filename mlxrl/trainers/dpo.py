@@ -200,11 +200,12 @@ class DPOTrainer(Trainer):
                                        padding_free=a.padding_free, shuffle=shuffle, seed=self.data_seed,
                                        epoch=epoch, ld_alpha=a.ld_alpha, bucket_rows=a.compile,
                                        num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0,
-                                       drop_last=a.dataloader_drop_last and shuffle,
+                                       drop_last=a.dataloader_drop_last and shard,
                                        pad_to_multiple_of=multiple_of(a))
 
     def make_batches(self, epoch):
-        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, shard=True)
+        return self._batches_of(self.train_examples, epoch, self.shuffles, self.args.per_device_train_batch_size,
+                                shard=True)
 
     def batch_tokens(self, batch):
         """(real tokens of the 2B sequences, pairs): the engine's normaliser is the pair count."""

@@ -236,7 +236,8 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         """(optimizer steps per epoch, total optimizer steps); makes the batch source."""
         self.source = self.make_source()
         self._epoch_batches = self.source.epoch_length(0)
-        per_epoch = max(1, self._epoch_batches // self.args.gradient_accumulation_steps)
+        # transformers' Trainer: ceil(micro-batches / accumulation) steps an epoch, the last on the leftovers
+        per_epoch = max(1, math.ceil(self._epoch_batches / self.args.gradient_accumulation_steps))
         if self.args.max_steps and self.args.max_steps > 0:
             total = self.args.max_steps
         else:
@@ -251,6 +252,12 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     @property
     def data_seed(self) -> int:
         return self.args.seed if self.args.data_seed is None else self.args.data_seed  # TrainingArguments'
+
+    @property
+    def shuffles(self) -> bool:
+        """Whether the training batches come in a new order every epoch (TrainingArguments'
+        train_sampling_strategy "random"; "sequential": the dataset's order)."""
+        return getattr(self.args, "train_sampling_strategy", "random") != "sequential"
 
     @property
     def has_eval_data(self) -> bool:
@@ -383,7 +390,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             if not self._epoch_done():
                 with source.open(self.epoch, self.batch_in_epoch, self._epoch_usable(), accum) as items:
                     while self.global_step < total:
-                        group = [next(items) for _ in range(accum)]
+                        group = [next(items) for _ in range(self._group_size())]
                         window["metrics"].extend(source.pop_metrics())
                         self._optimizer_step(group, window, bar, total)
                         window = self._after_step(window, total)
@@ -406,12 +413,20 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         return window
 
     def _epoch_usable(self) -> int:
-        """Micro-batches the current epoch trains on (a dataset drops its last partial group)."""
-        n, accum = self.source.epoch_length(self.epoch), self.args.gradient_accumulation_steps
-        usable = n // accum * accum if self.source.drops_remainder else n
-        if usable == 0:
-            raise ValueError(f"fewer batches ({n}) than gradient_accumulation_steps ({accum})")
-        return usable
+        """Micro-batches the current epoch trains on: all of them."""
+        n = self.source.epoch_length(self.epoch)
+        if n == 0:
+            raise ValueError("the training data makes no batch (fewer rows than the batch size, or every row dropped)")
+        return n
+
+    def _group_size(self) -> int:
+        """Micro-batches of the next optimizer step: gradient_accumulation_steps, but a dataset's epoch ends on
+        its leftover micro-batches (transformers' ragged last step: its loss normalised by its own tokens);
+        generation rounds go on into the next epoch."""
+        accum = self.args.gradient_accumulation_steps
+        if not self.source.epoch_bound:
+            return accum
+        return min(accum, self._epoch_usable() - self.batch_in_epoch)
 
     def _epoch_done(self) -> bool:
         return self.batch_in_epoch >= self._epoch_usable()
@@ -419,7 +434,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def _end_epoch(self):
         # a step may take micro-batches of two epochs (GRPO's rounds): the rest belong to the next one
         usable = self._epoch_usable()
-        self.batch_in_epoch = self.batch_in_epoch - usable if not self.source.drops_remainder else 0
+        self.batch_in_epoch = self.batch_in_epoch - usable if not self.source.epoch_bound else 0
         self.epoch += 1
         if self.args.eval_strategy == "epoch":
             self._log_eval()

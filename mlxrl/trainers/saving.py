@@ -93,7 +93,7 @@ class Saving:
         state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                  "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
                  "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
-                 "data": {"rows": self.rows_fingerprint, "data_seed": self.data_seed},
+                 "data": {"rows": self.rows_fingerprint, "data_seed": self.data_seed if self.shuffles else None},
                  "mlxrl": checkpoint_lib.run_record(self)}
         best = self._rank_checkpoint(final.name)
         if best is not None:  # transformers' names in trainer_state.json

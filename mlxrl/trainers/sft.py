@@ -53,6 +53,8 @@ class SFTTrainer(Trainer):
             order = np.random.default_rng(self.data_seed).permutation(len(self.train_examples))
             self.train_examples = [self.train_examples[i] for i in order]
         self.eval_examples = self._tokenize(eval_dataset) if eval_dataset is not None else None
+        # max_length None (TRL: no truncation): the batches' longest row is the longest example's
+        self.row_length = args.max_length or max(len(e) for e in self.train_examples + (self.eval_examples or []))
 
     # ------------------------------------------------------------------ data
     def _tokenize(self, rows):
@@ -73,7 +75,7 @@ class SFTTrainer(Trainer):
         a = self.args
         packing = a.packing if train or a.eval_packing is None else a.eval_packing
         plans = make_batches(examples, batch_size, packing=packing, packing_strategy=a.packing_strategy,
-                             padding_free=a.padding_free, max_length=a.max_length,
+                             padding_free=a.padding_free, max_length=self.row_length,
                              pad_token_id=self.processor.pad_token_id, seq_buckets=a.seq_buckets,
                              shuffle=shuffle, seed=self.data_seed, epoch=epoch, lazy=True,
                              num_shards=self.world_size if shard else 1, shard=self.rank if shard else 0,
@@ -82,8 +84,8 @@ class SFTTrainer(Trainer):
         return batches if lazy else [make() for make in batches]
 
     def make_batches(self, epoch):
-        return self._batches_of(self.train_examples, epoch, True, self.args.per_device_train_batch_size, lazy=True,
-                                shard=True)
+        return self._batches_of(self.train_examples, epoch, self.shuffles, self.args.per_device_train_batch_size,
+                                lazy=True, shard=True)
 
     def prepare(self, batch) -> dict:
         """Batch -> the numpy arrays of one step: the trained rows (padded to a bucket so the

@@ -5,8 +5,9 @@ arrays) and knows the shape of an epoch; the loop owns the optimizer steps, the 
 logging, evaluation and checkpoint cadence. Two kinds exist:
 
 - `DatasetSource` (SFT, DPO): an epoch is the trainer's `make_batches(epoch)` (shuffled, bucketed,
-  sharded over the ranks); batches are prepared ahead on a worker thread; an epoch ends at its last
-  whole accumulation group (the remainder is dropped, so every step is a full global batch).
+  sharded over the ranks); batches are prepared ahead on a worker thread; an epoch ends with its last
+  micro-batch (a last step on fewer than gradient_accumulation_steps micro-batches, as transformers'
+  Trainer takes it).
 - `GenerationRounds` (GRPO): a round is generated, scored and cut into
   micro-batches on the training thread, with the current weights, when the loop reaches it; a step
   may take micro-batches of two epochs.
@@ -14,7 +15,8 @@ logging, evaluation and checkpoint cadence. Two kinds exist:
 The interface (duck-typed):
 
     epoch_length(epoch) -> int          micro-batches in that epoch (the logged epoch's denominator)
-    drops_remainder: bool               an epoch ends at a multiple of gradient_accumulation_steps
+    epoch_bound: bool                   a step never spans two epochs: the leftover micro-batches make a short
+                                        last step (a dataset); False: the step goes on into the next epoch
     open(epoch, start, stop, accum)     a context manager yielding the epoch's micro-batches from start
                                         (a dataset stops at stop; generation rounds go on)
     pop_metrics() -> list[dict]         metrics the source measured since the last call (logged)
@@ -35,7 +37,7 @@ class DatasetSource:
     """Micro-batches from `make_batches(epoch)`: prepared dicts, or zero-argument callables that
     prepare one (called on the background worker, at most accum + 1 ahead)."""
 
-    drops_remainder = True
+    epoch_bound = True
 
     def __init__(self, make_batches: Callable[[int], list]):
         self._make = make_batches
@@ -79,7 +81,7 @@ class GenerationRounds:
     trained on num_iterations times. An epoch is every prompt once (incomplete rounds dropped); a
     step may take micro-batches of two epochs (nothing is dropped at an epoch's end)."""
 
-    drops_remainder = False
+    epoch_bound = False
 
     def __init__(self, trainer):
         a = trainer.args

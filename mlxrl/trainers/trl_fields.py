@@ -82,7 +82,6 @@ ELSEWHERE: dict[str, tuple[object, object, str]] = {
     "dataloader_multiprocessing_context": ("str | None", None, DATA),
     "dataloader_in_order": ("bool", True, DATA),
     "label_names": ("list[str] | None", None, "each trainer knows its labels"),
-    "train_sampling_strategy": ("str", "random", "the batches are shuffled every epoch (seed, data_seed)"),
     "length_column_name": ("str", "length", "the batches are shuffled every epoch (seed, data_seed)"),
     "ddp_find_unused_parameters": ("bool | None", None, DISTRIBUTED),
     "ddp_bucket_cap_mb": ("int | None", None, DISTRIBUTED),
