@@ -34,10 +34,11 @@ casts of each LoRA-adapted input. Images: image tokens join the decoder's sequen
 the vision tower's saved tensors and per-image attention scores, checked on the embedded Qwen3-VL
 (SFT and GRPO).
 
-`predict(config, args, trainer)` is what the trainers call at start-up. Rooms: `model` (the terms above
-and `predict`), `report` (`Plan`, the table), `suggest` (the smallest change that fits), `measure` (real
-steps on random weights: it runs the trainers, so nothing here imports it), `cli`.
-Tests: pytest tests/test_plan.py
+`predict(config, args, trainer)` is what the trainers call at start-up. Rooms: `config_json` (config.json
+read and checked: a damaged file is one line naming it and its field), `model` (the terms above and
+`predict`), `report` (`Plan`, the table), `suggest` (the smallest change that fits), `measure` (real
+steps on random weights: it runs the trainers, so nothing here imports it), `cli` (one-line errors).
+Tests: pytest tests/test_plan.py tests/test_probes_plan.py
 """
 
 from .model import DEFAULT_PROMPT_LENGTH, Arch, arch_of, load_config, native_cpu, predict

@@ -76,6 +76,9 @@ def random_model(cfg: dict, dtype=None, seed: int = 0):
     init_weights(model, cfg.get("initializer_range", 0.02))
     model.set_dtype(runtime.compute_dtype(dtype))
     mx.eval(model.parameters())
+    # no folder behind random weights: the trainers' output_dir check (`run_dir.check_target`) reads the
+    # model's name_or_path, and without one would take the model object itself for a path
+    model.name_or_path = None
     return model
 
 
@@ -210,6 +213,19 @@ def config_class(trainer: str):
     from ..trainers.config import SFTConfig
 
     return SFTConfig
+
+
+def check_trainer_config(trainer: str, args) -> None:
+    """The trainer's own checks beyond `check_config` (DPO's loss types and beta, GRPO's group size and
+    batching), which its CLI runs before any model loads: a plan of a run the trainer refuses is refused."""
+    if trainer == "dpo":
+        from ..trainers.dpo import check_dpo_config
+
+        check_dpo_config(args)
+    elif trainer == "grpo":
+        from ..trainers.grpo import check_grpo_config
+
+        check_grpo_config(args)
 
 
 def sweep(cfg: dict, args, trainer: str, lengths=None, ranks=None, prompt_length: int | None = None

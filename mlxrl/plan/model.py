@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -20,6 +17,7 @@ from ..models.checkpointing import kept_inputs
 from ..models.language import SCORE_COPIES, layer_saved_bytes, lora_saved_bytes
 from ..models.tiled import tile_tokens_for
 from ..models.widened import kept_saving
+from .config_json import load_config
 from .report import Plan, Row, count, dtype_bytes, fmt
 from .suggest import suggest_change
 
@@ -37,22 +35,6 @@ KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
 GEN_FILTER_COPIES = 2.25    # more of them with top_k / top_p / min_p (a mask and the filtered weights)
 DEFAULT_PROMPT_LENGTH = 512  # GRPO prompt tokens when --prompt_length is not given
-
-
-# ---------------------------------------------------------------------------------------- config
-
-def load_config(model: str | os.PathLike | None = None) -> dict:
-    """config.json of a local folder or cached Hub id (weights are never read); None: the embedded default."""
-    from ..hub import resolve_model_path
-    from ..loading import DEFAULT_CONFIG, read_config
-
-    if model is None:
-        cfg = json.loads(Path(DEFAULT_CONFIG).read_text())
-    else:
-        p = Path(model).expanduser()
-        cfg = read_config(p if (p / "config.json").exists() else resolve_model_path(str(model)))
-    cfg.pop("preprocessor_config", None)
-    return cfg
 
 
 @dataclass
