@@ -98,7 +98,8 @@ def run_demo(args: DPOConfig, explicit: set, model_path: str | None = None, sft_
     print(f"DPO on {len(pairs)} synthetic preference pairs (chosen = right colour, rejected = a wrong one); "
           f"held-out exact match before DPO: {before:.1%}", flush=True)
     trainer = DPOTrainer(model=model, processor=processor, args=args, train_dataset=pairs)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.log_history
     after = exact_match(model, processor, test)
     logged = [e for e in history if "rewards/accuracies" in e]
     trend = "  ".join(f"step {e['step']}: acc {e['rewards/accuracies']:.2f} margin {e['rewards/margins']:+.3f}"

@@ -100,7 +100,8 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
           f"the right colour word; held-out exact match before GRPO: {before:.1%}", flush=True)
     trainer = GRPOTrainer(model=model, processor=processor, args=args, train_dataset=rows,
                           reward_funcs=reward_funcs or [colour_reward])
-    history = trainer.train()
+    trainer.train()
+    history = trainer.log_history
     after = exact_match(model, processor, test)
     logged = [e for e in history if "reward" in e]
     trend = " ".join(f"{e['reward']:.2f}" for e in logged)

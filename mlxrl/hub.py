@@ -29,6 +29,10 @@ class ConfigError(MlxrlError, ValueError):
     """A bad config value or file: one line naming the field (or the file and line)."""
 
 
+class DataError(MlxrlError, ValueError):
+    """A bad dataset, file, row or image: one line naming the file and line, or the row."""
+
+
 def _looks_like_path(name: str) -> bool:
     # Hub ids are exactly "owner/name"; anything else is meant as a folder.
     return name.startswith(("/", ".", "~")) or name.count("/") != 1

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from .pictures import to_rgb  # noqa: F401  (processing.to_rgb: the processors' RGB rule)
 from .tokenizer import (  # noqa: F401  (the templates and the tokenizer are part of processing's API)
     QWEN3_VL_CHAT_TEMPLATE,
     QWEN_CHAT_TEMPLATE,
@@ -57,37 +58,6 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
         h = math.ceil(height * scale / factor) * factor
         w = math.ceil(width * scale / factor) * factor
     return h, w
-
-
-def to_rgb(image) -> np.ndarray:
-    """PIL / uint8 array / path -> HWC uint8 RGB; transparency is composited onto white (as HF does).
-    A path is opened by `data.images.open_image`, as transformers' `load_image` opens one (EXIF
-    orientation applied, PIL's decompression-bomb limit)."""
-    if isinstance(image, (str, os.PathLike)):
-        from .data.images import open_image  # (mlxrl.data imports this module)
-
-        image = open_image(image, f"image {os.fspath(image)!r}")
-    if isinstance(image, Image.Image):
-        if "A" in image.getbands() or image.info.get("transparency") is not None:
-            rgba = image.convert("RGBA")
-            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return np.asarray(Image.alpha_composite(white, rgba).convert("RGB"))
-        return np.asarray(image.convert("RGB"))
-    arr = np.asarray(image)
-    if arr.dtype != np.uint8:
-        raise ValueError(f"image arrays must be uint8 (H, W[, C]) with values 0..255, got {arr.dtype}")
-    if arr.ndim == 2:
-        arr = arr[..., None]
-    elif arr.ndim == 3 and arr.shape[-1] not in (1, 3, 4) and arr.shape[0] in (1, 3, 4):
-        arr = np.moveaxis(arr, 0, -1)  # CHW -> HWC
-    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"cannot read an image of shape {arr.shape}: expected (H, W), (H, W, C) or (C, H, W)")
-    if arr.shape[-1] == 1:
-        return np.repeat(arr, 3, axis=-1)
-    if arr.shape[-1] == 4:
-        alpha = arr[..., 3:4] / 255.0
-        return np.round(alpha * arr[..., :3] + (1 - alpha) * 255).astype(np.uint8)
-    return arr
 
 
 class ImageProcessor:

@@ -77,7 +77,7 @@ def run_ours(ckpt: str, arch: str, steps: int, batch: int, out: str, rows: list[
     t0 = time.perf_counter()
     trainer.train()
     return {"stamps": [t0, *stamps], "peak_rss_gb": rss_gb() - base, "mlx_peak_gb": mx.get_peak_memory() / 1e9,
-            "loss": trainer.log_history[-1]["loss"]}
+            "loss": [e for e in trainer.log_history if "loss" in e][-1]["loss"]}
 
 
 def run_trl(ckpt: str, arch: str, steps: int, batch: int, out: str, rows: list[dict]) -> dict:

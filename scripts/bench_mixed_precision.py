@@ -52,7 +52,7 @@ def run(name, dtype, init, rows, out, steps, lr, master=True):
                      save_steps=0, disable_tqdm=True, master_weights=master, seed=0)
     trainer = SFTTrainer(model, processor, args, train_dataset=rows)
     with contextlib.redirect_stdout(sys.stderr):  # the trainer's log lines; the table goes to stdout
-        losses = [e["loss"] for e in trainer.train() if "loss" in e]
+        losses = [e["loss"] for e in trainer.train_log() if "loss" in e]
     state = sum(v.nbytes for _, v in tree_flatten(trainer.optimizer.state) if isinstance(v, mx.array))
     return np.array(losses), weights(model), state
 

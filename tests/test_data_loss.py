@@ -261,7 +261,9 @@ def test_a_second_run_in_one_output_dir(tiny_checkpoint, tmp_path):
 
     def run(**kw):
         model, processor = mlxrl.load(folder)
-        return SFTTrainer(model, processor, config(out, use_peft=True, lora_r=4, **kw), train_dataset=ROWS).train()
+        trainer = SFTTrainer(model, processor, config(out, use_peft=True, lora_r=4, **kw), train_dataset=ROWS)
+        trainer.train()
+        return trainer.log_history
 
     run(max_steps=3, save_steps=1)
     first = listing(out)
@@ -318,7 +320,9 @@ def test_resume_cuts_metrics_back_and_last_picks_this_run(tiny_checkpoint, tmp_p
     def run(**kw):
         model, processor = mlxrl.load(folder)
         args = config(out, use_peft=True, lora_r=4, lora_dropout=0.1, max_steps=6, **kw)
-        return SFTTrainer(model, processor, args, train_dataset=ROWS).train()
+        trainer = SFTTrainer(model, processor, args, train_dataset=ROWS)
+        trainer.train()
+        return trainer.log_history
 
     full = run(save_steps=3)
     full_lines = (out / "metrics.jsonl").read_text().splitlines()

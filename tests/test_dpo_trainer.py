@@ -226,7 +226,8 @@ def test_trained_parameters_change_and_reference_stays(tiny_checkpoint, tmp_path
     model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     trainer = DPOTrainer(model, processor, config(tmp_path, max_steps=2, learning_rate=1e-3), train_dataset=TEXT_ROWS)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.log_history
     after = dict(tree_flatten(model.parameters()))
     unchanged = [k for k, v in before.items() if np.array_equal(v, np.array(after[k]))]
     assert unchanged == [], unchanged

@@ -271,10 +271,11 @@ def test_trained_parameters_change_text_full(tiny_checkpoint, tmp_path):
                beta=0.04, loss_type="grpo")
     trainer = GRPOTrainer(model, processor, a, train_dataset=TEXT_ROWS, reward_funcs=token_reward)
     before = {k: mx.array(v) for k, v in tree_flatten(model.trainable_parameters())}
-    history = trainer.train()
+    trainer.train()
+    history = trainer.log_history
     changed, after = _changed(before, model)
     assert len(changed) == len(before), sorted(set(before) - set(changed))
-    logged = history[-1]
+    logged = [e for e in history if "loss" in e][-1]
     for key in ("reward", "reward_std", "rewards/token_reward/mean", "rewards/token_reward/std",
                 "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "kl", "entropy",
                 "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens", "loss"):
@@ -291,7 +292,8 @@ def test_save_strategy_epoch_saves_each_epoch(tiny_checkpoint, tmp_path):
     a = config(tmp_path, use_peft=True, lora_r=4, per_device_train_batch_size=8, num_train_epochs=2,
                save_strategy="epoch", max_completion_length=4)
     trainer = GRPOTrainer(model, processor, a, train_dataset=TEXT_ROWS, reward_funcs=token_reward)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.log_history
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     states = [json.loads((run / f"checkpoint-{s}" / "trainer_state.json").read_text()) for s in (2, 4)]

@@ -55,7 +55,8 @@ def train_default(tmp_path, name, dtype, rows, init=None, **kw):
         model.load_weights([(k, mx.array(v).astype(dtype)) for k, v in init.items()])
     before = dtypes(model)
     trainer = SFTTrainer(model, processor, sft_args(tmp_path, name, **kw), train_dataset=rows)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.log_history
     assert dtypes(model) == before  # no parameter changed dtype
     return model, trainer, [e["loss"] for e in history if "loss" in e]
 
@@ -208,7 +209,8 @@ def test_sft_bf16_every_head_mode(graph_path, tmp_path, mode, peft):
                                                     max_steps=2, learning_rate=1e-3), train_dataset=rows)
     _grads_keep_dtypes(trainer, trainer._batches_of(trainer.train_examples, 0, False, 4)[0])
     before = dtypes(model)
-    losses = [e["loss"] for e in trainer.train() if "loss" in e]
+    trainer.train()
+    losses = [e["loss"] for e in trainer.log_history if "loss" in e]
     assert dtypes(model) == before and all(np.isfinite(losses))
 
 
@@ -228,7 +230,8 @@ def test_dpo_bf16(graph_path, tiny_checkpoint, tmp_path, peft):
                      max_steps=2, use_peft=peft, learning_rate=1e-4)
     trainer = DPOTrainer(model, processor, args, train_dataset=DPO_ROWS)
     before = dtypes(model)  # LoRA layers in place
-    losses = [e["loss"] for e in trainer.train() if "loss" in e]
+    trainer.train()
+    losses = [e["loss"] for e in trainer.log_history if "loss" in e]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert dtypes(model) == before
 
@@ -249,6 +252,7 @@ def test_grpo_bf16_every_head_mode(graph_path, tiny_checkpoint, tmp_path, mode, 
                       learning_rate=1e-4)
     trainer = GRPOTrainer(model, processor, args, train_dataset=rows, reward_funcs=[_reward])
     before = dtypes(model)
-    losses = [e["loss"] for e in trainer.train() if "loss" in e]
+    trainer.train()
+    losses = [e["loss"] for e in trainer.log_history if "loss" in e]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert dtypes(model) == before

@@ -37,7 +37,8 @@ def test_dpo_over_a_4bit_base_learns_the_preference(tiny_checkpoint, tmp_path):
     layers = quantize_lib.quantized_layers(model)
     assert layers and all(m.bits == 4 for _, m in layers)
     base, adapters = _frozen(model), _adapters(model)
-    history = [h for h in trainer.train() if "loss" in h]
+    trainer.train()
+    history = [h for h in trainer.log_history if "loss" in h]
     assert history[-1]["rewards/margins"] > history[0]["rewards/margins"] + 1.0  # measured 0 -> 2.2
     assert history[-1]["loss"] < history[0]["loss"]
     after = _frozen(model)
@@ -58,7 +59,8 @@ def test_grpo_over_a_4bit_base_generates_on_the_quantized_model(tiny_checkpoint,
                       per_device_train_batch_size=4, max_completion_length=6, beta=0.04, **COMMON)
     trainer = GRPOTrainer(model, processor, args, train_dataset=rows, reward_funcs=reward)
     base, adapters = _frozen(model), _adapters(model)
-    history = [h for h in trainer.train() if "loss" in h]
+    trainer.train()
+    history = [h for h in trainer.log_history if "loss" in h]
     assert seen and all(seen) and len(history) == 2
     assert all(np.isfinite([h["loss"], h["kl"]]).all() for h in history)
     after = _frozen(model)

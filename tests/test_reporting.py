@@ -57,7 +57,9 @@ def test_trainer_sends_metrics_to_both_trackers(fake_trackers, tiny_checkpoint, 
     args = SFTConfig(output_dir=str(tmp_path), max_steps=2, logging_steps=1, per_device_train_batch_size=2,
                      compile=False, disable_tqdm=True, save_steps=0, gradient_checkpointing=False,
                      report_to="wandb,tensorboard", run_name="probe")
-    history = SFTTrainer(model, processor, args, train_dataset=ROWS).train()
+    trainer = SFTTrainer(model, processor, args, train_dataset=ROWS)
+    trainer.train()
+    history = trainer.log_history
     logged = [e for e in history if "loss" in e]
     assert fake_trackers["init"]["name"] == "probe" and fake_trackers["init"]["config"]["learning_rate"] == 2e-5
     assert [(s, d["train/loss"]) for s, d in fake_trackers["wandb"]] == [(e["step"], e["loss"]) for e in logged]

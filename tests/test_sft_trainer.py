@@ -361,11 +361,16 @@ def test_the_trainer_prints_the_compile_note(tmp_path, monkeypatch, capsys, comp
     assert f"NOTE compiled={compile_step}" in capsys.readouterr().out
 
 
-def test_fewer_batches_than_accumulation_steps_is_one_error(tmp_path):
-    """An epoch with no whole accumulation group is refused (it once looped over empty epochs forever)."""
+def test_fewer_batches_than_accumulation_steps_is_one_short_step(tmp_path):
+    """An epoch of fewer micro-batches than gradient_accumulation_steps is one optimizer step on them
+    (transformers' ragged last step); an epoch of no batch at all is one error (it once looped forever)."""
     model, processor = mlxrl.load_default()
     args = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, gradient_accumulation_steps=4,
                      num_train_epochs=1, disable_tqdm=True)
     trainer = SFTTrainer(model, processor, args, train_dataset=make_vqa(8, seed=0))
-    with pytest.raises(ValueError, match=r"fewer batches \(1\) than gradient_accumulation_steps \(4\)"):
+    assert trainer.train().global_step == 1
+    args = SFTConfig(output_dir=str(tmp_path / "none"), per_device_train_batch_size=16, dataloader_drop_last=True,
+                     num_train_epochs=1, disable_tqdm=True)
+    trainer = SFTTrainer(model, processor, args, train_dataset=make_vqa(8, seed=0))
+    with pytest.raises(ValueError, match="the training data makes no batch"):
         trainer.train()

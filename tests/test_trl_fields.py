@@ -192,7 +192,8 @@ def test_logging_first_step_and_eval_on_start(tiny_checkpoint, tmp_path):
     t = _trainer(tiny_checkpoint, tmp_path, max_steps=3, logging_steps=2, logging_first_step=True,
                  eval_on_start=True, learning_rate=1e-3)
     t.eval_examples = t.train_examples[:2]
-    history = t.train()
+    t.train()
+    history = t.log_history
     assert [e["step"] for e in history if "loss" in e] == [1, 2, 3]
     assert "eval_loss" in history[0] and history[0]["step"] == 0
     t = _trainer(tiny_checkpoint, tmp_path / "b", max_steps=1, eval_on_start=True)
@@ -267,7 +268,8 @@ def test_load_best_model_at_end(greater, tiny_checkpoint, tmp_path):
     t = _trainer(tiny_checkpoint, tmp_path, max_steps=6, learning_rate=3e-3, eval_strategy="steps", eval_steps=2,
                  save_steps=2, save_total_limit=1, load_best_model_at_end=True, greater_is_better=greater)
     t.eval_examples = t.train_examples[:3]
-    history = t.train()
+    t.train()
+    history = t.log_history
     evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
     assert [s for s, _ in evals] == [2, 4, 6] and len({v for _, v in evals}) == 3
     best_step = (max if greater else min)(evals, key=lambda e: e[1])[0]

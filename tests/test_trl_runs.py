@@ -47,7 +47,9 @@ def ours_run(folder, tmp_path, rows, hyper):
     model, processor = mlxrl.load(folder)
     args = SFTConfig(output_dir=str(tmp_path / "ours"), compile=False, disable_tqdm=True, save_steps=0,
                      gradient_checkpointing=False, logging_steps=1, **hyper)
-    history = SFTTrainer(model, processor, args, train_dataset=rows).train()
+    trainer = SFTTrainer(model, processor, args, train_dataset=rows)
+    trainer.train()
+    history = trainer.log_history
     weights = load_file(str(tmp_path / "ours" / "model" / "model.safetensors"))
     return weights, [e for e in history if "loss" in e], processor
 

@@ -71,7 +71,8 @@ def sft(folder, tmp_path, name, keep: bool, **kw):
     trainer = SFTTrainer(model, processor, args, train_dataset=rows)
     before = dtypes(model)
     assert (mx.bfloat16 in before.values()) is keep
-    losses = [e["loss"] for e in trainer.train() if "loss" in e]
+    trainer.train()
+    losses = [e["loss"] for e in trainer.log_history if "loss" in e]
     assert dtypes(model) == before  # nothing changed dtype
     adapters = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
     if not args.use_peft:
@@ -189,6 +190,8 @@ def test_dpo_with_lora_over_a_kept_base_is_the_float32_run(bf16_checkpoint, tmp_
         args = DPOConfig(output_dir=str(tmp_path / f"dpo{keep}"), max_steps=2, per_device_train_batch_size=2,
                          logging_steps=1, save_steps=0, disable_tqdm=True, seed=0, learning_rate=1e-3,
                          use_peft=True, lora_r=4, lora_alpha=8)
-        history = DPOTrainer(model, processor, args, train_dataset=rows).train()
+        trainer = DPOTrainer(model, processor, args, train_dataset=rows)
+        trainer.train()
+        history = trainer.log_history
         runs.append([(e["loss"], e["logps/chosen"]) for e in history if "loss" in e])
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)

@@ -9,13 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from ..hub import MlxrlError
+from ..hub import DataError, MlxrlError  # noqa: F401  (data.files.DataError)
 
 __all__ = ["DataError", "Rows", "load_rows", "locate", "rows_fingerprint"]
-
-
-class DataError(MlxrlError, ValueError):
-    """A bad dataset, file or row: one line naming the file and line, or the row."""
 
 
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet")

@@ -14,7 +14,7 @@ import threading
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..hub import MlxrlError
 
@@ -95,3 +95,11 @@ class DataParallel:
 
     def _terminated(self, signum, frame):
         raise PeerLostError(self._peer_lost("terminated by the launcher after another rank exited"))
+
+
+def accumulate(total, grads):
+    """total + grads in float32 (a bf16 running sum of micro-batch gradients loses their low bits);
+    total is None for the first micro-batch."""
+    if total is None:
+        return tree_map(lambda g: g.astype(mx.float32), grads)
+    return tree_map(lambda t, g: t + g.astype(mx.float32), total, grads)

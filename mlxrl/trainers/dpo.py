@@ -46,6 +46,7 @@ from ..data.files import rows_fingerprint
 from ..losses.dpo import DPO_LOSSES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, dpo_loss
 from ..losses.head import head_logprobs
 from ..models.reference import adapters_disabled, frozen_copy
+from . import trl_api
 from .config import TrainConfig, _f, check_config, refused
 from .engine import Trainer, hidden_rows
 from .trl_fields import multiple_of
@@ -140,9 +141,12 @@ class DPOTrainer(Trainer):
                     "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy",
                     "mean_token_accuracy", "num_tokens")
 
-    def __init__(self, model, processor, args: DPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 ref_model=None):
-        args = args or DPOConfig()
+    def __init__(self, model, processor=None, args: DPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 ref_model=None, **trl):
+        """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
+        processing_class, peft_config)."""
+        model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
+            "DPOTrainer", DPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
         check_dpo_config(args)
         if train_dataset is None:
             raise ValueError("DPOTrainer needs a train_dataset (rows with prompt/chosen/rejected or chosen/rejected)")

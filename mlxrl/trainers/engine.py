@@ -18,16 +18,18 @@ one of the finished steps before it is raised; Ctrl-C during the final save lets
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import signal
+import time
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from .. import runtime
 from ..cpu import fastmath
@@ -36,25 +38,18 @@ from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
 from ..models.tiled import tile_tokens_for
-from ..models.widened import check_trainable_dtypes, planned_config
+from ..models.widened import check_trainable_dtypes
 from ..optim import make_optimizer, no_decay_names
 from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_model_dtype
-from .distributed import DataParallel, PeerLostError
+from .distributed import DataParallel, PeerLostError, accumulate
 from .reporting import Logging, Reporter
 from .saving import Saving
 from .signals import Signals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
-from .sources import DatasetSource
+from .sources import DatasetSource, step_seed  # noqa: F401  (engine.step_seed)
+from .trl_api import TRLSurface
 from .trl_fields import every_steps
-
-
-def accumulate(total, grads):
-    """total + grads in float32 (a bf16 running sum of micro-batch gradients loses their low bits);
-    total is None for the first micro-batch."""
-    if total is None:
-        return tree_map(lambda g: g.astype(mx.float32), grads)
-    return tree_map(lambda t, g: t + g.astype(mx.float32), total, grads)
 
 
 def hidden_rows(model, batch: dict) -> mx.array:
@@ -66,14 +61,7 @@ def hidden_rows(model, batch: dict) -> mx.array:
     return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
 
 
-def step_seed(seed: int, position: int, stream: int = 0) -> int:
-    """A 31-bit seed for one draw of a run: a function of the run's seed, a position (the optimizer step,
-    a prompt's place in a round) and a stream (the rank, the generation round), so a resumed run or
-    another number of ranks draws what the uninterrupted one did."""
-    return (seed * 1_000_003 + position + 7919 * stream) % (2**31 - 1)
-
-
-class Trainer(Signals, Saving, DataParallel, Logging):
+class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
     """Subclasses implement `loss(model, batch, normalizer)` and either `make_batches(epoch)` (a
     dataset) or `make_source()` (another batch source, see `sources`); they may override
     `evaluate()` and `save_final()`."""
@@ -97,7 +85,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             run_dir.check_unlocked(self.output_dir)
             run_dir.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
                                   overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
-                                  merged=run_dir.merged_folders(args))
+                                  merged=run_dir.merged_folders(args), other_run_ok=True)
         runtime.setup(tf32=args.tf32, use_cpu=args.use_cpu)  # MLX's CPU cache, TF32 on a GPU, --use_cpu
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
@@ -109,6 +97,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
         self.num_tokens = 0
         self.log_history: list[dict] = []
+        self._step_losses: list[float] = []  # each optimizer step's loss (train_loss, TRL's summary)
         self._compiled: dict = {}  # batch shape -> step function (compiled or eager)
         self._n_compiled = 0
         self._shapes_seen: set = set()
@@ -263,7 +252,21 @@ class Trainer(Signals, Saving, DataParallel, Logging):
     def has_eval_data(self) -> bool:
         return bool(getattr(self, "eval_examples", None))
 
-    def train(self):
+    def train(self, resume_from_checkpoint=None, **unused):
+        """Train; returns transformers' `TrainOutput(global_step, training_loss, metrics)` (TRL's; the run's
+        last log entry). resume_from_checkpoint: True (the newest checkpoint of output_dir), a checkpoint
+        folder, or None (the config's)."""
+        if unused:
+            raise TypeError(f"train() got an unexpected keyword argument {sorted(unused)[0]!r}")
+        if resume_from_checkpoint not in (None, False):
+            spec = "last" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+            self.args = dataclasses.replace(self.args, resume_from_checkpoint=spec)
+        start, first_step = time.perf_counter(), self.global_step
+        self._run()
+        return self._summary(time.perf_counter() - start, first_step)
+
+    def _run(self):
+        """The whole run: the folder locked, the loop, the final save."""
         args = self.args
         if (args.eval_strategy != "no" or args.eval_on_start) and not self.has_eval_data:  # HF's Trainer raises too
             what = "eval_strategy" if args.eval_strategy != "no" else "eval_on_start"
@@ -303,13 +306,15 @@ class Trainer(Signals, Saving, DataParallel, Logging):
         if args.eval_on_start:
             self._log_eval()
         restore_signals = self._catch_signals()
+        start, first_step = time.perf_counter(), self.global_step
         try:
             self._train_loop(total)
             self._final_save()
         finally:
             restore_signals()
+        output = self._summary(time.perf_counter() - start, first_step)
         self.reporter.close()
-        return self.log_history
+        return output
 
     def _train_loop(self, total):
         """The loop, with a resumable checkpoint saved when it stops early (Ctrl-C, SIGTERM, an error)."""
@@ -348,37 +353,6 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             raise failure
 
     planner_kind = "sft"
-
-    def _precision(self) -> tuple[mx.Dtype, str]:
-        """The model's compute dtype and how its trainable weights are updated, for the start-up line."""
-        dtype = self.model.lm_head_weight().dtype
-        if any(v.dtype != mx.float32 for _, v in tree_flatten(self.model.trainable_parameters())):
-            how = "fp32 master weights" if self.args.master_weights else "bf16 weights, stochastic rounding"
-            return dtype, f" ({how}, fp32 optimizer state)"
-        return dtype, ""
-
-    def _memory_plan(self):
-        """The planner's prediction for this run (printed at start-up, logged next to the measured
-        peak); None where it cannot model the run."""
-        from ..plan import predict
-
-        try:
-            kw, shape = self._plan_shape()
-            plan = predict(planned_config(self.model), self.args, self.planner_kind, suggest=False, **kw)
-        except (ValueError, KeyError, NotImplementedError) as e:
-            self.print(f"memory plan: not available for this run ({e})")
-            return None
-        self.print(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with {shape} "
-                   "(python -m mlxrl.plan for the breakdown)")
-        return plan
-
-    def _plan_shape(self) -> tuple[dict, str]:
-        """(extra planner arguments, the shape the prediction assumes, in words)."""
-        return {}, "every row at max_length"
-
-    def print(self, *args):
-        if self.is_main:
-            print(*args, flush=True)
 
     def _loop(self, total, bar):
         """The one training loop: accumulation groups from the batch source, an optimizer step each,
@@ -483,6 +457,7 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             self.global_step += 1
             self._consistent = True
             window["losses"].append(loss_sum)
+            self._step_losses.append(loss_sum)
             window["metrics"].extend(metric_sums)
             window["grad_norm"] = norm.item()
             if bar is not None:
@@ -491,14 +466,3 @@ class Trainer(Signals, Saving, DataParallel, Logging):
             if self._pending_signal is not None and (self.global_step % self._every[0] == 0 or
                                                      self.global_step == total):
                 self._log(window)  # the step's log entry goes into the checkpoint the signal is about to save
-
-    @property
-    def compiled_shapes(self) -> int:
-        """Distinct batch shapes a compiled step was built for (at most max_compiled_shapes)."""
-        return self._n_compiled
-
-    @property
-    def step_shapes(self) -> int:
-        """Distinct batch shapes seen (compiled or run eagerly)."""
-        return len(self._compiled)
-

@@ -49,6 +49,7 @@ import numpy as np
 from ..data.files import rows_fingerprint
 from ..data.formats import DataError, chatml, check_prompt_rows, template_kwargs
 from ..data.images import fill_images, row_images
+from ..hub import MlxrlError
 from ..losses.fused_head import fused_head_loss
 from ..losses.grpo import (
     TOKEN_SUM_LOSS_TYPES,
@@ -60,6 +61,7 @@ from ..losses.grpo import (
 )
 from ..models.reference import adapters_disabled, frozen_copy
 from ..tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
+from . import trl_api
 from .engine import Trainer, step_seed
 from .grpo_config import GRPOConfig, check_grpo_config, resolve_batching
 from .rewards import RewardError, check_reward_signature, first_line, load_reward_func, reward_values
@@ -85,12 +87,15 @@ class GRPOTrainer(Trainer):
                     "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens")
 
     def __init__(self, model, processor=None, args: GRPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, reward_funcs=None, ref_model=None, processing_class=None):
-        args = args or GRPOConfig()
+                 eval_dataset=None, reward_funcs=None, ref_model=None, **trl):
+        """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
+        processing_class, peft_config)."""
+        if "reward_processing_classes" in trl and trl.pop("reward_processing_classes") is not None:
+            raise MlxrlError("GRPOTrainer(reward_processing_classes=...) is not supported by mlxrl: reward models "
+                             "are not supported yet (reward functions are)")
+        model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
+            "GRPOTrainer", GRPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
         check_grpo_config(args)
-        processor = processor if processor is not None else processing_class
-        if processor is None:
-            raise ValueError("GRPOTrainer needs the processor (the second value mlxrl.load returns)")
         if train_dataset is None or len(train_dataset) == 0:
             raise ValueError("GRPOTrainer needs a train_dataset of rows with a 'prompt' column")
         if eval_dataset is not None:

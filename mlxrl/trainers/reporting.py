@@ -20,6 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 TRACKERS = ("wandb", "tensorboard")
 
@@ -116,7 +117,7 @@ class Logging:
 
     def _log(self, window):
         dt = max(time.perf_counter() - window["t0"], 1e-9)
-        epoch = self.epoch + self.batch_in_epoch / max(1, self._epoch_batches)
+        epoch = self._epoch_float()
         entry = {"step": self.global_step, "epoch": round(epoch, 4),
                  "loss": float(np.mean(window["losses"])), "grad_norm": window.get("grad_norm"),
                  "learning_rate": float(self.optimizer.learning_rate.item()), "num_tokens": self.num_tokens}
@@ -145,3 +146,45 @@ class Logging:
             fh.write(json.dumps(entry) + "\n")
         shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items() if v is not None}
         print(json.dumps(shown), flush=True)
+
+    def _precision(self) -> tuple[mx.Dtype, str]:
+        """The model's compute dtype and how its trainable weights are updated, for the start-up line."""
+        dtype = self.model.lm_head_weight().dtype
+        if any(v.dtype != mx.float32 for _, v in tree_flatten(self.model.trainable_parameters())):
+            how = "fp32 master weights" if self.args.master_weights else "bf16 weights, stochastic rounding"
+            return dtype, f" ({how}, fp32 optimizer state)"
+        return dtype, ""
+
+    def _memory_plan(self):
+        """The planner's prediction for this run (printed at start-up, logged next to the measured
+        peak); None where it cannot model the run."""
+        from ..models.widened import planned_config
+        from ..plan import predict
+
+        try:
+            kw, shape = self._plan_shape()
+            plan = predict(planned_config(self.model), self.args, self.planner_kind, suggest=False, **kw)
+        except (ValueError, KeyError, NotImplementedError) as e:
+            self.print(f"memory plan: not available for this run ({e})")
+            return None
+        self.print(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with {shape} "
+                   "(python -m mlxrl.plan for the breakdown)")
+        return plan
+
+    def _plan_shape(self) -> tuple[dict, str]:
+        """(extra planner arguments, the shape the prediction assumes, in words)."""
+        return {}, "every row at max_length"
+
+    def print(self, *args):
+        if self.is_main:
+            print(*args, flush=True)
+
+    @property
+    def compiled_shapes(self) -> int:
+        """Distinct batch shapes a compiled step was built for (at most max_compiled_shapes)."""
+        return self._n_compiled
+
+    @property
+    def step_shapes(self) -> int:
+        """Distinct batch shapes seen (compiled or run eagerly)."""
+        return len(self._compiled)

@@ -132,6 +132,13 @@ def _inside(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
 
+def _is_dir(path) -> bool:
+    try:
+        return Path(str(path)).expanduser().is_dir()
+    except (OSError, ValueError):  # a name no filesystem holds (too long, a NUL byte): not a folder
+        return False
+
+
 def check_target(out, *, model=None, data=()) -> None:
     """Refuse an output_dir that is empty, is the current folder or above it (unless it holds an mlxrl
     run already), or is or contains `model` (a local model folder) or one of `data` (dataset paths)."""
@@ -144,8 +151,9 @@ def check_target(out, *, model=None, data=()) -> None:
         where = "the current folder" if target == cwd else "a folder above the current one"
         raise MlxrlError(f"--output_dir {out} is {where}: the checkpoints, metrics.jsonl and the final save would "
                          "land among your files; choose a new subfolder (e.g. --output_dir out)")
-    model = getattr(model, "name_or_path", model)
-    if model and Path(str(model)).expanduser().is_dir() and _inside(_resolved(model), target):
+    if not isinstance(model, (str, os.PathLike)):  # a loaded model: the folder it came from, if any
+        model = getattr(model, "name_or_path", None)
+    if model and _is_dir(model) and _inside(_resolved(model), target):
         raise MlxrlError(f"--output_dir {out} holds the model being trained ({model}): its final save (and "
                          "--overwrite_output_dir) could replace it; choose another --output_dir")
     for path in data:
@@ -208,17 +216,19 @@ def resumes_here(out: Path, resume) -> bool:
     return resume is not None and (str(resume) == "last" or Path(resume).resolve().parent == Path(out).resolve())
 
 
-def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = ()) -> list[str]:
+def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = (),
+                  other_run_ok: bool = False) -> list[str]:
     """Refuse an output_dir holding another run (unless resuming one of its checkpoints or
-    overwriting), a metrics.jsonl mlxrl did not write, or files of the user's that the final save would
-    replace. Returns the other run's entries (for `start_run` to delete when overwriting)."""
+    overwriting; `other_run_ok`: not yet, `train(resume_from_checkpoint=...)` may still resume it), a
+    metrics.jsonl mlxrl did not write, or files of the user's that the final save would replace. Returns
+    the other run's entries (for `start_run` to delete when overwriting)."""
     out = Path(out)
     if (out / METRICS).exists() and not metrics_is_ours(out):
         raise MlxrlError(f"--output_dir {out} holds {METRICS}, which no mlxrl run wrote (its {RECORD} does not list "
                          "it): move it out or choose another --output_dir (nothing was changed)")
     found = other_run(out)
     here = resumes_here(out, resume)
-    if found and not here and not overwrite:
+    if found and not here and not overwrite and not other_run_ok:
         more = f" and {len(found) - 2} more" if len(found) > 2 else ""
         raise MlxrlError(f"--output_dir {out} holds another run ({', '.join(found[:2])}{more}): resume it with "
                          "--resume_from_checkpoint last, pass --overwrite_output_dir true to start over (its "

@@ -19,9 +19,11 @@ from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
 from ..tokens import IGNORE_INDEX
+from . import trl_api
 from .config import SFTConfig
 from .engine import Trainer, hidden_rows
 from .tokenizer_args import apply_tokenizer_args
+from .trl_api import format_rows
 from .trl_fields import multiple_of
 
 
@@ -40,11 +42,19 @@ def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndar
 class SFTTrainer(Trainer):
     metric_names = ("loss", "mean_token_accuracy", "entropy", "num_tokens")
 
-    def __init__(self, model, processor, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None):
-        args = args or SFTConfig()
+    def __init__(self, model, processor=None, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
+                 **trl):
+        """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
+        processing_class, peft_config, formatting_func)."""
+        model, processor, args, train_dataset, eval_dataset, extra = trl_api.resolve(
+            "SFTTrainer", SFTConfig, model, processor, args, train_dataset, eval_dataset, trl,
+            accepted=("formatting_func",))
         super().__init__(model, processor, args)
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
+        if extra["formatting_func"] is not None:  # TRL: each row becomes the text the function makes of it
+            train_dataset = format_rows(train_dataset, extra["formatting_func"])
+            eval_dataset = None if eval_dataset is None else format_rows(eval_dataset, extra["formatting_func"])
         self._head_trainable = self.head_trainable
         apply_tokenizer_args(self.processor, args)  # eos_token, chat_template_path: before any row is tokenised
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to

@@ -138,3 +138,10 @@ class GenerationRounds:
             if key.startswith("round."):
                 _, i, name = key.split(".", 2)
                 self.round[int(i)][name] = v.item() if v.ndim == 0 else v
+
+
+def step_seed(seed: int, position: int, stream: int = 0) -> int:
+    """A 31-bit seed for one draw of a run: a function of the run's seed, a position (the optimizer step,
+    a prompt's place in a round) and a stream (the rank, the generation round), so a resumed run or
+    another number of ranks draws what the uninterrupted one did."""
+    return (seed * 1_000_003 + position + 7919 * stream) % (2**31 - 1)

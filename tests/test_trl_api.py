@@ -1,0 +1,107 @@
+"""TRL's scripts with only the import changed (issue 49): TRL's quick-start shapes (a model id string,
+`peft_config=LoraConfig(...)`, `processing_class=tokenizer`, DPO, GRPO with a reward function) run on mlxrl's
+trainers, and what they read back is TRL's (`TrainOutput`, `trainer.state`, `save_model`,
+`train(resume_from_checkpoint=True)`); what mlxrl cannot do is one line.
+
+    python -m pytest -q tests/test_trl_api.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerState
+from transformers.trainer_utils import TrainOutput
+
+from mlxrl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # was: from trl import ...
+from mlxrl.hub import MlxrlError
+
+ROWS = [{"messages": [{"role": "user", "content": f"Count to {i}"},
+                      {"role": "assistant", "content": " ".join(str(k) for k in range(1, i + 2))}]} for i in range(8)]
+PAIRS = [{"prompt": [{"role": "user", "content": f"Pick {i}"}], "chosen": [{"role": "assistant", "content": "yes"}],
+          "rejected": [{"role": "assistant", "content": "no no"}]} for i in range(8)]
+QUICK = dict(max_steps=2, logging_steps=1, per_device_train_batch_size=4, disable_tqdm=True, compile=False,
+             gradient_checkpointing=False, save_strategy="no")
+
+
+def test_sft_quick_start_with_a_model_id(tiny_checkpoint, tmp_path):
+    trainer = SFTTrainer(model=str(tiny_checkpoint("qwen3")), train_dataset=Dataset.from_list(ROWS),
+                         args=SFTConfig(output_dir=str(tmp_path / "out"), max_length=64, **QUICK))
+    result = trainer.train()
+    assert isinstance(result, TrainOutput) and result.global_step == 2
+    assert set(result.metrics) >= {"train_runtime", "train_samples_per_second", "train_steps_per_second",
+                                   "train_loss", "epoch"}
+    steps = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in steps] == [1, 2]
+    assert result.training_loss == pytest.approx(sum(e["loss"] for e in steps) / 2, rel=1e-5)
+    assert isinstance(trainer.state, TrainerState) and trainer.state.global_step == 2 and trainer.state.max_steps == 2
+
+
+def test_sft_with_lora_config_tokenizer_save_model_and_resume(tiny_checkpoint, tmp_path):
+    from peft import LoraConfig
+
+    folder = tiny_checkpoint("qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    out = tmp_path / "out"
+    args = SFTConfig(output_dir=str(out), max_length=64, **{**QUICK, "save_strategy": "steps", "save_steps": 1})
+    peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=str(folder), args=args, train_dataset=Dataset.from_list(ROWS),
+                         processing_class=tokenizer, peft_config=peft_config)
+    assert trainer.args.use_peft and trainer.args.lora_r == 4 and trainer.args.lora_alpha == 8
+    trainer.train()
+    trainer.save_model()
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert saved["r"] == 4 and saved["lora_alpha"] == 8
+    trainer.save_model(str(tmp_path / "elsewhere"))
+    assert (tmp_path / "elsewhere" / "adapter_model.safetensors").exists()
+
+    again = SFTTrainer(model=str(folder), args=SFTConfig(output_dir=str(out), max_length=64,
+                                                         **{**QUICK, "max_steps": 3}),
+                       train_dataset=Dataset.from_list(ROWS), processing_class=tokenizer, peft_config=peft_config)
+    result = again.train(resume_from_checkpoint=True)  # the newest checkpoint of output_dir
+    assert result.global_step == 3 and [e["step"] for e in again.state.log_history if "loss" in e] == [1, 2, 3]
+
+
+def test_trl_positional_order_and_formatting_func(tiny_checkpoint, tmp_path):
+    rows = [{"question": f"Count to {i}", "answer": " ".join(str(k) for k in range(i + 1))} for i in range(8)]
+    trainer = SFTTrainer(str(tiny_checkpoint("qwen3")), SFTConfig(output_dir=str(tmp_path / "o"), max_length=64,
+                                                                  **QUICK),
+                         train_dataset=rows, formatting_func=lambda r: f"Q: {r['question']}\nA: {r['answer']}")
+    assert trainer.train().global_step == 2
+
+
+def test_dpo_and_grpo_quick_starts(tiny_checkpoint, tmp_path):
+    folder = str(tiny_checkpoint("qwen3"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    dpo = DPOTrainer(model=folder, args=DPOConfig(output_dir=str(tmp_path / "dpo"), max_length=64, **QUICK),
+                     train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer)
+    assert dpo.train().global_step == 2 and any("rewards/margins" in e for e in dpo.state.log_history)
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(c)) for c in completions]
+
+    prompts = Dataset.from_list([{"prompt": f"Say something about {w}"} for w in "abcdefgh"])
+    grpo = GRPOTrainer(model=folder, reward_funcs=reward_len, train_dataset=prompts,
+                       args=GRPOConfig(output_dir=str(tmp_path / "grpo"), num_generations=4, max_completion_length=8,
+                                       **QUICK))
+    assert grpo.train().global_step == 2 and any("reward" in e for e in grpo.state.log_history)
+
+
+def test_what_mlxrl_cannot_do_is_one_line(tiny_checkpoint, tmp_path):
+    import torch
+    from transformers import TrainerCallback
+
+    folder = str(tiny_checkpoint("qwen3"))
+    args = SFTConfig(output_dir=str(tmp_path / "o"), **QUICK)
+    with pytest.raises(MlxrlError, match=r"callbacks=...\) is not supported"):
+        SFTTrainer(model=folder, args=args, train_dataset=ROWS, callbacks=[TrainerCallback()])
+    with pytest.raises(MlxrlError, match="a PyTorch model"):
+        SFTTrainer(model=torch.nn.Linear(2, 2), args=args, train_dataset=ROWS)
+    from peft import LoraConfig
+
+    with pytest.raises(MlxrlError, match="peft_config.use_rslora"):
+        SFTTrainer(model=folder, args=args, train_dataset=ROWS, peft_config=LoraConfig(r=4, use_rslora=True))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_thing'"):
+        SFTTrainer(model=folder, args=args, train_dataset=ROWS, no_such_thing=1)
