@@ -4,11 +4,21 @@
     python -m mlxrl.sft --model Qwen/Qwen3-VL-2B-Instruct  # smoke test of a real model: LoRA on the same task
     python -m mlxrl.sft --model Qwen/Qwen3-VL-2B-Instruct --dataset data.jsonl --use_peft --output_dir out
     python -m mlxrl.sft --config sft.yaml --learning_rate 1e-4   # CLI > YAML > defaults
+    python -m mlxrl.sft --model Qwen/Qwen3-0.6B --train --data data/ --iters 600 --adapter-path ad  # mlx-lm's
 
 Every SFTConfig field is a flag (`--help` lists them). Errors print one line and exit with status 2
 (MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint (resume with
 --resume_from_checkpoint last). Flags, the YAML file and the dataset's rows are checked before the
 model loads.
+
+A folder of split files (mlx-lm's train.jsonl / valid.jsonl / test.jsonl, or datasets' split names such
+as validation.jsonl, train-00000-of-00002.parquet) is read split by split: --dataset_split (train) trains,
+the validation split is the evaluation set (unless --eval_dataset), the test split is read only for
+mlx-lm's --test; no split is merged into another. A folder without split names is one training set.
+
+mlx-lm's command line (`mlx_lm.lora`'s flags, or a -c/--config YAML with its keys) runs mlx-lm's run:
+its defaults, its reading of rows, adapters in --adapter-path (PEFT's layout: adapter_model.safetensors +
+adapter_config.json); what mlxrl cannot do is refused in one line. See mlxrl/mlx_lm_args/.
 
 With --model and no --dataset, that model is fine-tuned (LoRA, a short run) on the embedded task:
 synthetic VQA for a vision-language model, its text variant (two coloured shapes described in words)
@@ -25,7 +35,7 @@ if __name__ == "__main__":  # first, before the heavy imports: may re-execute wi
 import sys
 import time
 
-from .cli import apply_overrides, load_model_and_rows, prepare_base, run  # noqa: E402
+from .cli import apply_overrides, prepare_base, run  # noqa: E402
 from .trainers.config import SFTConfig  # noqa: E402
 from .trainers.flags import build_parser, config_from_args  # noqa: E402
 
@@ -47,10 +57,20 @@ MODEL_TRAIN, MODEL_TEST = 120, 48
 
 
 def _extra(parser):
+    from .mlx_lm_args import add_flags
+
     parser.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded demo)")
-    parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset")
-    parser.add_argument("--dataset_split", default="train", help="split of a Hub dataset")
-    parser.add_argument("--eval_dataset", default=None, help="evaluation data (same formats as --dataset)")
+    parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset "
+                                                        "(a folder of split files: its splits, never merged)")
+    parser.add_argument("--dataset_split", default="train", help="the split that trains: of a Hub dataset, or of a "
+                                                                 "folder of split files (train, validation, test)")
+    parser.add_argument("--eval_dataset", default=None, help="evaluation data (same formats as --dataset; a folder "
+                                                             "of splits: its validation split)")
+    add_flags(parser)
+
+
+CONFIG_HELP = ("YAML file of SFTConfig fields, or of mlx-lm's keys (data, iters, lora_parameters, ...: mlx-lm's run); "
+               "CLI flags override it")
 
 
 def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None) -> dict:
@@ -95,30 +115,78 @@ def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None) -> d
             "compiled_steps": trainer.compiled_shapes}
 
 
+def make_parser():
+    return build_parser(SFTConfig, "python -m mlxrl.sft", __doc__.splitlines()[0], extra=_extra,
+                        config_flags=("-c", "--config"), config_help=CONFIG_HELP)
+
+
 def main(argv=None) -> int:
-    parser = build_parser(SFTConfig, "python -m mlxrl.sft", __doc__.splitlines()[0], extra=_extra)
-    ns = parser.parse_args(argv)
+    ns = make_parser().parse_args(argv)
     return run(lambda: _main(ns))
 
 
-def _main(ns) -> None:
-    from .cli import check_eval_data, each_row
-    from .data.formats import detect_format
-    from .hub import MlxrlError
-    from .trainers.sft import SFTTrainer
+def configure(ns):
+    """(SFTConfig, mlx-lm's run or None) of parsed flags: mlx-lm's spelling (`mlx_lm_args.collect`) becomes
+    SFTConfig fields under ours (`flags.config_from_args`); --model / --dataset may come from it."""
+    from .mlx_lm_args import collect
 
-    args = config_from_args(SFTConfig, ns)
-    check_eval_data(ns, args)
-    explicit = ns.explicit_fields
+    mlx_lm = collect(ns, SFTConfig)  # None unless the command is in mlx-lm's spelling
+    return config_from_args(SFTConfig, ns, mlx_lm.spelled if mlx_lm else None), mlx_lm
+
+
+def _main(ns) -> None:
+    from .cli import check_eval_data
+    from .hub import MlxrlError
+
+    args, mlx_lm = configure(ns)
     if ns.dataset is None:
+        check_eval_data(ns, args)
         if ns.eval_dataset:
             raise MlxrlError("--eval_dataset needs --dataset (the embedded task brings its own held-out rows)")
-        run_demo(args, explicit, ns.model)
+        run_demo(args, ns.explicit_fields, ns.model)
         return
-    model, processor, train, evaluation = load_model_and_rows(
-        ns, args, check_rows=each_row(lambda row, i: detect_format(row, i, args.dataset_text_field)))
-    SFTTrainer(model=model, processor=processor, args=args, train_dataset=train, eval_dataset=evaluation).train()
+    train_on_dataset(ns, args, mlx_lm)
+
+
+def train_on_dataset(ns, args: SFTConfig, mlx_lm=None):
+    """SFT of --model on --dataset's rows: the data's roles decided and its rows read and checked before the
+    model loads (`cli.data_sources`, `cli.read_data`); `mlx_lm` (`mlx_lm_args.Run`): mlx-lm's run, its
+    validation settings, rows, layers check and test loss. Returns the trainer."""
+    from . import mlx_lm_args as mlx
+    from .cli import check_eval_data, check_inputs, data_sources, each_row, load_model, read_data
+    from .data.formats import detect_format
+    from .hub import MlxrlError
+    from .trainers.flags import relabel
+    from .trainers.sft import SFTTrainer
+
+    settings = mlx_lm.settings if mlx_lm else {}
+    sources = data_sources(ns, args, test=bool(settings.get("test")), hub_splits=mlx_lm is not None)
+    if mlx_lm is not None:
+        mlx.apply_validation(mlx_lm, args, ns.explicit_fields, sources.evaluation is not None)
+    check_eval_data(ns, args, sources)
+    check_inputs(ns, args)
+    data = read_data(ns, args, sources, convert=mlx.converter(mlx_lm) if mlx_lm else None,
+                     check_rows=each_row(lambda row, i: detect_format(row, i, args.dataset_text_field)))
+    if mlx_lm is not None:
+        data.evaluation = mlx.first_batches(data.evaluation, settings["val_batches"], args.per_device_eval_batch_size)
+        data.test = mlx.first_batches(data.test, settings["test_batches"], args.per_device_eval_batch_size)
+    model, processor = load_model(ns, args)
+    if mlx_lm is not None:
+        mlx.check_num_layers(mlx_lm, model)
+        print(mlx.describe(mlx_lm, args), flush=True)
+    try:
+        trainer = SFTTrainer(model=model, processor=processor, args=args, train_dataset=data.train,
+                             eval_dataset=data.evaluation)
+        trainer.train()
+    except MlxrlError as e:  # "--output_dir adapters holds another run": named as the user wrote it
+        message = relabel(str(e), mlx_lm.spelled.labels) if mlx_lm is not None else str(e)
+        if message == str(e):
+            raise
+        raise MlxrlError(message) from None
     print(f"saved to {args.output_dir}", flush=True)
+    if data.test is not None:
+        print(mlx.report_test(mlx.test_loss(trainer, data.test)), flush=True)
+    return trainer
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Config from the command line and YAML: every field a flag (`build_parser`), a YAML file of fields
 (`--config`, values coerced by each field's type), defaults < YAML < explicit flags, every value
-checked (`config.check_config`) before any model loads."""
+checked (`config.check_config`) before any model loads. Another tool's spelling of the same settings
+(mlx-lm's, `mlxrl.mlx_lm_args`) arrives as `Spelled` fields, one set per level, and is checked too."""
 
 from __future__ import annotations
 
@@ -54,12 +55,13 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser(cls, prog: str, description: str, extra=None) -> argparse.ArgumentParser:
+def build_parser(cls, prog: str, description: str, extra=None, config_flags=("--config",),
+                 config_help: str = "YAML file of config fields (CLI flags override it)") -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=prog, description=description,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if extra:
         extra(parser)
-    parser.add_argument("--config", default=None, help="YAML file of config fields (CLI flags override it)")
+    parser.add_argument(*config_flags, dest="config", default=None, help=config_help)
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} fields")
     for f in dataclasses.fields(cls):
@@ -79,12 +81,12 @@ def build_parser(cls, prog: str, description: str, extra=None) -> argparse.Argum
 
 # ------------------------------------------------------------------------------------------ YAML
 
-class _BadValue(Exception):
+class BadValue(Exception):
     pass
 
 
-def _scalar(kind: str, value):
-    """One value as `kind` (bool / int / float / str), or _BadValue saying what was expected."""
+def scalar(kind: str, value):
+    """One value as `kind` (bool / int / float / str), or BadValue saying what was expected."""
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -95,10 +97,10 @@ def _scalar(kind: str, value):
                 return _parse_bool(value.strip())
             except argparse.ArgumentTypeError:
                 pass
-        raise _BadValue(f"expected true or false, got {value!r}")
+        raise BadValue(f"expected true or false, got {value!r}")
     if kind in ("int", "float"):
         if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-            raise _BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}")
+            raise BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}")
         number = value
         if isinstance(value, str):
             try:
@@ -107,7 +109,7 @@ def _scalar(kind: str, value):
                 try:
                     number = float(value.strip())
                 except ValueError:
-                    raise _BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, "
+                    raise BadValue(f"expected {'an integer' if kind == 'int' else 'a number'}, "
                                     f"got {value!r}") from None
         if kind == "float":
             return float(number)
@@ -115,34 +117,34 @@ def _scalar(kind: str, value):
             return int(number)
         if math.isfinite(number) and float(number).is_integer():
             return int(number)
-        raise _BadValue(f"expected an integer, got {value!r}")
+        raise BadValue(f"expected an integer, got {value!r}")
     if isinstance(value, str):
         return value
     if isinstance(value, bool):
-        raise _BadValue(f"expected text, got {value!r} (YAML reads unquoted yes/no/on/off as true/false: "
+        raise BadValue(f"expected text, got {value!r} (YAML reads unquoted yes/no/on/off as true/false: "
                         f"quote it, e.g. \"{'yes' if value else 'no'}\")")
     if isinstance(value, numbers.Real):
         return str(value)
-    raise _BadValue(f"expected text, got {type(value).__name__} {value!r}")
+    raise BadValue(f"expected text, got {type(value).__name__} {value!r}")
 
 
 def coerce_value(tp, value, name: str = ""):
     """`value` (from YAML or an API call) as the field type `tp`: numbers from strings ("1e-4", "2"),
-    a list from a scalar, None only where the field is Optional. Raises _BadValue."""
+    a list from a scalar, None only where the field is Optional. Raises BadValue."""
     kind, optional, item = field_kind(tp)
     if value is None:
         if optional:
             return None
-        raise _BadValue("a value is required (it cannot be empty or null)")
+        raise BadValue("a value is required (it cannot be empty or null)")
     if kind == "list":
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         item_kind = field_kind(item)[0]
-        return [_scalar(item_kind, v) for v in values]
+        return [scalar(item_kind, v) for v in values]
     if kind == "str" and name == "report_to" and isinstance(value, (list, tuple)):
-        return ",".join(_scalar("str", v) for v in value)  # transformers accepts a list of trackers
+        return ",".join(scalar("str", v) for v in value)  # transformers accepts a list of trackers
     if isinstance(value, (list, tuple, dict)):
-        raise _BadValue(f"expected one value, got a {type(value).__name__}")
-    return _scalar(kind, value)
+        raise BadValue(f"expected one value, got a {type(value).__name__}")
+    return scalar(kind, value)
 
 
 def _yaml_problem(e) -> tuple[int | None, str]:
@@ -151,9 +153,9 @@ def _yaml_problem(e) -> tuple[int | None, str]:
     return (mark.line + 1 if mark is not None else None), problem
 
 
-def read_yaml_config(path: str, cls) -> dict:
-    """{field: value} of a YAML config file, coerced by `cls`'s field types; one-line errors naming
-    the file and line for a syntax error, an unknown field or a bad value."""
+def read_yaml_mapping(path: str) -> tuple[dict, dict]:
+    """(the YAML file's top-level mapping, key -> its line number); one line naming the file (and the line)
+    for an unreadable file, a syntax error or a file that is not a mapping."""
     import yaml
 
     try:
@@ -169,7 +171,7 @@ def read_yaml_config(path: str, cls) -> dict:
         line, problem = _yaml_problem(e)
         raise ConfigError(f"--config {path}{f' line {line}' if line else ''}: YAML syntax error: {problem}") from None
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field: value lines, got a YAML "
                           f"{type(data).__name__}")
@@ -177,13 +179,19 @@ def read_yaml_config(path: str, cls) -> dict:
     if isinstance(node, yaml.MappingNode):
         for key, _ in node.value:
             lines.setdefault(str(key.value), key.start_mark.line + 1)
+    return data, lines
+
+
+def fields_from_yaml(data: dict, lines: dict, path: str, cls, others=()) -> dict:
+    """{field: value} of a YAML mapping's `cls` fields, coerced by their types; an unknown key (one not in
+    `others` either, another spelling's keys) or a bad value is one line naming the file and line."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     out = {}
     for key, value in data.items():
         where = f"--config {path} line {lines.get(str(key), '?')}"
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
+            close = difflib.get_close_matches(str(key), [*names, *others], n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (not a {cls.__name__} field; see --help)"
             raise ConfigError(f"{where}: unknown field {key!r}{hint}")
         if value is False and "no" in (choices_of(cls, key) or ()):
@@ -193,31 +201,77 @@ def read_yaml_config(path: str, cls) -> dict:
             continue
         try:
             out[key] = coerce_value(hints[key], value, key)
-        except _BadValue as e:
+        except BadValue as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
     return out
+
+
+def read_yaml_config(path: str, cls) -> dict:
+    """{field: value} of a YAML config file, coerced by `cls`'s field types; one-line errors naming
+    the file and line for a syntax error, an unknown field or a bad value."""
+    data, lines = read_yaml_mapping(path)
+    return fields_from_yaml(data, lines, path, cls)
 
 
 def refused_field(cls, name: str) -> bool:
     return any(f.name == name and "refused" in f.metadata for f in dataclasses.fields(cls))
 
 
-def config_from_args(cls, ns: argparse.Namespace):
-    """defaults < YAML (--config) < explicit CLI flags; every value checked before any model loads."""
-    values = {}
-    if getattr(ns, "config", None):
-        values.update(read_yaml_config(ns.config, cls))
-    values.update({f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
-    ns.explicit_fields = set(values)  # what the user set (YAML or flags): demo settings must not replace them
-    if (values.get("load_in_4bit") or values.get("load_in_8bit")) and "use_peft" not in values:
+@dataclasses.dataclass
+class Spelled:
+    """Config fields the user set in another tool's spelling (mlx-lm's flags and YAML keys), per level:
+    `defaults` (that tool's defaults, what its command asks for), `yaml` (the fields of a --config file in
+    its spelling, ours included; None: the file is ours, read here), `flags` (set by its flags: the same
+    field given by one of ours is refused) and `implied` (what its flags imply besides, e.g. the evaluation
+    batch size its --batch-size also sets: our flags override them); `labels`: field -> how the user spelled
+    it ("--iters"), so that an error names what the user wrote."""
+
+    defaults: dict = dataclasses.field(default_factory=dict)
+    yaml: dict | None = None
+    flags: dict = dataclasses.field(default_factory=dict)
+    implied: dict = dataclasses.field(default_factory=dict)
+    labels: dict = dataclasses.field(default_factory=dict)
+
+
+def config_from_args(cls, ns: argparse.Namespace, spelled: Spelled | None = None):
+    """defaults < YAML (--config) < explicit CLI flags; every value checked before any model loads.
+    `spelled`: another spelling's fields, each under the level it came from (its defaults above ours);
+    a field set by both spellings' flags is refused."""
+    spelled = spelled or Spelled()
+    values = dict(spelled.defaults)
+    yaml_values = spelled.yaml
+    if yaml_values is None:
+        yaml_values = read_yaml_config(ns.config, cls) if getattr(ns, "config", None) else {}
+    values.update(yaml_values)
+    flags = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+    for name in sorted(set(flags) & set(spelled.flags)):
+        raise ConfigError(f"{spelled.labels.get(name, name)} and --{name} both set {name}: give one of them")
+    values.update(spelled.implied)
+    values.update(spelled.flags)
+    values.update(flags)
+    # what the user set (YAML or flags): demo settings must not replace them
+    ns.explicit_fields = set(yaml_values) | set(spelled.implied) | set(spelled.flags) | set(flags)
+    if (values.get("load_in_4bit") or values.get("load_in_8bit")) and "use_peft" not in ns.explicit_fields:
         values["use_peft"] = True  # a quantized base implies LoRA (an explicit --use_peft false is refused)
-    cfg = cls(**values)
-    check_config(cfg, flags=True)  # the optimizer too: before any model is loaded
+    try:
+        cfg = cls(**values)
+        check_config(cfg, flags=True)  # the optimizer too: before any model is loaded
+    except ConfigError as e:
+        raise ConfigError(relabel(str(e), spelled.labels)) from None
     if cfg.use_cpu:  # before the model loads: its default dtype follows the device
         from .. import runtime
 
         runtime.setup(tf32=cfg.tf32, use_cpu=True)
     return cfg
+
+
+def relabel(message: str, labels: dict) -> str:
+    """A config error about --field, reworded to name the spelling the user wrote for it ("--iters 0: ...")."""
+    for name, label in labels.items():
+        m = re.match(rf"--{re.escape(name)}(?=[ =:]|$)", message)
+        if m:
+            return label + message[m.end():]
+    return message
 
 
 def parse_config(cls, argv=None, prog=None, description=""):
