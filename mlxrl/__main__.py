@@ -1,5 +1,10 @@
 """`python -m mlxrl`: load a model (or the embedded default), run one image+text forward, print
-the next-token prediction, and optionally save the model as a Hugging Face folder.
+the next-token prediction, and optionally save the model as a Hugging Face folder. With a command
+first, the `mlxrl` console command (as `trl sft ...`): `mlxrl sft|dpo|grpo|generate|chat|plan ...` is
+`python -m mlxrl.sft ...` and so on.
+
+    mlxrl sft --model Qwen/Qwen3-0.6B --dataset data.jsonl --use_peft true
+    mlxrl chat --model out/merged
 
     python -m mlxrl                                  # embedded tiny Qwen3-VL, no network
     python -m mlxrl --model Qwen/Qwen3-VL-2B-Instruct --image cat.png --prompt "What is this?"
@@ -18,6 +23,7 @@ if __name__ == "__main__":  # first, before the heavy imports: may re-execute wi
     runtime.setup(cli=True)
 
 import argparse
+import os
 import sys
 import time
 
@@ -33,8 +39,27 @@ def demo_image():
     return img
 
 
+COMMANDS = ("sft", "dpo", "grpo", "generate", "chat", "plan")
+
+
+def console() -> None:
+    """The `mlxrl` command: `mlxrl CMD ...` runs `python -m mlxrl.CMD ...`, plain `mlxrl ...` runs `python -m
+    mlxrl ...` (the same process setup, huge pages included, as the `python -m` forms)."""
+    argv = sys.argv[1:]
+    module = f"mlxrl.{argv[0]}" if argv and argv[0] in COMMANDS else "mlxrl"
+    rest = argv[1:] if module != "mlxrl" else argv
+    os.execv(sys.executable, [sys.executable, "-m", module, *rest])
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mlxrl", description=__doc__.splitlines()[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:  # python -m mlxrl sft ...
+        import importlib
+
+        name = {"plan": "plan.cli", "generate": "generate.cli"}.get(argv[0], argv[0])
+        return importlib.import_module(f"mlxrl.{name}").main(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m mlxrl", description=__doc__.splitlines()[0],
+                                 epilog=f"commands: mlxrl {{{','.join(COMMANDS)}}} ... (python -m mlxrl.CMD ...)")
     ap.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded tiny Qwen3-VL)")
     ap.add_argument("--image", default=None, help="image file (default: a drawn demo image; ignored by text models)")
     ap.add_argument("--prompt", default="What shapes are in the picture?")

@@ -105,3 +105,19 @@ def test_what_mlxrl_cannot_do_is_one_line(tiny_checkpoint, tmp_path):
         SFTTrainer(model=folder, args=args, train_dataset=ROWS, peft_config=LoraConfig(r=4, use_rslora=True))
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_thing'"):
         SFTTrainer(model=folder, args=args, train_dataset=ROWS, no_such_thing=1)
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo", "grpo", "generate", "chat", "plan"])
+def test_one_console_command(command):
+    """`mlxrl CMD ...` (the console script) and `python -m mlxrl CMD ...` are `python -m mlxrl.CMD ...`."""
+    import subprocess
+    import sys
+
+    want = subprocess.run([sys.executable, "-m", f"mlxrl.{command}", "--help"], capture_output=True, text=True)
+    console = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['mlxrl', *sys.argv[1:]]; "
+                              "from mlxrl.__main__ import console; console()", command, "--help"],
+                             capture_output=True, text=True)
+    module = subprocess.run([sys.executable, "-m", "mlxrl", command, "--help"], capture_output=True, text=True)
+    assert want.returncode == console.returncode == module.returncode == 0, (console.stderr, module.stderr)
+    assert want.stdout.split("options:")[-1] == console.stdout.split("options:")[-1] == \
+        module.stdout.split("options:")[-1]

@@ -306,15 +306,12 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         if args.eval_on_start:
             self._log_eval()
         restore_signals = self._catch_signals()
-        start, first_step = time.perf_counter(), self.global_step
         try:
             self._train_loop(total)
             self._final_save()
         finally:
             restore_signals()
-        output = self._summary(time.perf_counter() - start, first_step)
         self.reporter.close()
-        return output
 
     def _train_loop(self, total):
         """The loop, with a resumable checkpoint saved when it stops early (Ctrl-C, SIGTERM, an error)."""
