@@ -122,7 +122,9 @@ def test_sft_full_fine_tuning_trains_and_resumes_exactly(kernel_path, tiny_check
         args = SFTConfig(output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_steps=8, max_length=64,
                          learning_rate=1e-3, optim=optim, logging_steps=1, save_steps=4, compile=False,
                          disable_tqdm=True, seed=0, **kw)
-        return [e["loss"] for e in SFTTrainer(model, processor, args, train_dataset=rows).train() if "loss" in e]
+        trainer = SFTTrainer(model, processor, args, train_dataset=rows)
+        trainer.train()
+        return [e["loss"] for e in trainer.log_history if "loss" in e]
 
     eight = run("a", "adamw_8bit")
     fp32 = run("b", "adamw_torch")

@@ -281,7 +281,9 @@ def test_resume_reproduces_the_uninterrupted_run(optim, tiny_checkpoint, tmp_pat
         model, processor = mlxrl.load(folder)
         args = config(tmp_path, output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_steps=6,
                       use_peft=True, lora_dropout=0.1, learning_rate=1e-3, optim=optim, **kw)
-        return [e["loss"] for e in SFTTrainer(model, processor, args, train_dataset=rows).train() if "loss" in e]
+        trainer = SFTTrainer(model, processor, args, train_dataset=rows)
+        trainer.train()
+        return [e["loss"] for e in trainer.log_history if "loss" in e]
 
     full = run("a", save_steps=3)
     resumed = run("a", resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
