@@ -91,12 +91,11 @@ def test_dpo_and_grpo_quick_starts(tiny_checkpoint, tmp_path):
 
 def test_what_mlxrl_cannot_do_is_one_line(tiny_checkpoint, tmp_path):
     import torch
-    from transformers import TrainerCallback
 
     folder = str(tiny_checkpoint("qwen3"))
     args = SFTConfig(output_dir=str(tmp_path / "o"), **QUICK)
-    with pytest.raises(MlxrlError, match=r"callbacks=...\) is not supported"):
-        SFTTrainer(model=folder, args=args, train_dataset=ROWS, callbacks=[TrainerCallback()])
+    with pytest.raises(MlxrlError, match=r"compute_metrics=...\) is not supported"):
+        SFTTrainer(model=folder, args=args, train_dataset=ROWS, compute_metrics=lambda p: {})
     with pytest.raises(MlxrlError, match="a PyTorch model"):
         SFTTrainer(model=torch.nn.Linear(2, 2), args=args, train_dataset=ROWS)
     from peft import LoraConfig

@@ -97,12 +97,7 @@ def describe(run: Run, args) -> str:
 
 def test_loss(trainer, rows) -> float:
     """The trained model's loss on `rows` (mlx-lm's --test), as the trainer evaluates its evaluation set."""
-    saved = trainer.eval_examples
-    trainer.eval_examples = trainer._tokenize(rows)  # SFTTrainer.evaluate() reads its evaluation examples
-    try:
-        return trainer.evaluate()["loss"]
-    finally:
-        trainer.eval_examples = saved
+    return trainer.evaluate(eval_dataset=rows, metric_key_prefix="test")["test_loss"]
 
 
 def report_test(loss: float) -> str:

@@ -146,7 +146,7 @@ class DPOTrainer(Trainer):
         """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
         processing_class, peft_config)."""
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
-            "DPOTrainer", DPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
+            self, "DPOTrainer", DPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
         check_dpo_config(args)
         if train_dataset is None:
             raise ValueError("DPOTrainer needs a train_dataset (rows with prompt/chosen/rejected or chosen/rejected)")
@@ -294,7 +294,11 @@ class DPOTrainer(Trainer):
         return loss * (b / normalizer), metrics
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict:
+    def tokenize_eval(self, rows) -> list:
+        return self._tokenize(rows, "eval")
+
+    def evaluation_metrics(self) -> dict:
+        """The evaluation pairs' loss and DPO metrics (un-prefixed; `evaluate()` adds eval_)."""
         if not self.eval_examples:
             return {}
         self.model.eval()

@@ -84,7 +84,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         if self.is_main:  # before any work: a folder another run writes or holds, files the final save would replace
             run_dir.check_unlocked(self.output_dir)
             run_dir.check_run_dir(self.output_dir, resume=args.resume_from_checkpoint,
-                                  overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
+                                  overwrite=bool(args.overwrite_output_dir), lora=bool(args.use_peft),
                                   merged=run_dir.merged_folders(args), other_run_ok=True)
         runtime.setup(tf32=args.tf32, use_cpu=args.use_cpu)  # MLX's CPU cache, TF32 on a GPU, --use_cpu
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
@@ -213,7 +213,8 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         micro-batch or one per micro-batch (GRPO's token-sum and mean losses)."""
         return int(batch["num_tokens"]), float(batch["normalizer"])
 
-    def evaluate(self) -> dict:
+    def evaluation_metrics(self) -> dict:
+        """The evaluation set's metrics, un-prefixed (`evaluate()`, TRL's, adds eval_); none by default."""
         return {}
 
     def make_source(self):
@@ -232,11 +233,6 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         else:
             total = int(math.ceil(self.args.num_train_epochs * per_epoch))
         return per_epoch, total
-
-    @property
-    def overwrite_output_dir(self) -> bool:
-        """HF's: start over in an output_dir holding another run (its checkpoints and metrics.jsonl go)."""
-        return bool(getattr(self.args, "overwrite_output_dir", False))
 
     @property
     def data_seed(self) -> int:
@@ -283,7 +279,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         args = self.args
         if self.is_main:
             run_dir.start_run(self.output_dir, resume=args.resume_from_checkpoint,
-                              overwrite=self.overwrite_output_dir, lora=bool(args.use_peft),
+                              overwrite=bool(args.overwrite_output_dir), lora=bool(args.use_peft),
                               merged=run_dir.merged_folders(args))
         steps_per_epoch, total = self._plan()
         self.total_steps = total
@@ -306,11 +302,13 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         if args.eval_on_start:
             self._log_eval()
         restore_signals = self._catch_signals()
+        self._event("on_train_begin")
         try:
             self._train_loop(total)
             self._final_save()
         finally:
             restore_signals()
+        self._event("on_train_end")
         self.reporter.close()
 
     def _train_loop(self, total):
@@ -357,10 +355,10 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         source, accum = self.source, self.args.gradient_accumulation_steps
         window = self._new_window()
         mx.reset_peak_memory()
-        while self.global_step < total:
+        while self.global_step < total and not self.control.should_training_stop:
             if not self._epoch_done():
                 with source.open(self.epoch, self.batch_in_epoch, self._epoch_usable(), accum) as items:
-                    while self.global_step < total:
+                    while self.global_step < total and not self.control.should_training_stop:
                         group = [next(items) for _ in range(self._group_size())]
                         window["metrics"].extend(source.pop_metrics())
                         self._optimizer_step(group, window, bar, total)
@@ -374,12 +372,14 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         """Logging, evaluation and checkpoints at their step cadence; returns the log window."""
         args, step = self.args, self.global_step
         log_every, eval_every, save_every = self._every
-        if step % log_every == 0 or step == total or (step == 1 and args.logging_first_step):
+        self._event("on_step_end")  # TrainerCallbacks; control.should_log / should_evaluate / should_save ask too
+        if (self._asked("should_log") or step % log_every == 0 or step == total
+                or (step == 1 and args.logging_first_step)):
             self._log(window)
             window = self._new_window()
-        if args.eval_strategy == "steps" and step % eval_every == 0:
+        if self._asked("should_evaluate") or args.eval_strategy == "steps" and step % eval_every == 0:
             self._log_eval()
-        if args.save_strategy == "steps" and save_every and step % save_every == 0:
+        if self._asked("should_save") or args.save_strategy == "steps" and save_every and step % save_every == 0:
             self.save_checkpoint()
         return window
 
@@ -407,6 +407,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         usable = self._epoch_usable()
         self.batch_in_epoch = self.batch_in_epoch - usable if not self.source.epoch_bound else 0
         self.epoch += 1
+        self._event("on_epoch_end")
         if self.args.eval_strategy == "epoch":
             self._log_eval()
         if self.args.save_strategy == "epoch":

@@ -94,7 +94,7 @@ class GRPOTrainer(Trainer):
             raise MlxrlError("GRPOTrainer(reward_processing_classes=...) is not supported by mlxrl: reward models "
                              "are not supported yet (reward functions are)")
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
-            "GRPOTrainer", GRPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
+            self, "GRPOTrainer", GRPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
         check_grpo_config(args)
         if train_dataset is None or len(train_dataset) == 0:
             raise ValueError("GRPOTrainer needs a train_dataset of rows with a 'prompt' column")

@@ -132,13 +132,11 @@ class Logging:
     def _log_eval(self):
         if not self.is_main:  # the weights are the same on every rank: rank 0 evaluates
             return
-        metrics = self.evaluate()
-        if metrics:
-            self._record({"step": self.global_step, **{f"eval_{k}": v for k, v in metrics.items()}})
-            self.model.train()
+        self.evaluate()
 
     def _record(self, entry):
         self.log_history.append(entry)
+        self._event("on_log", logs=entry)
         if not self.is_main:
             return
         self.reporter.log(entry)

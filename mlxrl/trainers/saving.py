@@ -117,6 +117,7 @@ class Saving:
             self._saved_step = self.global_step
             self._best = best
             self._rotate()
+        self._event("on_save")
         return final
 
     # ------------------------------------------------------------------ load_best_model_at_end

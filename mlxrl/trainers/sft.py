@@ -47,7 +47,7 @@ class SFTTrainer(Trainer):
         """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
         processing_class, peft_config, formatting_func)."""
         model, processor, args, train_dataset, eval_dataset, extra = trl_api.resolve(
-            "SFTTrainer", SFTConfig, model, processor, args, train_dataset, eval_dataset, trl,
+            self, "SFTTrainer", SFTConfig, model, processor, args, train_dataset, eval_dataset, trl,
             accepted=("formatting_func",))
         super().__init__(model, processor, args)
         if train_dataset is None:
@@ -175,7 +175,11 @@ class SFTTrainer(Trainer):
         return step
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict:
+    def tokenize_eval(self, rows) -> list:
+        return self._tokenize(rows)
+
+    def evaluation_metrics(self) -> dict:
+        """The evaluation set's loss (un-prefixed; `evaluate()` names it eval_loss)."""
         if not self.eval_examples:
             return {}
         self.model.eval()

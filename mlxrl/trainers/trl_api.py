@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,6 @@ UNSUPPORTED = {
     "optimizer_cls_and_kwargs": "the optimizer comes from the config (optim)",
     "preprocess_logits_for_metrics": "mlxrl never materialises the logits (the LM head is streamed)",
     "model_init": "pass the model (a Hub id, a folder or a loaded model)",
-    "callbacks": "transformers' TrainerCallback objects are not called by mlxrl's loop yet",
     "compute_metrics": "evaluation reports the loss (eval_loss) and the trainer's own metrics",
 }
 
@@ -145,11 +145,12 @@ def trainer_inputs(model, processor, args, *, processing_class=None, peft_config
     return model, _processor_of(model, processing_class, loaded), args
 
 
-def resolve(who: str, config_class, model, processor, args, train_dataset, eval_dataset, trl: dict,
+def resolve(trainer, who: str, config_class, model, processor, args, train_dataset, eval_dataset, trl: dict,
             accepted: tuple[str, ...] = ()):
     """A trainer's constructor arguments, TRL's or mlxrl's, as (model, processor, args, train_dataset,
-    eval_dataset, {accepted TRL keyword: value}). TRL keywords mlxrl cannot honour are refused in one line,
-    unknown ones are a TypeError as Python's own."""
+    eval_dataset, {accepted TRL keyword: value}); `callbacks` are kept on `trainer`. TRL keywords mlxrl cannot
+    honour are refused in one line, unknown ones are a TypeError as Python's own."""
+    trainer.callbacks = list(trl.pop("callbacks", None) or [])
     unknown = sorted(set(trl) - set(UNSUPPORTED) - {"processing_class", "peft_config"} - set(accepted))
     if unknown:
         raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
@@ -173,7 +174,43 @@ def format_rows(rows, formatting_func) -> list[dict]:
 
 
 class TRLSurface:
-    """Mixin of the engine's `Trainer`: what a TRL script calls on a trainer and reads back."""
+    """Mixin of the engine's `Trainer`: what a TRL script calls on a trainer and reads back, and
+    transformers' `TrainerCallback`s: the loop raises their events (on_train_begin, on_step_end, on_log,
+    on_evaluate, on_save, on_epoch_end, on_train_end) with transformers' (args, state, control, model=,
+    processing_class=, optimizer=) and obeys `control`: should_training_stop ends the run (with its final
+    save), should_save / should_evaluate / should_log act after the step that set them."""
+
+    callbacks: list = []
+    _trainer_state = None
+    _control = None
+
+    @property
+    def control(self):
+        """transformers' `TrainerControl` the callbacks set."""
+        if self._control is None:
+            from transformers import TrainerControl
+
+            self._control = TrainerControl()
+        return self._control
+
+    def _event(self, name: str, **kwargs) -> None:
+        """Call `name` on each callback (transformers' CallbackHandler order: a callback's returned control
+        replaces the current one)."""
+        if not self.callbacks:
+            return
+        state = self.state
+        for callback in self.callbacks:
+            out = getattr(callback, name)(self.args, state, self.control, model=self.model,
+                                          processing_class=self.processor, optimizer=self.optimizer, **kwargs)
+            if out is not None:
+                self._control = out
+
+    def _asked(self, flag: str) -> bool:
+        """Whether a callback set control.<flag>; reset once read, as transformers' Trainer does."""
+        if self._control is not None and getattr(self._control, flag, False):
+            setattr(self._control, flag, False)
+            return True
+        return False
 
     def _summary(self, seconds: float, first_step: int):
         """TRL's end-of-run entry (train_runtime, samples and steps per second, train_loss: the mean step
@@ -199,12 +236,40 @@ class TRLSurface:
         from transformers import TrainerState
 
         best = getattr(self, "_best", None)
-        return TrainerState(epoch=self._epoch_float(), global_step=self.global_step,
-                            max_steps=getattr(self, "total_steps", 0), log_history=self.log_history,
-                            train_batch_size=self.args.per_device_train_batch_size,
-                            num_input_tokens_seen=self.num_tokens, best_metric=best[1] if best else None,
-                            best_model_checkpoint=str(self.output_dir / best[0]) if best else None,
-                            is_local_process_zero=self.is_main, is_world_process_zero=self.is_main)
+        if self._trainer_state is None:  # one object, so that what a callback keeps on it stays
+            self._trainer_state = TrainerState()
+        fields = dict(epoch=self._epoch_float(), global_step=self.global_step,
+                      max_steps=getattr(self, "total_steps", 0), log_history=self.log_history,
+                      train_batch_size=self.args.per_device_train_batch_size, num_input_tokens_seen=self.num_tokens,
+                      best_metric=best[1] if best else None,
+                      best_model_checkpoint=str(self.output_dir / best[0]) if best else None,
+                      is_local_process_zero=self.is_main, is_world_process_zero=self.is_main)
+        for key, value in fields.items():
+            setattr(self._trainer_state, key, value)
+        return self._trainer_state
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """TRL's evaluate: the evaluation set's (or `eval_dataset`'s) metrics named `{prefix}_loss` and so on,
+        with `{prefix}_runtime`; logged (log_history, metrics.jsonl) and passed to on_evaluate."""
+        start = time.perf_counter()
+        if eval_dataset is None:
+            metrics = self.evaluation_metrics()
+        else:
+            if not hasattr(self, "tokenize_eval"):
+                raise MlxrlError(f"{type(self).__name__}.evaluate(eval_dataset=...) is not supported by mlxrl")
+            saved, self.eval_examples = getattr(self, "eval_examples", None), self.tokenize_eval(eval_dataset)
+            try:
+                metrics = self.evaluation_metrics()
+            finally:
+                self.eval_examples = saved
+        if not metrics:
+            return {}
+        out = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items() if k not in (ignore_keys or ())}
+        out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start, 4)
+        self._record({"step": self.global_step, **out})
+        self._event("on_evaluate", metrics=out)
+        self.model.train()
+        return out
 
     def _epoch_float(self) -> float:
         return self.epoch + self.batch_in_epoch / max(1, getattr(self, "_epoch_batches", 1))
