@@ -73,11 +73,11 @@ def metrics_is_ours(out: Path) -> bool:
 
 def newest_checkpoint(out: Path) -> Path | None:
     """The newest checkpoint of the run that wrote `out` last (the highest step where no record names one)."""
-    found = [p for p in list_checkpoints(out) if read_state(p) is not None]
-    record = read_record(out)
-    if record is not None and record.get("run_id"):
-        own = [p for p in found if read_state(p).get("run_id") == record["run_id"]]
-        found = own or found
+    states = {p: read_state(p) for p in list_checkpoints(out)}
+    found = [p for p, state in states.items() if state is not None]
+    run_id = (read_record(out) or {}).get("run_id")
+    own = [p for p in found if run_id and states[p].get("run_id") == run_id]
+    found = own or found
     return found[-1] if found else None
 
 
