@@ -67,6 +67,14 @@ def weights(folder):
     return {k: np.array(v) for f in sorted(folder.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
 
 
+def assert_same_adam_weights(b, a, lr=1e-3, err_msg=""):
+    """Equal weights after Adam steps: nearly all to float32 summation order (1e-5), every one within
+    5% of one step's lr. Adam divides by sqrt(v), so an element whose gradient is near zero turns the
+    all-reduce's other summation order into a visible part of its (lr-sized) step."""
+    np.testing.assert_allclose(b, a, atol=0.05 * lr, rtol=0, err_msg=err_msg)
+    assert np.isclose(b, a, atol=1e-5, rtol=1e-5).mean() > 0.999, err_msg
+
+
 def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("qwen3")
     data = tmp_path / "rows.jsonl"
@@ -84,7 +92,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_p
     moved = weights(folder)
     assert any(not np.array_equal(a[k], moved[k]) for k in a)  # it trained
     for k in a:
-        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+        assert_same_adam_weights(b[k], a[k], err_msg=k)
     # the 2-rank checkpoint resumes in one process (same global batch) and ends where the others did
     resumed = subprocess.run([sys.executable, "-m", "mlxrl.sft", *sft_args(
         folder, data, tmp_path / "resumed", 4, resume_from_checkpoint=tmp_path / "two" / "checkpoint-2")],
@@ -93,7 +101,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_p
     assert losses(tmp_path / "resumed")[-2:] == pytest.approx(losses(tmp_path / "one")[-2:], rel=1e-5)
     c = weights(tmp_path / "resumed" / "model")
     for k in a:
-        np.testing.assert_allclose(c[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+        assert_same_adam_weights(c[k], a[k], err_msg=k)
 
 
 KILL = """
@@ -189,7 +197,7 @@ def test_grpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     a, b = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")
     for k in a:
-        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+        assert_same_adam_weights(b[k], a[k], err_msg=k)
 
 
 WATCHDOG = """
@@ -245,4 +253,4 @@ def test_qlora_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
     assert a and a.keys() == b.keys() and all("lora_" in k for k in a)
     assert any(np.abs(a[k]).max() > 0 for k in a if "lora_B" in k)  # it trained (B starts at zero)
     for k in a:
-        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=1e-5, err_msg=k)
+        assert_same_adam_weights(b[k], a[k], err_msg=k)
