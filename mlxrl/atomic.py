@@ -14,7 +14,9 @@ destination (same filesystem, created with `os.mkdir`, so it has the umask's mod
   `.NAME.old-PID-XXXXXXXX`; a process killed between the two renames leaves it there, and the next
   write to NAME renames it back before anything else;
 - `into=`: files into a folder that also holds other things (a run's output_dir holds checkpoints and
-  metrics.jsonl next to the final adapter): each file is renamed into place on its own.
+  metrics.jsonl next to the final model or adapter): each file is renamed into place on its own, the
+  previous save's files that the new one does not write are deleted, and the folder's marker says
+  "partial" until the last rename (`check_complete` refuses to load such a folder).
 
 A write that fails (a full disk, a read-only folder, an exception) deletes the temp folder and leaves
 the previous version as it was: no byte of the destination is touched before the new version is
@@ -88,8 +90,11 @@ def read_marker(folder: Path) -> dict | None:
     return data
 
 
-def _marker_text(kind: str, files) -> str:
-    return json.dumps({"saved_by": "mlxrl", "kind": kind, "files": sorted(set(files))}, indent=1) + "\n"
+def _marker_text(kind: str, files, partial: bool = False) -> str:
+    data = {"saved_by": "mlxrl", "kind": kind, "files": sorted(set(files))}
+    if partial:
+        data["partial"] = True
+    return json.dumps(data, indent=1) + "\n"
 
 
 def foreign_entries(folder: Path) -> list[str]:
@@ -263,8 +268,11 @@ def replace_dir_atomically(tmp: Path, final: Path) -> None:
 
 
 def _move_files_into(tmp: Path, folder: Path, kind: str) -> None:
-    """Rename each file of `tmp` into `folder`. The marker there is updated first (listing the old and
-    the new files), so that a kill between two renames leaves only files the marker claims."""
+    """Rename each file of `tmp` into `folder`, replacing the previous save there (the files its marker
+    lists; those the new save does not write are deleted, so two saves never mix). The marker is
+    rewritten first, listing the old and the new files and `"partial": true`, and again at the end: a
+    kill between two renames leaves only files the marker claims, and a folder that says it is partial
+    (`check_complete` refuses to load it)."""
     fsync_tree(tmp)
     names = sorted(os.listdir(tmp))
     marker = read_marker(folder)
@@ -273,14 +281,35 @@ def _move_files_into(tmp: Path, folder: Path, kind: str) -> None:
     if clash:
         raise MlxrlError(f"{folder / clash[0]} exists and mlxrl did not write it: move it out or choose another "
                          "folder; nothing was replaced")
-    marker_tmp = tmp.parent / f".{MARKER}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    marker_tmp.write_text(_marker_text(kind, ours | set(names)))
-    _fsync(marker_tmp)
-    os.replace(marker_tmp, folder / MARKER)
+
+    def put_marker(files, partial: bool) -> None:
+        marker_tmp = tmp.parent / f".{MARKER}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        marker_tmp.write_text(_marker_text(kind, files, partial))
+        _fsync(marker_tmp)
+        os.replace(marker_tmp, folder / MARKER)
+
+    put_marker(ours | set(names), True)
     for n in names:
         os.replace(tmp / n, folder / n)
     os.rmdir(tmp)
+    for n in sorted(ours - set(names)):  # the previous save's files this one does not write (stale shards)
+        path = folder / n
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     _fsync(folder)
+    put_marker(names, False)
+    _fsync(folder)
+
+
+def check_complete(folder: Path, what: str = "") -> None:
+    """Refuse, in one line, a folder whose save was interrupted between its renames (its marker says
+    partial): its files may come from two saves."""
+    marker = read_marker(folder)
+    if marker and marker.get("partial"):
+        raise MlxrlError(f"{what or folder}: the save into {folder} was interrupted (its {MARKER} says partial), so "
+                         "its files may mix two saves: load its newest checkpoint-N instead, or save again")
 
 
 def write_atomically(final: Path | str, write: Callable[[Path], None], *, what: str, kind: str | None = None,

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import runtime
-from .atomic import check_save_target, replace_dir_atomically, write_atomically  # noqa: F401 (re-exported)
+from .atomic import check_complete, check_save_target, replace_dir_atomically, write_atomically  # noqa: F401
 from .hub import ConfigError, MlxrlError, resolve_model_path, weight_files
 from .models import UnsupportedModelError, build_model
 from .models.quantize import prepare_quantized, quantization_config, quantized_layers
@@ -100,6 +100,7 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_lin
     compute, its bfloat16 linear weights (not the LM head) stay bfloat16 and widen per call
     (`models.widened`: for a LoRA run, whose base stays frozen)."""
     folder = Path(folder)
+    check_complete(folder)
     config = read_config(folder)
     try:
         model = build_model(config)
@@ -364,7 +365,7 @@ def write_weights(folder: Path, weights: dict[str, mx.array], max_shard_size: in
 
 
 def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-         overwrite: bool = False) -> Path:
+         overwrite: bool = False, into: bool = False) -> Path:
     """Write `model` and `processor` as a Hugging Face folder that transformers loads:
     config.json, safetensors with HF names, tokenizer and processor files, and `mlxrl_save.json`
     (the list of what was written, by which a save of ours is recognised).
@@ -376,9 +377,14 @@ def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | 
 
     `out_dir` must be new, empty, or (with `overwrite=True`) an earlier save of ours holding nothing
     else; anything else is refused in one line and left untouched. The folder is written aside and
-    renamed into place (`mlxrl.atomic`): a failure or a kill leaves the previous save loadable."""
+    renamed into place (`mlxrl.atomic`): a failure or a kill leaves the previous save loadable.
+
+    into=True: the files go into `out_dir` beside what else it holds (a run's output_dir: checkpoints,
+    metrics.jsonl), replacing the previous save there (`atomic.write_atomically(into=...)`); a file there
+    that mlxrl did not write is refused."""
     out = Path(out_dir).expanduser().resolve()
-    check_save_target(out, overwrite, "overwrite=True (--overwrite on the command line)")
+    if not into:
+        check_save_target(out, overwrite, "overwrite=True (--overwrite on the command line)")
     weights = dict(tree_flatten(model.parameters()))
 
     def write(tmp: Path) -> None:
@@ -401,4 +407,4 @@ def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | 
         if processor is not None:
             processor.save_pretrained(tmp)
 
-    return write_atomically(out, write, what="the model", kind="model")
+    return write_atomically(out, write, what="the model", kind="model", into="model" if into else None)

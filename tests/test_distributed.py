@@ -87,7 +87,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_p
     assert "2 data-parallel ranks" in two.stdout
     losses = lambda d: [e["loss"] for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
     np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
-    a, b = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert a.keys() == b.keys()
     moved = weights(folder)
     assert any(not np.array_equal(a[k], moved[k]) for k in a)  # it trained
@@ -99,7 +99,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_p
         capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert losses(tmp_path / "resumed")[-2:] == pytest.approx(losses(tmp_path / "one")[-2:], rel=1e-5)
-    c = weights(tmp_path / "resumed" / "model")
+    c = weights(tmp_path / "resumed")
     for k in a:
         assert_same_adam_weights(c[k], a[k], err_msg=k)
 
@@ -195,7 +195,7 @@ def test_grpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
             assert (key in a) == (key in b), key
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
-    a, b = weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model")
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
     for k in a:
         assert_same_adam_weights(b[k], a[k], err_msg=k)
 

@@ -273,13 +273,13 @@ def test_default_model_says_random_and_uses_a_demo_folder(tmp_path, capsys):
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "RANDOM weights" in out.err and "held-out question 0" in out.err and "expected answer" in out.err
-    # a demo's output folder: the fully fine-tuned model in out/model is what gets used
+    # a demo's output folder: the fully fine-tuned model saved there is what gets used
     model, processor = mlxrl.load_default(seed=7)
-    mlxrl.save(model, processor, tmp_path / "demo" / "model")
+    mlxrl.save(model, processor, tmp_path / "demo")
     rc = G.main(["--adapter_path", str(tmp_path / "demo"), "--max_new_tokens", "2", "--prompt", "Hi"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    assert f"loaded {tmp_path / 'demo' / 'model'}" in out.err and "RANDOM" not in out.err
+    assert f"loaded {tmp_path / 'demo'}" in out.err and "RANDOM" not in out.err
     ref = G.Generator(model, processor)([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
                                         max_new_tokens=2)
     assert out.out == ref.text + "\n"

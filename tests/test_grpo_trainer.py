@@ -280,7 +280,7 @@ def test_trained_parameters_change_text_full(tiny_checkpoint, tmp_path):
                 "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "kl", "entropy",
                 "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens", "loss"):
         assert key in logged, key
-    assert logged["num_tokens"] > 0 and (tmp_path / "run" / "model").exists()
+    assert logged["num_tokens"] > 0 and (tmp_path / "run" / "model.safetensors").exists()
 
 
 def test_save_strategy_epoch_saves_each_epoch(tiny_checkpoint, tmp_path):

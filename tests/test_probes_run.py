@@ -86,14 +86,14 @@ def test_resuming_an_earlier_checkpoint_keeps_the_new_runs_checkpoints(sft, tmp_
 def test_output_dir_holding_the_model_is_refused(sft, tmp_path, capsys):
     out = tmp_path / "o"
     assert sft("--output_dir", out, "--max_steps", 1, "--save_steps", 0) == 0
-    saved = listing(out / "model")
+    saved = listing(out)
     capsys.readouterr()
     for extra in ((), ("--overwrite_output_dir", "true")):
-        assert sft("--output_dir", out, "--max_steps", 1, *extra, model=out / "model") == 2
+        assert sft("--output_dir", out, "--max_steps", 1, *extra, model=out) == 2  # the model's own folder
         assert "holds the model being trained" in one_line_error(capsys)
-    assert listing(out / "model") == saved
-    assert sft("--output_dir", out / "model", "--max_steps", 1, model=out / "model") == 2  # the model's own folder
+    assert sft("--output_dir", out.parent, "--max_steps", 1, model=out) == 2  # a folder above it
     assert "holds the model being trained" in one_line_error(capsys)
+    assert listing(out) == saved
 
 
 def test_a_second_run_into_a_locked_output_dir_is_refused(sft, tmp_path, capsys):

@@ -50,7 +50,7 @@ def ours_run(folder, tmp_path, rows, hyper):
     trainer = SFTTrainer(model, processor, args, train_dataset=rows)
     trainer.train()
     history = trainer.log_history
-    weights = load_file(str(tmp_path / "ours" / "model" / "model.safetensors"))
+    weights = load_file(str(tmp_path / "ours" / "model.safetensors"))
     return weights, [e for e in history if "loss" in e], processor
 
 

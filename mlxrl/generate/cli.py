@@ -16,7 +16,10 @@ from .settings import DEFAULT_BASE_SEED, DEFAULT_MAX_NEW_TOKENS, Settings
 # --------------------------------------------------------------------------------------- CLI
 def build_parser(prog: str, description: str, chat: bool = False) -> argparse.ArgumentParser:
     """The flags `python -m mlxrl.generate` and `python -m mlxrl.chat` share (mlx-lm's spellings are aliases)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    from ..trainers.flags import HELP_REFERENCE, OneLineHelpFormatter
+
+    ap = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
+                                 formatter_class=OneLineHelpFormatter, epilog=HELP_REFERENCE)
     ap.add_argument("--model", default=None, help="Hub id or folder; also a run's output_dir, an adapter or a "
                     "checkpoint (default: the embedded default, random weights unless --adapter_path names a "
                     "trained demo output)")
@@ -149,7 +152,7 @@ def load_from_args(ns) -> Generator:
     gen = load(ns.model, ns.adapter_path, dtype=ns.dtype, base_seed=ns.base_seed, quantize=quantize_from_args(ns),
                log=eprint)
     eprint(f"loaded {gen.description} in {time.perf_counter() - t0:.1f}s")
-    if ns.model is None and ns.adapter_path is None and (Path("out/sft-demo") / "model").is_dir():
+    if ns.model is None and ns.adapter_path is None and (Path("out/sft-demo") / "config.json").is_file():
         eprint("note: out/sft-demo holds a trained demo: pass --adapter_path out/sft-demo to talk to it")
     return gen
 

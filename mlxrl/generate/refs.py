@@ -43,8 +43,8 @@ def _checkpoints(folder: Path) -> list[Path]:
 
 def resolve(path, flag: str = "--adapter_path") -> tuple[str, Path]:
     """(kind, folder) of a local reference: "model" (config.json), "adapter" (adapter_config.json),
-    "checkpoint" (an mlxrl checkpoint-<step>); a run's output_dir resolves to its adapter, else its
-    model/ or merged/ folder, else its newest checkpoint. One line when it is none of these."""
+    "checkpoint" (an mlxrl checkpoint-<step>); a run's output_dir is its final adapter or model, else
+    its merged/ (or an older layout's model/) folder, else its newest checkpoint. One line when it is none of these."""
     path = Path(path).expanduser()
     if not path.exists():
         raise MlxrlError(f"{flag} {path}: no such folder")

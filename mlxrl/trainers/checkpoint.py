@@ -31,6 +31,8 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 FINAL_FILES = ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "chat_template.json", "special_tokens_map.json", "added_tokens.json",
                "vocab.json", "merges.txt", "preprocessor_config.json", "processor_config.json")
+# what the final save of a full fine-tuning run writes there too (with model-0000K-of-0000N.safetensors shards)
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 # config keys that do not change the network (the dtype is checked on its own)
 _IGNORED_CONFIG_KEYS = {"dtype", "torch_dtype", "transformers_version", "_name_or_path", "name_or_path", "use_cache",
                         "architectures", "auto_map", "_commit_hash", "output_attentions", "output_hidden_states"}

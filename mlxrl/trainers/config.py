@@ -427,7 +427,7 @@ def check_quantization_flags(args, flags: bool = False) -> None:
                           f"{p}use_peft{'' if flags else '=True'} (with {p}load_in_4bit or an MLX-quantized model)")
     if getattr(args, "merge", False) and not getattr(args, "use_peft", False):
         raise ConfigError(f"{p}merge saves the LoRA adapters merged into the base, but this run fine-tunes the full "
-                          f"model (saved whole in output_dir/model): drop {p}merge, or add "
+                          f"model (saved whole in output_dir): drop {p}merge, or add "
                           f"{p}use_peft{'' if flags else '=True'}")
     if (four or eight) and not getattr(args, "use_peft", False):
         flag = "load_in_4bit" if four else "load_in_8bit"

@@ -172,13 +172,13 @@ class DPOTrainer(Trainer):
         self.ref_model = ref_model
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
         self.train_examples = self._tokenize(train_dataset, "train")
-        self.eval_examples = self._tokenize(eval_dataset, "eval") if eval_dataset is not None else None
+        self.eval_examples = trl_api.eval_sets(eval_dataset, self.tokenize_eval)
         if args.precompute_ref_log_probs:
             self.precompute_ref_log_probs(self.train_examples, args.precompute_ref_batch_size or
                                           args.per_device_train_batch_size)
             if self.eval_examples:
-                self.precompute_ref_log_probs(self.eval_examples, args.precompute_ref_batch_size or
-                                              args.per_device_eval_batch_size)
+                self.precompute_ref_log_probs(trl_api.all_eval_examples(self.eval_examples),
+                                              args.precompute_ref_batch_size or args.per_device_eval_batch_size)
 
     # ------------------------------------------------------------------ data
     def _tokenize(self, rows, name):

@@ -44,6 +44,7 @@ from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_model_dtype
 from .distributed import DataParallel, PeerLostError, accumulate
+from .progress import Progress
 from .reporting import Logging, Reporter
 from .saving import Saving
 from .signals import Signals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
@@ -314,11 +315,8 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
     def _train_loop(self, total):
         """The loop, with a resumable checkpoint saved when it stops early (Ctrl-C, SIGTERM, an error)."""
         args = self.args
-        bar = None
-        if not args.disable_tqdm and self.is_main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=total, initial=self.global_step, desc="train", dynamic_ncols=True)
+        bar = Progress(total, self.global_step, bar=not args.disable_tqdm and self.is_main, print_fn=self.print,
+                       compiled=bool(args.compile and self.compilable))
         previous_term = signal.getsignal(signal.SIGTERM)
         stop_watchdog = None
         if self.world_size > 1:  # mlx.launch terminates the other ranks when one dies
@@ -338,8 +336,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         except Exception as e:  # e.g. an unreadable image in a batch: keep the finished steps
             failure = e
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             if self.world_size > 1:
                 signal.signal(signal.SIGTERM, previous_term)
                 stop_watchdog()
@@ -420,6 +417,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         # the loss is normalised by the trained tokens of the whole global batch (every rank's), as TRL
         normalizer = self.all_sum(np.array([sum(self.batch_tokens(b)[1] for b in group)], np.float64))[0]
         grads_sum, loss_sum, metric_sums, tokens = None, 0.0, [], 0
+        shapes = self.step_shapes
         for b in group:
             arrays = self.gradient_free_inputs(self.to_device(self.bucket_images(b)))
             step = self._step_for(arrays)
@@ -458,9 +456,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
             self._step_losses.append(loss_sum)
             window["metrics"].extend(metric_sums)
             window["grad_norm"] = norm.item()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_sum:.4f}")
+            bar.step(loss_sum, fresh=self.step_shapes > shapes)
             if self._pending_signal is not None and (self.global_step % self._every[0] == 0 or
                                                      self.global_step == total):
                 self._log(window)  # the step's log entry goes into the checkpoint the signal is about to save

@@ -55,10 +55,63 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+HELP_REFERENCE = "every flag in full: docs/cli.md (python scripts/cli_reference.py writes it)"
+
+
+def one_line(text: str, limit: int) -> str:
+    """`text`'s first sentence on one line, cut at a word before `limit` characters ("..." marks the cut)."""
+    text = " ".join(text.split())
+    text = re.split(r"(?<=[a-z0-9)][.!?])\s+(?=[A-Z(`'\"])", text, maxsplit=1)[0]
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(")
+    return cut + "..."
+
+
+class OneLineHelpFormatter(argparse.HelpFormatter):
+    """`--help` in one line per flag: a short usage line, the description, then per group `  --flag VALUE
+    summary (default: x)` where the summary is the help's first sentence cut to one line (never wrapped: the
+    whole text is in docs/cli.md), and a last line pointing there (the parser's epilog)."""
+
+    COLUMN = 36  # where the summaries start (a longer flag pushes its own summary right)
+    SUMMARY = 100  # characters of help kept per flag
+    DEFAULT = 40  # characters of a default value kept
+
+    def __init__(self, prog, indent_increment=2, max_help_position=COLUMN, width=None):
+        super().__init__(prog, indent_increment, max_help_position, width=1_000_000)
+
+    def add_usage(self, usage, actions, groups, prefix=None):
+        super().add_usage(usage if usage is not None else "%(prog)s [flags]", actions, groups, prefix)
+
+    def _format_text(self, text):  # description and epilog: one paragraph each, unwrapped
+        if "%(prog)" in text:
+            text = text % dict(prog=self._prog)
+        return " ".join(text.split()) + "\n\n"
+
+    def _get_default_metavar_for_optional(self, action):
+        return {int: "N", float: "X", _parse_bool: "BOOL"}.get(action.type, "VALUE")
+
+    def _format_action(self, action):
+        invocation = self._format_action_invocation(action)
+        help_text = self._expand_help(action) if action.help else ""
+        body, default = help_text, None
+        m = re.match(r"(?s)(.*)\s*\(default: (.*?)\)\s*$", help_text)
+        if m:  # the config fields' help ends in "(default: x)" (build_parser)
+            body, default = m.group(1), m.group(2)
+        elif action.nargs != 0 and action.default is not argparse.SUPPRESS and "default" not in help_text:
+            default = str(action.default)
+        summary = one_line(body, self.SUMMARY)
+        if default not in (None, "None", "[]"):
+            summary = f"{summary} (default: {one_line(default, self.DEFAULT)})".strip()
+        indent = " " * self._current_indent
+        width = max(self.COLUMN - self._current_indent - 2, 0)
+        return f"{indent}{invocation:<{width}}  {summary}".rstrip() + "\n"
+
+
 def build_parser(cls, prog: str, description: str, extra=None, config_flags=("--config",),
                  config_help: str = "YAML file of config fields (CLI flags override it)") -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog=prog, description=description,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog=prog, description=description, formatter_class=OneLineHelpFormatter,
+                            epilog=HELP_REFERENCE)
     if extra:
         extra(parser)
     parser.add_argument(*config_flags, dest="config", default=None, help=config_help)

@@ -15,8 +15,9 @@ One record of ownership, three parts:
   step number, which may belong to a run abandoned by a resume from an earlier checkpoint).
 - **Refused folders.** An empty `--output_dir`; the current folder or one above it (unless it already
   holds an mlxrl run); a folder that is or contains the model being trained or the dataset; a folder
-  holding another run (unless resuming one of its checkpoints or overwriting it: then only that
-  run's checkpoints and metrics.jsonl are deleted, and its final save is replaced at the end).
+  holding another run (unless resuming one of its checkpoints or overwriting it: then that run's
+  checkpoints, metrics.jsonl, picture and final save are deleted when training starts, so the folder
+  never mixes two runs; nothing else is touched).
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ import re
 import shutil
 from pathlib import Path
 
-from ..atomic import MARKER, check_save_target, clean_stale, read_marker, write_error_reason, write_file_atomically
+from ..atomic import (
+    MARKER,
+    check_save_target,
+    clean_stale,
+    foreign_entries,
+    read_marker,
+    write_error_reason,
+    write_file_atomically,
+)
 from ..hub import MlxrlError
-from .checkpoint import FINAL_FILES, is_our_checkpoint, list_checkpoints, read_state
+from .checkpoint import FINAL_FILES, MODEL_FILES, is_our_checkpoint, list_checkpoints, read_state
 
 try:
     import fcntl
@@ -232,26 +241,27 @@ def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tup
         more = f" and {len(found) - 2} more" if len(found) > 2 else ""
         raise MlxrlError(f"--output_dir {out} holds another run ({', '.join(found[:2])}{more}): resume it with "
                          "--resume_from_checkpoint last, pass --overwrite_output_dir true to start over (its "
-                         "checkpoints and metrics.jsonl are deleted and its final save replaced at the end; nothing "
-                         "else), or choose another --output_dir")
-    if lora:
-        marker = read_marker(out)
-        ours = set(marker["files"]) if marker else set()
-        for name in FINAL_FILES:
-            if (out / name).exists() and name not in ours:
-                raise MlxrlError(f"--output_dir {out} holds {name}, which mlxrl did not write and the final adapter "
-                                 "save would replace: choose another --output_dir (nothing was changed)")
-        for name in merged:
-            check_save_target((out / name).resolve(), True, "")
-    else:
-        check_save_target((out / "model").resolve(), True, "")
+                         "checkpoints, metrics.jsonl and final save are deleted; nothing else), or choose another "
+                         "--output_dir")
+    marker = read_marker(out)
+    ours = set(marker["files"]) if marker else set()
+    names = FINAL_FILES + (() if lora else MODEL_FILES)
+    mine = [n for n in names if (out / n).exists() and n not in ours]
+    mine += sorted(p.name for p in out.glob("model-*.safetensors") if not lora and p.name not in ours)
+    if mine:
+        raise MlxrlError(f"--output_dir {out} holds {mine[0]}, which mlxrl did not write and the final "
+                         f"{'adapter' if lora else 'model'} save would replace: choose another --output_dir "
+                         "(nothing was changed)")
+    for name in merged if lora else ():
+        check_save_target((out / name).resolve(), True, "")
     return [] if here else found
 
 
 def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = ()) -> None:
     """At the start of train() on the writing rank (the lock held): the checks of `check_run_dir`, our
-    leftovers from a killed process removed, and with overwrite_output_dir the other run's checkpoints
-    and metrics.jsonl deleted (checkpoint folders holding anything but our files are left)."""
+    leftovers from a killed process removed, and with overwrite_output_dir the other run's checkpoints,
+    loose files (metrics.jsonl, its picture) and final save deleted (checkpoint folders holding anything
+    but our files are left)."""
     out = Path(out)
     clean_leftovers(out)
     found = check_run_dir(out, resume=resume, overwrite=overwrite, lora=lora, merged=merged)
@@ -260,8 +270,27 @@ def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[s
     for path in list_checkpoints(out):
         if is_our_checkpoint(path):
             shutil.rmtree(path)
-    if METRICS in found:
-        (out / METRICS).unlink(missing_ok=True)
+    record = read_record(out)
+    for name in record["files"] if record else [METRICS] if METRICS in found else []:
+        (out / name).unlink(missing_ok=True)  # metrics.jsonl and the run's picture
+    remove_final_save(out)
+
+
+def remove_final_save(out: Path) -> None:
+    """Delete the earlier run's final save in `out`: the files its marker lists, then the marker (so a kill
+    midway leaves a marker listing what is left), and the model/, merged/ folders older runs wrote."""
+    marker = read_marker(out)
+    for name in (marker or {}).get("files", []):
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if marker is not None:
+        (out / MARKER).unlink(missing_ok=True)
+    for name in ("model", "merged", "merged-quantized"):
+        if (out / name).is_dir() and read_marker(out / name) is not None and not foreign_entries(out / name):
+            shutil.rmtree(out / name)
 
 
 def resolve_checkpoint(out: Path, spec) -> Path:

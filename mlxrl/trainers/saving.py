@@ -21,7 +21,7 @@ from ..atomic import write_atomically
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
-from . import run_dir
+from . import plot, run_dir
 from .checkpoint import CHECKPOINT_PREFIX
 from .signals import TrainingInterrupted
 from .trl_fields import best_metric_key
@@ -71,6 +71,7 @@ class Saving:
                 except MlxrlError as e:
                     self.print(f"the final save failed and so did a checkpoint ({e})")
             raise
+        self._draw_run()
         if self._pending_signal is not None:
             signum, self._pending_signal = self._pending_signal, None
             self.print(f"{signal.Signals(signum).name} during the final save: the save completed "
@@ -117,8 +118,27 @@ class Saving:
             self._saved_step = self.global_step
             self._best = best
             self._rotate()
+        self._draw_run()
         self._event("on_save")
         return final
+
+    def _draw_run(self) -> None:
+        """output_dir/run.png from the log history (`plot`), on the writing rank. A run.png that no mlxrl
+        run drew is left alone; a failure to draw is a note, never a stop."""
+        path = self.output_dir / plot.PLOT
+        if not self.is_main or getattr(self, "_plot_refused", False):
+            return
+        try:
+            if plot.PLOT not in (run_dir.read_record(self.output_dir) or {"files": []})["files"]:
+                if path.exists():
+                    self._plot_refused = True
+                    self.print(f"note: {path} is not mlxrl's: the run's picture is not drawn (nothing was changed)")
+                    return
+                run_dir.write_record(self.output_dir, self.run_id, files=(plot.PLOT,))
+            plot.draw(self.log_history, path, title=f"{type(self).__name__}: {self.output_dir.name}")
+        except Exception as e:  # matplotlib, a full disk: the weights matter, the picture does not
+            self._plot_refused = True
+            self.print(f"note: the run's picture {path} was not drawn ({type(e).__name__}: {e})")
 
     # ------------------------------------------------------------------ load_best_model_at_end
     def _rank_checkpoint(self, name: str):
@@ -262,4 +282,5 @@ class Saving:
                 lora_lib.merge_lora(self.model)
                 save(self.model, self.processor, self.output_dir / "merged", overwrite=True)
         else:
-            save(self.model, self.processor, self.output_dir / "model", overwrite=True)
+            # into output_dir itself, as TRL's save_model writes it (beside the checkpoints and metrics.jsonl)
+            save(self.model, self.processor, self.output_dir, into=True)

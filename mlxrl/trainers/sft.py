@@ -54,7 +54,7 @@ class SFTTrainer(Trainer):
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
         if extra["formatting_func"] is not None:  # TRL: each row becomes the text the function makes of it
             train_dataset = format_rows(train_dataset, extra["formatting_func"])
-            eval_dataset = None if eval_dataset is None else format_rows(eval_dataset, extra["formatting_func"])
+            eval_dataset = trl_api.eval_sets(eval_dataset, lambda rows: format_rows(rows, extra["formatting_func"]))
         self._head_trainable = self.head_trainable
         apply_tokenizer_args(self.processor, args)  # eos_token, chat_template_path: before any row is tokenised
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
@@ -62,9 +62,10 @@ class SFTTrainer(Trainer):
         if args.shuffle_dataset:  # TRL shuffles before packing: which examples share a packed row changes
             order = np.random.default_rng(self.data_seed).permutation(len(self.train_examples))
             self.train_examples = [self.train_examples[i] for i in order]
-        self.eval_examples = self._tokenize(eval_dataset) if eval_dataset is not None else None
+        self.eval_examples = trl_api.eval_sets(eval_dataset, self._tokenize)
         # max_length None (TRL: no truncation): the batches' longest row is the longest example's
-        self.row_length = args.max_length or max(len(e) for e in self.train_examples + (self.eval_examples or []))
+        self.row_length = args.max_length or max(
+            len(e) for e in self.train_examples + trl_api.all_eval_examples(self.eval_examples))
 
     # ------------------------------------------------------------------ data
     def _tokenize(self, rows):

@@ -161,6 +161,25 @@ def resolve(trainer, who: str, config_class, model, processor, args, train_datas
     return model, processor, args, train_dataset, eval_dataset, {k: trl.get(k) for k in accepted}
 
 
+def eval_sets(eval_dataset, tokenize):
+    """`tokenize(rows)` of an evaluation dataset, or {name: tokenize(rows)} for a dict of named sets (TRL's
+    `eval_dataset={"a": ..., "b": ...}`, a DatasetDict too: evaluated as eval_a_loss, eval_b_loss)."""
+    if eval_dataset is None:
+        return None
+    if isinstance(eval_dataset, dict):
+        if not eval_dataset:
+            raise MlxrlError("eval_dataset: an empty dict (give it named evaluation sets, or pass None)")
+        return {str(name): tokenize(rows) for name, rows in eval_dataset.items()}
+    return tokenize(eval_dataset)
+
+
+def all_eval_examples(eval_examples) -> list:
+    """Every evaluation example, of one set or of all the named sets."""
+    if isinstance(eval_examples, dict):
+        return [e for examples in eval_examples.values() for e in examples]
+    return list(eval_examples or [])
+
+
 def format_rows(rows, formatting_func) -> list[dict]:
     """TRL's formatting_func: each row becomes {"text": formatting_func(row)} (a string, or refused)."""
     out = []
@@ -250,22 +269,30 @@ class TRLSurface:
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """TRL's evaluate: the evaluation set's (or `eval_dataset`'s) metrics named `{prefix}_loss` and so on,
-        with `{prefix}_runtime`; logged (log_history, metrics.jsonl) and passed to on_evaluate."""
+        with `{prefix}_runtime`; logged (log_history, metrics.jsonl) and passed to on_evaluate. A dict of
+        named sets (given here or to the trainer) is evaluated set by set, as `{prefix}_{name}_loss`."""
+        if eval_dataset is not None and not hasattr(self, "tokenize_eval"):
+            raise MlxrlError(f"{type(self).__name__}.evaluate(eval_dataset=...) is not supported by mlxrl")
+        sets = getattr(self, "eval_examples", None) if eval_dataset is None else eval_dataset
+        tokenize = (lambda x: x) if eval_dataset is None else self.tokenize_eval
+        if not isinstance(sets, dict):
+            return self._evaluate_set(tokenize(sets) if sets is not None else None, ignore_keys, metric_key_prefix)
+        out = {}
+        for name, rows in sets.items():
+            out.update(self._evaluate_set(tokenize(rows), ignore_keys, f"{metric_key_prefix}_{name}"))
+        return out
+
+    def _evaluate_set(self, examples, ignore_keys, prefix: str) -> dict:
         start = time.perf_counter()
-        if eval_dataset is None:
+        saved, self.eval_examples = getattr(self, "eval_examples", None), examples
+        try:
             metrics = self.evaluation_metrics()
-        else:
-            if not hasattr(self, "tokenize_eval"):
-                raise MlxrlError(f"{type(self).__name__}.evaluate(eval_dataset=...) is not supported by mlxrl")
-            saved, self.eval_examples = getattr(self, "eval_examples", None), self.tokenize_eval(eval_dataset)
-            try:
-                metrics = self.evaluation_metrics()
-            finally:
-                self.eval_examples = saved
+        finally:
+            self.eval_examples = saved
         if not metrics:
             return {}
-        out = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items() if k not in (ignore_keys or ())}
-        out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start, 4)
+        out = {f"{prefix}_{k}": v for k, v in metrics.items() if k not in (ignore_keys or ())}
+        out[f"{prefix}_runtime"] = round(time.perf_counter() - start, 4)
         self._record({"step": self.global_step, **out})
         self._event("on_evaluate", metrics=out)
         self.model.train()
@@ -275,7 +302,7 @@ class TRLSurface:
         return self.epoch + self.batch_in_epoch / max(1, getattr(self, "_epoch_batches", 1))
 
     def save_model(self, output_dir=None) -> None:
-        """TRL's save_model: the final save (a LoRA adapter into output_dir, a full model into output_dir/model)
+        """TRL's save_model: the final save (the LoRA adapter or the full model, into output_dir itself)
         of the current weights, into `output_dir` (default: the config's)."""
         if output_dir is not None and Path(output_dir) != self.output_dir:
             run_dir.check_target(output_dir, model=self.model)

@@ -135,6 +135,9 @@ def _load():
         with open(folder / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then reuse
             if not target.exists():
+                # the one slow moment a first run has before its first step: say what it is
+                print("mlxrl: compiling the native CPU kernels for this machine (once; about 10-30 s)",
+                      file=sys.stderr, flush=True)
                 build(target)
     module = _import(target)
     with mx.stream(mx.cpu):  # arrays cross between MLX and the module (on the CPU, also where a GPU is the default)
