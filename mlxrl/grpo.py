@@ -38,7 +38,7 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a reru
                   "logging_steps": 1, "save_steps": 0, "gradient_checkpointing": False, "output_dir": "out/grpo-demo",
                   "disable_tqdm": True}
 DEMO_SFT_STEPS, DEMO_TEST = 10, 96
-# Measured over seeds 0-3 (README): 10 SFT steps teach the answer format (a colour word) but leave the colours
+# Measured over seeds 0-3 (docs/grpo.md): 10 SFT steps teach the answer format (a colour word) but leave the colours
 # mostly unseen (held-out exact match 44-48% in 3 of 4 seeds; 30 steps left 93-98% and no room to rise);
 # top_k 8 samples among the plausible words instead of the untrained tail of the 151,936-token vocabulary
 # (at temperature 1.0 without it, 15% right); 8 prompts x 8 per step, LoRA lr 1e-3 (2e-3 oscillated; full

@@ -109,7 +109,7 @@ def default_cache_limit(kept: bool = False) -> None:
     cache does not change `mx.get_peak_memory()` (active memory); the resident size may be up to the
     cache limit above it. Once malloc keeps freed memory, a freed buffer is reused from its heap for any
     size, where MLX's cache reuses it only for the same size: the cache then holds memory nothing else can
-    use, up to its limit, and saves no time. The trade, measured, is in README ("Runtime") and
+    use, up to its limit, and saves no time. The trade, measured, is in docs/platforms.md ("Runtime") and
     `scripts/bench_cpu_ops.py`."""
     if default_device_kind() == "gpu":
         return
@@ -141,7 +141,7 @@ def keep_freed_memory() -> bool:
     are faulted in page by page and zeroed by the kernel again and again. MLX's CPU allocator keeps
     freed buffers only up to its cache limit and only for an exact size (`default_cache_limit`); the
     heap reuses any freed range for any size. Resident memory stays at the heap's high-water mark
-    instead of falling back between steps: the peak is what it was (measured in README, "Runtime")."""
+    instead of falling back between steps: the peak is what it was (measured in docs/platforms.md, "Runtime")."""
     if not _keeps_freed_memory_here():
         return False
     import ctypes
@@ -195,7 +195,8 @@ def startup_line(dtype: mx.Dtype | None = None, note: str = "") -> str:
 def compile_note(compiled: bool) -> str:
     """One line for a compiled step on MLX's CUDA backend, else "". MLX builds each fused kernel of a compiled
     step with NVRTC at its first call and keeps the PTX (`<tmp>/mlx/<version>/ptx`, MLX_PTX_CACHE_DIR), so a
-    machine's first run pays for it, and long enough to look like a hang (figures: README, "On a real GPU")."""
+    machine's first run pays for it, and long enough to look like a hang (figures: docs/platforms.md, "On a real
+    GPU")."""
     if not compiled or not mx.cuda.is_available() or default_device_kind() != "gpu":
         return ""
     return ("mlxrl: CUDA builds a compiled step's kernels at its first call (slow on a machine's first run, "

@@ -315,11 +315,11 @@ def test_shared_forward_compiles(tiny_checkpoint, arch):
     assert_grads_close(dict(tree_flatten(g_c)), dict(tree_flatten(g_e)))
 
 
-def test_readme_example_runs(capsys):
+def test_docs_generation_example_runs(capsys):
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
     code = re.search(r"<!-- generation-example -->\n```python\n(.*?)```\n<!-- /generation-example -->", text, re.S)
     ns = {"__name__": "readme"}
     exec(compile(code.group(1), "README generation example", "exec"), ns)

@@ -6,7 +6,7 @@ its kernels are scalar Cephes polynomials whose `fma` calls go through libm, the
 baseline x86-64. On float32 CPU arrays the functions here use mlxrl's native kernels (`mlxrl.cpu.native`,
 compiled on this machine: vectorised, one thread per core, MLX primitives with VJPs, so they
 differentiate and compile like MLX's ops); `python scripts/bench_cpu_ops.py` prints both side by side
-(figures in README, "Runtime").
+(figures in docs/platforms.md, "Runtime").
 
 Where the native module is not available (no compiler, not Linux, MLXRL_NATIVE=0), or on a GPU
 (Metal, CUDA), or for other dtypes, MLX's own ops are used, except `exp_shift` / `logsumexp` (the
@@ -266,7 +266,7 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
     buffer, the softmax runs over them in place and only the output and each row's log-sum-exp are
     kept; its VJP recomputes each block's probabilities. No [L, S] array exists, forward or backward,
     and the matmuls run in a register-tiled micro-kernel (`python scripts/bench_attention.py`: time and
-    peak against the materialised scores and MLX's own, figures in README). With an array mask (padded
+    peak against the materialised scores and MLX's own, figures in docs/benchmarks.md). With an array mask (padded
     or packed rows) or for decoding: scores, mask, the native softmax, values (MLX's CPU path has no
     fused kernel either). Elsewhere MLX's own."""
     if not uses_native(q):

@@ -17,7 +17,7 @@ On float32 CPU arrays with nll / dft, both run the whole chunk loop as ONE nativ
 by the BLAS). The MLX graph cannot do that: the `mx.depends` that orders its chunks keeps each old
 d_weight alive, so every chunk allocated a new one. The graph path therefore returns each row's logsumexp and
 d loss / d logp from its row pass and builds d_weight one vocab tile at a time in the VJP (one more
-matmul for a trained head; README, "GPU and Apple Silicon", has the figures). Callable token losses
+matmul for a trained head; docs/platforms.md, has the figures). Callable token losses
 (GRPO's) keep the graph.
 """
 

@@ -137,7 +137,7 @@ def _scale_dtype(model) -> mx.Dtype:
     group 64): bfloat16. Measured on the embedded default's logits (relative error against the float
     model): 4-bit 8.70% with float32 scales, 8.74% bfloat16, 8.70% float16; 8-bit 0.50%, 0.75%, 0.51%.
     float16 would be the slightly better 16-bit type, and the engine now accepts frozen float16 scales
-    (a checkpoint's); bfloat16 stays the default that the tests and README figures were measured with."""
+    (a checkpoint's); bfloat16 stays the default that the tests and documented figures were measured with."""
     return mx.bfloat16
 
 

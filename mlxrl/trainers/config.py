@@ -118,7 +118,7 @@ class TrainConfig(ElsewhereArguments):
                                  "MLX_ENABLE_TF32 when set")
     master_weights: bool = _f(True, "(mlxrl) with a bf16 model: keep a float32 master copy of the trainable weights "
                                     "(as torch AMP); false: update the bf16 weights with stochastic rounding instead "
-                                    "(4 bytes per trainable parameter less; see README, GPU and Apple Silicon)")
+                                    "(4 bytes per trainable parameter less; see docs/platforms.md)")
     # LoRA (TRL's ModelConfig names)
     use_peft: bool = _f(False, "train LoRA adapters instead of the full model")
     lora_r: int = _f(16, "LoRA rank")
@@ -212,7 +212,7 @@ class SFTConfig(TrainConfig):
     assistant_only_loss: bool = _f(False, "train only on assistant turns of conversations")
     loss_type: str = _f("nll", "nll | dft")
     head_mode: str = _f("fused", "(mlxrl) fused | two_phase | differentiable: how the streamed LM head runs "
-                                 "(see README, Losses)", choices=("fused", "two_phase", "differentiable"))
+                                 "(see docs/architecture.md, Losses)", choices=("fused", "two_phase", "differentiable"))
     dataset_text_field: str = _f("text", "column of language-modelling datasets")
     eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
     eval_packing: bool | None = _f(None, "pack the evaluation set (default: as packing)")

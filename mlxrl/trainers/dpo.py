@@ -86,7 +86,7 @@ class DPOConfig(TrainConfig):
     ld_alpha: float | None = _f(None, "LD-DPO: weight of completion tokens past the shorter answer's length")
     f_divergence_type: str = _f("reverse_kl", f"f-DPO regulariser: {' | '.join(F_DIVERGENCES)}")
     f_alpha_divergence_coef: float = _f(0.5, "alpha of alpha_divergence")
-    label_smoothing: float = _f(0.0, "robust / exo_pair / aot label smoothing (sigmoid: cDPO, see README)")
+    label_smoothing: float = _f(0.0, "robust / exo_pair / aot label smoothing (sigmoid: cDPO, see docs/dpo.md)")
     beta: float = _f(0.1, "deviation from the reference (IPO: tau)")
     use_weighting: bool = refused(False, "WPO weighting needs sum(p^2) per token, which the streamed head does "
                                          "not compute yet")

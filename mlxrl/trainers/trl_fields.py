@@ -19,7 +19,7 @@ import math
 
 from ..hub import ConfigError
 
-DISTRIBUTED = "mlxrl runs one process per device on mx.distributed (mlx.launch; README, Data-parallel training)"
+DISTRIBUTED = "mlxrl runs one process per device on mx.distributed (mlx.launch; docs/distributed.md)"
 DATA = "batches are prepared on one background thread of the trainer's process"
 HUB = "upload output_dir (its folders are in the Hub's layouts) with `huggingface-cli upload`"
 TORCH = "a torch option; mlxrl's step is compiled with mx.compile (--compile)"
