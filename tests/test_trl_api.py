@@ -94,8 +94,11 @@ def test_what_mlxrl_cannot_do_is_one_line(tiny_checkpoint, tmp_path):
 
     folder = str(tiny_checkpoint("qwen3"))
     args = SFTConfig(output_dir=str(tmp_path / "o"), **QUICK)
-    with pytest.raises(MlxrlError, match=r"compute_metrics=...\) is not supported"):
-        SFTTrainer(model=folder, args=args, train_dataset=ROWS, compute_metrics=lambda p: {})
+    with pytest.raises(MlxrlError, match=r"DPOTrainer\(compute_metrics=...\) is not supported"):
+        DPOTrainer(model=folder, args=DPOConfig(output_dir=str(tmp_path / "d"), **QUICK), train_dataset=PAIRS,
+                   compute_metrics=lambda p: {})
+    with pytest.raises(MlxrlError, match=r"data_collator=...\) is not supported"):
+        SFTTrainer(model=folder, args=args, train_dataset=ROWS, data_collator=lambda rows: rows)
     with pytest.raises(MlxrlError, match="a PyTorch model"):
         SFTTrainer(model=torch.nn.Linear(2, 2), args=args, train_dataset=ROWS)
     from peft import LoraConfig

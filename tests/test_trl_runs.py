@@ -120,3 +120,41 @@ def test_max_length_none_means_no_truncation(tiny_checkpoint, tmp_path):
     with pytest.raises(MlxrlError, match="packing fills rows of max_length tokens"):
         SFTTrainer(model, processor, SFTConfig(output_dir=str(tmp_path / "p"), max_length=None, packing=True),
                    train_dataset=ROWS)
+
+
+def token_accuracy(pred):
+    """A TRL user's compute_metrics: next-token accuracy over the trained labels (logits reduced to ids)."""
+    ids, labels = pred.predictions, pred.label_ids
+    ids, labels = ids[:, :-1], labels[:, 1:]
+    mask = labels != -100
+    return {"token_accuracy": float((ids[mask] == labels[mask]).mean()), "scored": int(mask.sum()),
+            "id_sum": int(ids[mask].sum())}  # which token each position predicts: the accuracy of a random model is 0
+
+
+def argmax_logits(logits, labels):
+    assert isinstance(logits, torch.Tensor) and logits.ndim == 3  # transformers passes its tensors
+    return logits.argmax(dim=-1)
+
+
+def test_compute_metrics_and_preprocess_logits_for_metrics_as_trl_evaluates(tiny_checkpoint, tmp_path):
+    from datasets import Dataset
+
+    folder = tiny_checkpoint("qwen3")
+    model, processor = mlxrl.load(folder)
+    ours = SFTTrainer(model=model, processing_class=processor, train_dataset=ROWS, eval_dataset=ROWS,
+                      compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_logits,
+                      args=SFTConfig(output_dir=str(tmp_path / "ours"), compile=False, disable_tqdm=True,
+                                     per_device_eval_batch_size=3, max_length=128))
+    got = ours.evaluate()
+    tok = processor.tokenizer
+    tok.chat_template = processor.chat_template
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    theirs = trl.SFTTrainer(model=hf, processing_class=tok, train_dataset=Dataset.from_list(ROWS),
+                            eval_dataset=Dataset.from_list(ROWS), compute_metrics=token_accuracy,
+                            preprocess_logits_for_metrics=argmax_logits,
+                            args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True,
+                                               report_to=[], per_device_eval_batch_size=3, max_length=128))
+    want = theirs.evaluate()
+    assert got["eval_scored"] == want["eval_scored"] > 0 and got["eval_id_sum"] == want["eval_id_sum"]
+    assert got["eval_token_accuracy"] == pytest.approx(want["eval_token_accuracy"], abs=1e-9)
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)

@@ -19,7 +19,7 @@ from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
 from ..tokens import IGNORE_INDEX
-from . import trl_api
+from . import eval_metrics, trl_api
 from .config import SFTConfig
 from .engine import Trainer, hidden_rows
 from .tokenizer_args import apply_tokenizer_args
@@ -48,7 +48,9 @@ class SFTTrainer(Trainer):
         processing_class, peft_config, formatting_func)."""
         model, processor, args, train_dataset, eval_dataset, extra = trl_api.resolve(
             self, "SFTTrainer", SFTConfig, model, processor, args, train_dataset, eval_dataset, trl,
-            accepted=("formatting_func",))
+            accepted=("formatting_func", "compute_metrics", "preprocess_logits_for_metrics"))
+        self.compute_metrics = extra["compute_metrics"]
+        self.preprocess_logits_for_metrics = extra["preprocess_logits_for_metrics"]
         super().__init__(model, processor, args)
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
@@ -180,17 +182,26 @@ class SFTTrainer(Trainer):
         return self._tokenize(rows)
 
     def evaluation_metrics(self) -> dict:
-        """The evaluation set's loss (un-prefixed; `evaluate()` names it eval_loss)."""
+        """The evaluation set's loss (un-prefixed; `evaluate()` names it eval_loss), and TRL's
+        `compute_metrics` of its logits and labels when one was given (`eval_metrics`)."""
         if not self.eval_examples:
             return {}
         self.model.eval()
-        total, items = 0.0, 0
+        total, items, predictions, labels = 0.0, 0, [], []
         for make in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size, lazy=True,
                                      train=False):
             b = make()
             arrays = self.to_device(b)
             loss, _ = self.loss(self.model, arrays, mx.array(b["trained_tokens"], dtype=mx.float32))
-            total += loss.item() * b["trained_tokens"]
-            items += b["trained_tokens"]
+            # transformers' evaluation loop: each batch's mean loss weighted by its rows (find_batch_size)
+            total += loss.item() * b["input_ids"].shape[0]
+            items += b["input_ids"].shape[0]
+            if self.compute_metrics is not None:
+                labels.append(eval_metrics.labels_of(b))
+                logits = eval_metrics.batch_logits(self.model, arrays)
+                predictions.append(eval_metrics.preprocess(self.preprocess_logits_for_metrics, logits, labels[-1]))
         self.model.train()
-        return {"loss": total / max(items, 1)}
+        out = {"loss": total / max(items, 1)}
+        if self.compute_metrics is not None:
+            out.update(eval_metrics.compute(self.compute_metrics, predictions, labels))
+        return out

@@ -35,9 +35,9 @@ UNSUPPORTED = {
     "compute_loss_func": "each mlxrl trainer's loss is its config's loss_type",
     "optimizers": "the optimizer and schedule come from the config (optim, lr_scheduler_type)",
     "optimizer_cls_and_kwargs": "the optimizer comes from the config (optim)",
-    "preprocess_logits_for_metrics": "mlxrl never materialises the logits (the LM head is streamed)",
+    "preprocess_logits_for_metrics": "only SFTTrainer evaluates logits (compute_metrics)",
     "model_init": "pass the model (a Hub id, a folder or a loaded model)",
-    "compute_metrics": "evaluation reports the loss (eval_loss) and the trainer's own metrics",
+    "compute_metrics": "this trainer's evaluation reports its loss and own metrics (SFTTrainer takes compute_metrics)",
 }
 
 
@@ -154,7 +154,7 @@ def resolve(trainer, who: str, config_class, model, processor, args, train_datas
     unknown = sorted(set(trl) - set(UNSUPPORTED) - {"processing_class", "peft_config"} - set(accepted))
     if unknown:
         raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
-    check_unsupported(who, **{k: v for k, v in trl.items() if k in UNSUPPORTED})
+    check_unsupported(who, **{k: v for k, v in trl.items() if k in UNSUPPORTED and k not in accepted})
     processor, args, train_dataset, eval_dataset = trl_order(processor, args, train_dataset, eval_dataset)
     model, processor, args = trainer_inputs(model, processor, args, processing_class=trl.get("processing_class"),
                                             peft_config=trl.get("peft_config"), config_class=config_class)
