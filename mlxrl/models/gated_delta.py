@@ -1,0 +1,435 @@
+"""The gated delta rule (Gated DeltaNet, Qwen3.5's linear-attention layers) as one MLX op whose VJP keeps
+the inputs and one state per chunk, not an autograd tape.
+
+The recurrence, per batch row and value head, with a float32 state S [dk, dv], for t = 1..T:
+
+    a_t = exp(g_t)                                    (g <= 0: the log decay)
+    S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T
+    o_t = S_t^T q_t
+
+exactly transformers' `torch_recurrent_gated_delta_rule` (Qwen3.5's decode path) and
+`torch_chunk_gated_delta_rule` (its training path): q is multiplied by `scale` (1/sqrt(dk) by default, as
+transformers always does) inside the op, after the optional L2 normalisation of q and k
+(`use_qk_l2norm_in_kernel`, eps 1e-6, in float32, as transformers' flag); when v has more heads than q and k,
+value head h reads key head h // (Hv / Hk) (transformers' `repeat_interleave`).
+
+The chunked form (training; chunks of C = 64 tokens). Within a chunk, with the chunk-start state S0, the
+log decays' cumulative sum gamma_i (from the chunk start), L_ij = exp(gamma_i - gamma_j) for j <= i,
+b_i = exp(gamma_i), the recurrence unrolls to
+
+    u_i = beta_i (v_i - a_i S_{i-1}^T k_i)         the delta written at i: U = U0 - W S0, where
+    (I + A) U0 = diag(beta) V,  (I + A) W = diag(beta b) K,  A_ij = beta_i L_ij k_i.k_j (j < i)
+    O   = diag(b) Q S0 + (L * Q K^T) U                            (L * .: elementwise, lower triangle)
+    S_C = b_C S0 + (diag(L_C.) K)^T U
+
+(the WY / UT-transform form of DeltaNet and flash-linear-attention): everything but the [dk, dv] state is a
+product of [C, C], [C, dk] and [C, dv] matrices, and one C-by-C unit lower-triangular inverse per chunk.
+
+Documents (`doc_starts`, packing / padding-free): the state restarts at zero at a document's first token.
+That cuts L and b with masks built from a segment id (the count of document starts so far in the chunk),
+and gamma is a segment-aware cumulative sum (each position sums its own segment's decays only: a masked
+matmul), so no document's decays ever enter another's, and no large negative numbers stand in for a reset
+(float32 differences of large cumulative sums would lose the small decays). A start at position 0 means
+the initial state is not continued. The final state is then the last document's.
+
+Lengths that are not a multiple of C: the last chunk is simply shorter. The formulas hold for any chunk
+length, so nothing is padded and no padded token is computed (transformers pads with zeros, which leaves
+the state unchanged: the same result); only the block-recursive inverse pads its matrix to a power of two
+with the identity.
+
+Memory. The forward runs the chunks in order and returns, next to the output and the final state, the
+state at the start of every chunk ([T/C, B, H, dk, dv] float32); that and the inputs are all the VJP keeps
+(a forward that is never differentiated builds that stack too, and drops it when the call's results are
+evaluated).
+The backward walks the chunks in reverse: for each, it recomputes the chunk's decays, A, its inverse, U0, W
+and U from the inputs and the saved state, turns the output's cotangent and the state cotangent dS coming
+from the next chunk into the chunk's input gradients, and passes dS back to the chunk before. Each chunk's
+inputs are tied with `mx.depends` to the previous chunk's results, so MLX (which schedules depth-first from
+the outputs) runs the chunks one after another and only one chunk's intermediates are alive. Inputs are
+cast to float32 per chunk; the state and all accumulation are float32; the output comes back in v's dtype
+(transformers returns q's; Qwen3.5 gives both the same dtype) and each gradient in its input's dtype.
+
+Paths: `_path` is the one dispatch point (a native CPU kernel for the whole sequence, forward and
+backward, will plug in there for float32 CPU arrays, as another entry of `_PATHS`); today every path is
+the MLX graph below, where the triangular inverse is LAPACK's (`mx.linalg.tri_inv`) on the CPU and a
+log-depth block recursion of matmuls elsewhere. Compile-friendly: no Python branch looks at an array's values.
+
+    pytest tests/test_gated_delta.py
+    python scripts/bench_gated_delta.py
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+CHUNK = 64
+L2_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm eps
+
+# None: by device (LAPACK on the CPU, the block recursion elsewhere); "lapack" or "blocks" forces one (tests)
+INVERSE: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the unit lower-triangular inverse
+
+
+def _inverse_blocks(a: mx.array) -> mx.array:
+    """(I + a)^-1 for strictly lower-triangular a [..., c, c], by doubling the size of the inverted diagonal
+    blocks: [[A11, 0], [A21, A22]]^-1 = [[X11, 0], [-X22 A21 X11, X22]]. Stable (it only multiplies blocks
+    of the inverse itself, unlike the Neumann series' powers of a, whose entries grow combinatorially with
+    correlated keys) and made of batched matmuls, so it runs on any device."""
+    c = a.shape[-1]
+    n = 1
+    while n < c:
+        n *= 2
+    lead = a.shape[:-2]
+    if n != c:  # the identity extends it: blockdiag(M, I)^-1 = blockdiag(M^-1, I)
+        a = mx.pad(a, [(0, 0)] * len(lead) + [(0, n - c), (0, n - c)])
+    inv = mx.ones(lead + (n, 1, 1), a.dtype)  # inverses of the diagonal blocks of size s: [..., n/s, s, s]
+    s = 1
+    while s < n:
+        m = n // (2 * s)
+        pairs = a.reshape(lead + (m, 2, s, m, 2, s))[..., :, 1, :, :, 0, :]  # [..., m, s, m, s]
+        a21 = mx.moveaxis(mx.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # each pair's lower-left block
+        x = inv.reshape(lead + (m, 2, s, s))
+        x11, x22 = x[..., 0, :, :], x[..., 1, :, :]
+        x21 = -(x22 @ (a21 @ x11))
+        inv = mx.concatenate([mx.concatenate([x11, mx.zeros_like(x11)], -1), mx.concatenate([x21, x22], -1)], -2)
+        s *= 2
+    return inv.reshape(lead + (n, n))[..., :c, :c]
+
+
+def _inverse_method() -> str:
+    if INVERSE is not None:
+        return INVERSE
+    return "lapack" if mx.default_device() == mx.cpu else "blocks"
+
+
+@functools.cache
+def _make_inverse(method: str):
+    @mx.custom_function
+    def inverse(a):
+        if method == "lapack":
+            eye = mx.eye(a.shape[-1], dtype=a.dtype)
+            return mx.linalg.tri_inv(eye + a, upper=False, stream=mx.cpu)
+        return _inverse_blocks(a)
+
+    # MLX has no VJP for its inverse: d(I + a)^-1 = -T^T dT T^T (only a's strict lower triangle exists).
+    # Only MLX's autograd of the forward (custom_vjp=False, the comparison) uses it.
+    @inverse.vjp
+    def inverse_vjp(primals, cotangent, output):
+        t = output
+        tt = mx.swapaxes(t, -1, -2)
+        c = t.shape[-1]
+        i = mx.arange(c)
+        return (-(tt @ cotangent @ tt)) * (i[:, None] > i[None, :])
+
+    return inverse
+
+
+def unit_lower_inverse(a: mx.array, method: str | None = None) -> mx.array:
+    """(I + a)^-1 for a batch of strictly lower-triangular float32 matrices a [..., c, c]."""
+    return _make_inverse(method or _inverse_method())(a)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one chunk
+
+
+def _decays(g: mx.array, starts: mx.array | None):
+    """The chunk's decay structure from g [B, H, c] (float32) and, with documents, starts [B, c] (bool).
+
+    Returns gamma [B, H, c] (segment-aware cumulative log decay), L [B, H, c, c] (exp(gamma_i - gamma_j)
+    where j <= i in the same segment, else 0), b [B, H, c] (decay from the chunk start to i; 0 after a
+    document start), last [B, H, c] (decay from j to the chunk end; 0 before the last document's start)
+    and link (the lower-triangular same-segment mask, [c, c] or [B, 1, c, c])."""
+    c = g.shape[-1]
+    i = mx.arange(c)
+    link = i[:, None] >= i[None, :]
+    if starts is None:
+        gamma = mx.cumsum(g, axis=-1)
+    else:
+        # a start's own decay multiplies a state that is dropped anyway: 0 keeps it out of every sum
+        g = mx.where(starts[:, None, :], 0.0, g)
+        seg = mx.cumsum(starts.astype(mx.int32), axis=-1)  # [B, c]
+        link = (link & (seg[:, :, None] == seg[:, None, :]))[:, None]  # [B, 1, c, c]
+        gamma = (link.astype(mx.float32) @ g[..., None])[..., 0]  # sums over the position's own segment only
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    L = mx.where(link, mx.exp(mx.where(link, diff, 0.0)), 0.0)  # exp only where finite and <= 0
+    b = mx.exp(gamma)
+    last = mx.exp(gamma[..., -1:] - gamma)
+    if starts is not None:
+        b = mx.where((seg == 0)[:, None, :], b, 0.0)
+        last = mx.where((seg == seg[:, -1:])[:, None, :], last, 0.0)
+    return gamma, L, b, last, link
+
+
+def _strict(c: int) -> mx.array:
+    i = mx.arange(c)
+    return i[:, None] > i[None, :]
+
+
+def _wy(K, V, beta, L, b):
+    """A (strictly lower), its inverse T, U0 = T diag(beta) V and W = T diag(beta b) K."""
+    KK = K @ mx.swapaxes(K, -1, -2)
+    A = mx.where(_strict(K.shape[-2]), beta[..., None] * L * KK, 0.0)
+    T = unit_lower_inverse(A)
+    dv = V.shape[-1]
+    UW = T @ mx.concatenate([beta[..., None] * V, (beta * b)[..., None] * K], axis=-1)
+    return KK, T, UW[..., :dv], UW[..., dv:]
+
+
+def _chunk_forward(Q, K, V, beta, L, b, last, S):
+    """One chunk: (O [B, H, c, dv], the state at its end)."""
+    _, _, U0, W = _wy(K, V, beta, L, b)
+    U = U0 - W @ S
+    P = L * (Q @ mx.swapaxes(K, -1, -2))
+    out = (b[..., None] * Q) @ S + P @ U
+    S_end = b[..., -1:, None] * S + mx.swapaxes(last[..., None] * K, -1, -2) @ U
+    return out, S_end
+
+
+def _chunk_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
+    """One chunk's gradients, recomputed from its inputs and its start state S: (dQ, dK, dV, dg, dbeta, dS)
+    with dQ, dK per value head, float32. The chain rule of `_chunk_forward` and `_decays`, written out."""
+    _, L, b, last, link = _decays(g, starts)
+    KK, T, U0, W = _wy(K, V, beta, L, b)
+    U = U0 - W @ S
+    tr = functools.partial(mx.swapaxes, axis1=-1, axis2=-2)
+    QK = Q @ tr(K)
+    P = L * QK
+    Qb, Kl = b[..., None] * Q, last[..., None] * K
+
+    dU = tr(P) @ dO + Kl @ dS_end  # [B, H, c, dv]
+    dS = tr(Qb) @ dO + b[..., -1:, None] * dS_end - tr(W) @ dU  # to the chunk before
+    dP = dO @ tr(U)
+    dKl = U @ tr(dS_end)
+    dQb = dO @ tr(S)
+    db_end = (S * dS_end).sum(axis=(-2, -1))  # [B, H]
+    # U0 = T X1, W = T X2 with T = (I + A)^-1: dX = T^T dY, dA = -T^T dY Y_in^T T^T = -dX (T X)^T
+    dv = V.shape[-1]
+    dX = tr(T) @ mx.concatenate([dU, -(dU @ tr(S))], axis=-1)
+    dX1, dX2 = dX[..., :dv], dX[..., dv:]
+    dA = mx.where(_strict(K.shape[-2]), -(dX1 @ tr(U0) + dX2 @ tr(W)), 0.0)
+
+    # A = beta_i L_ij KK_ij;  P = L QK;  X1 = beta V;  X2 = beta b K;  Qb = b Q;  Kl = last K
+    dAL = dA * L
+    x2k = (dX2 * K).sum(-1)
+    dbeta = (dAL * KK).sum(-1) + (dX1 * V).sum(-1) + b * x2k
+    dKK = beta[..., None] * dAL
+    dQK = dP * L
+    dK = (dKK + tr(dKK)) @ K + tr(dQK) @ Q + (beta * b)[..., None] * dX2 + last[..., None] * dKl
+    dQ = dQK @ K + b[..., None] * dQb
+    dV = beta[..., None] * dX1
+    c = g.shape[-1]
+    at_end = mx.arange(c) == c - 1
+    db = beta * x2k + (dQb * Q).sum(-1) + mx.where(at_end, db_end[..., None], 0.0)
+    dlast = (dKl * K).sum(-1) * last
+
+    # through the decays: L_ij = exp(gamma_i - gamma_j), b_i = exp(gamma_i), last_j = exp(gamma_c - gamma_j)
+    G = (beta[..., None] * dA * KK + dP * QK) * L
+    dgamma = G.sum(-1) - G.sum(-2) + db * b - dlast + mx.where(at_end, dlast.sum(-1, keepdims=True), 0.0)
+    if starts is None:
+        dg = mx.cumsum(dgamma, axis=-1, reverse=True)
+    else:  # gamma = link @ g (g zero at starts): dg = link^T dgamma
+        dg = (dgamma[..., None, :] @ link.astype(mx.float32))[..., 0, :]
+        dg = mx.where(starts[:, None, :], 0.0, dg)
+    return dQ, dK, dV, dg, dbeta, dS
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the whole sequence (the graph path)
+
+
+class _Config:
+    """What the op's graph depends on besides the arrays' shapes (hashable: one custom function each)."""
+
+    def __init__(self, chunk, scale, l2norm, groups, documents):
+        self.chunk, self.scale, self.l2norm, self.groups, self.documents = chunk, scale, l2norm, groups, documents
+
+    def key(self):
+        return (self.chunk, self.scale, self.l2norm, self.groups, self.documents)
+
+
+def _bounds(T: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+
+
+def _heads(x: mx.array) -> mx.array:
+    """A chunk's slice [B, c, H(, d)] -> float32 [B, H, c(, d)]."""
+    return mx.swapaxes(x.astype(mx.float32), 1, 2)
+
+
+def _tokens(x: mx.array, like: mx.array) -> mx.array:
+    """float32 [B, H, c(, d)] -> [B, c, H(, d)] in `like`'s dtype (a chunk's piece of a result)."""
+    return mx.swapaxes(x, 1, 2).astype(like.dtype)
+
+
+def _l2(x):
+    return x * mx.rsqrt((x * x).sum(-1, keepdims=True) + L2_EPS)
+
+
+def _l2_backward(x, y, dy):
+    """y = x / sqrt(|x|^2 + eps): dx = (dy - y (y . dy)) / sqrt(|x|^2 + eps)."""
+    return (dy - y * (y * dy).sum(-1, keepdims=True)) * mx.rsqrt((x * x).sum(-1, keepdims=True) + L2_EPS)
+
+
+def _qk(q, k, cfg):
+    """A chunk's q and k [B, Hk, c, dk] (float32) as the recurrence reads them: normalised (the flag),
+    q scaled, repeated to the value heads."""
+    qn, kn = (_l2(q), _l2(k)) if cfg.l2norm else (q, k)
+    Q, K = qn * cfg.scale, kn
+    if cfg.groups > 1:
+        Q, K = mx.repeat(Q, cfg.groups, axis=1), mx.repeat(K, cfg.groups, axis=1)
+    return qn, kn, Q, K
+
+
+def _graph_forward(q, k, v, g, beta, state, starts, cfg, save_states=True):
+    """The chunked forward: (out [B, T, Hv, dv] in v's dtype, final state float32 [B, Hv, dk, dv], the
+    states at the chunk starts [N, B, Hv, dk, dv] or None)."""
+    S = state.astype(mx.float32)
+    outs, saved = [], []
+    for s, e in _bounds(q.shape[1], cfg.chunk):
+        _, _, Q, K = _qk(_heads(q[:, s:e]), _heads(k[:, s:e]), cfg)
+        st = starts[:, s:e] if cfg.documents else None
+        _, L, b, last, _ = _decays(_heads(g[:, s:e]), st)
+        saved.append(S)
+        out, S = _chunk_forward(Q, K, _heads(v[:, s:e]), _heads(beta[:, s:e]), L, b, last, S)
+        outs.append(_tokens(out, v))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+    return out, S, (mx.stack(saved) if save_states else None)
+
+
+def _graph_backward(primals, d_out, d_final, saved, cfg):
+    """The chunks in reverse, each recomputed from its saved start state; gradients of every primal."""
+    q, k, v, g, beta, state, starts = primals
+    dS = d_final.astype(mx.float32)
+    pieces = []  # per chunk, last first: (dq, dk, dv, dg, dbeta)
+    for n, (s, e) in reversed(list(enumerate(_bounds(q.shape[1], cfg.chunk)))):
+        # this chunk waits for everything the next one produced, so only one chunk's intermediates live
+        after = [dS, *pieces[-1]] if pieces else [dS]
+        ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], d_out[:, s:e], saved[n]]
+        if cfg.documents:
+            ins.append(starts[:, s:e])
+        ins = mx.depends(ins, after) if pieces else ins
+        qc, kc, vc, gc, bc, dO = (_heads(x) for x in ins[:6])
+        S, st = ins[6], (ins[7] if cfg.documents else None)
+        qn, kn, Q, K = _qk(qc, kc, cfg)
+        dQ, dK, dV, dg, dbeta, dS = _chunk_backward(Q, K, vc, gc, bc, st, S, dO, dS)
+        if cfg.groups > 1:  # the value heads that read one key head add their gradients
+            dQ = dQ.reshape(dQ.shape[0], -1, cfg.groups, *dQ.shape[2:]).sum(2)
+            dK = dK.reshape(dK.shape[0], -1, cfg.groups, *dK.shape[2:]).sum(2)
+        dQ = dQ * cfg.scale
+        if cfg.l2norm:
+            dQ, dK = _l2_backward(qc, qn, dQ), _l2_backward(kc, kn, dK)
+        pieces.append((_tokens(dQ, q), _tokens(dK, k), _tokens(dV, v), _tokens(dg, g), _tokens(dbeta, beta)))
+    grads = [p[0] if len(pieces) == 1 else mx.concatenate(p[::-1], axis=1) for p in zip(*pieces, strict=True)]
+    return (*grads, dS.astype(state.dtype), mx.zeros_like(starts))
+
+
+_PATHS = {"graph": (_graph_forward, _graph_backward)}
+
+
+def _path(q: mx.array, v: mx.array) -> str:
+    """Which implementation runs these inputs: the dispatch point where a native kernel for a path (the
+    float32 CPU one) will take the whole sequence, forward and backward, under a name of its own in
+    `_PATHS`; every path is the MLX graph for now."""
+    return "graph"
+
+
+@functools.cache
+def _make_op(path: str, key: tuple):
+    cfg = _Config(*key)
+    forward, backward = _PATHS[path]
+
+    @mx.custom_function
+    def op(q, k, v, g, beta, state, starts):
+        return forward(q, k, v, g, beta, state, starts, cfg)
+
+    @op.vjp
+    def op_vjp(primals, cotangents, outputs):
+        d_out, d_final = cotangents[0], cotangents[1]  # the saved states are internal: their cotangent is 0
+        return backward(primals, d_out, d_final, outputs[2], cfg)
+
+    return op
+
+
+def gated_delta_rule(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    initial_state: mx.array | None = None,
+    doc_starts: mx.array | None = None,
+    chunk: int = CHUNK,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    custom_vjp: bool = True,
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over a sequence, chunked, with the memory-bounded VJP (module docstring).
+
+    q, k [B, T, Hk, dk]; v [B, T, Hv, dv] (Hv a multiple of Hk); g (log decay, <= 0) and beta [B, T, Hv];
+    initial_state [B, Hv, dk, dv] or None (zeros); doc_starts [B, T] bool or None: True at each document's
+    first token, where the state restarts at zero. q is scaled by `scale` (default dk ** -0.5) inside, after
+    the L2 normalisation of q and k when `use_qk_l2norm_in_kernel` (transformers' convention for both).
+    custom_vjp=False: the same chunked forward left to MLX's autograd (the comparison in tests and the
+    benchmark: it keeps every chunk's intermediates).
+    Returns (out [B, T, Hv, dv] in v's dtype, final_state [B, Hv, dk, dv] float32).
+    """
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[-2:]
+    if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hk:
+        raise ValueError(f"gated_delta_rule: q {q.shape}, k {k.shape}, v {v.shape}: q and k [B, T, Hk, dk], "
+                         "v [B, T, Hv, dv] with Hv a multiple of Hk")
+    if g.shape != (B, T, Hv) or beta.shape != (B, T, Hv):
+        raise ValueError(f"gated_delta_rule: g {g.shape} and beta {beta.shape} must be [B, T, Hv] = {(B, T, Hv)}")
+    if initial_state is not None and initial_state.shape != (B, Hv, dk, dv):
+        raise ValueError(f"gated_delta_rule: initial_state {initial_state.shape}, expected {(B, Hv, dk, dv)}")
+    if doc_starts is not None and doc_starts.shape != (B, T):
+        raise ValueError(f"gated_delta_rule: doc_starts {doc_starts.shape}, expected {(B, T)}")
+    state = mx.zeros((B, Hv, dk, dv), mx.float32) if initial_state is None else initial_state
+    starts = mx.zeros((B, T), mx.bool_) if doc_starts is None else doc_starts.astype(mx.bool_)
+    key = (int(chunk), float(dk ** -0.5 if scale is None else scale), bool(use_qk_l2norm_in_kernel), Hv // Hk,
+           doc_starts is not None)
+    if not custom_vjp:
+        out, final, _ = _graph_forward(q, k, v, g, beta, state, starts, _Config(*key), save_states=False)
+        return out, final
+    out, final, _ = _make_op(_path(q, v), key)(q, k, v, g, beta, state, starts)
+    return out, final
+
+
+def gated_delta_step(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """One token of the recurrence (decoding with the recurrent cache): q, k [B, Hk, dk] or [B, 1, Hk, dk],
+    v [B, Hv, dv] or [B, 1, Hv, dv], g and beta [B, Hv] or [B, 1, Hv], state [B, Hv, dk, dv].
+    Returns (out like v, in v's dtype; the new state, float32). Same conventions as `gated_delta_rule`."""
+    seq = q.ndim == 4
+    if seq:
+        q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
+    Hk, dk = q.shape[-2:]
+    Hv = v.shape[-2]
+    f32 = mx.float32
+    q, k = q.astype(f32), k.astype(f32)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2(q), _l2(k)
+    q = q * (dk ** -0.5 if scale is None else scale)
+    if Hv != Hk:
+        q, k = mx.repeat(q, Hv // Hk, axis=1), mx.repeat(k, Hv // Hk, axis=1)
+    S = mx.exp(g.astype(f32))[..., None, None] * state.astype(f32)  # [B, Hv, dk, dv]
+    delta = beta.astype(f32)[..., None] * (v.astype(f32) - (k[..., None, :] @ S)[..., 0, :])  # [B, Hv, dv]
+    S = S + k[..., :, None] * delta[..., None, :]
+    out = (q[..., None, :] @ S)[..., 0, :].astype(v.dtype)
+    return (out[:, None] if seq else out), S

@@ -1,0 +1,154 @@
+"""The gated delta rule's forward + backward, side by side: ours (`mlxrl.models.gated_delta`, the chunked
+op with its own VJP), MLX's autograd of the same chunked forward (`custom_vjp=False`), and transformers'
+`torch_chunk_gated_delta_rule` under torch autograd (Qwen3.5's training path without flash-linear-attention).
+Qwen3.5-0.8B's DeltaNet widths by default (16 key and 16 value heads of 128; with more value heads than key
+heads, q and k serve Hv / Hk value heads each, as transformers' repeat_interleave), q and k L2-normalised in
+the op as Qwen3.5 calls it, float32, loss sum(out * w).
+
+Each measurement runs in its own process, so peaks do not mix: the first step's peak resident memory above
+the inputs (ru_maxrss minus the RSS before it; every side) and MLX's own peak (`mx.get_peak_memory` after
+`mx.reset_peak_memory`, above the active memory before; MLX sides), then the median time of `--repeats`
+further steps. Ratios are against ours.
+
+    python scripts/bench_gated_delta.py                                  # T = 4096 and 8192, Qwen3.5-0.8B
+    python scripts/bench_gated_delta.py --lengths 2048 --heads 16 32     # Qwen3.5's default config widths
+"""
+
+import argparse  # noqa: I001  (mlxrl must come before mlx.core)
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+SIDES = ("ours", "mlx_autograd", "torch")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _inputs(np, a):
+    rng = np.random.default_rng(0)
+    (hk, hv), (dk, dv), B, T = a.heads, a.dims, a.batch, a.length
+    f32 = np.float32
+    return (rng.standard_normal((B, T, hk, dk), f32), rng.standard_normal((B, T, hk, dk), f32),
+            rng.standard_normal((B, T, hv, dv), f32), -rng.uniform(0.01, 1.0, (B, T, hv)).astype(f32),
+            rng.uniform(0.0, 1.0, (B, T, hv)).astype(f32), rng.standard_normal((B, T, hv, dv), f32))
+
+
+def _worker(a) -> dict:
+    import numpy as np
+
+    arrays = _inputs(np, a)
+    if a.worker == "torch":
+        import torch
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+        *ins, w = (torch.from_numpy(x) for x in arrays)
+
+        def step():
+            leaves = [x.clone().requires_grad_(True) for x in ins]
+            out, _ = torch_chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)
+            (out * w).sum().backward()
+            return [x.grad for x in leaves]
+
+        rss = _rss()
+        start = time.perf_counter()
+        step()
+        first = time.perf_counter() - start
+        result = {"rss_peak": max(_max_rss() - rss, 0), "mlx_peak": None}
+    else:
+        import mlxrl  # noqa: F401, I001  (the fast BLAS before mlx.core)
+        import mlx.core as mx
+        from mlxrl.models.gated_delta import gated_delta_rule
+
+        *ins, w = (mx.array(x) for x in arrays)
+        mx.eval(ins, w)
+
+        def loss(q, k, v, g, beta):
+            out, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                      custom_vjp=a.worker == "ours")
+            return (out * w).sum()
+
+        grad = mx.value_and_grad(loss, argnums=list(range(5)))
+
+        def step():
+            result = grad(*ins)
+            mx.eval(result)
+            return result
+
+        rss, base = _rss(), mx.get_active_memory()
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        step()
+        first = time.perf_counter() - start
+        result = {"rss_peak": max(_max_rss() - rss, 0), "mlx_peak": mx.get_peak_memory() - base}
+    times = []
+    for _ in range(a.repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    result["time"] = statistics.median(times) if times else first
+    result["first"] = first
+    return result
+
+
+def _measure(side: str, a) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--length", str(a.length), "--batch", str(a.batch),
+           "--heads", *map(str, a.heads), "--dims", *map(str, a.dims), "--repeats", str(a.repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _ratio(mine, theirs) -> str:
+    return f"{mine / theirs:.2f}" if mine is not None and theirs else "-"
+
+
+def _gb(x):
+    return "-" if x is None else f"{x / 1e9:.2f} GB"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--length", type=int, default=4096, help=argparse.SUPPRESS)
+    ap.add_argument("--heads", type=int, nargs=2, default=[16, 16], metavar=("HK", "HV"))
+    ap.add_argument("--dims", type=int, nargs=2, default=[128, 128], metavar=("DK", "DV"))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(_worker(a)))
+        return
+    (hk, hv), (dk, dv) = a.heads, a.dims
+    print(f"gated delta rule, forward + backward: B={a.batch}, heads {hk} key / {hv} value, dk={dk}, dv={dv}, "
+          f"float32, median of {a.repeats} steps after the first; peaks from the first step")
+    print(f"{'T':>6} {'side':<13} {'time':>9} {'x ours':>7} {'RSS peak':>10} {'x ours':>7} {'MLX peak':>10} "
+          f"{'x ours':>7}")
+    for length in a.lengths:
+        a.length = length
+        rows = {side: _measure(side, a) for side in a.sides}
+        ref = rows.get("ours", {})
+        for side, r in rows.items():
+            if "error" in r:
+                print(f"{length:>6} {side:<13} failed: {r['error']}")
+                continue
+            x = {key: _ratio(r[key], ref.get(key)) for key in ("time", "rss_peak", "mlx_peak")}
+            print(f"{length:>6} {side:<13} {r['time']:>8.2f}s {x['time']:>7} {_gb(r['rss_peak']):>10} "
+                  f"{x['rss_peak']:>7} {_gb(r['mlx_peak']):>10} {x['mlx_peak']:>7}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""The gated delta rule op (`mlxrl.models.gated_delta`) against independent references: a float64 NumPy
+recurrence written here (values), torch autograd of transformers' `torch_chunk_gated_delta_rule` (gradients,
+and its calling convention: the q scaling, the L2 normalisation, the key-head groups), documents run one by
+one (packing), the float32 result (bf16 inputs), the step function, mx.compile, and MLX's own autograd of
+the same chunked forward (peak memory).
+
+    pytest tests/test_gated_delta.py
+"""
+
+import mlxrl  # noqa: F401, I001  (first: the fast BLAS before mlx.core)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxrl.models import gated_delta
+from mlxrl.models.gated_delta import gated_delta_rule, gated_delta_step, unit_lower_inverse
+
+torch = pytest.importorskip("torch")
+qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+LENGTHS = [1, 63, 64, 65, 130, 200]
+# (Hk, Hv, dk, dv): equal heads and widths; key-head groups (Hv = 3 Hk) with dk != dv
+WIDTHS = [(2, 2, 16, 16), (1, 3, 8, 12)]
+
+
+def _rel(a, b, floor=1e-2) -> float:
+    """max |a - b| / max |b|, the scale at least `floor` (a gradient that is zero in exact arithmetic, g's
+    where the state it decays is zero, is rounding noise in the reference)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), floor))
+
+
+def _data(seed, B, T, Hk, Hv, dk, dv, normalise=True):
+    """float64 inputs: q, k unit vectors (as the L2 norm leaves them) unless normalise=False, g in [-1, -0.01],
+    beta in (0, 1), an initial state, and random weights for the loss."""
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((B, T, Hk, dk)), rng.standard_normal((B, T, Hk, dk))
+    if normalise:
+        q, k = q / np.linalg.norm(q, axis=-1, keepdims=True), k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, Hv, dv))
+    g = -rng.uniform(0.01, 1.0, (B, T, Hv))
+    beta = rng.uniform(0.0, 1.0, (B, T, Hv))
+    s0 = 0.5 * rng.standard_normal((B, Hv, dk, dv))
+    w_out, w_state = rng.standard_normal((B, T, Hv, dv)), rng.standard_normal((B, Hv, dk, dv))
+    return q, k, v, g, beta, s0, w_out, w_state
+
+
+def _recurrence(q, k, v, g, beta, s0, starts=None):
+    """The gated delta rule token by token in float64 (q scaled by 1/sqrt(dk); value head h reads key head
+    h // (Hv / Hk)); starts [B, T]: the state is zero before a document's first token."""
+    Hk, dk = q.shape[-2:]
+    Hv = v.shape[-2]
+    q = np.repeat(q, Hv // Hk, axis=2) / np.sqrt(dk)
+    k = np.repeat(k, Hv // Hk, axis=2)
+    S = s0.copy()
+    out = np.zeros(v.shape)
+    for t in range(q.shape[1]):
+        if starts is not None:
+            S = np.where(starts[:, t, None, None, None], 0.0, S)
+        S = S * np.exp(g[:, t])[..., None, None]
+        delta = beta[:, t, :, None] * (v[:, t] - np.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    return out, S
+
+
+def _mx(*xs, dtype=mx.float32):
+    return [mx.array(np.asarray(x, np.float32)).astype(dtype) for x in xs]
+
+
+def _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, with_state=True, starts=None, l2=True, **kw):
+    """(out, final, gradients of sum(out w_out) + sum(final w_state) w.r.t. q, k, v, g, beta, s0) as NumPy."""
+    W, WS = _mx(w_out, w_state)
+    ds = None if starts is None else mx.array(starts)
+
+    def loss(q, k, v, g, beta, s0):
+        out, final = gated_delta_rule(q, k, v, g, beta, s0 if with_state else None, ds,
+                                      use_qk_l2norm_in_kernel=l2, **kw)
+        return (out.astype(mx.float32) * W).sum() + (final * WS).sum(), (out, final)
+
+    (_, (out, final)), grads = mx.value_and_grad(loss, argnums=list(range(6)))(*_mx(q, k, v, g, beta, s0))
+    return np.array(out), np.array(final), [np.array(x.astype(mx.float32)) for x in grads]
+
+
+def _torch_grads(q, k, v, g, beta, s0, w_out, w_state, with_state=True):
+    """The same loss through transformers' training path, under torch autograd."""
+    ts = [torch.tensor(x, requires_grad=True) for x in (q, k, v, g, beta, s0)]
+    out, final = qwen3_5.torch_chunk_gated_delta_rule(*ts[:5], initial_state=ts[5] if with_state else None,
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ((out * torch.tensor(w_out)).sum() + (final * torch.tensor(w_state)).sum()).backward()
+    return out.detach().numpy(), final.detach().numpy(), [t.grad.numpy() if t.grad is not None else None for t in ts]
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("widths", WIDTHS)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_values_match_float64_recurrence(T, widths, with_state):
+    q, k, v, g, beta, s0, _, _ = _data(T, 2, T, *widths)
+    s0 = s0 if with_state else np.zeros_like(s0)
+    ref_out, ref_final = _recurrence(q, k, v, g, beta, s0)
+    out, final = gated_delta_rule(*_mx(q, k, v, g, beta), _mx(s0)[0] if with_state else None)
+    assert out.shape == v.shape and out.dtype == mx.float32
+    assert final.shape == s0.shape and final.dtype == mx.float32
+    assert _rel(out, ref_out) < 1e-5
+    assert _rel(final, ref_final) < 1e-5
+
+
+@pytest.mark.parametrize("T", LENGTHS)
+@pytest.mark.parametrize("widths", WIDTHS)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_gradients_match_transformers_under_torch_autograd(T, widths, with_state):
+    # raw q and k: the L2 normalisation (use_qk_l2norm_in_kernel, as Qwen3.5 calls it) is differentiated too
+    data = _data(100 + T, 2, T, *widths, normalise=False)
+    t_out, t_final, t_grads = _torch_grads(*data, with_state=with_state)
+    out, final, grads = _mlx_grads(*data, with_state=with_state)
+    assert _rel(out, t_out) < 1e-5 and _rel(final, t_final) < 1e-5
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    for name, ours, theirs in zip(names if with_state else names[:5], grads, t_grads, strict=False):
+        assert ours.shape == theirs.shape
+        assert _rel(ours, theirs) <= 1e-4, name
+
+
+def test_scale_and_no_normalisation_follow_the_recurrence():
+    q, k, v, g, beta, s0, _, _ = _data(7, 2, 70, 2, 4, 8, 8)
+    ref_out, _ = _recurrence(q * 3.0, k, v, g, beta, s0)  # scale 3/sqrt(dk)
+    out, _ = gated_delta_rule(*_mx(q, k, v, g, beta, s0), scale=3.0 / np.sqrt(8))
+    assert _rel(out, ref_out) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packed rows
+
+
+def _packed(seed):
+    """Two rows of documents (lengths crossing chunk boundaries; one of 64, one of a single token); row 0's
+    first document continues the initial state, row 1 starts a document at position 0 (the state restarts)."""
+    lengths = [[50, 90, 60], [64, 1, 135]]
+    T = 200
+    data = _data(seed, 2, T, 1, 2, 16, 8, normalise=False)
+    starts = np.zeros((2, T), bool)
+    for row, ls in enumerate(lengths):
+        starts[row, np.cumsum([0] + ls[:-1])] = True
+    starts[0, 0] = False
+    return data, starts, lengths
+
+
+def test_documents_equal_separate_runs_values_and_gradients():
+    (q, k, v, g, beta, s0, w_out, w_state), starts, lengths = _packed(5)
+    out, final, grads = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts)
+    for row, ls in enumerate(lengths):
+        bounds = np.cumsum([0] + ls)
+        for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            continues = row == 0 and n == 0
+            last = n == len(ls) - 1
+            one = [x[row:row + 1, s:e] for x in (q, k, v, g, beta)]
+            s0_doc = s0[row:row + 1] if continues else np.zeros_like(s0[row:row + 1])
+            w_final = w_state[row:row + 1] if last else np.zeros_like(w_state[row:row + 1])
+            d_out, d_final, d_grads = _mlx_grads(*one, s0_doc, w_out[row:row + 1, s:e], w_final)
+            assert _rel(out[row, s:e], d_out[0]) < 1e-5
+            if last:
+                assert _rel(final[row], d_final[0]) < 1e-5
+            for name, ours, alone in zip(["q", "k", "v", "g", "beta"], grads, d_grads, strict=False):
+                assert _rel(ours[row:row + 1, s:e], alone) < 1e-4, (row, n, name)
+            if continues:
+                assert _rel(grads[5][row], d_grads[5][0]) < 1e-4
+    assert np.abs(grads[5][1]).max() == 0.0  # row 1 restarts at position 0: its initial state is unread
+    # and the float64 recurrence with resets agrees on the values
+    ref_out, ref_final = _recurrence(q / np.linalg.norm(q, axis=-1, keepdims=True),
+                                     k / np.linalg.norm(k, axis=-1, keepdims=True), v, g, beta, s0, starts)
+    assert _rel(out, ref_out) < 1e-5 and _rel(final, ref_final) < 1e-5
+
+
+def test_reset_after_strong_decay_keeps_the_small_decays():
+    """A document start after a run of strongly negative g in the same chunk: the next document's small decays
+    must not be differences of large cumulative sums (as a reset written as g = -1e4 would make them)."""
+    q, k, v, g, beta, _, _, _ = _data(9, 1, 64, 1, 1, 8, 8)
+    g[:, :32], g[:, 32:] = -40.0, -0.003
+    starts = np.zeros((1, 64), bool)
+    starts[0, 32] = True
+    zeros = np.zeros((1, 1, 8, 8))
+    ref_out, ref_final = _recurrence(q, k, v, g, beta, zeros, starts)
+    out, final = gated_delta_rule(*_mx(q, k, v, g, beta), doc_starts=mx.array(starts))
+    assert _rel(out, ref_out) < 1e-5 and _rel(final, ref_final) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dtypes, decoding, compile, the inverse
+
+
+def test_bf16_inputs_close_to_float32_with_float32_state():
+    data = _data(11, 2, 130, 2, 4, 32, 16, normalise=False)
+    out32, final32, grads32 = _mlx_grads(*data)
+    W, WS = _mx(data[6], data[7])
+
+    def loss(*xs):
+        out, final = gated_delta_rule(*xs, use_qk_l2norm_in_kernel=True)
+        return (out.astype(mx.float32) * W).sum() + (final * WS).sum(), (out, final)
+
+    ins = _mx(*data[:6], dtype=mx.bfloat16)
+    (_, (out, final)), grads = mx.value_and_grad(loss, argnums=list(range(6)))(*ins)
+    assert out.dtype == mx.bfloat16 and final.dtype == mx.float32
+    assert all(gr.dtype == mx.bfloat16 for gr in grads)
+    assert _rel(out.astype(mx.float32), out32) < 2e-2 and _rel(final, final32) < 2e-2
+    for ours, ref in zip(grads, grads32, strict=True):
+        assert _rel(ours.astype(mx.float32), ref) < 2e-2
+
+
+def test_step_equals_the_chunked_op_token_by_token():
+    q, k, v, g, beta, s0, _, _ = _data(13, 2, 70, 1, 3, 8, 12, normalise=False)
+    mq, mk, mv, mg, mb, ms = _mx(q, k, v, g, beta, s0)
+    out, final = gated_delta_rule(mq, mk, mv, mg, mb, ms, use_qk_l2norm_in_kernel=True)
+    state = ms
+    for t in range(70):
+        o, state = gated_delta_step(mq[:, t], mk[:, t], mv[:, t], mg[:, t], mb[:, t], state,
+                                    use_qk_l2norm_in_kernel=True)
+        assert o.shape == (2, 3, 12) and state.dtype == mx.float32
+        assert _rel(o, out[:, t]) < 1e-5
+    assert _rel(state, final) < 1e-5
+    # the [B, 1, H, d] form (a sequence of one) too
+    o, state1 = gated_delta_step(mq[:, :1], mk[:, :1], mv[:, :1], mg[:, :1], mb[:, :1], ms,
+                                 use_qk_l2norm_in_kernel=True)
+    one, final1 = gated_delta_rule(mq[:, :1], mk[:, :1], mv[:, :1], mg[:, :1], mb[:, :1], ms,
+                                   use_qk_l2norm_in_kernel=True)
+    assert o.shape == (2, 1, 3, 12) and _rel(o, one) < 1e-6 and _rel(state1, final1) < 1e-6
+
+
+def test_under_compile():
+    (q, k, v, g, beta, s0, w_out, w_state), starts, _ = _packed(17)
+    W, WS, ds = *_mx(w_out, w_state), mx.array(starts)
+
+    def loss(q, k, v, g, beta, s0):
+        out, final = gated_delta_rule(q, k, v, g, beta, s0, ds, use_qk_l2norm_in_kernel=True)
+        return (out * W).sum() + (final * WS).sum()
+
+    ins = _mx(q, k, v, g, beta, s0)
+    eager = mx.value_and_grad(loss, argnums=list(range(6)))(*ins)
+    compiled = mx.compile(mx.value_and_grad(loss, argnums=list(range(6))))(*ins)
+    assert _rel(compiled[0], eager[0]) < 1e-5
+    for a, b in zip(compiled[1], eager[1], strict=True):
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["lapack", "blocks"])
+@pytest.mark.parametrize("c", [64, 37])
+def test_unit_lower_inverse(method, c):
+    rng = np.random.default_rng(c)
+    k = rng.standard_normal((6, c, 8))
+    k[3:] = k[3:, :1]  # identical keys, beta 1: (I + A) is the all-ones lower triangle, entries of A^n explode
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = np.concatenate([rng.uniform(0, 1, (3, c, 1)), np.ones((3, c, 1))])
+    a = np.tril(beta * (k @ k.transpose(0, 2, 1)), -1)
+    ref = np.linalg.inv(np.eye(c) + a)
+    assert np.abs(np.array(unit_lower_inverse(mx.array(a.astype(np.float32)), method)) - ref).max() < 1e-5
+
+
+def test_block_inverse_path_gives_the_same_op(monkeypatch):
+    data = _data(19, 2, 130, 1, 2, 8, 8, normalise=False)
+    _, _, lapack = _mlx_grads(*data)
+    monkeypatch.setattr(gated_delta, "INVERSE", "blocks")  # the path a GPU takes
+    _, _, blocks = _mlx_grads(*data)
+    for a, b in zip(blocks, lapack, strict=True):
+        assert _rel(a, b) < 1e-5
+
+
+def test_autograd_of_the_forward_is_the_same_computation():
+    """custom_vjp=False (the memory comparison) differentiates the same forward: the same gradients."""
+    (q, k, v, g, beta, s0, w_out, w_state), starts, _ = _packed(23)
+    _, _, ours = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts)
+    _, _, autograd = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts, custom_vjp=False)
+    for a, b in zip(autograd, ours, strict=True):
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("used", ["out", "final"])
+def test_one_output_unused(used):
+    """A loss of the output alone or of the final state alone: the other output's cotangent is absent."""
+    q, k, v, g, beta, s0, w_out, w_state = _data(29, 1, 100, 2, 2, 8, 8)
+    zero = np.zeros_like(w_state) if used == "out" else np.zeros_like(w_out)
+    want = _mlx_grads(q, k, v, g, beta, s0, *((w_out, zero) if used == "out" else (zero, w_state)))[2]
+    W = _mx(w_out if used == "out" else w_state)[0]
+
+    def loss(*xs):
+        out, final = gated_delta_rule(*xs, use_qk_l2norm_in_kernel=True)
+        return ((out if used == "out" else final) * W).sum()
+
+    grads = mx.grad(loss, argnums=list(range(6)))(*_mx(q, k, v, g, beta, s0))
+    for a, b in zip(grads, want, strict=True):
+        assert _rel(a, b) < 1e-6
+
+
+def test_shape_errors():
+    q = mx.zeros((1, 8, 2, 4))
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        gated_delta_rule(q, q, mx.zeros((1, 8, 3, 4)), mx.zeros((1, 8, 3)), mx.zeros((1, 8, 3)))
+    with pytest.raises(ValueError, match="g"):
+        gated_delta_rule(q, q, q, mx.zeros((1, 8)), mx.zeros((1, 8, 2)))
+    with pytest.raises(ValueError, match="doc_starts"):
+        gated_delta_rule(q, q, q, mx.zeros((1, 8, 2)), mx.zeros((1, 8, 2)), doc_starts=mx.zeros((1, 7), mx.bool_))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory
+
+
+def test_vjp_peak_memory_is_well_below_autograd_of_the_chunked_forward():
+    """Forward + backward at T = 2048: ours keeps the inputs and one state per chunk; MLX's autograd of the
+    same chunked forward (custom_vjp=False) keeps every chunk's intermediates."""
+    B, T, H, d = 1, 2048, 4, 64
+    mx.random.seed(0)
+    q, k, v, w = (mx.random.normal((B, T, H, d)) for _ in range(4))
+    g, beta = -mx.random.uniform(0.01, 1.0, (B, T, H)), mx.random.uniform(0.0, 1.0, (B, T, H))
+    mx.eval(q, k, v, w, g, beta)
+
+    def peak(custom_vjp):
+        def loss(q, k, v, g, beta):
+            out, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, custom_vjp=custom_vjp)
+            return (out * w).sum()
+
+        step = mx.value_and_grad(loss, argnums=list(range(5)))
+        mx.eval(step(q, k, v, g, beta))  # warm: the same work, measured the second time
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        result = step(q, k, v, g, beta)
+        mx.eval(result)
+        used = mx.get_peak_memory() - base
+        del result
+        return used, step
+
+    ours, _ = peak(True)
+    naive, _ = peak(False)
+    assert ours < 0.5 * naive, (ours, naive)
+    # and ours is about the results themselves (5 gradients, the output, T/64 states) plus one chunk's work
+    results = 4 * (3 * B * T * H * d + 2 * B * T * H + B * T * H * d + (T // 64) * B * H * d * d)
+    assert ours < 2 * results, (ours, results)
