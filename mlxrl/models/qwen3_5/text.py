@@ -1,0 +1,265 @@
+"""Qwen3.5's decoder (`qwen3_5_text`, and the language part of `qwen3_5`), Hugging Face's names and layout.
+
+The layers follow `layer_types`: "linear_attention" layers are Gated DeltaNet, "full_attention" layers are
+gated attention; both are followed by the SwiGLU MLP, each sub-block pre-normed and residual.
+
+- **Gated DeltaNet** (`linear_attn`): `in_proj_qkv` -> a depthwise causal convolution over time (kernel
+  `linear_conv_kernel_dim`, HF's `conv1d.weight` [C, 1, K] kept as it is and applied as K shifted products)
+  with SiLU -> q, k [Hk, dk], v [Hv, dv]; beta = sigmoid(`in_proj_b` x), the log decay
+  g = -exp(`A_log`) * softplus(`in_proj_a` x + `dt_bias`); the gated delta rule (`models.gated_delta`, q and k
+  L2-normalised inside, q scaled by dk^-0.5); the gated RMSNorm per value head, rmsnorm(o) * w * silu(z) with
+  z = `in_proj_z` x; `out_proj`. Packed documents (segment ids) restart both the convolution and the rule's
+  state at each document; padded positions enter as zeros (transformers' `apply_mask_to_padding_states`).
+- **Gated attention** (`self_attn`): `q_proj` emits each head's query and an output gate side by side; q and
+  k go through per-head zero-centred RMSNorms, the first `partial_rotary_factor` of each head's dimensions
+  are rotated (interleaved M-RoPE), and the attention output is multiplied by sigmoid(gate) before `o_proj`.
+- **Norms** are zero-centred: x / rms(x) * (1 + weight), the weight stored as an offset from one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...cpu import fastmath
+from .. import checkpointing
+from ..gated_delta import gated_delta_rule
+from ..language import MLP, RotaryEmbedding, TextConfig, apply_rotary
+
+
+@dataclass
+class Qwen35TextConfig(TextConfig):
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: list[str] | None = None
+    full_attention_interval: int = 4
+    partial_rotary_factor: float | None = None
+    hidden_act: str = "silu"
+    extra: dict = field(default_factory=dict)
+
+    def _resolve_rope(self):
+        super()._resolve_rope()
+        if self.partial_rotary_factor is None:
+            self.partial_rotary_factor = float(self.rope_params.get("partial_rotary_factor", 0.25))
+        if self.layer_types is None:  # transformers' default: every `full_attention_interval`-th layer attends
+            n = self.full_attention_interval
+            self.layer_types = ["linear_attention" if (i + 1) % n else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers for num_hidden_layers "
+                             f"{self.num_hidden_layers}")
+        unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer_types: unknown layer type {sorted(unknown)[0]!r}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r}: Qwen3.5 uses silu")
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight) (the weight initialised at zero), in float32, cast back to x's dtype."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scale = (1.0 + self.weight.astype(mx.float32)).astype(x.dtype)
+        return fastmath.rms_norm(x, scale, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(x) * weight * silu(gate): the norm in float32, the gate's SiLU in float32, as transformers."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        h = fastmath.rms_norm(x, self.weight, self.eps)
+        return (h.astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+
+
+def document_starts(segment_ids: mx.array | None, B: int, L: int) -> mx.array | None:
+    """[B, L] True at the first token of each packed document (None without packing)."""
+    if segment_ids is None:
+        return None
+    first = mx.ones((B, 1), dtype=mx.bool_)
+    return mx.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
+def causal_conv(x: mx.array, weight: mx.array, starts: mx.array | None, state: mx.array | None = None):
+    """Depthwise causal convolution over time: x [B, L, C], weight [C, 1, K] (HF's layout) -> [B, L, C];
+    y[t] = sum_j w[:, j] x[t - K + 1 + j]. `starts`: document starts (no position sees another document's
+    inputs); `state`: the K - 1 inputs before x (decoding), else zeros. Returns (y, the last K - 1 inputs)."""
+    B, L, C = x.shape
+    K = weight.shape[-1]
+    past = mx.zeros((B, K - 1, C), x.dtype) if state is None else state.astype(x.dtype)
+    full = mx.concatenate([past, x], axis=1)  # [B, K - 1 + L, C]
+    if starts is not None:
+        # document index of each position; an input counts only for positions of its own document
+        doc = mx.cumsum(starts.astype(mx.int32), axis=1)
+        doc_full = mx.concatenate([mx.full((B, K - 1), -1, mx.int32), doc], axis=1)
+    w = weight.reshape(C, K).astype(x.dtype)
+    y = None
+    for j in range(K):
+        term = full[:, j:j + L] * w[:, j]
+        if starts is not None:
+            term = mx.where((doc_full[:, j:j + L] == doc)[..., None], term, 0)
+        y = term if y is None else y + term
+    return y, full[:, L:]
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Qwen35TextConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.hk, self.hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(d, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(d, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(d, self.hv, bias=False)
+        self.conv1d = Conv1dWeight(self.conv_dim, config.linear_conv_kernel_dim)
+        self.dt_bias = mx.ones((self.hv,))
+        self.A_log = mx.zeros((self.hv,))
+        self.norm = GatedRMSNorm(self.dv, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, d, bias=False)
+
+    def __call__(self, x: mx.array, attention_mask=None, segment_ids=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        if attention_mask is not None:  # padded positions enter as zeros
+            x = x * attention_mask[:, -L:, None].astype(x.dtype)
+        starts = document_starts(segment_ids, B, L)
+        conv_state = cache.conv_state if cache is not None else None
+        mixed, new_conv = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, starts, conv_state)
+        mixed = nn.silu(mixed)
+        kd = self.hk * self.dk
+        q = mixed[..., :kd].reshape(B, L, self.hk, self.dk)
+        k = mixed[..., kd:2 * kd].reshape(B, L, self.hk, self.dk)
+        v = mixed[..., 2 * kd:].reshape(B, L, self.hv, self.dv)
+        beta = mx.sigmoid(self.in_proj_b(x))
+        a = self.in_proj_a(x).astype(mx.float32)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
+        state = cache.state if cache is not None else None
+        out, final = gated_delta_rule(q, k, v, g, beta, initial_state=state, doc_starts=starts,
+                                      use_qk_l2norm_in_kernel=True)
+        if cache is not None:
+            cache.conv_state, cache.state = new_conv, final
+        z = self.in_proj_z(x).reshape(B, L, self.hv, self.dv)
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(B, L, -1))
+
+
+class Conv1dWeight(nn.Module):
+    """Holds `conv1d.weight` [C, 1, K] under HF's name and layout (applied by `causal_conv`)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = mx.zeros((channels, 1, kernel))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: Qwen35TextConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.rotary_dim = int(hd * config.partial_rotary_factor)
+        self.scale = hd**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * hd * 2, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(hd, eps=config.rms_norm_eps)
+
+    def _rotate(self, x, cos, sin):
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        return mx.concatenate([apply_rotary(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+
+    def __call__(self, x, cos, sin, mask, cache=None):
+        B, L, _ = x.shape
+        qg = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(B, L, -1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self._rotate(self.q_norm(q).transpose(0, 2, 1, 3), cos, sin)
+        k = self._rotate(self.k_norm(k).transpose(0, 2, 1, 3), cos, sin)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen35TextConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, cos, sin, mask, cache=None, *, attention_mask=None, segment_ids=None):
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h, attention_mask, segment_ids, cache)
+        else:
+            h = self.self_attn(h, cos, sin, mask, cache)
+        h = x + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen35LanguageModel(nn.Module):
+    """embed_tokens -> layers (by `layer_types`) -> norm; hidden states before the LM head."""
+
+    def __init__(self, config: Qwen35TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderLayer(config, t) for t in config.layer_types]
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        rotary = dataclasses.replace(config, head_dim=int(config.head_dim * config.partial_rotary_factor))
+        rotary.rope_type, rotary.rope_params = config.rope_type, config.rope_params
+        self.rotary_emb = RotaryEmbedding(rotary)
+        self.gradient_checkpointing = False
+        self.keep_attention = False
+        self.checkpoint_segments = 0
+
+    def set_checkpointing(self, on: bool, keep_attention: bool = False, segments: int = 0) -> None:
+        checkpointing.check_segments(int(segments or 0), len(self.layers), bool(on), bool(keep_attention))
+        self.gradient_checkpointing, self.keep_attention = bool(on), bool(keep_attention)
+        self.checkpoint_segments = int(segments or 0)
+
+    def tile_mlp(self, tokens: int) -> None:
+        for layer in self.layers:
+            layer.mlp.tile_tokens = int(tokens)
+
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, *, attention_mask=None,
+                 segment_ids=None) -> mx.array:
+        cos, sin = self.rotary_emb(position_ids)
+        h = inputs_embeds
+        kw = {"attention_mask": attention_mask, "segment_ids": segment_ids}
+        if cache is None:
+            h, = checkpointing.run_layers(self, lambda layer, x, c_, s_: (layer(x, c_, s_, mask, **kw),), (h,),
+                                          (cos, sin), None, ())
+            return self.norm(h)
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, cos, sin, mask, c, **kw)
+        return self.norm(h)

@@ -1,0 +1,125 @@
+"""Qwen3.5's decoder (`qwen3_5_text`) against transformers' `Qwen3_5ForCausalLM` (issue 50): the logits of a tiny
+random checkpoint (every norm, decay and bias perturbed from its initial value) at lengths that are not
+multiples of the delta rule's chunk, with left padding, and packed documents against each document alone;
+the gradient of a loss through every parameter against torch autograd (float64); greedy decoding with the
+recurrent cache against the full forward.
+
+    python -m pytest -q tests/test_qwen3_5.py
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxrl.models.qwen3_5.model import Model
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=12, rms_norm_eps=1e-6)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(transformers' model, ours) with the same random weights, float32."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(**CONFIG)
+    hf = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias", "A_log")):
+                p.add_(0.3 * torch.randn_like(p))  # away from the initial ones / zeros: a wrong offset shows
+    ours = Model({**cfg.to_dict(), "model_type": "qwen3_5_text"})
+    weights = ours.sanitize({k: mx.array(v.detach().numpy()) for k, v in hf.state_dict().items()})
+    ours.load_weights(list(weights.items()), strict=True)
+    ours.eval()
+    return hf, ours
+
+
+def hf_logits(hf, ids, **kw):
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor(ids), **{k: torch.tensor(v) for k, v in kw.items()}).logits.numpy()
+
+
+@pytest.mark.parametrize("length", [1, 5, 70, 130])
+def test_logits_equal_transformers(pair, length, kernel_path):
+    hf, ours = pair
+    ids = np.random.default_rng(length).integers(0, CONFIG["vocab_size"], size=(2, length))
+    np.testing.assert_allclose(np.array(ours(mx.array(ids))), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_left_padding_equals_transformers(pair):
+    hf, ours = pair
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, CONFIG["vocab_size"], size=(2, 80))
+    mask = np.ones_like(ids)
+    mask[0, :13] = 0
+    ids[0, :13] = 0
+    got = np.array(ours(mx.array(ids), attention_mask=mx.array(mask)))
+    want = hf_logits(hf, ids, attention_mask=mask)
+    np.testing.assert_allclose(got[mask > 0], want[mask > 0], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_documents_equal_each_document_alone(pair, kernel_path):
+    _, ours = pair
+    rng = np.random.default_rng(2)
+    lengths = [37, 70, 23]
+    docs = [rng.integers(0, CONFIG["vocab_size"], size=n) for n in lengths]
+    packed = np.concatenate(docs)[None]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])[None]
+    got = np.array(ours(mx.array(packed), segment_ids=mx.array(segments)))[0]
+    start = 0
+    for doc in docs:
+        alone = np.array(ours(mx.array(doc[None])))[0]
+        np.testing.assert_allclose(got[start:start + len(doc)], alone, atol=1e-4, rtol=1e-4)
+        start += len(doc)
+
+
+def test_gradients_through_every_parameter_equal_torch_autograd(pair, kernel_path):
+    hf, ours = pair
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, CONFIG["vocab_size"], size=(2, 70))
+    targets = rng.integers(0, CONFIG["vocab_size"], size=(2, 70))
+    # the reference: transformers in float64. Its float32 run measures how well float32 can do: the decay's
+    # gradients (A_log, dt_bias) sum many cancelling terms, and transformers' own float32 misses them by ~2e-3
+    hf64 = transformers.Qwen3_5ForCausalLM(hf.config).double().eval()
+    hf64.load_state_dict({k: v.double() for k, v in hf.state_dict().items()})
+    grads_of = {}
+    for name, model in (("64", hf64), ("32", hf)):
+        model.zero_grad()
+        logits = model(input_ids=torch.tensor(ids)).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                          torch.tensor(targets).reshape(-1)).backward()
+        grads_of[name] = {k: p.grad.numpy().astype(np.float64) for k, p in model.named_parameters()}
+    want, theirs = grads_of["64"], grads_of["32"]
+
+    def loss(params):
+        ours.update(tree_unflatten(list(params.items())))
+        out = ours(mx.array(ids))
+        return mx.mean(mx.logsumexp(out, axis=-1) - mx.take_along_axis(out, mx.array(targets)[..., None], -1)[..., 0])
+
+    params = dict(tree_flatten(ours.trainable_parameters()))
+    grads = mx.grad(loss)(params)
+    assert set(grads) == set(want)
+    for k, g in grads.items():
+        g, w = np.array(g), want[k]
+        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-12)
+        float32_err = np.linalg.norm(theirs[k] - w) / max(np.linalg.norm(w), 1e-12)
+        assert err <= max(1e-3, 1.5 * float32_err), (k, err, float32_err)
+
+
+def test_greedy_decoding_with_the_recurrent_cache_equals_the_full_forward(pair):
+    _, ours = pair
+    ids = np.random.default_rng(4).integers(0, CONFIG["vocab_size"], size=(1, 67))
+    full = np.array(ours(mx.array(ids)))[0]
+    cache = ours.make_cache()
+    prompt = np.array(ours(mx.array(ids[:, :60]), cache=cache))[0]
+    np.testing.assert_allclose(prompt, full[:60], atol=1e-4, rtol=1e-4)
+    for t in range(60, 67):
+        step = np.array(ours(mx.array(ids[:, t:t + 1]), cache=cache))[0, 0]
+        np.testing.assert_allclose(step, full[t], atol=1e-4, rtol=1e-4)
