@@ -2,8 +2,8 @@
 the same tiny checkpoints and batch, for sigmoid, ipo and a weighted list of two loss types, text
 (Qwen3, plain and conversational implicit-prompt) and vision (Qwen2-VL); the LoRA-off reference
 equals a separately loaded frozen copy and holds no second copy in memory; precomputed reference
-log-probs; padding-free == padded; trained parameters change; the demo's rewards/accuracies rise
-above 0.5; CLI errors.
+log-probs; padding-free == padded; trained parameters change; the demo's DPO raises held-out exact match and
+preference accuracy, and its rewards/accuracies rise above 0.5; CLI errors.
 
     python -m pytest -x -q tests/test_dpo_trainer.py
 """
@@ -235,14 +235,28 @@ def test_trained_parameters_change_and_reference_stays(tiny_checkpoint, tmp_path
         assert np.array_equal(before[k], np.array(v)), k
     logged = [e for e in history if "rewards/margins" in e]
     assert len(logged) == 2 and logged[1]["rewards/margins"] > 0  # the same 4 pairs, scored after one update
-    assert (tmp_path / "run" / "model" / "config.json").exists()
+    assert (tmp_path / "run" / "config.json").exists()  # the full model, in output_dir as TRL saves it
 
 
-def test_demo_rewards_accuracy_rises(tmp_path):
-    args = DPOConfig(output_dir=str(tmp_path / "demo"))
-    out = run_demo(args, {"output_dir"}, sft_steps=0, n_test=8, n_pairs=8,  # output_dir: tmp_path, not ./out
+def test_demo_dpo_raises_held_out_exact_match_and_preference_accuracy(tmp_path):
+    """The demo's promise in a shorter run (its brief SFT, fewer DPO steps and held-out rows): DPO raises
+    held-out exact match and preference accuracy well clear of the noise, and rewards/accuracies rise."""
+    args = DPOConfig(output_dir=str(tmp_path / "demo"))  # output_dir: tmp_path, not ./out
+    out = run_demo(args, {"output_dir"}, n_test=48, overrides={"max_steps": 8, "logging_steps": 4})
+    before, after = out["before"], out["after"]
+    assert after["exact_match"] >= before["exact_match"] + 0.2, out
+    assert after["preference"] >= before["preference"] + 0.05, out
+    accs = [e["rewards/accuracies"] for e in out["history"]]
+    assert max(accs[-2:]) > 0.5 and out["history"][-1]["rewards/margins"] > 0, out["history"]
+
+
+def test_demo_rewards_accuracy_rises_with_the_users_loss_type(tmp_path):
+    # a loss_type the user set keeps its own weights: here DPO's sigmoid term alone, on the demo's pairs
+    args = DPOConfig(output_dir=str(tmp_path / "demo"), loss_type=["sigmoid"])
+    out = run_demo(args, {"output_dir", "loss_type"}, sft_steps=0, n_test=8, n_pairs=8,
                    overrides={"max_steps": 6, "per_device_train_batch_size": 4, "logging_steps": 2,
                               "learning_rate": 1e-2})
+    assert args.loss_type == ["sigmoid"] and args.loss_weights is None
     accs = [e["rewards/accuracies"] for e in out["history"]]
     assert max(accs[-2:]) > 0.5, out["history"]
 
