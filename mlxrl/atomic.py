@@ -293,14 +293,18 @@ def _move_files_into(tmp: Path, folder: Path, kind: str) -> None:
         os.replace(tmp / n, folder / n)
     os.rmdir(tmp)
     for n in sorted(ours - set(names)):  # the previous save's files this one does not write (stale shards)
-        path = folder / n
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove_entry(folder / n)
     _fsync(folder)
     put_marker(names, False)
     _fsync(folder)
+
+
+def remove_entry(path: Path) -> None:
+    """Delete a file or a folder (a link as a file) that a marker of ours lists; gone already is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def check_complete(folder: Path, what: str = "") -> None:

@@ -283,6 +283,15 @@ def restart_positions(advance: mx.array, segment_ids: mx.array | None = None) ->
     return start - mx.cummax(mx.where(first, start, 0), axis=1)
 
 
+def text_positions(B: int, L: int, offset: int = 0, segment_ids: mx.array | None = None) -> mx.array:
+    """Position ids [B, L] of a text batch: offset, offset + 1, ...; packed documents (segment_ids) restart
+    at 0 per document, padding (segment 0) does not advance."""
+    if segment_ids is not None:
+        valid = (segment_ids > 0).astype(mx.int32)
+        return mx.where(valid > 0, restart_positions(valid, segment_ids), 0)
+    return mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (B, L))
+
+
 class LanguageModel(nn.Module):
     """embed_tokens -> layers -> norm. Returns hidden states before the LM head."""
 

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .dropout import embedding_noise
-from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, restart_positions
+from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, text_positions
 
 
 class Model(CausalLMHead, nn.Module):
@@ -50,13 +50,8 @@ class Model(CausalLMHead, nn.Module):
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         h = embedding_noise(h, neftune_scale, self.training)
         offset = cache[0].offset if cache is not None else 0
-        if position_ids is None and segment_ids is not None:
-            # packed documents: positions restart per document (padding does not advance)
-            valid = (segment_ids > 0).astype(mx.int32)
-            position_ids = mx.where(valid > 0, restart_positions(valid, segment_ids), 0)
-        elif position_ids is None:
-            B, L = h.shape[:2]
-            position_ids = mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (B, L))
+        if position_ids is None:
+            position_ids = text_positions(*h.shape[:2], offset, segment_ids)
         mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
         h = self.model(h, position_ids, mask, cache)
         return h if return_hidden else self.apply_lm_head(h)

@@ -53,12 +53,17 @@ from .trl_api import TRLSurface
 from .trl_fields import every_steps
 
 
-def hidden_rows(model, batch: dict) -> mx.array:
-    """Hidden states [R, D] at the scored positions `batch["rows"]` (the trunk up to the final norm); a
-    batch without `attention_mask` is right-padded (`data.batches.right_padded`) and attends causally."""
+def hidden_states(model, batch: dict) -> mx.array:
+    """Hidden states [B, L, D] of a prepared batch (the trunk up to the final norm); a batch without
+    `attention_mask` is right-padded (`data.batches.right_padded`) and attends causally."""
     kw = {k: batch[k] for k in ("attention_mask", "segment_ids", "pixel_values", "image_grid_thw", "vision_meta",
                                 "neftune_scale") if k in batch}
-    hidden = model(input_ids=batch["input_ids"], return_hidden=True, **kw)
+    return model(input_ids=batch["input_ids"], return_hidden=True, **kw)
+
+
+def hidden_rows(model, batch: dict) -> mx.array:
+    """Hidden states [R, D] at the scored positions `batch["rows"]`."""
+    hidden = hidden_states(model, batch)
     return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
 
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..tokens import IGNORE_INDEX
+from .engine import hidden_states
 
 
 def labels_of(batch: dict) -> np.ndarray:
@@ -32,9 +33,7 @@ def labels_of(batch: dict) -> np.ndarray:
 
 def batch_logits(model, batch: dict) -> mx.array:
     """Logits [B, T, V] (float32) of a prepared batch."""
-    kw = {k: batch[k] for k in ("attention_mask", "segment_ids", "pixel_values", "image_grid_thw", "vision_meta")
-          if k in batch}
-    hidden = model(input_ids=batch["input_ids"], return_hidden=True, **kw)
+    hidden = hidden_states(model, batch)
     return hidden.astype(mx.float32) @ model.lm_head_weight().astype(mx.float32).T
 
 

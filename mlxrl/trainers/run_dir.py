@@ -34,6 +34,7 @@ from ..atomic import (
     clean_stale,
     foreign_entries,
     read_marker,
+    remove_entry,
     write_error_reason,
     write_file_atomically,
 )
@@ -247,7 +248,8 @@ def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tup
     ours = set(marker["files"]) if marker else set()
     names = FINAL_FILES + (() if lora else MODEL_FILES)
     mine = [n for n in names if (out / n).exists() and n not in ours]
-    mine += sorted(p.name for p in out.glob("model-*.safetensors") if not lora and p.name not in ours)
+    if not lora:
+        mine += sorted(p.name for p in out.glob("model-*.safetensors") if p.name not in ours)
     if mine:
         raise MlxrlError(f"--output_dir {out} holds {mine[0]}, which mlxrl did not write and the final "
                          f"{'adapter' if lora else 'model'} save would replace: choose another --output_dir "
@@ -281,11 +283,7 @@ def remove_final_save(out: Path) -> None:
     midway leaves a marker listing what is left), and the model/, merged/ folders older runs wrote."""
     marker = read_marker(out)
     for name in (marker or {}).get("files", []):
-        path = out / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove_entry(out / name)
     if marker is not None:
         (out / MARKER).unlink(missing_ok=True)
     for name in ("model", "merged", "merged-quantized"):

@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ..dropout import embedding_noise
-from ..language import CausalLMHead, attention_mask_for, restart_positions
+from ..language import CausalLMHead, attention_mask_for, text_positions
 from .text import Qwen35LanguageModel, Qwen35TextConfig
 
 
 class LinearCache:
-    """A Gated DeltaNet layer's decoding state: the convolution's last K - 1 inputs and the rule's
-    float32 [B, Hv, dk, dv] state."""
+    """A Gated DeltaNet layer's decoding state: the convolution's last K - 1 inputs, the rule's float32
+    [B, Hv, dk, dv] state, and the tokens seen (`offset`, as mlx-lm's KVCache counts them)."""
 
     def __init__(self):
         self.conv_state, self.state, self.offset = None, None, 0
@@ -42,14 +41,10 @@ class Model(CausalLMHead, nn.Module):
             raise ValueError("qwen3_5_text is a text-only model: it cannot take images")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         h = embedding_noise(h, neftune_scale, self.training)
-        offset = next((c.offset for c in cache if hasattr(c, "keys")), 0) if cache is not None else 0
-        B, L = h.shape[:2]
-        if position_ids is None and segment_ids is not None:
-            valid = (segment_ids > 0).astype(mx.int32)
-            position_ids = mx.where(valid > 0, restart_positions(valid, segment_ids), 0)
-        elif position_ids is None:
-            position_ids = mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (B, L))
-        mask = attention_mask_for(L, attention_mask, segment_ids, offset)
+        offset = cache[0].offset if cache is not None else 0
+        if position_ids is None:
+            position_ids = text_positions(*h.shape[:2], offset, segment_ids)
+        mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
         h = self.model(h, position_ids, mask, cache, attention_mask=attention_mask, segment_ids=segment_ids)
         return h if return_hidden else self.apply_lm_head(h)
 

@@ -155,6 +155,7 @@ class GatedDeltaNet(nn.Module):
                                       use_qk_l2norm_in_kernel=True)
         if cache is not None:
             cache.conv_state, cache.state = new_conv, final
+            cache.offset += L
         z = self.in_proj_z(x).reshape(B, L, self.hv, self.dv)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(B, L, -1))
