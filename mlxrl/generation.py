@@ -348,7 +348,9 @@ def generate(
                    return_hidden=True, **_model_kwargs(model, pixel_values, image_grid_thw, vision_meta))
     logits = _next_logits(model, hidden)
     if rep > 1:  # share the prompt's keys/values with its G samples
-        cache = [SharedPrefixCache(c.keys[..., :c.offset, :], c.values[..., :c.offset, :], rep) for c in cache]
+        # attention layers keep the prompt's keys / values once; a recurrent layer's state is per row
+        cache = [c.repeated(rep) if hasattr(c, "repeated") else
+                 SharedPrefixCache(c.keys[..., :c.offset, :], c.values[..., :c.offset, :], rep) for c in cache]
         logits = mx.repeat(logits, rep, axis=0)
         attention_mask = mx.repeat(attention_mask, rep, axis=0)
         next_pos = mx.repeat(next_pos, rep, axis=0)

@@ -22,15 +22,18 @@ from PIL import Image
 
 from .pictures import to_rgb  # noqa: F401  (processing.to_rgb: the processors' RGB rule)
 from .tokenizer import (  # noqa: F401  (the templates and the tokenizer are part of processing's API)
+    QWEN3_5_CHAT_TEMPLATE,
     QWEN3_VL_CHAT_TEMPLATE,
     QWEN_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
     QWEN_VL_CHAT_TEMPLATE,
+    build_qwen3_5_tokenizer,
     build_qwen_tokenizer,
 )
 
-__all__ = ["QWEN_CHAT_TEMPLATE", "QWEN_VL_CHAT_TEMPLATE", "QWEN3_VL_CHAT_TEMPLATE", "QWEN_SPECIAL_TOKENS",
-           "build_qwen_tokenizer", "smart_resize", "ImageProcessor", "Processor"]
+__all__ = ["QWEN_CHAT_TEMPLATE", "QWEN_VL_CHAT_TEMPLATE", "QWEN3_VL_CHAT_TEMPLATE", "QWEN3_5_CHAT_TEMPLATE",
+           "QWEN_SPECIAL_TOKENS", "build_qwen_tokenizer", "build_qwen3_5_tokenizer", "smart_resize", "ImageProcessor",
+           "Processor"]
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -166,6 +169,8 @@ def _default_template(model_dir: Path, has_images: bool) -> str:
     model_type = json.loads(config.read_text()).get("model_type", "") if config.is_file() else ""
     if model_type.startswith("qwen3_vl"):
         return QWEN3_VL_CHAT_TEMPLATE
+    if model_type.startswith("qwen3_5"):
+        return QWEN3_5_CHAT_TEMPLATE
     return QWEN_VL_CHAT_TEMPLATE if has_images or model_type.endswith("_vl") else QWEN_CHAT_TEMPLATE
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cpu import fastmath
-from .generation import continue_positions, is_vl, prompt_positions, repeat_prompts
+from .generation import continue_positions, is_vl, left_align, prompt_positions, repeat_prompts
 from .losses.head import head_logprobs
 from .models import checkpointing
 from .models.language import attention_mask_for
@@ -43,12 +43,23 @@ from .tokens import IGNORE_INDEX
 class _Capture:
     """Stands in for a KV cache in the prompt's pass through a layer: keeps the layer's K/V. Its
     attention is causal over each prompt's real keys: the native FlashAttention kernel with the
-    prompts' key windows (`bounds`) where it runs, else the attention with the padding mask."""
+    prompts' key windows (`bounds`) where it runs, else the attention with the padding mask.
 
-    keys = values = None
+    A recurrent layer (Qwen3.5's Gated DeltaNet) reads the prompts' padding (`prompt_mask`) here and hands
+    over its convolution's inputs and the rule's final state (`keep_prompt_states`), both with their
+    gradient: the convolution's last K - 1 real inputs of each prompt (left or right padded) are gathered."""
 
-    def __init__(self, bounds: mx.array):
-        self.bounds = bounds
+    keys = values = recurrent = None
+
+    def __init__(self, bounds: mx.array, prompt_mask: mx.array):
+        self.bounds, self.prompt_mask = bounds, prompt_mask
+
+    def keep_prompt_states(self, conv_inputs: mx.array, final_state: mx.array, kernel: int) -> None:
+        last = self.bounds[:, 1:2] - 1  # [P, 1]: each prompt's last real token
+        at = last + mx.arange(-(kernel - 2), 1, dtype=mx.int32)[None]  # [P, K - 1]
+        tail = mx.take_along_axis(conv_inputs, mx.maximum(at, 0)[..., None], axis=1)
+        tail = mx.where((at >= 0)[..., None], tail, 0)  # a prompt shorter than K - 1: zeros before it
+        self.recurrent = (tail, final_state)
 
     def attention(self, q, k, v, *, scale, mask=None):
         self.keys, self.values = k, v
@@ -70,8 +81,13 @@ class _SharedPrefix:
     backward. Elsewhere: the prompt's K/V repeated G times along the batch (prompt-major) and
     prepended to the row's own, under the mask."""
 
-    def __init__(self, keys, values, group: int, bounds: mx.array):
+    def __init__(self, keys, values, group: int, bounds: mx.array, recurrent=None):
         self.keys, self.values, self.group, self.bounds = keys, values, group, bounds
+        self.recurrent = recurrent
+
+    def prompt_states(self):
+        """A recurrent layer's start for each completion row: its prompt's conv inputs and final state."""
+        return tuple(mx.repeat(s, self.group, axis=0) for s in self.recurrent)
 
     def _flash(self, q, k, v, scale):
         n, Hq, C, D = q.shape
@@ -168,9 +184,9 @@ def shared_prompt_hidden(
     bounds = mx.stack([prompt_mask.argmax(axis=1).astype(mx.int32), _last_real(prompt_mask) + 1], axis=1)
 
     def run_layer(layer, hp, hc, cp, sp, cc, sc):
-        cap = _Capture(bounds)
+        cap = _Capture(bounds, prompt_mask)
         hp = layer(hp, cp, sp, mask_p, cap)  # the prompt once: P rows
-        hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G, bounds))  # its G completions
+        hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G, bounds, cap.recurrent))  # its G rows
         return hp, hc
 
     def add(carry, feat):  # Qwen3-VL's deepstack features: the prompt's visual positions
@@ -243,10 +259,12 @@ def repeated_hidden(
 ) -> mx.array:
     """`shared_prompt_hidden`'s hidden states [P*G, C, D] by forwarding each of the P*G rows
     `prompt + completion` separately (each prompt and its images repeated G times). Eager (images
-    are regrouped in numpy)."""
+    are regrouped in numpy). Right-padded prompts are left-aligned first, so that each row is its prompt's
+    real tokens followed by its completion, as a recurrent layer must read them."""
     P, Lp = prompt_ids.shape
     n, C = completion_ids.shape
     G = n // P
+    prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask.astype(mx.int32), 0)
     ids, mask, pv, grid = repeat_prompts(model, G, prompt_ids, prompt_mask.astype(mx.int32), pixel_values,
                                          image_grid_thw)
     ids = mx.concatenate([ids, completion_ids.astype(ids.dtype)], axis=1)

@@ -7,6 +7,8 @@
 Each folder holds a float32 model (real vocab 151936, 2 text layers, hidden 64, 4 heads / 2 kv
 heads of 16, M-RoPE sections [2, 3, 3] for VL, a 2-block vision tower), our tokenizer files and
 chat template, and for VL a preprocessor_config.json with small min/max pixels so tests are fast.
+Qwen3.5 (`qwen3_5_text`, and `qwen3_5` with Qwen3-VL's tower without DeepStack): Qwen3.5's 248320
+vocabulary and tokenizer, 4 layers (3 Gated DeltaNet, 1 gated attention with half of each head rotated).
 Weights are re-drawn with a larger std than transformers' 0.02 so that logits are far from
 uniform and parity tests can fail. The same seed gives the same weights.
 
@@ -21,9 +23,12 @@ import argparse
 import sys
 from pathlib import Path
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
 SEED = 0
 INIT_STD = 0.15
+# Qwen3.5's 4 layers at 0.15 amplify float32 rounding to ~1e-4 of the logits (transformers' own float32 forward is
+# as far from its float64 one): 0.1 keeps the logits far from uniform and the float32 error well below 1e-4
+QWEN3_5_INIT_STD = 0.1
 
 TOKEN_IDS = dict(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
 VL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
@@ -37,7 +42,19 @@ SMALL_TEXT = dict(TEXT, hidden_size=1024, intermediate_size=3072, num_hidden_lay
 SMALL_VISION = dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=1024,
                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
                     deepstack_visual_indexes=[1, 3], hidden_act="gelu_pytorch_tanh", in_channels=3)
-TIED = {"qwen2": True, "qwen3": False, "qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": True}
+# Qwen3.5's vocabulary and special ids (`tokenizer.build_qwen3_5_tokenizer`); three Gated DeltaNet layers and one
+# gated attention layer (transformers' default layer_types for 4 layers)
+QWEN3_5_TOKEN_IDS = dict(bos_token_id=None, eos_token_id=248046, pad_token_id=248044)
+QWEN3_5_TEXT = dict(TEXT, vocab_size=248320, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    **QWEN3_5_TOKEN_IDS)
+QWEN3_5_VL_TOKEN_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                            vision_end_token_id=248054)
+# half of each attention head rotated (8 of 16 dimensions: interleaved M-RoPE sections [2, 1, 1])
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+TIED = {"qwen2": True, "qwen3": False, "qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": True,
+        "qwen3_5_text": True, "qwen3_5": False}
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -52,6 +69,7 @@ PREPROCESSOR = {
                      merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                      processor_class="Qwen3VLProcessor"),
 }
+PREPROCESSOR["qwen3_5"] = PREPROCESSOR["qwen3_vl"]
 
 
 def _config(arch: str, size: str = "tiny"):
@@ -73,6 +91,16 @@ def _config(arch: str, size: str = "tiny"):
     if arch == "qwen3":
         return tf.Qwen3Config(**TEXT, head_dim=16, tie_word_embeddings=tied, rope_parameters={
             "rope_type": "default", "rope_theta": 1_000_000.0}), tf.Qwen3ForCausalLM
+    if arch == "qwen3_5_text":
+        return tf.Qwen3_5TextConfig(**QWEN3_5_TEXT, tie_word_embeddings=tied), tf.Qwen3_5ForCausalLM
+    if arch == "qwen3_5":
+        text = {**QWEN3_5_TEXT, "tie_word_embeddings": tied, "rope_parameters": QWEN3_5_ROPE}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                      hidden_act="gelu_pytorch_tanh", in_channels=3)
+        cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tied,
+                               **QWEN3_5_VL_TOKEN_IDS)
+        return cfg, tf.Qwen3_5ForConditionalGeneration
     if arch == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
@@ -99,7 +127,8 @@ def _config(arch: str, size: str = "tiny"):
 
 
 def _reinit(model, seed: int, std: float) -> None:
-    """Normal(0, std) for every weight and bias; norm scales 1 + Normal(0, std) so they stay near 1."""
+    """Normal(0, std) for every weight and bias; norm scales (ones, or Qwen3.5's zero-centred offsets) and
+    Qwen3.5's decay parameters (A_log, dt_bias) keep their initial value plus Normal(0, std)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -108,7 +137,8 @@ def _reinit(model, seed: int, std: float) -> None:
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
             owner = name.split(".")[-2] if "." in name else ""
             is_norm = "norm" in owner or owner.startswith("ln")  # ln_q: the merger's norm
-            p.copy_(1.0 + noise if is_norm and name.endswith("weight") else noise)
+            keep = (is_norm and name.endswith("weight")) or name.endswith(("A_log", "dt_bias"))
+            p.copy_(p + noise if keep else noise)
 
 
 def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
@@ -119,11 +149,13 @@ def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import mlxrl  # noqa: F401  (loads the fast BLAS before mlx.core)
     from mlxrl.processing import (
+        QWEN3_5_CHAT_TEMPLATE,
         QWEN3_VL_CHAT_TEMPLATE,
         QWEN_CHAT_TEMPLATE,
         QWEN_VL_CHAT_TEMPLATE,
         ImageProcessor,
         Processor,
+        build_qwen3_5_tokenizer,
         build_qwen_tokenizer,
     )
 
@@ -131,7 +163,8 @@ def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
-    _reinit(model, seed, SMALL_STD if size == "small" else INIT_STD)
+    std = INIT_STD if not arch.startswith("qwen3_5") else QWEN3_5_INIT_STD
+    _reinit(model, seed, SMALL_STD if size == "small" else std)
     if TIED[arch]:
         model.tie_weights()
     out = Path(out_dir) / (arch if size == "tiny" else f"{arch}-{size}")
@@ -140,8 +173,11 @@ def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
 
     template = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_vl": QWEN_VL_CHAT_TEMPLATE,
                 "qwen2_5_vl": QWEN_VL_CHAT_TEMPLATE}.get(arch, QWEN_CHAT_TEMPLATE)
+    tokenizer = build_qwen_tokenizer
+    if arch.startswith("qwen3_5"):
+        template, tokenizer = QWEN3_5_CHAT_TEMPLATE, build_qwen3_5_tokenizer
     image_processor = ImageProcessor.from_dict(PREPROCESSOR[arch]) if arch in PREPROCESSOR else None
-    Processor(build_qwen_tokenizer(), image_processor, template).save_pretrained(out)
+    Processor(tokenizer(), image_processor, template).save_pretrained(out)
     return out
 
 

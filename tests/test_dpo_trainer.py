@@ -90,10 +90,12 @@ def trl_step0(arch, folder, ref_folder, rows, tmp_path):
     from trl import DPOConfig as TRLConfig
     from trl import DPOTrainer as TRLTrainer
 
-    cls = transformers.Qwen3ForCausalLM if arch == "qwen3" else transformers.Qwen2VLForConditionalGeneration
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM}.get(
+        arch, transformers.Qwen2VLForConditionalGeneration)
     policy = cls.from_pretrained(str(folder), dtype=torch.float32)
     ref = cls.from_pretrained(str(ref_folder), dtype=torch.float32)
-    processing = transformers.AutoTokenizer.from_pretrained(str(folder)) if arch == "qwen3" else hf_processor(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained
+    processing = hf_processor(folder) if arch.endswith("_vl") else tokenizer(str(folder))
     args = TRLConfig(output_dir=str(tmp_path / "trl"), bf16=False, gradient_checkpointing=False, report_to="none",
                      use_cpu=True, max_length=256, per_device_train_batch_size=len(rows))
     trainer = TRLTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
@@ -112,7 +114,8 @@ def trl_step0(arch, folder, ref_folder, rows, tmp_path):
 
 
 @pytest.mark.usefixtures("kernel_path")
-@pytest.mark.parametrize("arch,data", [("qwen3", "text"), ("qwen3", "conversational"), ("qwen2_vl", "vision")])
+@pytest.mark.parametrize("arch,data", [("qwen3", "text"), ("qwen3", "conversational"), ("qwen2_vl", "vision"),
+                                       ("qwen3_5_text", "conversational")])
 def test_step0_loss_and_metrics_match_trl(arch, data, tiny_checkpoint, ref_checkpoint, tmp_path):
     folder, ref_folder = tiny_checkpoint(arch), ref_checkpoint(arch)
     rows = {"text": TEXT_ROWS, "conversational": CONV_ROWS, "vision": vision_rows()}[data]

@@ -48,7 +48,7 @@ def prompts(processor, vl: bool, padding_side="left"):
     return processor(text=texts, images=images if vl else None, padding_side=padding_side)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "qwen3_vl", "qwen2_5_vl", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "qwen3_vl", "qwen2_5_vl", "qwen2_vl", "qwen3_5_text"])
 def arch_model(request, tiny_checkpoint):
     model, processor = mlxrl.load(tiny_checkpoint(request.param), dtype="float32")
     return request.param, model, processor
@@ -242,11 +242,13 @@ def test_shared_forward_equals_repeated_logps_and_grads(arch_model):
 
 
 @pytest.mark.usefixtures("kernel_path")
-def test_shared_forward_right_padded_prompts_equal_repeated(tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5_text"])
+def test_shared_forward_right_padded_prompts_equal_repeated(tiny_checkpoint, arch):
     """Right-padded prompts (their real keys at the start of the row: the native kernel's key windows
-    end before the padding) give the repeated forward's log-probs and gradients."""
-    model, processor = mlxrl.load(tiny_checkpoint("qwen3_vl"), dtype="float32")
-    (lp_s, ent_s, g_s), (lp_r, ent_r, g_r) = shared_vs_repeated(model, processor, "qwen3_vl", seed=5,
+    end before the padding; Qwen3.5's recurrent layers hand the state after each prompt's last real token to
+    its completions) give the repeated forward's log-probs and gradients."""
+    model, processor = mlxrl.load(tiny_checkpoint(arch), dtype="float32")
+    (lp_s, ent_s, g_s), (lp_r, ent_r, g_r) = shared_vs_repeated(model, processor, arch, seed=5,
                                                                 padding_side="right")
     assert mx.abs(lp_s - lp_r).max().item() <= TOL
     assert mx.abs(ent_s - ent_r).max().item() <= TOL

@@ -1,5 +1,5 @@
-"""Every architecture against transformers on the same tiny checkpoint (float32, <= 1e-4):
-text only, one image, several images of different sizes with left and right padding; the
+"""Every architecture against transformers on the same tiny checkpoint (float32, <= 1e-4), Qwen3.5's Gated
+DeltaNet layers included: text only, one image, several images of different sizes with left and right padding; the
 vectorised M-RoPE index against transformers' get_rope_index; compiled forward; save -> transformers
 -> same logits; sanitize idempotent."""
 
@@ -17,14 +17,16 @@ import mlxrl
 from mlxrl.loading import load_model, read_weights
 from mlxrl.models.vl import mrope_positions
 
-VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-TEXT = ["qwen2", "qwen3"]
+VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+TEXT = ["qwen2", "qwen3", "qwen3_5_text"]
 HF_CLASS = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 TOL = 1e-4
 
@@ -203,7 +205,7 @@ def test_sanitize_is_idempotent_and_maps_layouts(arch_pair):
     if arch in ("qwen2_vl", "qwen2_5_vl"):
         other = {("model.language_model." + k[6:] if k.startswith("model.") else
                   "model." + k if k.startswith("visual.") else k): v for k, v in raw.items()}
-    elif arch == "qwen3_vl":
+    elif arch in ("qwen3_vl", "qwen3_5"):
         lm, vis = "model.language_model.", "model.visual."
         other = {("model." + k[len(lm):] if k.startswith(lm) else
                   "visual." + k[len(vis):] if k.startswith(vis) else k): v for k, v in raw.items()}

@@ -28,13 +28,14 @@ from mlxrl import MlxrlError
 from mlxrl.models import lora
 
 VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-TEXT = ["qwen2", "qwen3"]
+TEXT = ["qwen2", "qwen3", "qwen3_5_text"]
 HF_CLASS = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 # the Linear layers of each vision tower (attention, MLP, patch mergers); "proj" also names the
 # patch embedding's convolution, which is not adapted and must be excluded for PEFT

@@ -123,3 +123,25 @@ def test_greedy_decoding_with_the_recurrent_cache_equals_the_full_forward(pair):
     for t in range(60, 67):
         step = np.array(ours(mx.array(ids[:, t:t + 1]), cache=cache))[0, 0]
         np.testing.assert_allclose(step, full[t], atol=1e-4, rtol=1e-4)
+
+
+def test_batched_greedy_generation_equals_transformers_generate(pair):
+    """Left-padded prompts of different lengths, each prompt's state shared by its samples: the tokens
+    transformers' `generate` picks (its recurrent cache and its own padding handling)."""
+    from mlxrl.generation import generate
+
+    hf, ours = pair
+    rng = np.random.default_rng(5)
+    ids = rng.integers(1, CONFIG["vocab_size"], size=(3, 23))
+    mask = np.ones_like(ids)
+    for row, pad in ((0, 7), (2, 15)):
+        mask[row, :pad], ids[row, :pad] = 0, 0
+    steps = 12
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=steps,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)[:, ids.shape[1]:].numpy()
+    out = generate(ours, mx.array(ids), mx.array(mask), num_generations=2, max_tokens=steps, temperature=0.0,
+                   stop_token_ids=[], pad_token_id=0)
+    got = np.array(out.completion_ids)
+    assert len({tuple(r) for r in want}) == 3, "the prompts should not all continue alike"
+    np.testing.assert_array_equal(got, np.repeat(want, 2, axis=0))

@@ -47,19 +47,23 @@ def grads_and_loss(trainer, batch):
     return loss.item(), dict(tree_flatten(grads))
 
 
+HF_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+            "qwen3_5_text": "Qwen3_5ForCausalLM"}
+
+
 @pytest.mark.usefixtures("kernel_path")
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl", "qwen3_5_text"])
 def test_step0_loss_matches_transformers(arch, tiny_checkpoint, tmp_path):
     """TRL's nll is sum(-log p) over trained tokens / their count: transformers' causal-LM loss
     with the same labels (shifted inside) and num_items_in_batch."""
     folder = tiny_checkpoint(arch)
     model, processor = mlxrl.load(folder)
-    rows = TEXT_ROWS if arch == "qwen3" else make_vqa(4, seed=3)
+    rows = make_vqa(4, seed=3) if arch == "qwen3_vl" else TEXT_ROWS
     trainer = SFTTrainer(model, processor, config(tmp_path), train_dataset=rows)
     batch = trainer._batches_of(trainer.train_examples, 0, False, 4)[0]
     loss, _ = grads_and_loss(trainer, batch)
 
-    ref = getattr(transformers, "Qwen3ForCausalLM" if arch == "qwen3" else "Qwen3VLForConditionalGeneration")
+    ref = getattr(transformers, HF_CLASS[arch])
     hf = ref.from_pretrained(str(folder), dtype=torch.float32).eval()
     from mlxrl.data import make_batches
 
@@ -92,12 +96,14 @@ def test_trained_and_frozen_parameters(tmp_path):
     assert unchanged == [], unchanged  # vision tower included
 
 
-def test_lora_trains_only_adapters_and_merged_save_loads_in_transformers(tiny_checkpoint, tmp_path):
-    folder = tiny_checkpoint("qwen3_vl")
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5_text"])
+def test_lora_trains_only_adapters_and_merged_save_loads_in_transformers(tiny_checkpoint, tmp_path, arch):
+    folder = tiny_checkpoint(arch)
     model, processor = mlxrl.load(folder)
     base = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     args = config(tmp_path, max_steps=3, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, merge=True)
-    SFTTrainer(model, processor, args, train_dataset=make_vqa(6, seed=2)).train()
+    rows = make_vqa(6, seed=2) if arch == "qwen3_vl" else TEXT_ROWS
+    SFTTrainer(model, processor, args, train_dataset=rows).train()
     assert {k for k, _ in tree_flatten(model.parameters())} == set(base)  # merged: plain weights again
     assert lora_layers(model) == []
     out = tmp_path / "run"
@@ -105,7 +111,7 @@ def test_lora_trains_only_adapters_and_merged_save_loads_in_transformers(tiny_ch
     assert peft_cfg["r"] == 4 and (out / "adapter_model.safetensors").exists()
     changed = [k for k, v in tree_flatten(model.parameters()) if not np.array_equal(base[k], np.array(v))]
     assert changed and all(k.split(".")[-2] in peft_cfg["target_modules"] for k in changed)
-    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(out / "merged"), dtype=torch.float32)
+    hf = getattr(transformers, HF_CLASS[arch]).from_pretrained(str(out / "merged"), dtype=torch.float32)
     ids = processor(text=["<|im_start|>user\nhello<|im_end|>\n"])
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor(np.array(ids["input_ids"])).long()).logits.numpy()
@@ -114,10 +120,12 @@ def test_lora_trains_only_adapters_and_merged_save_loads_in_transformers(tiny_ch
 
 @pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("mode", ["packing", "padding_free"])
-@pytest.mark.parametrize("data", ["text", "vlm"])
+@pytest.mark.parametrize("data", ["text", "vlm", "qwen3_5_text"])
 def test_packed_batches_equal_unpacked(mode, data, tiny_checkpoint, tmp_path):
-    if data == "text":
-        model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    """Packed / padding-free rows give the unpacked batch's loss and gradients; for Qwen3.5 the Gated DeltaNet's
+    convolution and state restart at each document."""
+    if data != "vlm":
+        model, processor = mlxrl.load(tiny_checkpoint("qwen3" if data == "text" else data))
         rows = TEXT_ROWS
     else:
         model, processor = mlxrl.load_default()

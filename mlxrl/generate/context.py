@@ -90,21 +90,27 @@ class Context:
     def context_length(self) -> int:
         return int(self.model.language_model.config.max_position_embeddings)
 
-    def _trim(self, keep: int) -> None:
-        if keep == 0:
-            return self.reset()
+    def _trim(self, keep: int) -> int:
+        """Cut the cache back to its first `keep` tokens; returns the tokens it holds after (0 where a recurrent
+        layer's state, which cannot go back to an earlier token, makes it start again)."""
+        if keep == 0 or (keep < len(self.tokens) and not all(c.is_trimmable() for c in self.cache)):
+            self.reset()
+            return 0
         for c in self.cache:
             extra = c.offset - keep
             if extra > 0:
                 c.trim(extra)
         del self.tokens[keep:]
         self.images = {a: v for a, v in self.images.items() if v[0] <= keep}
+        return keep
 
     def _sync(self) -> None:
         """The cache may be ahead of `tokens` after an interrupt (a queued forward): drop the extra."""
         off = self.cache[0].offset if self.cache else 0
         if off != len(self.tokens):
             if off < len(self.tokens):
+                self.reset()
+            elif not all(c.is_trimmable() for c in self.cache):
                 self.reset()
             else:
                 for c in self.cache:
@@ -141,7 +147,7 @@ class Context:
             if start < keep and self.images.get(int(start)) != (int(end), digest):
                 keep = int(start)
                 break
-        self._trim(keep)
+        keep = self._trim(keep)
         if vl:
             from ..models.vl import mrope_positions
 
@@ -168,7 +174,7 @@ class Context:
                            cache=self.cache, return_hidden=True, **kw)
             self.tokens.extend(int(t) for t in ids[start:end])
             if end < n:
-                mx.eval([c.state for c in self.cache])
+                mx.eval([c.state for c in self.cache])  # KVCache: keys / values; ArraysCache: its arrays
             else:
                 logits = model.apply_lm_head(hidden[:, -1]).astype(mx.float32)
             start = end

@@ -16,9 +16,11 @@ ARCHITECTURES = {
     "qwen2_vl": "qwen2_vl.model",
     "qwen2_5_vl": "qwen2_5_vl.model",
     "qwen3_vl": "qwen3_vl.model",
+    "qwen3_5": "qwen3_5.vl",
+    "qwen3_5_text": "qwen3_5.model",
 }
 
-VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 class UnsupportedModelError(ValueError):

@@ -176,5 +176,7 @@ class QwenVLBase(CausalLMHead, nn.Module):
                 position_ids = mx.broadcast_to(mx.arange(offset, offset + L, dtype=mx.int32), (3, B, L))
         offset = cache[0].offset if cache is not None else 0
         mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
-        h = lm(h, position_ids, mask, cache, deepstack)
+        extra = {"attention_mask": attention_mask, "segment_ids": segment_ids} if getattr(lm, "reads_padding", False) \
+            else {}
+        h = lm(h, position_ids, mask, cache, deepstack, **extra)
         return h if return_hidden else self.apply_lm_head(h)

@@ -3,19 +3,54 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 from ..dropout import embedding_noise
 from ..language import CausalLMHead, attention_mask_for, text_positions
 from .text import Qwen35LanguageModel, Qwen35TextConfig
 
 
-class LinearCache:
-    """A Gated DeltaNet layer's decoding state: the convolution's last K - 1 inputs, the rule's float32
-    [B, Hv, dk, dv] state, and the tokens seen (`offset`, as mlx-lm's KVCache counts them)."""
+class LinearCache(ArraysCache):
+    """A Gated DeltaNet layer's decoding state, in mlx-lm's `ArraysCache` (as its Qwen3-Next keeps it): the
+    convolution's last K - 1 inputs [B, K - 1, C] and the rule's float32 state [B, Hv, dk, dv], with the
+    tokens seen (`offset`, as mlx-lm's KVCache counts them). A recurrent state cannot be cut back to an
+    earlier token: `is_trimmable` is False (a caller that needs fewer tokens starts again)."""
 
     def __init__(self):
-        self.conv_state, self.state, self.offset = None, None, 0
+        super().__init__(2)
+        self.offset = 0
+
+    @property
+    def conv_state(self):
+        return self.cache[0]
+
+    @conv_state.setter
+    def conv_state(self, value):
+        self.cache[0] = value
+
+    @property
+    def recurrent_state(self):
+        return self.cache[1]
+
+    @recurrent_state.setter
+    def recurrent_state(self, value):
+        self.cache[1] = value
+
+    def repeated(self, group: int) -> LinearCache:
+        """This cache with each row repeated `group` times (prompt-major): a prompt's state for its G samples."""
+        out = LinearCache()
+        out.cache = [None if c is None else mx.repeat(c, group, axis=0) for c in self.cache]
+        out.offset = self.offset
+        return out
+
+
+def make_cache(language_model) -> list:
+    """One decoding cache per layer: a `LinearCache` for a Gated DeltaNet layer, mlx-lm's KVCache for attention."""
+    from mlx_lm.models.cache import KVCache
+
+    return [LinearCache() if layer.layer_type == "linear_attention" else KVCache() for layer in language_model.layers]
 
 
 class Model(CausalLMHead, nn.Module):
@@ -49,10 +84,7 @@ class Model(CausalLMHead, nn.Module):
         return h if return_hidden else self.apply_lm_head(h)
 
     def make_cache(self):
-        from mlx_lm.models.cache import KVCache
-
-        return [LinearCache() if layer.layer_type == "linear_attention" else KVCache()
-                for layer in self.model.layers]
+        return make_cache(self.model)
 
     def sanitize(self, weights: dict) -> dict:
         out = {}

@@ -136,12 +136,21 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, d, bias=False)
 
     def __call__(self, x: mx.array, attention_mask=None, segment_ids=None, cache=None) -> mx.array:
+        """x [B, L, D]. cache: a `LinearCache` (decoding), or shared_prompt's prompt pass (which keeps the
+        prompts' final states, `keep_prompt_states`) or completion pass (which starts from them,
+        `prompt_states`)."""
         B, L, _ = x.shape
-        if attention_mask is not None:  # padded positions enter as zeros
-            x = x * attention_mask[:, -L:, None].astype(x.dtype)
+        real = attention_mask[:, -L:] if attention_mask is not None else getattr(cache, "prompt_mask", None)
+        if real is not None:  # padded positions enter as zeros
+            x = x * real[..., None].astype(x.dtype)
         starts = document_starts(segment_ids, B, L)
-        conv_state = cache.conv_state if cache is not None else None
-        mixed, new_conv = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, starts, conv_state)
+        conv_state = state = None
+        if hasattr(cache, "prompt_states"):
+            conv_state, state = cache.prompt_states()
+        elif hasattr(cache, "recurrent_state"):
+            conv_state, state = cache.conv_state, cache.recurrent_state
+        projected = self.in_proj_qkv(x)
+        mixed, new_conv = causal_conv(projected, self.conv1d.weight, starts, conv_state)
         mixed = nn.silu(mixed)
         kd = self.hk * self.dk
         q = mixed[..., :kd].reshape(B, L, self.hk, self.dk)
@@ -150,11 +159,15 @@ class GatedDeltaNet(nn.Module):
         beta = mx.sigmoid(self.in_proj_b(x))
         a = self.in_proj_a(x).astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
-        state = cache.state if cache is not None else None
+        if real is not None:  # a padded position neither writes nor decays the state: the final state is the
+            # last real token's, for left and right padding (the real positions' outputs are unchanged)
+            beta, g = beta * real[..., None].astype(beta.dtype), g * real[..., None].astype(g.dtype)
         out, final = gated_delta_rule(q, k, v, g, beta, initial_state=state, doc_starts=starts,
                                       use_qk_l2norm_in_kernel=True)
-        if cache is not None:
-            cache.conv_state, cache.state = new_conv, final
+        if hasattr(cache, "keep_prompt_states"):
+            cache.keep_prompt_states(projected, final, self.conv1d.weight.shape[-1])
+        elif hasattr(cache, "recurrent_state"):
+            cache.conv_state, cache.recurrent_state = new_conv, final
             cache.offset += L
         z = self.in_proj_z(x).reshape(B, L, self.hv, self.dv)
         out = self.norm(out.astype(x.dtype), z)
@@ -198,9 +211,12 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self._rotate(self.q_norm(q).transpose(0, 2, 1, 3), cos, sin)
         k = self._rotate(self.k_norm(k).transpose(0, 2, 1, 3), cos, sin)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if hasattr(cache, "attention"):  # a prompt shared by its samples (as `language.Attention`)
+            out = cache.attention(q, k, v, scale=self.scale, mask=mask)
+        else:
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
+            out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 
@@ -252,8 +268,14 @@ class Qwen35LanguageModel(nn.Module):
         for layer in self.layers:
             layer.mlp.tile_tokens = int(tokens)
 
-    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, *, attention_mask=None,
+    # its Gated DeltaNet layers read the padding and the packed documents (`vl.QwenVLBase` passes them)
+    reads_padding = True
+
+    def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack=None, *, attention_mask=None,
                  segment_ids=None) -> mx.array:
+        """position_ids [B, L] or [3, B, L] (M-RoPE); Qwen3.5 has no DeepStack (`deepstack` must be None)."""
+        if deepstack is not None:
+            raise ValueError("Qwen3.5's language model takes no DeepStack features")
         cos, sin = self.rotary_emb(position_ids)
         h = inputs_embeds
         kw = {"attention_mask": attention_mask, "segment_ids": segment_ids}

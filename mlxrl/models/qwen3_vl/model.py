@@ -42,29 +42,33 @@ class Model(QwenVLBase):
         return self.model.language_model
 
     def sanitize(self, weights: dict) -> dict:
-        """Map the layouts this family has been saved in to ours; idempotent. Layouts: transformers'
-        (`model.language_model.*`, `model.visual.*`), the flat `model.*` / `visual.*` one and mlx-vlm's
-        (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, a channels-last patch
-        kernel), with an MLX checkpoint's `scales` / `biases` next to its weights."""
-        out, vision = {}, {}
-        for k, v in weights.items():
-            if "rotary_emb.inv_freq" in k:
-                continue
-            if k.startswith("language_model.model."):
-                k = "model.language_model." + k[len("language_model.model."):]
-            elif k.startswith("language_model.lm_head."):
-                k = k[len("language_model."):]
-            elif k.startswith("vision_tower."):
-                k = "model.visual." + k[len("vision_tower."):]
-            elif k.startswith("visual."):
-                k = "model." + k
-            elif k.startswith("model.") and not k.startswith(("model.visual.", "model.language_model.")):
-                k = "model.language_model." + k[len("model."):]
-            if k.startswith("lm_head.") and self.tied:
-                continue
-            if k.startswith("model.visual."):
-                vision[k[len("model.visual."):]] = v
-            else:
-                out[k] = v
-        out.update({"model.visual." + k: v for k, v in self.model.visual.sanitize(vision).items()})
-        return out
+        return sanitize_vl_layouts(self, weights)
+
+
+def sanitize_vl_layouts(model, weights: dict) -> dict:
+    """Map the layouts the Qwen3-VL tower's families have been saved in to ours; idempotent. Layouts:
+    transformers' (`model.language_model.*`, `model.visual.*`), the flat `model.*` / `visual.*` one and
+    mlx-vlm's (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, a channels-last patch
+    kernel), with an MLX checkpoint's `scales` / `biases` next to its weights."""
+    out, vision = {}, {}
+    for k, v in weights.items():
+        if "rotary_emb.inv_freq" in k:
+            continue
+        if k.startswith("language_model.model."):
+            k = "model.language_model." + k[len("language_model.model."):]
+        elif k.startswith("language_model.lm_head."):
+            k = k[len("language_model."):]
+        elif k.startswith("vision_tower."):
+            k = "model.visual." + k[len("vision_tower."):]
+        elif k.startswith("visual."):
+            k = "model." + k
+        elif k.startswith("model.") and not k.startswith(("model.visual.", "model.language_model.")):
+            k = "model.language_model." + k[len("model."):]
+        if k.startswith("lm_head.") and model.tied:
+            continue
+        if k.startswith("model.visual."):
+            vision[k[len("model.visual."):]] = v
+        else:
+            out[k] = v
+    out.update({"model.visual." + k: v for k, v in model.model.visual.sanitize(vision).items()})
+    return out

@@ -1,0 +1,51 @@
+"""`qwen3_5` (transformers' `Qwen3_5ForConditionalGeneration`): Qwen3.5 natively multimodal, `model.visual.*`,
+`model.language_model.*`, `lm_head` (absent when tied). The vision tower is Qwen3-VL's without DeepStack
+(one merger); the language model is Qwen3.5's decoder (`text.Qwen35LanguageModel`) with interleaved M-RoPE
+on the gated attention layers' rotated dimensions. Image positions and merging are the Qwen-VL family's
+(`models.vl`)."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from ..qwen3_vl.model import sanitize_vl_layouts
+from ..qwen3_vl.vision import VisionConfig, VisionModel
+from ..vl import QwenVLBase
+from .model import make_cache
+from .text import Qwen35LanguageModel, Qwen35TextConfig
+
+
+class _Inner(nn.Module):
+    def __init__(self, vision: nn.Module, language: Qwen35LanguageModel):
+        super().__init__()
+        self.visual = vision
+        self.language_model = language
+
+
+class Model(QwenVLBase):
+    def __init__(self, config: dict):
+        super().__init__()
+        tc, tie = self._setup(config)
+        self.text_config = Qwen35TextConfig.from_dict(tc, qk_norm=True, tie_word_embeddings=tie)
+        vision = VisionModel(VisionConfig.from_dict({**(config.get("vision_config") or {}),
+                                                     "deepstack_visual_indexes": []}))
+        self.model = _Inner(vision, Qwen35LanguageModel(self.text_config))
+        if not tie:
+            self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+
+    @property
+    def vision_tower(self):
+        return self.model.visual
+
+    @property
+    def language_model(self) -> Qwen35LanguageModel:
+        return self.model.language_model
+
+    def make_cache(self):
+        return make_cache(self.language_model)
+
+    def sanitize(self, weights: dict) -> dict:
+        """transformers' layout, the flat `model.*` / `visual.*` one and mlx-vlm's (as Qwen3-VL's); the
+        multi-token-prediction head (`mtp.*`), which training does not use, is dropped."""
+        weights = {k: v for k, v in weights.items() if not k.startswith(("mtp.", "language_model.mtp."))}
+        return sanitize_vl_layouts(self, weights)
