@@ -10,8 +10,9 @@
     text_only_baseline(rows)                     # what answering from the question text alone reaches
 
 Teacher-forced scoring is exact for greedy decoding: greedy emits the answer's tokens followed by
-<|im_end|> iff, with the prompt + answer + <|im_end|> fed in one forward, the argmax of the logits
-at the position before each of those tokens is that token (the first mismatch is where greedy would
+<|im_end|> (as the chat template renders the assistant's turn: Qwen3.5's empty thinking block first)
+iff, with the prompt + answer + <|im_end|> fed in one forward, the argmax of the logits at the
+position before each of those tokens is that token (the first mismatch is where greedy would
 diverge). One forward per batch, no KV cache, no sampling loop.
 """
 
@@ -50,14 +51,29 @@ def _question_of(row: dict) -> str:
     return "\n".join(f"{m['role']}: {_text_of(m['content'])}" for m in prompt)
 
 
+def _reply(processor, prompt: list[dict], answer: str) -> tuple[str, str]:
+    """(the generation prompt, what greedy decoding must emit after it): the answer and <|im_end|> as the chat
+    template renders the assistant's turn, e.g. Qwen3.5's empty thinking block before it (where its tokens
+    continue the prompt's: a reply that merges with the prompt's last token is scored as the bare answer)."""
+    head = processor.apply_chat_template(prompt, add_generation_prompt=True)
+    whole = processor.apply_chat_template([*prompt, {"role": "assistant", "content": answer}])
+    tail = whole[len(head):] if whole.startswith(head) else ""
+    if answer in tail and END in tail:
+        tail = tail[:tail.index(END) + len(END)]
+        ids = lambda text: processor.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        if ids(head + tail) == ids(head) + ids(tail):
+            return head, tail
+    return head, answer + END
+
+
 def _encode(processor, rows: list[dict]):
-    """Right-padded numpy batch of prompt + answer + <|im_end|>, and per row its target positions."""
+    """Right-padded numpy batch of prompt + reply (the answer and <|im_end|>), and per row its target positions."""
     texts, images, answers = [], [], []
     for row in rows:
-        prompt, answer = split_row(row)
-        texts.append(processor.apply_chat_template(prompt, add_generation_prompt=True) + answer + END)
+        head, reply = _reply(processor, *split_row(row))
+        texts.append(head + reply)
         images.append(list(row.get("images") or []))
-        answers.append(processor.tokenizer(answer + END, add_special_tokens=False)["input_ids"])
+        answers.append(processor.tokenizer(reply, add_special_tokens=False)["input_ids"])
     batch = processor(text=texts, images=images if any(images) else None, padding_side="right",
                       return_tensors="np")
     ids, lengths = batch["input_ids"], batch["attention_mask"].sum(axis=1)

@@ -279,6 +279,10 @@ def check_preprocessor_config(folder: Path, config: dict | None = None) -> None:
 
 
 DEFAULT_CONFIG = Path(__file__).parent / "assets" / "default_qwen3_vl.json"
+# the embedded defaults by architecture (`--demo`): name_or_path, config shipped in the package
+DEMOS = {"qwen3_vl": ("mlxrl:default", DEFAULT_CONFIG),
+         "qwen3_5": ("mlxrl:default-qwen3_5", Path(__file__).parent / "assets" / "default_qwen3_5.json")}
+DEMO_NAMES = {"qwen3_vl": "tiny Qwen3-VL", "qwen3_5": "tiny Qwen3.5"}
 
 
 def init_weights(model, std: float = 0.02, embed_std: float | None = None) -> None:
@@ -286,10 +290,15 @@ def init_weights(model, std: float = 0.02, embed_std: float | None = None) -> No
     embeddings ~ N(0, std), biases 0, norm scales 1. MLX's layer defaults (uniform +-1/sqrt(fan_in),
     N(0, 1) embeddings) make a tied head start with logits of std ~sqrt(hidden) and train badly.
     embed_std: a different std for the token embeddings (a frozen tied head needs room to say
-    one token confidently: max logit ~ embed_std * hidden_size)."""
+    one token confidently: max logit ~ embed_std * hidden_size). A model's own initial values
+    (`initial_value(name, value)`: Qwen3.5's zero-centred norms and decay parameters) win."""
     new = []
+    own = getattr(model, "initial_value", lambda name, value: None)
     for name, value in tree_flatten(model.parameters()):
         if not mx.issubdtype(value.dtype, mx.floating):
+            continue
+        if (special := own(name, value)) is not None:
+            new.append((name, special.astype(value.dtype)))
             continue
         leaf = name.rsplit(".", 1)[-1]
         is_norm = "norm" in name or name.endswith(("ln_q.weight",))
@@ -304,14 +313,26 @@ def init_weights(model, std: float = 0.02, embed_std: float | None = None) -> No
     model.load_weights(new, strict=False)
 
 
-def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None):
+def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None, arch: str = "qwen3_vl"):
     """The embedded default: a tiny Qwen3-VL-architecture model (config shipped in the package,
-    random weights from `seed`) with the real Qwen tokenizer and a Qwen3-VL image processor.
-    Needs no network and no downloaded model. Returns (model, processor)."""
+    random weights from `seed`) with the real Qwen tokenizer and a Qwen3-VL image processor; arch
+    "qwen3_5": the same size in Qwen3.5's architecture (Gated DeltaNet and gated attention layers, the tower
+    without DeepStack) with Qwen3.5's tokenizer and its small checkpoints' chat template (no thinking). Needs
+    no network and no downloaded model. Returns (model, processor)."""
     from .models import build_model
-    from .processing import QWEN3_VL_CHAT_TEMPLATE, ImageProcessor, Processor, build_qwen_tokenizer
+    from .processing import (
+        QWEN3_5_NOTHINK_CHAT_TEMPLATE,
+        QWEN3_VL_CHAT_TEMPLATE,
+        ImageProcessor,
+        Processor,
+        build_qwen3_5_tokenizer,
+        build_qwen_tokenizer,
+    )
 
-    config = json.loads(DEFAULT_CONFIG.read_text())
+    if arch not in DEMOS:
+        raise MlxrlError(f"--demo {arch}: the embedded defaults are {', '.join(DEMOS)}")
+    name, path = DEMOS[arch]
+    config = json.loads(path.read_text())
     pre = config.pop("preprocessor_config")
     mx.random.seed(seed)
     model = build_model(config)
@@ -321,9 +342,11 @@ def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None):
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     model.eval()
-    model.name_or_path = "mlxrl:default"
-    processor = Processor(build_qwen_tokenizer(QWEN3_VL_CHAT_TEMPLATE), ImageProcessor.from_dict(pre),
-                          QWEN3_VL_CHAT_TEMPLATE)
+    model.name_or_path = name
+    # Qwen3.5's template of its small checkpoints (0.8B, 2B): no thinking unless asked
+    template, tokenizer = (QWEN3_5_NOTHINK_CHAT_TEMPLATE, build_qwen3_5_tokenizer) if arch == "qwen3_5" else \
+        (QWEN3_VL_CHAT_TEMPLATE, build_qwen_tokenizer)
+    processor = Processor(tokenizer(template), ImageProcessor.from_dict(pre), template)
     return model, processor
 
 

@@ -23,6 +23,7 @@ from PIL import Image
 from .pictures import to_rgb  # noqa: F401  (processing.to_rgb: the processors' RGB rule)
 from .tokenizer import (  # noqa: F401  (the templates and the tokenizer are part of processing's API)
     QWEN3_5_CHAT_TEMPLATE,
+    QWEN3_5_NOTHINK_CHAT_TEMPLATE,
     QWEN3_VL_CHAT_TEMPLATE,
     QWEN_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,
@@ -32,6 +33,7 @@ from .tokenizer import (  # noqa: F401  (the templates and the tokenizer are par
 )
 
 __all__ = ["QWEN_CHAT_TEMPLATE", "QWEN_VL_CHAT_TEMPLATE", "QWEN3_VL_CHAT_TEMPLATE", "QWEN3_5_CHAT_TEMPLATE",
+           "QWEN3_5_NOTHINK_CHAT_TEMPLATE",
            "QWEN_SPECIAL_TOKENS", "build_qwen_tokenizer", "build_qwen3_5_tokenizer", "smart_resize", "ImageProcessor",
            "Processor"]
 

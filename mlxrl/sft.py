@@ -57,6 +57,7 @@ MODEL_TRAIN, MODEL_TEST = 120, 48
 
 
 def _extra(parser):
+    from .cli import add_demo_flag
     from .mlx_lm_args import add_flags
 
     parser.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded demo)")
@@ -66,6 +67,7 @@ def _extra(parser):
                                                                  "folder of split files (train, validation, test)")
     parser.add_argument("--eval_dataset", default=None, help="evaluation data (same formats as --dataset; a folder "
                                                              "of splits: its validation split)")
+    add_demo_flag(parser)
     add_flags(parser)
 
 
@@ -73,20 +75,21 @@ CONFIG_HELP = ("YAML file of SFTConfig fields, or of mlx-lm's keys (data, iters,
                "CLI flags override it")
 
 
-def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None) -> dict:
-    """The embedded default (model_path None: the tiny Qwen3-VL), or a short LoRA run of `model_path` on
-    the same task (its text variant for a text-only model)."""
+def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None, demo: str = "qwen3_vl") -> dict:
+    """The embedded default (model_path None: the tiny Qwen3-VL, or the tiny Qwen3.5 with demo "qwen3_5"), or a
+    short LoRA run of `model_path` on the same task (its text variant for a text-only model)."""
     import mlxrl
     from mlxrl.evaluate import exact_match, text_only_baseline
 
     from .cli import demo_rows
+    from .loading import DEMO_NAMES
     from .trainers.sft import SFTTrainer
 
     t0 = time.perf_counter()
     if model_path is None:
         apply_overrides(args, explicit, DEMO_OVERRIDES)
-        model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype)
-        n_train, n_test, name = DEMO_TRAIN, DEMO_TEST, "embedded default: tiny Qwen3-VL"
+        model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype, arch=demo)
+        n_train, n_test, name = DEMO_TRAIN, DEMO_TEST, f"embedded default: {DEMO_NAMES[demo]}"
     else:
         model, processor = mlxrl.load(model_path, dtype=args.dtype)  # the model is checked first
         apply_overrides(args, explicit, MODEL_OVERRIDES)
@@ -135,15 +138,16 @@ def configure(ns):
 
 
 def _main(ns) -> None:
-    from .cli import check_eval_data
+    from .cli import check_demo_flag, check_eval_data
     from .hub import MlxrlError
 
     args, mlx_lm = configure(ns)
+    demo = check_demo_flag(ns)
     if ns.dataset is None:
         check_eval_data(ns, args)
         if ns.eval_dataset:
             raise MlxrlError("--eval_dataset needs --dataset (the embedded task brings its own held-out rows)")
-        run_demo(args, ns.explicit_fields, ns.model)
+        run_demo(args, ns.explicit_fields, ns.model, demo)
         return
     train_on_dataset(ns, args, mlx_lm)
 

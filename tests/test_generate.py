@@ -34,7 +34,8 @@ from mlxrl.generation import generate as engine_generate
 from mlxrl.models import lora
 
 HF_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 IMAGE_TOKEN = 151655
 STEPS = 20
 
@@ -60,7 +61,7 @@ def peft_greedy(folder, arch, adapter, ids, pixel_values=None, grid=None, **kw):
     if pixel_values is not None:
         inputs["pixel_values"] = torch.from_numpy(np.asarray(pixel_values))
         inputs["image_grid_thw"] = torch.from_numpy(np.asarray(grid)).long()
-        inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE_TOKEN).long()
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == base.config.image_token_id).long()
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=STEPS, eos_token_id=None, pad_token_id=151643,
                              **kw)
@@ -68,14 +69,15 @@ def peft_greedy(folder, arch, adapter, ids, pixel_values=None, grid=None, **kw):
 
 
 def question(arch, text="Describe what you see."):
-    content = ([{"type": "image", "image": picture(96, 64, 0)}] if arch.endswith("_vl") else []) + \
+    content = ([{"type": "image", "image": picture(96, 64, 0)}] if arch.endswith("_vl") or arch == "qwen3_5" else []) + \
         [{"type": "text", "text": text}]
     return [{"role": "user", "content": content}]
 
 
 # ------------------------------------------------------------------------------ parity with PEFT
 @pytest.mark.parametrize("arch, dora", [("qwen3", False), ("qwen2", False), ("qwen3_vl", False),
-                                        ("qwen2_5_vl", False), ("qwen2_vl", False), ("qwen2_5_vl", True)])
+                                        ("qwen2_5_vl", False), ("qwen2_vl", False), ("qwen2_5_vl", True),
+                                        ("qwen3_5", False), ("qwen3_5_text", True)])
 def test_greedy_with_adapter_equals_transformers_peft(tiny_checkpoint, tmp_path, arch, dora):
     folder = tiny_checkpoint(arch)
     messages, kw = question(arch), dict(max_new_tokens=STEPS, temperature=0, stop_token_ids=())
@@ -266,6 +268,18 @@ def test_checkpoint_and_run_folder_load_the_trained_model(tiny_checkpoint, tmp_p
             G.load(None, adapter_path=run / "checkpoint-2")
     for m, a in refs:
         assert G.load(m, adapter_path=a)(messages, **kw).token_ids == trained, (m, a)
+
+
+def test_an_adapter_of_the_qwen3_5_default_loads_on_it(tmp_path):
+    """An adapter trained on the embedded Qwen3.5 default names it as its base (`mlxrl:default-qwen3_5`): generate
+    rebuilds that default (its seed) under the adapter and replies as the model it was trained on."""
+    model, processor = mlxrl.load_default(seed=3, arch="qwen3_5")
+    assert model.name_or_path == "mlxrl:default-qwen3_5"
+    adapter = random_adapter(model, model.name_or_path, tmp_path / "adapter")
+    messages, kw = question("qwen3_5"), dict(max_new_tokens=6, temperature=0, stop_token_ids=())
+    want = G.Generator(model, processor)(messages, **kw).token_ids
+    gen = G.load(None, adapter_path=adapter, base_seed=3)
+    assert "tiny Qwen3.5" in gen.description and gen(messages, **kw).token_ids == want
 
 
 def test_default_model_says_random_and_uses_a_demo_folder(tmp_path, capsys):

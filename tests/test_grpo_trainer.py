@@ -327,18 +327,21 @@ def say_red(prompts, completions, completion_ids, **kwargs):
     return [1.0 if c[0]["content"].strip() == "red" else 0.0 for c in completions]
 
 
-def test_demo_reward_rises(tmp_path):
+@pytest.mark.parametrize("demo", ["qwen3_vl", "qwen3_5"])
+def test_demo_reward_rises(tmp_path, demo):
     """The demo's pipeline (brief SFT, then GRPO with LoRA on the colour questions) with a reward that a few steps
     move measurably: always answer "red". The sampled per-step reward of 4 prompts is too noisy for a short test
     (it mostly follows how many red questions were drawn), so the policy itself is measured: the fraction of
     held-out questions answered "red" under greedy decoding rises well above the fraction whose answer is red
-    (what the SFT-trained model answers). The colour reward of the full demo is in the README."""
+    (what the SFT-trained model answers). The colour reward of the full demo is in the README. On the Qwen3.5
+    default too: its rollouts decode with the recurrent cache, its prompt-shared forward hands each prompt's
+    state to its completions."""
     from mlxrl.data.synthetic import make_vqa
     from mlxrl.evaluate import answer_correct
     from mlxrl.grpo import run_demo
 
     args = GRPOConfig(output_dir=str(tmp_path / "demo"))
-    out = run_demo(args, {"output_dir"}, n_test=8, overrides={"max_steps": 6}, reward_funcs=[say_red])
+    out = run_demo(args, {"output_dir"}, n_test=8, overrides={"max_steps": 6}, reward_funcs=[say_red], demo=demo)
     assert len(out["history"]) == 6 and all("rewards/say_red/mean" in e for e in out["history"])
     rows = make_vqa(32, seed=11, split="test")
     truly_red = np.mean([r["messages"][-1]["content"][0]["text"] == "red" for r in rows])

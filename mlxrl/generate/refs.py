@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..hub import MlxrlError
+from ..loading import DEMO_NAMES
 from .settings import (
     ADAPTER_CONFIG,
     CHECKPOINT_RE,
@@ -64,12 +65,22 @@ def resolve(path, flag: str = "--adapter_path") -> tuple[str, Path]:
                      "holding one")
 
 
-def _default_config() -> dict:
-    from ..loading import DEFAULT_CONFIG
-
-    config = json.loads(DEFAULT_CONFIG.read_text())
+def _default_config(name: str = DEFAULT_MODEL_NAME) -> dict:
+    """config.json of the embedded default called `name` (`loading.DEMOS`: mlxrl:default, mlxrl:default-qwen3_5)."""
+    config = json.loads(_defaults()[name][1].read_text())
     config.pop("preprocessor_config", None)
     return config
+
+
+def _defaults() -> dict:
+    """name -> (architecture, shipped config) of each embedded default."""
+    from ..loading import DEMOS
+
+    return {name: (arch, path) for arch, (name, path) in DEMOS.items()}
+
+
+def is_default(ref) -> bool:
+    return isinstance(ref, str) and ref in _defaults()
 
 
 def _same_config(a: dict, b: dict) -> bool:
@@ -115,7 +126,9 @@ def _base_of(kind: str, folder: Path) -> str | None:
         if (folder.parent / ADAPTER_CONFIG).is_file():
             return _base_of("adapter", folder.parent)
         cfg = _checkpoint_state(folder).get("model_config")
-        return DEFAULT_MODEL_NAME if isinstance(cfg, dict) and _same_config(cfg, _default_config()) else None
+        if isinstance(cfg, dict):
+            return next((name for name in _defaults() if _same_config(cfg, _default_config(name))), None)
+        return None
     try:
         cfg = json.loads((folder / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError):
@@ -151,8 +164,8 @@ def template_file(folder) -> str:
 def _load_base(ref: str, dtype, base_seed: int):
     import mlxrl
 
-    if ref == DEFAULT_MODEL_NAME:
-        return mlxrl.load_default(seed=base_seed, dtype=dtype)
+    if is_default(ref):
+        return mlxrl.load_default(seed=base_seed, dtype=dtype, arch=_defaults()[ref][0])
     from ..hub import check_model_reference
 
     check_model_reference(ref)
@@ -241,8 +254,8 @@ def _shape_of(config: dict) -> dict:
 
 def local_config(ref: str) -> dict | None:
     """config.json of the embedded default or of a local folder (None for a Hub id or an unreadable file)."""
-    if ref == DEFAULT_MODEL_NAME:
-        return _default_config()
+    if is_default(ref):
+        return _default_config(ref)
     try:
         config = json.loads((Path(ref).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
@@ -306,13 +319,13 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
         base_ref = _base_of(*adapter)
         if base_ref is None:
             raise MlxrlError(f"{adapter[1]} does not say which model it was trained from: pass that model as --model")
-        if base_ref != DEFAULT_MODEL_NAME and not Path(base_ref).expanduser().is_dir() and \
+        if not is_default(base_ref) and not Path(base_ref).expanduser().is_dir() and \
                 not re.fullmatch(r"[\w.-]+/[\w.-]+", base_ref):
             raise MlxrlError(f"{adapter[1]} was trained from {base_ref}, which is not here: pass that model "
                              "as --model")
     if base_ref is None:
         base_ref = DEFAULT_MODEL_NAME
-    base_name = "the embedded default (tiny Qwen3-VL)" if base_ref == DEFAULT_MODEL_NAME else base_ref
+    base_name = f"the embedded default ({DEMO_NAMES[_defaults()[base_ref][0]]})" if is_default(base_ref) else base_ref
     known = local_config(base_ref)
     if adapter is not None and adapter[0] == "adapter" and known is not None:  # before any weights load
         _check_adapter_base(adapter[1], known, base_ref, base_name)
@@ -321,9 +334,9 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
 
         check_quantization(*quantize)
     net, processor = _load_base(base_ref, dtype, base_seed)
-    template = template_file(None if base_ref == DEFAULT_MODEL_NAME else getattr(net, "name_or_path", base_ref))
+    template = template_file(None if is_default(base_ref) else getattr(net, "name_or_path", base_ref))
     description = f"{base_name} ({net.config.get('model_type')})"
-    folder_for_defaults = None if base_ref == DEFAULT_MODEL_NAME else getattr(net, "name_or_path", base_ref)
+    folder_for_defaults = None if is_default(base_ref) else getattr(net, "name_or_path", base_ref)
     if quantize is not None:
         from ..models.quantize import quantize_model
 
@@ -350,7 +363,7 @@ def load_model(model: str | None = None, adapter_path=None, *, dtype=None, base_
                 folder_for_defaults = folder
         else:
             description += " + " + _apply_checkpoint(net, folder)
-    elif base_ref == DEFAULT_MODEL_NAME:
+    elif is_default(base_ref):
         description += f": RANDOM weights (seed {base_seed}), it will babble; train it with `python -m mlxrl.sft` " \
                        "and pass --adapter_path out/sft-demo to talk to the result"
     net.eval()

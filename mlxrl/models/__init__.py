@@ -30,7 +30,8 @@ class UnsupportedModelError(ValueError):
 def model_class(config: dict):
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        hint = " (Qwen3-VL MoE checkpoints are not supported yet)" if model_type == "qwen3_vl_moe" else ""
+        moe = ("qwen3_vl_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+        hint = " (mixture-of-experts checkpoints are not supported yet)" if model_type in moe else ""
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}{hint}: mlxrl supports {', '.join(ARCHITECTURES)}"
         )

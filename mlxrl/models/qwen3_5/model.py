@@ -9,7 +9,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..dropout import embedding_noise
 from ..language import CausalLMHead, attention_mask_for, text_positions
-from .text import Qwen35LanguageModel, Qwen35TextConfig
+from .text import Qwen35LanguageModel, Qwen35TextConfig, initial_value
 
 
 class LinearCache(ArraysCache):
@@ -66,6 +66,10 @@ class Model(CausalLMHead, nn.Module):
     @property
     def language_model(self) -> Qwen35LanguageModel:
         return self.model
+
+    @staticmethod
+    def initial_value(name, value):
+        return initial_value(name, value)
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, cache=None,
                  return_hidden: bool = False, segment_ids=None, pixel_values=None, neftune_scale=None, **_ignored):

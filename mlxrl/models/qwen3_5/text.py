@@ -61,6 +61,20 @@ class Qwen35TextConfig(TextConfig):
             raise ValueError(f"hidden_act {self.hidden_act!r}: Qwen3.5 uses silu")
 
 
+def initial_value(name: str, value: mx.array) -> mx.array | None:
+    """transformers' initial value of a Qwen3.5 language-model parameter where it is not N(0, std): the
+    zero-centred norms' offsets 0 (the gated norm's scale stays 1), dt_bias 1, A_log = log U(0, 16)."""
+    if name.endswith("linear_attn.norm.weight"):
+        return mx.ones_like(value)
+    if name.endswith("norm.weight"):  # input / post-attention layernorms, q / k norms, the final norm
+        return mx.zeros_like(value)
+    if name.endswith("dt_bias"):
+        return mx.ones_like(value)
+    if name.endswith("A_log"):
+        return mx.log(mx.random.uniform(1e-6, 16.0, value.shape))
+    return None
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight) (the weight initialised at zero), in float32, cast back to x's dtype."""
 

@@ -12,7 +12,7 @@ from ..qwen3_vl.model import sanitize_vl_layouts
 from ..qwen3_vl.vision import VisionConfig, VisionModel
 from ..vl import QwenVLBase
 from .model import make_cache
-from .text import Qwen35LanguageModel, Qwen35TextConfig
+from .text import Qwen35LanguageModel, Qwen35TextConfig, initial_value
 
 
 class _Inner(nn.Module):
@@ -43,6 +43,12 @@ class Model(QwenVLBase):
 
     def make_cache(self):
         return make_cache(self.language_model)
+
+    @staticmethod
+    def initial_value(name, value):
+        """transformers' initial values of the language model's special parameters (`text.initial_value`); the
+        vision tower's LayerNorms are plain (`loading.init_weights`)."""
+        return None if name.startswith("model.visual.") else initial_value(name, value)
 
     def sanitize(self, weights: dict) -> dict:
         """transformers' layout, the flat `model.*` / `visual.*` one and mlx-vlm's (as Qwen3-VL's); the
