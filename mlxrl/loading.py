@@ -106,7 +106,12 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_lin
         model = build_model(config)
     except UnsupportedModelError as e:
         raise MlxrlError(f"{folder}/config.json: {e}") from None
-    weights = model.sanitize(read_weights(folder))
+    raw = read_weights(folder)
+    weights = model.sanitize(raw)
+    text = text_only(config, weights)
+    if text is not None:  # a VL checkpoint whose tower was left out (mlx-lm's conversions): its language model
+        model = build_model(text)
+        weights = model.sanitize(raw)
     # an MLX-quantized checkpoint (mlx-lm / mlx-vlm): its layers become quantized ones first
     weights = prepare_quantized(model, weights, config, where=f"{folder}/config.json")
     expected = dict(tree_flatten(model.parameters()))
@@ -132,6 +137,24 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_lin
     model.eval()
     model.name_or_path = str(folder)
     return model
+
+
+# VL model types whose language model is a text model of ours (by its text_config)
+TEXT_MODEL_OF = {"qwen3_5": "qwen3_5_text"}
+
+
+def text_only(config: dict, weights: dict) -> dict | None:
+    """The config of the text model to load instead when a VL checkpoint holds no vision tower (mlx-lm converts
+    Qwen3.5 without it, keeping the VL config.json): its text_config as that text model's, the top level's
+    quantization and tied-embedding settings kept. None for a checkpoint with its tower."""
+    kind = TEXT_MODEL_OF.get(config.get("model_type"))
+    if kind is None or any(k.startswith("model.visual.") for k in weights):
+        return None
+    text = dict(config.get("text_config") or {})
+    for key in ("quantization", "quantization_config", "tie_word_embeddings"):  # the top level's, as the VL model
+        if key in config:
+            text[key] = config[key]
+    return {**text, "model_type": kind}
 
 
 def set_float_dtype(model, dtype: mx.Dtype, kept: set[str] = frozenset()) -> None:

@@ -69,8 +69,8 @@ def peft_greedy(folder, arch, adapter, ids, pixel_values=None, grid=None, **kw):
 
 
 def question(arch, text="Describe what you see."):
-    content = ([{"type": "image", "image": picture(96, 64, 0)}] if arch.endswith("_vl") or arch == "qwen3_5" else []) + \
-        [{"type": "text", "text": text}]
+    vl = arch.endswith("_vl") or arch == "qwen3_5"
+    content = ([{"type": "image", "image": picture(96, 64, 0)}] if vl else []) + [{"type": "text", "text": text}]
     return [{"role": "user", "content": content}]
 
 

@@ -158,6 +158,39 @@ def test_mlx_lm_checkpoint_trains_with_lora(qwen3_mlx_lm):
     assert float(loss(model)) < 0.8 * first
 
 
+def test_mlx_lm_converted_qwen3_5_loads_with_mlx_lm_logits_and_trains(tiny_checkpoint, tmp_path):
+    """mlx-lm converts Qwen3.5 (the VL config.json kept) without its vision tower, with its conv kernels
+    channels-last and its zero-centred norms as plain scales: that folder loads as the text model with mlx-lm's
+    logits, its decoder linears (the DeltaNet projections included) quantized, and LoRA trains on it."""
+    from mlx_lm import convert
+    from mlx_lm import load as mlx_lm_load
+
+    out = tmp_path / "qwen3_5-4bit"
+    convert(str(tiny_checkpoint("qwen3_5")), str(out), quantize=True, q_group_size=32, q_bits=4)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_5"
+    ref, _ = mlx_lm_load(str(out))
+    model, _ = mlxrl.load(out)
+    assert model.config["model_type"] == "qwen3_5_text"
+    layers = model.text_config.layer_types
+    assert len(Q.quantized_layers(model)) == sum(8 if t == "linear_attention" else 7 for t in layers)
+    ids = mx.array(np.random.default_rng(0).integers(0, 248000, (1, 40)).astype(np.int32))
+    ours, theirs = model(input_ids=ids), ref(ids)
+    assert rel(ours, theirs) <= 1e-3, rel(ours, theirs)
+    assert mx.abs(theirs).max() > 1
+    lora.apply_lora(model, r=8, alpha=16, dropout=0.0)
+    opt = optim.Adam(learning_rate=3e-3)  # 1e-2 oscillates on this model, quantized or not
+
+    def loss(m):
+        return nn.losses.cross_entropy(m(input_ids=ids[:, :-1]), ids[:, 1:]).mean()
+
+    first = float(loss(model))
+    for _ in range(8):
+        _, g = nn.value_and_grad(model, loss)(model)
+        opt.update(model, g)
+        mx.eval(model.parameters(), opt.state)
+    assert float(loss(model)) < 0.8 * first
+
+
 def test_our_quantized_save_loads_in_mlx_lm(tiny_checkpoint, tmp_path):
     """`mlxrl.save` of a quantized model writes mlx-lm's layout: mlx-lm loads it with our logits."""
     from mlx_lm import load as mlx_lm_load

@@ -91,11 +91,43 @@ class Model(CausalLMHead, nn.Module):
         return make_cache(self.model)
 
     def sanitize(self, weights: dict) -> dict:
+        """transformers' layout (`model.*`), a Qwen3.5 VL checkpoint's language model (`model.language_model.*`;
+        the tower and the multi-token-prediction head dropped) and mlx-lm's (`language_model.model.*`, its conv
+        kernel and norms, `from_mlx_layout`), with an MLX checkpoint's `scales` / `biases`; idempotent."""
         out = {}
-        for k, v in weights.items():
-            if "rotary_emb.inv_freq" in k or k.startswith(("mtp.", "model.visual.")):
+        for k, v in from_mlx_layout(weights).items():
+            if "rotary_emb.inv_freq" in k or k.startswith(("mtp.", "model.visual.", "visual.", "vision_tower.",
+                                                           "language_model.mtp.")):
                 continue
+            for theirs, ours in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                                 ("language_model.lm_head.", "lm_head.")):
+                if k.startswith(theirs):
+                    k = ours + k[len(theirs):]
             if k.startswith("lm_head.") and self.tied:
                 continue
             out[k] = v
         return out
+
+
+# the norms mlx-lm stores as plain scales (1 + transformers' zero-centred offset)
+_MLX_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
+              ".k_norm.weight")
+
+
+def from_mlx_layout(weights: dict) -> dict:
+    """A checkpoint mlx-lm (or mlx-vlm) converted, in transformers' form: its depthwise conv kernels are
+    channels-last [C, K, 1] (transformers' [C, 1, K]) and its zero-centred norms hold 1 + the offset. The conv
+    kernel's layout tells the two apart, so a transformers checkpoint (and this function's output) is returned
+    as it is."""
+    converted = any("conv1d.weight" in k and v.ndim == 3 and v.shape[-1] == 1 and v.shape[1] > 1
+                    for k, v in weights.items())
+    if not converted:
+        return weights
+    out = {}
+    for k, v in weights.items():
+        if "conv1d.weight" in k and v.ndim == 3:
+            v = v.swapaxes(1, 2)
+        elif k.endswith(_MLX_NORMS) and v.ndim == 1:
+            v = v - 1.0
+        out[k] = v
+    return out

@@ -11,7 +11,7 @@ import mlx.nn as nn
 from ..qwen3_vl.model import sanitize_vl_layouts
 from ..qwen3_vl.vision import VisionConfig, VisionModel
 from ..vl import QwenVLBase
-from .model import make_cache
+from .model import from_mlx_layout, make_cache
 from .text import Qwen35LanguageModel, Qwen35TextConfig, initial_value
 
 
@@ -54,4 +54,4 @@ class Model(QwenVLBase):
         """transformers' layout, the flat `model.*` / `visual.*` one and mlx-vlm's (as Qwen3-VL's); the
         multi-token-prediction head (`mtp.*`), which training does not use, is dropped."""
         weights = {k: v for k, v in weights.items() if not k.startswith(("mtp.", "language_model.mtp."))}
-        return sanitize_vl_layouts(self, weights)
+        return sanitize_vl_layouts(self, from_mlx_layout(weights))
