@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from . import runtime
 from .atomic import check_complete, check_save_target, replace_dir_atomically, write_atomically  # noqa: F401
@@ -159,10 +159,15 @@ def text_only(config: dict, weights: dict) -> dict | None:
 
 def set_float_dtype(model, dtype: mx.Dtype, kept: set[str] = frozenset()) -> None:
     """`model.set_dtype(dtype)` except for quantized layers' scales and offsets, which keep the
-    checkpoint's 16-bit type (MLX's quantized matmul takes them with any input dtype), and the weights
-    at the paths `kept` (`models.widened`)."""
+    checkpoint's 16-bit type (MLX's quantized matmul takes them with any input dtype), the weights
+    at the paths `kept` (`models.widened`), and the parameters a model keeps in float32 whatever the compute
+    dtype (`float32_parameters`, name suffixes: Qwen3.5's A_log, whose exp is the decay, as mlx-lm keeps it)."""
     keep = {id(m[k]) for _, m in quantized_layers(model) for k in ("scales", "biases") if m.get(k) is not None}
-    keep |= {id(v) for k, v in tree_flatten(model.parameters()) if k in kept}
+    f32 = tuple(getattr(model, "float32_parameters", ()))
+    keep |= {id(v) for k, v in tree_flatten(model.parameters()) if k in kept or (f32 and k.endswith(f32))}
+    for k, v in tree_flatten(model.parameters()):  # a float32 parameter read from a bfloat16 checkpoint
+        if f32 and k.endswith(f32) and v.dtype != mx.float32:
+            model.update(tree_unflatten([(k, v.astype(mx.float32))]))
     model.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) and id(x) not in keep else x)
 
 
@@ -362,7 +367,7 @@ def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None, arch: str =
     init_weights(model, config.get("initializer_range", 0.02), config.get("mlxrl_embedding_init_std"))
     if not isinstance(dtype, mx.Dtype):
         dtype = runtime.compute_dtype(dtype)
-    model.set_dtype(dtype)
+    set_float_dtype(model, dtype)
     mx.eval(model.parameters())
     model.eval()
     model.name_or_path = name

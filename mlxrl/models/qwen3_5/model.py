@@ -54,6 +54,8 @@ def make_cache(language_model) -> list:
 
 
 class Model(CausalLMHead, nn.Module):
+    float32_parameters = ("A_log",)  # `loading.set_float_dtype`
+
     def __init__(self, config: dict):
         super().__init__()
         self.config = config

@@ -23,6 +23,8 @@ class _Inner(nn.Module):
 
 
 class Model(QwenVLBase):
+    float32_parameters = ("A_log",)  # `loading.set_float_dtype`
+
     def __init__(self, config: dict):
         super().__init__()
         tc, tie = self._setup(config)
