@@ -189,6 +189,27 @@ def test_chat_keeps_its_cache(tiny_checkpoint, monkeypatch, arch):
     assert again.token_ids == r1.token_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5"])
+def test_qwen3_5_chat_turns_equal_fresh_generations(tiny_checkpoint, arch):
+    """Qwen3.5's recurrent state cannot go back to an earlier token: where its template rewrites the history (the
+    thinking template drops the reply's opening <think>) the chat forwards the whole conversation again, and
+    every turn's reply equals a fresh generation of the conversation so far."""
+    gen = G.load(str(tiny_checkpoint(arch)))
+    vl = arch == "qwen3_5"
+    chat = gen.chat()
+    kw = dict(max_new_tokens=5, temperature=0, stop_token_ids=())
+    for k, text in enumerate(("What is in the picture?", "And now?", "Once more?")):
+        reply = chat.send(text, [picture(96, 64, k)] if vl else [], **kw)
+        ids, pixels, grid, _ = gen.encode(chat.messages[:-1], chat.images)
+        fresh = engine_generate(gen.model, mx.array(np.asarray(ids)[None].astype(np.int32)), max_tokens=5,
+                                temperature=0.0, stop_token_ids=[-1],
+                                **(dict(pixel_values=mx.array(pixels), image_grid_thw=mx.array(grid)) if vl else {}))
+        assert reply.token_ids == np.asarray(fresh.completion_ids)[0].tolist(), k
+        assert reply.stats.prompt_tokens == len(ids)
+        if k:  # the template rewrote the history: nothing of the cache was kept
+            assert reply.stats.prefill_tokens == len(ids)
+
+
 def test_context_never_keeps_half_an_image(tiny_checkpoint):
     """A cached prefix that ends inside an image is cut back to the image's start (its features come
     from its pixels in one piece); the reply equals a fresh generation."""
