@@ -1,17 +1,26 @@
 """The gated delta rule op (`mlxrl.models.gated_delta`) against independent references: a float64 NumPy
 recurrence written here (values), torch autograd of transformers' `torch_chunk_gated_delta_rule` (gradients,
 and its calling convention: the q scaling, the L2 normalisation, the key-head groups), documents run one by
-one (packing), the float32 result (bf16 inputs), the step function, mx.compile, and MLX's own autograd of
-the same chunked forward (peak memory).
+one (packing), padded rows against unpadded ones, the float32 result (bf16 inputs), the step function,
+mx.compile, and MLX's own autograd of the same chunked forward (peak memory).
+
+Tests taking the `path` fixture run twice: "native" (float32 CPU arrays through the C++ kernel,
+`mlxrl/cpu/native/gated_delta.cpp`) and "graph" (MLX's ops: what Metal, CUDA, bf16 and MLXRL_NATIVE=0 run);
+the fixture checks that every call of the op took that path (bf16 calls the graph). The torch references are
+computed once for both.
 
     pytest tests/test_gated_delta.py
 """
 
 import mlxrl  # noqa: F401, I001  (first: the fast BLAS before mlx.core)
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import skip_native_on_gpu
 
+from mlxrl.cpu import native
 from mlxrl.models import gated_delta
 from mlxrl.models.gated_delta import gated_delta_rule, gated_delta_step, unit_lower_inverse
 
@@ -21,6 +30,23 @@ qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 LENGTHS = [1, 63, 64, 65, 130, 200]
 # (Hk, Hv, dk, dv): equal heads and widths; key-head groups (Hv = 3 Hk) with dk != dv
 WIDTHS = [(2, 2, 16, 16), (1, 3, 8, 12)]
+
+
+@pytest.fixture
+def path(kernel_path, monkeypatch):
+    """The path under test ("native" or "graph", conftest's `kernel_path`); at the end, checks that the op's
+    dispatch chose it for every float32 call (the native kernel really ran) and the graph for any other."""
+    chosen = []
+    real = gated_delta._path
+
+    def spy(*arrays):
+        chosen.append((all(x.dtype == mx.float32 for x in arrays), real(*arrays)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(gated_delta, "_path", spy)
+    yield kernel_path
+    assert chosen, "the op was not called through its dispatch"
+    assert all(took == (kernel_path if f32 else "graph") for f32, took in chosen), chosen
 
 
 def _rel(a, b, floor=1e-2) -> float:
@@ -91,13 +117,20 @@ def _torch_grads(q, k, v, g, beta, s0, w_out, w_state, with_state=True):
     return out.detach().numpy(), final.detach().numpy(), [t.grad.numpy() if t.grad is not None else None for t in ts]
 
 
+@functools.cache
+def _torch_case(T, widths, with_state):
+    """The gradient test's data and torch's results for it, computed once for both paths."""
+    data = _data(100 + T, 2, T, *widths, normalise=False)
+    return data, _torch_grads(*data, with_state=with_state)
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("widths", WIDTHS)
 @pytest.mark.parametrize("with_state", [False, True])
-def test_values_match_float64_recurrence(T, widths, with_state):
+def test_values_match_float64_recurrence(T, widths, with_state, path):
     q, k, v, g, beta, s0, _, _ = _data(T, 2, T, *widths)
     s0 = s0 if with_state else np.zeros_like(s0)
     ref_out, ref_final = _recurrence(q, k, v, g, beta, s0)
@@ -111,10 +144,9 @@ def test_values_match_float64_recurrence(T, widths, with_state):
 @pytest.mark.parametrize("T", LENGTHS)
 @pytest.mark.parametrize("widths", WIDTHS)
 @pytest.mark.parametrize("with_state", [False, True])
-def test_gradients_match_transformers_under_torch_autograd(T, widths, with_state):
+def test_gradients_match_transformers_under_torch_autograd(T, widths, with_state, path):
     # raw q and k: the L2 normalisation (use_qk_l2norm_in_kernel, as Qwen3.5 calls it) is differentiated too
-    data = _data(100 + T, 2, T, *widths, normalise=False)
-    t_out, t_final, t_grads = _torch_grads(*data, with_state=with_state)
+    data, (t_out, t_final, t_grads) = _torch_case(T, widths, with_state)
     out, final, grads = _mlx_grads(*data, with_state=with_state)
     assert _rel(out, t_out) < 1e-5 and _rel(final, t_final) < 1e-5
     names = ["q", "k", "v", "g", "beta", "initial_state"]
@@ -123,11 +155,49 @@ def test_gradients_match_transformers_under_torch_autograd(T, widths, with_state
         assert _rel(ours, theirs) <= 1e-4, name
 
 
-def test_scale_and_no_normalisation_follow_the_recurrence():
+def test_scale_and_no_normalisation_follow_the_recurrence(path):
     q, k, v, g, beta, s0, _, _ = _data(7, 2, 70, 2, 4, 8, 8)
     ref_out, _ = _recurrence(q * 3.0, k, v, g, beta, s0)  # scale 3/sqrt(dk)
     out, _ = gated_delta_rule(*_mx(q, k, v, g, beta, s0), scale=3.0 / np.sqrt(8))
     assert _rel(out, ref_out) < 1e-5
+
+
+@pytest.mark.parametrize("chunk", [16, 50])
+def test_other_chunk_lengths_give_the_same_op(chunk, path):
+    """Chunks of 16 and of 50 (not a multiple of the kernel's 16-float padding): the recurrence's values and
+    chunk 64's gradients, with documents crossing the chunk boundaries."""
+    (q, k, v, g, beta, s0, w_out, w_state), starts, _ = _packed(31)
+    out, final, grads = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts, l2=False, chunk=chunk)
+    ref_out, ref_final = _recurrence(q, k, v, g, beta, s0, starts)
+    assert _rel(out, ref_out) < 1e-5 and _rel(final, ref_final) < 1e-5
+    _, _, want = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts, l2=False)
+    for a, b in zip(grads, want, strict=True):
+        assert _rel(a, b) < 1e-4
+
+
+def test_padded_rows_equal_the_unpadded_sequence(path):
+    """Padding as Qwen3.5's layer feeds it (g = 0 and beta = 0 at padded positions, which neither decay nor
+    write the state; left padding's q, k, v are zero there, the L2 norm of a zero vector included): the real
+    positions' outputs and gradients and the final state are the unpadded row's."""
+    T, pad = 100, 37
+    q, k, v, g, beta, s0, w_out, w_state = _data(37, 2, T, 1, 2, 8, 8, normalise=False)
+    real = np.ones((2, T), bool)
+    real[0, :pad] = False  # row 0 left-padded, row 1 right-padded (its padded q, k, v: the convolution's tail)
+    real[1, T - pad:] = False
+    left = np.zeros((2, T, 1, 1), bool)
+    left[0, :pad] = True
+    q, k, v = (np.where(left, 0.0, x) for x in (q, k, v))
+    g, beta, w_out = g * real[..., None], beta * real[..., None], w_out * real[..., None, None]
+    out, final, grads = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state)
+    for row in range(2):
+        keep = real[row]
+        one = [x[row:row + 1, keep] for x in (q, k, v, g, beta)]
+        r_out, r_final, r_grads = _mlx_grads(*one, s0[row:row + 1], w_out[row:row + 1, keep], w_state[row:row + 1])
+        assert _rel(out[row, keep], r_out[0]) < 1e-5 and _rel(final[row], r_final[0]) < 1e-5
+        for ours, alone in zip(grads[:5], r_grads, strict=False):
+            assert np.isfinite(ours[row]).all()
+            assert _rel(ours[row, keep], alone[0]) < 1e-4
+        assert _rel(grads[5][row], r_grads[5][0]) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,7 +217,7 @@ def _packed(seed):
     return data, starts, lengths
 
 
-def test_documents_equal_separate_runs_values_and_gradients():
+def test_documents_equal_separate_runs_values_and_gradients(path):
     (q, k, v, g, beta, s0, w_out, w_state), starts, lengths = _packed(5)
     out, final, grads = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts)
     for row, ls in enumerate(lengths):
@@ -173,7 +243,7 @@ def test_documents_equal_separate_runs_values_and_gradients():
     assert _rel(out, ref_out) < 1e-5 and _rel(final, ref_final) < 1e-5
 
 
-def test_reset_after_strong_decay_keeps_the_small_decays():
+def test_reset_after_strong_decay_keeps_the_small_decays(path):
     """A document start after a run of strongly negative g in the same chunk: the next document's small decays
     must not be differences of large cumulative sums (as a reset written as g = -1e4 would make them)."""
     q, k, v, g, beta, _, _, _ = _data(9, 1, 64, 1, 1, 8, 8)
@@ -190,7 +260,8 @@ def test_reset_after_strong_decay_keeps_the_small_decays():
 # dtypes, decoding, compile, the inverse
 
 
-def test_bf16_inputs_close_to_float32_with_float32_state():
+def test_bf16_inputs_close_to_float32_with_float32_state(path):
+    """bf16 inputs take the graph path (the fixture checks it) and come close to the float32 op on `path`."""
     data = _data(11, 2, 130, 2, 4, 32, 16, normalise=False)
     out32, final32, grads32 = _mlx_grads(*data)
     W, WS = _mx(data[6], data[7])
@@ -208,7 +279,7 @@ def test_bf16_inputs_close_to_float32_with_float32_state():
         assert _rel(ours.astype(mx.float32), ref) < 2e-2
 
 
-def test_step_equals_the_chunked_op_token_by_token():
+def test_step_equals_the_chunked_op_token_by_token(path):
     q, k, v, g, beta, s0, _, _ = _data(13, 2, 70, 1, 3, 8, 12, normalise=False)
     mq, mk, mv, mg, mb, ms = _mx(q, k, v, g, beta, s0)
     out, final = gated_delta_rule(mq, mk, mv, mg, mb, ms, use_qk_l2norm_in_kernel=True)
@@ -227,7 +298,7 @@ def test_step_equals_the_chunked_op_token_by_token():
     assert o.shape == (2, 1, 3, 12) and _rel(o, one) < 1e-6 and _rel(state1, final1) < 1e-6
 
 
-def test_under_compile():
+def test_under_compile(path):
     (q, k, v, g, beta, s0, w_out, w_state), starts, _ = _packed(17)
     W, WS, ds = *_mx(w_out, w_state), mx.array(starts)
 
@@ -257,6 +328,7 @@ def test_unit_lower_inverse(method, c):
 
 
 def test_block_inverse_path_gives_the_same_op(monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: None)  # the graph path's inverse (the native kernel has its own)
     data = _data(19, 2, 130, 1, 2, 8, 8, normalise=False)
     _, _, lapack = _mlx_grads(*data)
     monkeypatch.setattr(gated_delta, "INVERSE", "blocks")  # the path a GPU takes
@@ -265,7 +337,7 @@ def test_block_inverse_path_gives_the_same_op(monkeypatch):
         assert _rel(a, b) < 1e-5
 
 
-def test_autograd_of_the_forward_is_the_same_computation():
+def test_autograd_of_the_forward_is_the_same_computation(path):
     """custom_vjp=False (the memory comparison) differentiates the same forward: the same gradients."""
     (q, k, v, g, beta, s0, w_out, w_state), starts, _ = _packed(23)
     _, _, ours = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts)
@@ -275,7 +347,7 @@ def test_autograd_of_the_forward_is_the_same_computation():
 
 
 @pytest.mark.parametrize("used", ["out", "final"])
-def test_one_output_unused(used):
+def test_one_output_unused(used, path):
     """A loss of the output alone or of the final state alone: the other output's cotangent is absent."""
     q, k, v, g, beta, s0, w_out, w_state = _data(29, 1, 100, 2, 2, 8, 8)
     zero = np.zeros_like(w_state) if used == "out" else np.zeros_like(w_out)
@@ -289,6 +361,39 @@ def test_one_output_unused(used):
     grads = mx.grad(loss, argnums=list(range(6)))(*_mx(q, k, v, g, beta, s0))
     for a, b in zip(grads, want, strict=True):
         assert _rel(a, b) < 1e-6
+
+
+def test_dispatch_takes_the_native_kernel_where_the_other_native_kernels_run(monkeypatch):
+    """float32 CPU arrays with the module built: "native"; bf16 inputs or state, MLXRL_NATIVE=0, a module that
+    cannot load, or a GPU default device: "graph"."""
+    q, g, s = mx.zeros((1, 4, 2, 8)), mx.zeros((1, 4, 2)), mx.zeros((1, 2, 8, 8))
+    on_cpu = mx.default_device() == mx.cpu
+    assert gated_delta._path(q, q, q, g, g, s) == ("native" if on_cpu else "graph")
+    bf = q.astype(mx.bfloat16)
+    assert gated_delta._path(bf, bf, bf, g, g, s) == "graph"
+    assert gated_delta._path(q, q, q, g, g, s.astype(mx.bfloat16)) == "graph"
+    monkeypatch.setattr(native, "_state", {})  # load() again, as a fresh process would
+    monkeypatch.setenv("MLXRL_NATIVE", "0")
+    assert native.load() is None and gated_delta._path(q, q, q, g, g, s) == "graph"
+
+
+def test_native_primitive_has_its_own_vjp():
+    """The kernel's primitive differentiates by itself too (its VJP is the backward kernel), as the op does."""
+    skip_native_on_gpu("native")
+    kernels = native.load()
+    q, k, v, g, beta, s0, w_out, w_state = _data(41, 2, 90, 1, 2, 8, 8, normalise=False)
+    starts = np.zeros((2, 90), bool)
+    starts[1, 70] = True
+    _, _, want = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts)
+    W, WS, ds = *_mx(w_out, w_state), mx.array(starts)
+
+    def loss(*xs):
+        out, final, _ = kernels.gated_delta(*xs, ds, 64, 8 ** -0.5, True)
+        return (out * W).sum() + (final * WS).sum()
+
+    grads = mx.grad(loss, argnums=list(range(6)))(*_mx(q, k, v, g, beta, s0))
+    for a, b in zip(grads, want, strict=True):
+        assert _rel(a, b) < 1e-5
 
 
 def test_shape_errors():
@@ -305,7 +410,7 @@ def test_shape_errors():
 # memory
 
 
-def test_vjp_peak_memory_is_well_below_autograd_of_the_chunked_forward():
+def test_vjp_peak_memory_is_well_below_autograd_of_the_chunked_forward(path):
     """Forward + backward at T = 2048: ours keeps the inputs and one state per chunk; MLX's autograd of the
     same chunked forward (custom_vjp=False) keeps every chunk's intermediates."""
     B, T, H, d = 1, 2048, 4, 64

@@ -49,10 +49,16 @@ the outputs) runs the chunks one after another and only one chunk's intermediate
 cast to float32 per chunk; the state and all accumulation are float32; the output comes back in v's dtype
 (transformers returns q's; Qwen3.5 gives both the same dtype) and each gradient in its input's dtype.
 
-Paths: `_path` is the one dispatch point (a native CPU kernel for the whole sequence, forward and
-backward, will plug in there for float32 CPU arrays, as another entry of `_PATHS`); today every path is
-the MLX graph below, where the triangular inverse is LAPACK's (`mx.linalg.tri_inv`) on the CPU and a
-log-depth block recursion of matmuls elsewhere. Compile-friendly: no Python branch looks at an array's values.
+Paths: `_path` is the one dispatch point, choosing an entry of `_PATHS` as every native kernel is chosen
+(`mlxrl.cpu.fastmath`): "native" when q, k, v, g, beta and the state are float32 arrays on the CPU and
+mlxrl's native module loads (not with MLXRL_NATIVE=0), else "graph". "native" is one C++ primitive for the
+whole sequence forward and one backward (`mlxrl/cpu/native/gated_delta.cpp`): the same chunks and formulas
+with the same memory (the inputs and one [dk, dv] state per chunk and head, one chunk's intermediates per
+core), one worker per batch row and value head (per key head in the backward, where a key head's value heads
+add into its dq / dk), the small products in a register-tiled micro-kernel and the triangular inverse by
+forward substitution. "graph" is the MLX graph below (Metal, CUDA, bf16 inputs), where the inverse is
+LAPACK's (`mx.linalg.tri_inv`) on the CPU and a log-depth block recursion of matmuls elsewhere.
+Compile-friendly: no Python branch looks at an array's values.
 
     pytest tests/test_gated_delta.py
     python scripts/bench_gated_delta.py
@@ -63,6 +69,8 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+
+from ..cpu import fastmath, native
 
 CHUNK = 64
 L2_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm eps
@@ -329,13 +337,34 @@ def _graph_backward(primals, d_out, d_final, saved, cfg):
     return (*grads, dS.astype(state.dtype), mx.zeros_like(starts))
 
 
-_PATHS = {"graph": (_graph_forward, _graph_backward)}
+# ---------------------------------------------------------------------------------------------------------
+# the native CPU kernel (float32 CPU arrays): the whole sequence in one primitive each way
 
 
-def _path(q: mx.array, v: mx.array) -> str:
-    """Which implementation runs these inputs: the dispatch point where a native kernel for a path (the
-    float32 CPU one) will take the whole sequence, forward and backward, under a name of its own in
-    `_PATHS`; every path is the MLX graph for now."""
+def _native_forward(q, k, v, g, beta, state, starts, cfg):
+    """(out [B, T, Hv, dv], final state [B, Hv, dk, dv], the states at the chunk starts [N, B, Hv, dk, dv]),
+    all float32, from `mlxrl.native`'s gated_delta."""
+    out, final, saved = native.load().gated_delta(q, k, v, g, beta, state, starts, cfg.chunk, cfg.scale, cfg.l2norm)
+    return out, final, saved
+
+
+def _native_backward(primals, d_out, d_final, saved, cfg):
+    """The kernel's backward: each chunk recomputed from its saved start state, last chunk first."""
+    q, k, v, g, beta, state, starts = primals
+    grads = native.load().gated_delta_grad(q, k, v, g, beta, starts, saved, d_out, d_final, cfg.chunk, cfg.scale,
+                                           cfg.l2norm)
+    return (*grads, mx.zeros_like(starts))
+
+
+_PATHS = {"graph": (_graph_forward, _graph_backward), "native": (_native_forward, _native_backward)}
+
+
+def _path(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array) -> str:
+    """Which implementation of `_PATHS` runs these inputs: "native" for float32 arrays on the CPU with the
+    native module built (`fastmath.kernels_for`: MLXRL_NATIVE=0, no compiler or a GPU default device give
+    None), else "graph"."""
+    if all(x.dtype == mx.float32 for x in (q, k, v, g, beta, state)) and fastmath.kernels_for(q) is not None:
+        return "native"
     return "graph"
 
 
@@ -398,7 +427,7 @@ def gated_delta_rule(
     if not custom_vjp:
         out, final, _ = _graph_forward(q, k, v, g, beta, state, starts, _Config(*key), save_states=False)
         return out, final
-    out, final, _ = _make_op(_path(q, v), key)(q, k, v, g, beta, state, starts)
+    out, final, _ = _make_op(_path(q, k, v, g, beta, state), key)(q, k, v, g, beta, state, starts)
     return out, final
 
 

@@ -8,11 +8,12 @@ primitives with VJPs and JVPs; `mlxrl.fastmath` routes float32 CPU arrays to the
 AdamW step (updating in place: no second copy of weights and moments) and the fused LM head
 (`mlxrl.losses.fused_head`: one reused tile, the weight gradient accumulated in place by the BLAS),
 counter-hash dropout, and the decoder's RMSNorm, rotary embedding and SwiGLU product with their VJPs
-(one multi-threaded pass each, where MLX runs several single-core ops).
+(one multi-threaded pass each, where MLX runs several single-core ops), FlashAttention, and the gated delta
+rule of Qwen3.5's linear attention (`gated_delta.cpp`, which cpu_math.cpp #includes: the one translation unit).
 
 The module is built with the system's `g++` against the installed MLX's headers and library and
 nanobind (in MLX's nanobind domain, so `mx.array` crosses unchanged), with `-O3 -march=native`,
-into a cache folder keyed by everything the binary depends on (source, MLX and nanobind versions,
+into a cache folder keyed by everything the binary depends on (the sources, MLX and nanobind versions,
 Python ABI, compiler, CPU flags). The first build takes ~10 s; a file lock keeps concurrent
 processes (pytest workers, `mlx.launch` ranks) from building twice, and the library is moved into
 place atomically. Where anything is missing (no compiler, no nanobind, a failed build or a module
@@ -42,6 +43,9 @@ from pathlib import Path
 import mlx.core as mx
 
 SOURCE = Path(__file__).with_name("cpu_math.cpp")
+# every source the build reads (the build key hashes them): cpu_math.cpp, the one translation unit, and the
+# kernels it #includes from this folder (gated_delta.cpp)
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 MODULE = "_cpu_math"
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-O3", "-march=native", "-std=gnu++20", "-fopenmp-simd", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
@@ -71,8 +75,9 @@ def _compiler_version() -> str:
 
 
 def build_key(nanobind_version: str) -> str:
-    parts = [SOURCE.read_bytes().decode(), mx.__version__, nanobind_version, sysconfig.get_config_var("EXT_SUFFIX"),
-             _compiler_version(), _cpu_signature(), " ".join(FLAGS + NANOBIND_FLAGS)]
+    parts = [*(p.read_bytes().decode() for p in SOURCES), mx.__version__, nanobind_version,
+             sysconfig.get_config_var("EXT_SUFFIX"), _compiler_version(), _cpu_signature(),
+             " ".join(FLAGS + NANOBIND_FLAGS)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

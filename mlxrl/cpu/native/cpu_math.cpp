@@ -1,6 +1,7 @@
 // mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, sum of squares, the AdamW step,
 // the fused LM head (loss + gradients over row chunks, its matmuls through the BLAS MLX uses), dropout,
-// and the decoder's elementwise work (RMSNorm, rotary embedding, the SwiGLU product), as MLX primitives.
+// and the decoder's elementwise work (RMSNorm, rotary embedding, the SwiGLU product), FlashAttention and the
+// gated delta rule (gated_delta.cpp, included below), as MLX primitives.
 //
 // Why: MLX's Linux CPU wheel is built for baseline x86-64, so its exp / sigmoid / softmax are scalar
 // loops whose fma calls go through libm (~0.05 G elements/s, against ~1.3 for a multiply). These
@@ -2149,12 +2150,18 @@ std::vector<mx::array> flash_attention_op(const mx::array& q, const mx::array& k
                                 std::make_shared<FlashAttention>(stream, causal), in);
 }
 
+// ------------------------------------------------------------------------------ the gated delta rule
+
+// Forward and backward of Qwen3.5's Gated DeltaNet core, in its own file (a .cpp so that the package data ships it)
+// but compiled here, inside this namespace: it uses the helpers above.
+#include "gated_delta.cpp"
+
 }  // namespace
 
 NB_MODULE(_cpu_math, m) {
   m.doc() = "mlxrl's vectorised, multi-threaded CPU kernels (float32): exp, sigmoid, softmax (last axis), "
             "sum of squares, the AdamW step, the fused LM head, dropout (and LoRA's dropout + down-projection), "
-            "RMSNorm, rotary embedding, SwiGLU.";
+            "RMSNorm, rotary embedding, SwiGLU, FlashAttention, the gated delta rule.";
   m.def("drain_bytes", &drain_bytes,
         "Output size from which a kernel finishes the stream's queued work before allocating (MLXRL_DRAIN_BYTES).");
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
@@ -2219,5 +2226,15 @@ NB_MODULE(_cpu_math, m) {
         nb::arg("causal"), nb::arg("bounds") = nb::none(),
         "flash_attention's VJP from its inputs, outputs (o, lse) and their cotangents: [dq, dk, dv] (the scores "
         "recomputed per block of queries, as in the backward of flash_attention).");
+  m.def("gated_delta", &gated_delta_op, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"),
+        nb::arg("state"), nb::arg("starts"), nb::arg("chunk"), nb::arg("scale"), nb::arg("l2norm"),
+        "The gated delta rule over a sequence (mlxrl.models.gated_delta's chunked form; float32 q, k [B, T, Hk, dk], "
+        "v [B, T, Hv, dv], g, beta [B, T, Hv], state [B, Hv, dk, dv], starts bool [B, T]): [out, final state, the "
+        "states at the chunk starts [N, B, Hv, dk, dv]].");
+  m.def("gated_delta_grad", &gated_delta_backward_op, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"),
+        nb::arg("beta"), nb::arg("starts"), nb::arg("saved"), nb::arg("d_out"), nb::arg("d_final"), nb::arg("chunk"),
+        nb::arg("scale"), nb::arg("l2norm"),
+        "gated_delta's VJP from its inputs, the saved chunk-start states and the cotangents of (out, final state): "
+        "[dq, dk, dv, dg, dbeta, d_state], each chunk recomputed from its start state, last chunk first.");
   m.def("threads", &worker_count);
 }
