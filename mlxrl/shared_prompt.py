@@ -32,7 +32,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .cpu import fastmath
-from .generation import continue_positions, is_vl, left_align, prompt_positions, repeat_prompts
+from .generation import continue_positions, is_vl, prompt_positions, repeat_prompts
 from .losses.head import head_logprobs
 from .models import checkpointing
 from .models.language import attention_mask_for
@@ -264,7 +264,7 @@ def repeated_hidden(
     P, Lp = prompt_ids.shape
     n, C = completion_ids.shape
     G = n // P
-    prompt_ids, prompt_mask = left_align(prompt_ids, prompt_mask.astype(mx.int32), 0)
+    prompt_ids, prompt_mask = _left_aligned(prompt_ids, prompt_mask.astype(mx.int32))
     ids, mask, pv, grid = repeat_prompts(model, G, prompt_ids, prompt_mask.astype(mx.int32), pixel_values,
                                          image_grid_thw)
     ids = mx.concatenate([ids, completion_ids.astype(ids.dtype)], axis=1)
@@ -276,6 +276,14 @@ def repeated_hidden(
     first = _last_real(mask[:, :Lp])[:, None]
     rest = mx.broadcast_to(Lp + mx.arange(C - 1, dtype=mx.int32)[None], (n, C - 1))
     return mx.take_along_axis(h, mx.concatenate([first, rest], axis=1)[..., None], axis=1)
+
+
+def _left_aligned(ids: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+    """Each row's real tokens moved to its right end, in order (left padding unchanged), by a stable sort on
+    (real, position): array ops only, so it compiles."""
+    L = ids.shape[1]
+    order = mx.argsort(mask * L + mx.arange(L, dtype=mx.int32)[None], axis=1)
+    return mx.take_along_axis(ids, order, axis=1), mx.take_along_axis(mask, order, axis=1)
 
 
 def repeated_logprobs(
