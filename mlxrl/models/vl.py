@@ -84,6 +84,15 @@ def text_config_dict(config: dict) -> dict:
     return {**flat, **nested}
 
 
+class VisualAndLanguage(nn.Module):
+    """transformers' nesting of the newer families (Qwen3-VL, Qwen3.5): `model.visual`, `model.language_model`."""
+
+    def __init__(self, vision: nn.Module, language: nn.Module):
+        super().__init__()
+        self.visual = vision
+        self.language_model = language
+
+
 class QwenVLBase(CausalLMHead, nn.Module):
     """Forward shared by the Qwen-VL families. Subclasses place the submodules under their
     Hugging Face names and expose them through `vision_tower`, `language_model`, `lm_head`."""

@@ -10,16 +10,9 @@ import mlx.nn as nn
 
 from ..qwen3_vl.model import sanitize_vl_layouts
 from ..qwen3_vl.vision import VisionConfig, VisionModel
-from ..vl import QwenVLBase
+from ..vl import QwenVLBase, VisualAndLanguage
 from .model import from_mlx_layout, make_cache
 from .text import Qwen35LanguageModel, Qwen35TextConfig, initial_value
-
-
-class _Inner(nn.Module):
-    def __init__(self, vision: nn.Module, language: Qwen35LanguageModel):
-        super().__init__()
-        self.visual = vision
-        self.language_model = language
 
 
 class Model(QwenVLBase):
@@ -31,7 +24,7 @@ class Model(QwenVLBase):
         self.text_config = Qwen35TextConfig.from_dict(tc, qk_norm=True, tie_word_embeddings=tie)
         vision = VisionModel(VisionConfig.from_dict({**(config.get("vision_config") or {}),
                                                      "deepstack_visual_indexes": []}))
-        self.model = _Inner(vision, Qwen35LanguageModel(self.text_config))
+        self.model = VisualAndLanguage(vision, Qwen35LanguageModel(self.text_config))
         if not tie:
             self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
 

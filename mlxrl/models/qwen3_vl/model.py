@@ -7,15 +7,8 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from ..language import LanguageModel, TextConfig
-from ..vl import QwenVLBase
+from ..vl import QwenVLBase, VisualAndLanguage
 from .vision import VisionConfig, VisionModel
-
-
-class _Inner(nn.Module):
-    def __init__(self, vision: nn.Module, language: LanguageModel):
-        super().__init__()
-        self.visual = vision
-        self.language_model = language
 
 
 class Model(QwenVLBase):
@@ -29,7 +22,7 @@ class Model(QwenVLBase):
             mrope_interleaved=True, tie_word_embeddings=tie,
         )
         vision = VisionModel(VisionConfig.from_dict(config.get("vision_config") or {}))
-        self.model = _Inner(vision, LanguageModel(self.text_config))
+        self.model = VisualAndLanguage(vision, LanguageModel(self.text_config))
         if not tie:
             self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
 
