@@ -79,7 +79,8 @@ def write_error_reason(e: BaseException) -> str | None:
 # ---------------------------------------------------------------------------------------------- markers
 
 def read_marker(folder: Path) -> dict | None:
-    """The `mlxrl_save.json` of `folder` (None when there is none or it is not ours)."""
+    """The `mlxrl_save.json` of `folder` (None when there is none or it is not ours; a damaged file list is
+    refused, `check_listed`)."""
     path = Path(folder) / MARKER
     try:
         data = json.loads(path.read_text())
@@ -87,7 +88,21 @@ def read_marker(folder: Path) -> dict | None:
         return None
     if not isinstance(data, dict) or data.get("saved_by") != "mlxrl" or not isinstance(data.get("files"), list):
         return None
+    check_listed(path, data["files"])
     return data
+
+
+def check_listed(path: Path, files: list) -> None:
+    """Refuse, in one line, a record of ours (`path`: a `mlxrl_save.json`, a run's `mlxrl_run.json`) whose
+    "files" list holds anything but plain names of entries beside it: mlxrl deletes and replaces what such a
+    list names, so an entry like "../x", "a/b", "", "." or a number is never acted on."""
+    for name in files:
+        if not (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+                and not any(sep and sep in name for sep in ("/", os.sep, os.altsep))):
+            raise MlxrlError(f"{path} is damaged: its \"files\" list holds {json.dumps(name)}, which is not the "
+                             f"name of a file in {Path(path).parent} (mlxrl deletes and replaces only what that list "
+                             f"names; nothing was touched): delete {path} (the files it listed are then treated as "
+                             "yours and left alone) or correct the list")
 
 
 def _marker_text(kind: str, files, partial: bool = False) -> str:

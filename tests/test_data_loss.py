@@ -523,7 +523,8 @@ def test_a_bad_image_mid_run_keeps_the_finished_steps(tiny_checkpoint, tmp_path)
     out = tmp_path / "run"
     res = run_cli("mlxrl.sft", sft_cli(folder, data, out, vl=True))
     err = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(err) == 1 and f"row {third}: cannot read image" in err[0], res.stderr[-2000:]
+    assert res.returncode == 2 and len(err) == 1, res.stderr[-2000:]
+    assert f"{data} line {third + 1} (row {third}): cannot read image" in err[0], res.stderr[-2000:]  # file and line
     assert re.search(rf"stopped by an error at step 3 \(\w+\): saved resumable checkpoint {out / 'checkpoint-2'}",
                      res.stdout), res.stdout[-2000:]
 

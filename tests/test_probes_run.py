@@ -8,8 +8,10 @@ every CLI case runs the real `main()` in-process with a tiny model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,9 +47,10 @@ def write_rows(path: Path, rows=ROWS) -> Path:
 def sft(tiny_checkpoint, tmp_path):
     """sft(*flags, model=..., data=...) -> exit code of `python -m mlxrl.sft` on the tiny Qwen3 and 12 rows."""
     data = write_rows(tmp_path / "rows.jsonl")
+    qwen3 = tiny_checkpoint("qwen3")  # built here, not inside a test whose stderr is read
 
     def run(*flags, model=None, dataset=None):
-        return sft_main(["--model", str(model or tiny_checkpoint("qwen3")), "--dataset", str(dataset or data),
+        return sft_main(["--model", str(model or qwen3), "--dataset", str(dataset or data),
                          "--max_length", "64", "--disable_tqdm", "true", "--compile", "false",
                          "--gradient_checkpointing", "false", "--per_device_train_batch_size", "2",
                          "--logging_steps", "1", *map(str, flags)])
@@ -168,6 +171,31 @@ def test_overwrite_never_deletes_a_metrics_file_mlxrl_did_not_write(sft, tmp_pat
     assert len((other / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.parametrize("entry", ["../victim.txt", "", 5])
+@pytest.mark.parametrize("record", [RECORD, "mlxrl_save.json"])
+def test_a_record_listing_anything_but_a_plain_name_is_refused(sft, tmp_path, capsys, record, entry):
+    """mlxrl_run.json's and mlxrl_save.json's lists name what an overwrite deletes: a path out of the folder, the
+    folder itself ("") or a number is one line naming the record and the entry, and nothing is deleted."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (tmp_path / "victim.txt").write_text("mine")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    run = {"saved_by": "mlxrl", "run_id": "x", "pid": 1, "files": ["metrics.jsonl"]}
+    if record == RECORD:
+        run["files"].append(entry)
+    else:  # an earlier run's final adapter save
+        (out / "adapter_config.json").write_text("{}")
+        (out / record).write_text(json.dumps({"saved_by": "mlxrl", "kind": "adapter",
+                                              "files": ["adapter_config.json", entry]}))
+    (out / RECORD).write_text(json.dumps(run))
+    before = listing(tmp_path)
+    assert sft("--output_dir", out, "--max_steps", 1, "--use_peft", "true", "--overwrite_output_dir", "true") == 2
+    line = one_line_error(capsys)
+    assert f"{out / record} is damaged: its \"files\" list holds {json.dumps(entry)}" in line, line
+    assert f"delete {out / record}" in line, line
+    assert listing(tmp_path) == before
+
+
 @pytest.mark.parametrize("field,value,words", [
     ("batch_in_epoch", -5, "batch_in_epoch -5, which must be a whole number >= 0"),
     ("log_history", "oops", "log_history \"oops\", which must be a list of objects"),
@@ -239,12 +267,22 @@ def test_step_fractions_as_training_arguments_read_them(sft, tmp_path):
 
     out = tmp_path / "o"
     assert sft("--output_dir", out, "--use_peft", "true", "--max_steps", 4, "--save_steps", 0.5,
-               "--logging_steps", 0.25) == 0
+               "--logging_steps", 0.5) == 0
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4]
     # the same reading as transformers' (a float in (0, 1) is accepted, 1.5 is not)
     assert TrainingArguments(output_dir=str(tmp_path / "t"), save_steps=0.5).save_steps == 0.5
     assert sft("--output_dir", tmp_path / "p", "--max_steps", 4, "--save_steps", 1.5) == 2
+
+
+def test_eval_steps_fraction_evaluates_at_that_fraction_of_the_steps(sft, tmp_path):
+    """--eval_steps 0.5 of 4 steps: evaluations at steps 2 and 4 (transformers' reading), while every step logs."""
+    out = tmp_path / "o"
+    assert sft("--output_dir", out, "--use_peft", "true", "--max_steps", 4, "--eval_strategy", "steps",
+               "--eval_steps", 0.5, "--eval_split", 0.25, "--logging_steps", 1, "--save_steps", 0) == 0
+    entries = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "eval_loss" in e] == [2, 4]
+    assert [e["step"] for e in entries if "loss" in e] == [1, 2, 3, 4]
 
 
 def test_merge_without_lora_and_the_bf16_resume_hint(sft, tmp_path, capsys):
@@ -269,6 +307,60 @@ def test_a_bad_row_is_named_by_file_and_line(sft, tmp_path, capsys):
     assert sft("--output_dir", tmp_path / "o", "--max_steps", 1, dataset=data) == 2
     line = one_line_error(capsys)
     assert f"{data / 'b.jsonl'} line 4 (row 4)" in line and "role 'bot'" in line, line
+
+
+def vl_row(image) -> dict:
+    return {"images": [str(image)], "messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]},
+        {"role": "assistant", "content": "red"}]}
+
+
+def test_a_bad_row_found_while_tokenising_is_named_by_file_and_line(sft, tiny_checkpoint, tmp_path, capsys):
+    """The upfront check passes (the row is well formed); its image is read when the rows are tokenised."""
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), "red").save(ok := tmp_path / "ok.png")
+    model = tiny_checkpoint("qwen3_vl")
+    capsys.readouterr()  # (building it prints)
+    data = tmp_path / "vldata"
+    data.mkdir()
+    rows = [vl_row(tmp_path / "missing.png" if i == 3 else ok) for i in range(6)]
+    (data / "a.jsonl").write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))  # row 3 on line 5
+    assert sft("--output_dir", tmp_path / "o", "--max_steps", 1, "--use_peft", "true", dataset=data, model=model) == 2
+    line = one_line_error(capsys)
+    assert f"{data / 'a.jsonl'} line 5 (row 3): cannot read image 0" in line and "no such file" in line, line
+
+
+def test_a_bad_row_found_in_training_or_evaluation_is_named_by_its_own_file(tiny_checkpoint, tmp_path):
+    """An image gone after tokenising is found when a batch reads its pixels: an evaluation row is named by the
+    evaluation file's line (never the training file's), a training row by the training file's."""
+    from PIL import Image
+
+    import mlxrl
+    from mlxrl.hub import DataError
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft import SFTTrainer
+
+    for name in ("ok", "gone"):
+        Image.new("RGB", (32, 32), "red").save(tmp_path / f"{name}.png")
+    train = write_rows(tmp_path / "t.jsonl", [vl_row(tmp_path / "ok.png") for _ in range(4)])
+    evaluation = write_rows(tmp_path / "e.jsonl", [vl_row(tmp_path / f"{n}.png") for n in ("ok", "gone", "ok")])
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3_vl"))
+    args = SFTConfig(output_dir=str(tmp_path / "o"), max_steps=1, max_length=128, compile=False, disable_tqdm=True,
+                     gradient_checkpointing=False, use_peft=True, eval_on_start=True, logging_steps=1,
+                     per_device_train_batch_size=2, per_device_eval_batch_size=2)
+    trainer = SFTTrainer(model, processor, args, train_dataset=load_rows(train), eval_dataset=load_rows(evaluation))
+    (tmp_path / "gone.png").unlink()
+    with pytest.raises(DataError, match=f"^{evaluation} line 2 \\(row 1\\): cannot read image 0"):
+        trainer.train()
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3_vl"))  # (the first trainer's LoRA is on the other)
+    trainer = SFTTrainer(model, processor, dataclasses.replace(args, eval_on_start=False),
+                         train_dataset=load_rows(train))
+    (tmp_path / "ok.png").unlink()
+    with pytest.raises(DataError, match=f"^{train} line (\\d) \\(row (\\d)\\): cannot read image 0") as caught:
+        trainer.train()
+    line, row = map(int, re.match(f"^{train} line (\\d) \\(row (\\d)\\)", str(caught.value)).groups())
+    assert line == row + 1
 
 
 def test_ctrl_c_held_down_through_the_shutdown_is_quiet(tiny_checkpoint, tmp_path):

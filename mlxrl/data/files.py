@@ -15,13 +15,14 @@ import json
 import os
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..hub import DataError, MlxrlError  # noqa: F401  (data.files.DataError)
 
-__all__ = ["DataError", "Rows", "Splits", "folder_splits", "hub_split_names", "load_rows", "locate",
-           "rows_fingerprint", "split_named"]
+__all__ = ["DataError", "Rows", "Splits", "folder_splits", "hub_split_names", "load_rows", "locate", "naming_rows",
+           "origins_of", "rows_fingerprint", "split_named"]
 
 
 
@@ -41,9 +42,35 @@ class Rows(list):
     origins: list[str] = []
 
 
+def origins_of(rows) -> list[str] | None:
+    """Where each row of `rows` came from (`Rows.origins`); None for rows that do not say (a plain list)."""
+    return getattr(rows, "origins", None) or None
+
+
 def locate(rows, message: str) -> str:
     """`message` about "row N: ..." of `rows`, with the file and line of that row put in front."""
-    origins = getattr(rows, "origins", None)
+    return _locate(origins_of(rows), message)
+
+
+@contextmanager
+def naming_rows(origins):
+    """Inside it, a `DataError` about "row N: ..." names the file and line of row N (`origins[N]`, from
+    `origins_of`): what a trainer wraps around its work on one dataset (tokenising it, reading its images,
+    packing, rendering prompts, evaluating), so that a bad row found after the upfront checks is named as
+    they name it. The innermost wrap decides (an evaluation row is never named by a training file's line);
+    with no origins the message stays as it is."""
+    try:
+        yield
+    except DataError as e:
+        if not getattr(e, "rows_named", False):
+            e.rows_named = True
+            message = str(e)
+            if len(e.args) == 1 and (named := _locate(origins, message)) != message:
+                e.args = (named,)
+        raise
+
+
+def _locate(origins, message: str) -> str:
     head, sep, rest = message.partition(": ")
     parts = head.split()
     if not origins or not sep or len(parts) != 2 or parts[0] != "row" or not parts[1].isdigit():

@@ -13,6 +13,8 @@ import bisect
 from collections import defaultdict, deque
 from collections.abc import Sequence
 
+from ..hub import DataError
+
 __all__ = ["pack_bfd", "pack_wrapped"]
 
 
@@ -73,8 +75,8 @@ def pack_wrapped(examples: Sequence, max_length: int) -> list[list[tuple[int, in
             for k, (s, e) in enumerate(spans):
                 if s < stop < e:  # would cut image k: end the row before it
                     if s <= pos and not row:
-                        raise ValueError(f"row {ex.index}: image {k} has {e - s} tokens, more than "
-                                         f"max_length={max_length}; use a larger max_length or smaller images")
+                        raise DataError(f"row {ex.index}: image {k} has {e - s} tokens, more than "
+                                        f"max_length={max_length}; use a larger max_length or smaller images")
                     stop = max(pos, int(s))
                     break
             if stop > pos:

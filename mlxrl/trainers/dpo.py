@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..data.files import rows_fingerprint
+from ..data.files import naming_rows, origins_of, rows_fingerprint
 from ..losses.dpo import DPO_LOSSES, F_DIVERGENCE_LOSSES, F_DIVERGENCES, dpo_loss
 from ..losses.head import head_logprobs
 from ..models.reference import adapters_disabled, frozen_copy
@@ -171,22 +171,27 @@ class DPOTrainer(Trainer):
             ref_model = frozen_copy(model)  # TRL loads a second copy; see the module docstring for the cost
         self.ref_model = ref_model
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
+        self.row_origins = origins_of(train_dataset)
         self.train_examples = self._tokenize(train_dataset, "train")
         self.eval_examples = trl_api.eval_sets(eval_dataset, self.tokenize_eval)
-        if args.precompute_ref_log_probs:
-            self.precompute_ref_log_probs(self.train_examples, args.precompute_ref_batch_size or
-                                          args.per_device_train_batch_size)
+        self.eval_origins = trl_api.eval_origins(eval_dataset)
+        if args.precompute_ref_log_probs:  # (reads the images: a bad one named by its row's file and line)
+            with naming_rows(self.row_origins):
+                self.precompute_ref_log_probs(self.train_examples, args.precompute_ref_batch_size or
+                                              args.per_device_train_batch_size)
             if self.eval_examples:
-                self.precompute_ref_log_probs(trl_api.all_eval_examples(self.eval_examples),
-                                              args.precompute_ref_batch_size or args.per_device_eval_batch_size)
+                with naming_rows(self.eval_origins if not isinstance(self.eval_origins, dict) else None):
+                    self.precompute_ref_log_probs(trl_api.all_eval_examples(self.eval_examples),
+                                                  args.precompute_ref_batch_size or args.per_device_eval_batch_size)
 
     # ------------------------------------------------------------------ data
     def _tokenize(self, rows, name):
         from ..data.preference import tokenize_preference
 
         a = self.args
-        out = [tokenize_preference(row, self.processor, index=i, max_length=a.max_length,
-                                   truncation_mode=a.truncation_mode) for i, row in enumerate(rows)]
+        with naming_rows(origins_of(rows)):
+            out = [tokenize_preference(row, self.processor, index=i, max_length=a.max_length,
+                                       truncation_mode=a.truncation_mode) for i, row in enumerate(rows)]
         kept = [e for e in out if e is not None]
         if len(kept) < len(out):
             print(f"{name}: dropped {len(out) - len(kept)} of {len(out)} pairs whose prompt alone fills "

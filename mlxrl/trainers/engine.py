@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 from .. import runtime
 from ..cpu import fastmath
 from ..data.batches import pad_image_patches
+from ..data.files import naming_rows
 from ..hub import MlxrlError
 from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
@@ -110,6 +111,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         self._dtypes_checked = False  # whether an update has been checked to keep every parameter's dtype
         self.run_id = secrets.token_hex(8)  # in every checkpoint: pruning touches this run's only
         self.rows_fingerprint = None  # the training rows' digest (set by the trainers): a resume checks it
+        self.row_origins = None  # the training rows' files and lines (data.files.origins_of; set by the trainers)
         self.source = None  # the batch source (`make_source`), made when training starts
         self._consistent = True  # False while an update is half applied (no checkpoint then)
         self._saved_step = None  # the step of the last checkpoint written by this run
@@ -264,7 +266,8 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
             spec = "last" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             self.args = dataclasses.replace(self.args, resume_from_checkpoint=spec)
         start, first_step = time.perf_counter(), self.global_step
-        self._run()
+        with naming_rows(self.row_origins):  # a bad training row found in the loop: its file and line
+            self._run()
         return self._summary(time.perf_counter() - start, first_step)
 
     def _run(self):

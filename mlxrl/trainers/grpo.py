@@ -46,7 +46,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from ..data.files import rows_fingerprint
+from ..data.files import naming_rows, origins_of, rows_fingerprint
 from ..data.formats import DataError, chatml, check_prompt_rows, template_kwargs
 from ..data.images import fill_images, row_images
 from ..hub import MlxrlError
@@ -115,7 +115,8 @@ class GRPOTrainer(Trainer):
                              "off, full fine-tuning keeps a frozen copy)")
         if args.disable_dropout and args.use_peft and args.lora_dropout:
             args = dataclasses.replace(args, lora_dropout=0.0)
-        check_prompt_rows(train_dataset)
+        with naming_rows(origins_of(train_dataset)):
+            check_prompt_rows(train_dataset)
         names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
         columns = [k for k in train_dataset[0] if k not in ("prompt", "completion", "completion_ids")]
         for f, name in zip(funcs, names, strict=True):
@@ -125,6 +126,7 @@ class GRPOTrainer(Trainer):
         self.reward_func_names = names
         self.rows = list(train_dataset)
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
+        self.row_origins = origins_of(train_dataset)
         self.G = args.num_generations
         self.steps_per_generation, self.generation_batch_size = resolve_batching(args)
         self.prompts_per_round = self.generation_batch_size // self.G

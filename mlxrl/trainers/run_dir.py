@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..atomic import (
     MARKER,
+    check_listed,
     check_save_target,
     clean_stale,
     foreign_entries,
@@ -54,13 +55,14 @@ _LEFTOVER_RE = re.compile(r"^\.(checkpoint-\d+|metrics\.jsonl|model|merged-quant
 # ---------------------------------------------------------------------------------------------- the record
 
 def read_record(out: Path) -> dict | None:
-    """`mlxrl_run.json` of `out` (None when there is none or it is not ours)."""
+    """`mlxrl_run.json` of `out` (None when there is none or it is not ours; a damaged file list refused)."""
     try:
         data = json.loads((Path(out) / RECORD).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("saved_by") != "mlxrl" or not isinstance(data.get("files"), list):
         return None
+    check_listed(Path(out) / RECORD, data["files"])  # a name such as "../x" in it: refused, never deleted
     return data
 
 
@@ -113,7 +115,10 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            pid = (read_record(self.out) or {}).get("pid")
+            try:
+                pid = (read_record(self.out) or {}).get("pid")
+            except MlxrlError:  # a damaged record: the lock is what this line is about
+                pid = None
             who = f" (process {pid})" if isinstance(pid, int) else ""
             raise MlxrlError(f"--output_dir {self.out} is being written by another mlxrl run{who}: wait for it to "
                              "end, or choose another --output_dir") from None
@@ -242,7 +247,8 @@ def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tup
         more = f" and {len(found) - 2} more" if len(found) > 2 else ""
         raise MlxrlError(f"--output_dir {out} holds another run ({', '.join(found[:2])}{more}): resume it with "
                          "--resume_from_checkpoint last, pass --overwrite_output_dir true to start over (its "
-                         "checkpoints, metrics.jsonl and final save are deleted; nothing else), or choose another "
+                         "checkpoints, metrics.jsonl, run.png and final save are deleted when training starts; "
+                         "nothing else), or choose another "
                          "--output_dir")
     marker = read_marker(out)
     ours = set(marker["files"]) if marker else set()
@@ -274,7 +280,8 @@ def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[s
             shutil.rmtree(path)
     record = read_record(out)
     for name in record["files"] if record else [METRICS] if METRICS in found else []:
-        (out / name).unlink(missing_ok=True)  # metrics.jsonl and the run's picture
+        if not (out / name).is_dir() or (out / name).is_symlink():  # (the record lists files; a folder is not ours)
+            (out / name).unlink(missing_ok=True)  # metrics.jsonl and the run's picture
     remove_final_save(out)
 
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..data.batches import quarter_octave, right_padded
-from ..data.files import rows_fingerprint
+from ..data.files import naming_rows, origins_of, rows_fingerprint
 from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
@@ -60,11 +60,13 @@ class SFTTrainer(Trainer):
         self._head_trainable = self.head_trainable
         apply_tokenizer_args(self.processor, args)  # eos_token, chat_template_path: before any row is tokenised
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
+        self.row_origins = origins_of(train_dataset)
         self.train_examples = self._tokenize(train_dataset)
         if args.shuffle_dataset:  # TRL shuffles before packing: which examples share a packed row changes
             order = np.random.default_rng(self.data_seed).permutation(len(self.train_examples))
             self.train_examples = [self.train_examples[i] for i in order]
         self.eval_examples = trl_api.eval_sets(eval_dataset, self._tokenize)
+        self.eval_origins = trl_api.eval_origins(eval_dataset)
         # max_length None (TRL: no truncation): the batches' longest row is the longest example's
         self.row_length = args.max_length or max(
             len(e) for e in self.train_examples + trl_api.all_eval_examples(self.eval_examples))
@@ -74,10 +76,11 @@ class SFTTrainer(Trainer):
         from ..data import tokenize_example
 
         a = self.args
-        return [tokenize_example(row, self.processor, index=i, max_length=a.max_length,
-                                 truncation_mode=a.truncation_mode, completion_only_loss=a.completion_only_loss,
-                                 assistant_only_loss=a.assistant_only_loss, dataset_text_field=a.dataset_text_field)
-                for i, row in enumerate(rows)]
+        with naming_rows(origins_of(rows)):
+            return [tokenize_example(row, self.processor, index=i, max_length=a.max_length,
+                                     truncation_mode=a.truncation_mode, completion_only_loss=a.completion_only_loss,
+                                     assistant_only_loss=a.assistant_only_loss, dataset_text_field=a.dataset_text_field)
+                    for i, row in enumerate(rows)]
 
     def _batches_of(self, examples, epoch, shuffle, batch_size, lazy=False, shard=False, train=True):
         """One epoch of prepared batches; lazy: callables that collate (decoding the images) and

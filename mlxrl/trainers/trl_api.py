@@ -173,6 +173,15 @@ def eval_sets(eval_dataset, tokenize):
     return tokenize(eval_dataset)
 
 
+def eval_origins(eval_dataset):
+    """Where each evaluation row came from (`data.files.origins_of`), or {name: ...} for a dict of named sets."""
+    from ..data.files import origins_of
+
+    if isinstance(eval_dataset, dict):
+        return {str(name): origins_of(rows) for name, rows in eval_dataset.items()}
+    return origins_of(eval_dataset)
+
+
 def all_eval_examples(eval_examples) -> list:
     """Every evaluation example, of one set or of all the named sets."""
     if isinstance(eval_examples, dict):
@@ -181,8 +190,12 @@ def all_eval_examples(eval_examples) -> list:
 
 
 def format_rows(rows, formatting_func) -> list[dict]:
-    """TRL's formatting_func: each row becomes {"text": formatting_func(row)} (a string, or refused)."""
-    out = []
+    """TRL's formatting_func: each row becomes {"text": formatting_func(row)} (a string, or refused); the
+    rows' files and lines are kept (`data.files.Rows`)."""
+    from ..data.files import Rows, origins_of
+
+    out = Rows()
+    out.origins = origins_of(rows) or []
     for i, row in enumerate(rows):
         text = formatting_func(row)
         if not isinstance(text, str):
@@ -274,19 +287,26 @@ class TRLSurface:
         if eval_dataset is not None and not hasattr(self, "tokenize_eval"):
             raise MlxrlError(f"{type(self).__name__}.evaluate(eval_dataset=...) is not supported by mlxrl")
         sets = getattr(self, "eval_examples", None) if eval_dataset is None else eval_dataset
+        origins = getattr(self, "eval_origins", None) if eval_dataset is None else eval_origins(eval_dataset)
         tokenize = (lambda x: x) if eval_dataset is None else self.tokenize_eval
         if not isinstance(sets, dict):
-            return self._evaluate_set(tokenize(sets) if sets is not None else None, ignore_keys, metric_key_prefix)
+            return self._evaluate_set(tokenize(sets) if sets is not None else None, ignore_keys, metric_key_prefix,
+                                      origins if not isinstance(origins, dict) else None)
         out = {}
         for name, rows in sets.items():
-            out.update(self._evaluate_set(tokenize(rows), ignore_keys, f"{metric_key_prefix}_{name}"))
+            named = origins.get(str(name)) if isinstance(origins, dict) else None
+            out.update(self._evaluate_set(tokenize(rows), ignore_keys, f"{metric_key_prefix}_{name}", named))
         return out
 
-    def _evaluate_set(self, examples, ignore_keys, prefix: str) -> dict:
+    def _evaluate_set(self, examples, ignore_keys, prefix: str, origins=None) -> dict:
+        """`origins`: the set's rows' files and lines, which a bad row found while evaluating is named by."""
+        from ..data.files import naming_rows
+
         start = time.perf_counter()
         saved, self.eval_examples = getattr(self, "eval_examples", None), examples
         try:
-            metrics = self.evaluation_metrics()
+            with naming_rows(origins):
+                metrics = self.evaluation_metrics()
         finally:
             self.eval_examples = saved
         if not metrics:
