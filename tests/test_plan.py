@@ -69,8 +69,19 @@ GRPO_CASES = [
 DEEP = dict(SMALL, num_hidden_layers=12)  # where the layer inputs kept through the step matter
 
 
+# Qwen3.5: three Gated DeltaNet layers and one gated attention layer (transformers' default layer_types)
+QWEN3_5 = dict(SMALL, model_type="qwen3_5_text", linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=64, linear_value_head_dim=64)
+
+
 def _config(name):
-    return plan.load_config(None) if name == "default" else dict(DEEP if name == "deep" else SMALL)
+    if name == "qwen3_5_demo":  # the embedded Qwen3.5 (--demo qwen3_5): a 248320-token tied head
+        from mlxrl.loading import DEMOS
+
+        return {k: v for k, v in json.loads(DEMOS["qwen3_5"][1].read_text()).items() if k != "preprocessor_config"}
+    if name == "default":
+        return plan.load_config(None)
+    return dict({"deep": DEEP, "qwen3_5": QWEN3_5}.get(name, SMALL))
 
 
 def _check(trainer, cls, name, kw, **shape):
@@ -95,6 +106,31 @@ def test_dpo_prediction_within_15_percent(name, kw):
 @pytest.mark.parametrize("name,kw,prompt_length", GRPO_CASES)
 def test_grpo_prediction_within_15_percent(name, kw, prompt_length):
     _check("grpo", GRPOConfig, name, kw, prompt_length=prompt_length)
+
+
+# Qwen3.5's layer kinds (`plan.layers`): the DeltaNet layers' saved arrays and per-chunk states, their
+# backward under checkpointing, their decoding cache in GRPO, and a trained tied head (SFT's native kernel)
+QWEN3_5_CASES = [
+    ("sft", SFTConfig, "qwen3_5", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False),
+     {}, False),
+    ("sft", SFTConfig, "qwen3_5", dict(max_length=1024, per_device_train_batch_size=1, use_peft=True), {}, False),
+    ("sft", SFTConfig, "qwen3_5", dict(max_length=2048, per_device_train_batch_size=1), {}, False),
+    ("dpo", DPOConfig, "qwen3_5", dict(max_length=512, per_device_train_batch_size=1), {}, False),
+    ("grpo", GRPOConfig, "qwen3_5", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=64),
+     {"prompt_length": 256}, False),
+    ("sft", SFTConfig, "qwen3_5", dict(max_length=256, per_device_train_batch_size=2, gradient_checkpointing=False,
+                                       dtype="bfloat16"), {}, True),
+    ("sft", SFTConfig, "qwen3_5_demo", dict(max_length=64, per_device_train_batch_size=2), {}, False),
+]
+
+
+@pytest.mark.parametrize("trainer,cls,name,kw,shape,graph", QWEN3_5_CASES)
+def test_qwen3_5_prediction_within_15_percent(trainer, cls, name, kw, shape, graph, monkeypatch):
+    if graph:  # MLX's ops: what Metal and CUDA run
+        from mlxrl.cpu import native
+
+        monkeypatch.setattr(native, "load", lambda: None)
+    _check(trainer, cls, name, kw, **shape)
 
 
 def test_suggestion_fits_when_applied():

@@ -34,15 +34,19 @@ casts of each LoRA-adapted input. Images: image tokens join the decoder's sequen
 the vision tower's saved tensors and per-image attention scores, checked on the embedded Qwen3-VL
 (SFT and GRPO).
 
+Qwen3.5's Gated DeltaNet layers have their own per-token terms and per-chunk states (`layers`).
+
 `predict(config, args, trainer)` is what the trainers call at start-up. Rooms: `config_json` (config.json
-read and checked: a damaged file is one line naming it and its field), `model` (the terms above and
+read and checked: a damaged file is one line naming it and its field), `shapes` (one micro-batch's forward
+and which path runs it), `layers` (what one decoder layer of each kind keeps), `model` (the other terms and
 `predict`), `report` (`Plan`, the table), `suggest` (the smallest change that fits), `measure` (real
 steps on random weights: it runs the trainers, so nothing here imports it), `cli` (one-line errors).
 Tests: pytest tests/test_plan.py tests/test_probes_plan.py
 """
 
-from .model import DEFAULT_PROMPT_LENGTH, Arch, arch_of, load_config, native_cpu, predict
+from .model import Arch, arch_of, load_config, predict
 from .report import GB, MB, Plan, Row, fmt
+from .shapes import DEFAULT_PROMPT_LENGTH, native_cpu
 
 __all__ = ["Arch", "DEFAULT_PROMPT_LENGTH", "GB", "MB", "Plan", "Row", "arch_of", "fmt", "load_config", "native_cpu",
            "predict"]

@@ -14,8 +14,9 @@ from .. import runtime
 from ..cli import run
 from ..hub import MlxrlError
 from .measure import check_trainer_config, config_class, measure, sweep
-from .model import DEFAULT_PROMPT_LENGTH, load_config, predict
+from .model import load_config, predict
 from .report import fmt
+from .shapes import DEFAULT_PROMPT_LENGTH
 
 TRAINERS = ("sft", "dpo", "grpo")
 
@@ -116,7 +117,7 @@ def check_prompt_length(ns, args, trainer: str) -> None:
     """DPO's prompt shares max_length with its completion: a prompt that fills it leaves nothing to score."""
     if trainer != "dpo" or not ns.prompt_length:
         return
-    limit = int(getattr(args, "max_length", None) or 1024)  # `model._shape`'s default for an unset max_length
+    limit = int(getattr(args, "max_length", None) or 1024)  # `shapes.forward_shape`'s default for an unset max_length
     if ns.prompt_length >= limit:
         raise MlxrlError(f"--prompt_length {ns.prompt_length}: must be less than --max_length {limit} (the prompt "
                          "and its chosen / rejected completion share max_length)")

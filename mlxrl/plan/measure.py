@@ -15,7 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import runtime
-from .model import arch_of, grpo_prompt_length, image_tokens, load_config, predict
+from .model import arch_of, image_tokens, load_config, predict
+from .shapes import grpo_prompt_length
 
 
 class CharTokenizer:
@@ -105,7 +106,7 @@ def image_rows(trainer: str, args, n: int, images: int, image_size: int, seed: i
     """Vision rows for `measure`: `images` noise pictures of `image_size` pixels a side in the user turn,
     then text of about max_length tokens (one token per " x"); DPO: a prompt of prompt_length tokens
     (default half of max_length) + chosen / rejected; GRPO: the pictures and a prompt of prompt_length
-    tokens. The text's length matches `_shape`, which counts the image tokens on top of max_length / the
+    tokens. The text's length matches `shapes.forward_shape`, which counts the image tokens on top of max_length / the
     prompt."""
     import numpy as np
     from PIL import Image

@@ -8,17 +8,17 @@ import mlx.core as mx
 
 from .. import optim as optim_lib
 from .. import runtime
-from ..cpu import drain_bytes, evaluates_depth_first, native_kernels
-from ..data.preference import row_bucket
+from ..cpu import drain_bytes, evaluates_depth_first
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
 from ..models.checkpointing import kept_inputs
-from ..models.language import SCORE_COPIES, layer_saved_bytes, lora_saved_bytes
 from ..models.tiled import tile_tokens_for
 from ..models.widened import kept_saving
 from .config_json import load_config
+from .layers import SCORE_COPIES, layer_saved_bytes, linear_layer_saved_bytes, lora_saved_bytes
 from .report import Plan, Row, count, dtype_bytes, fmt
+from .shapes import Shape, forward_shape, grpo_prompt_length, native_cpu
 from .suggest import suggest_change
 
 # measured coefficients (see the module docstring)
@@ -28,13 +28,13 @@ DRAINED_BACKWARD_LAYERS = 0.5   # the same with the native kernels draining MLX'
 # MLX's order: breadth-first (MLX's own), depth-first (the CPU's: cpu.depth_first_eval), and depth-first with
 # the native kernels draining MLX's queue (cpu.drain_bytes)
 CKPT_LAYERS = {"breadth": (2.75, 2.25), "depth": (2.0, 1.75), "drained": (0.85, 1.5)}
+LINEAR_CKPT_DRAINED = 1.7   # a Gated DeltaNet layer's in the drained order (measured 1.69 at 2048 tokens)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 TILED_LORA_BONUS = 0.4      # under LoRA + checkpointing the tiled MLP saves 1.4x its modelled share (measured:
                             # 1.43x on the small config at 2048 tokens, 1.69x on two 0.6B-shaped layers at 4096)
 KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
 GEN_FILTER_COPIES = 2.25    # more of them with top_k / top_p / min_p (a mask and the filtered weights)
-DEFAULT_PROMPT_LENGTH = 512  # GRPO prompt tokens when --prompt_length is not given
 
 
 @dataclass
@@ -59,6 +59,15 @@ class Arch:
     trainable_params: int = 0  # elements
     master_params: int = 0  # trainable elements held in a non-float32 dtype (they get a float32 master copy)
     kept_bytes: int = 0  # what the checkpoint's bfloat16 linears save (`models.widened`)
+    # Gated DeltaNet layers (Qwen3.5): their count and widths (`plan.layers.linear_layer_saved_bytes`, the
+    # decoding cache); the other layers attend, with Qwen3.5's output gate when `gated`
+    linear: dict | None = None
+    gated: bool = False
+
+    def kinds(self) -> dict[str, int]:
+        """How many decoder layers of each kind: "attention", "linear" (Gated DeltaNet)."""
+        n = self.linear["layers"] if self.linear else 0
+        return {k: v for k, v in (("attention", self.layers - n), ("linear", n)) if v}
 
 
 def _text_config(cfg: dict) -> dict:
@@ -103,6 +112,10 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
     model = build_model(cfg)
     kept = kept_saving(model, cfg, args, s)
     saved = quantized_saving(model, cfg, args, s) + kept  # both before LoRA wraps the linears
+    lm = model.language_model.config
+    # an output gate: q_proj emits each head's query and its gate (Qwen3.5)
+    gated = any(p.endswith("self_attn.q_proj") and m.weight.shape[0] == 2 * lm.num_attention_heads * lm.head_dim
+                for p, m in model.named_modules())
     if getattr(args, "use_peft", False):
         lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                             target_modules=args.lora_target_modules, use_dora=args.use_dora)
@@ -125,7 +138,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
     in_layers = sum(nbytes(k, v) for k, v in trainable if ".layers." in k and "visual" not in k)
     n_train = sum(v.size for _, v in trainable)
     n_master = 0 if s == 4 else sum(v.size for k, v in trainable if "lora_" not in k)
-    t, lm = _text_config(cfg), model.language_model.config
+    t = _text_config(cfg)
     vision = None
     if "vision_config" in cfg:
         vc = cfg["vision_config"]
@@ -133,35 +146,32 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
                   "I": vc.get("intermediate_size", 4 * vc.get("hidden_size", vc.get("embed_dim", 0))),
                   "heads": vc.get("num_heads", 1), "patch": vc.get("patch_size", 14),
                   "merge": vc.get("spatial_merge_size", 2), "temporal": vc.get("temporal_patch_size", 2)}
+    linear = None
+    kinds = getattr(lm, "layer_types", None) or []
+    if "linear_attention" in kinds:
+        hk, hv = lm.linear_num_key_heads, lm.linear_num_value_heads
+        dk, dv = lm.linear_key_head_dim, lm.linear_value_head_dim
+        linear = {"layers": kinds.count("linear_attention"), "C": 2 * hk * dk + hv * dv, "V": hv * dv,
+                  "state": hv * dk * dv, "K": lm.linear_conv_kernel_dim}
     return Arch(V=lm.vocab_size, D=lm.hidden_size, I=lm.intermediate_size, layers=lm.num_hidden_layers,
                 heads=lm.num_attention_heads, kv_heads=lm.num_key_value_heads, head_dim=lm.head_dim,
                 tied=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
                 weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes),
                 layer_trainable_bytes=in_layers, largest_trainable=max(t_sizes, default=0),
                 head_trainable=head_trainable, lora_params=lora_n, vision=vision, trainable_params=n_train,
-                master_params=n_master, kept_bytes=kept)
+                master_params=n_master, kept_bytes=kept, linear=linear, gated=gated)
 
 
 # ---------------------------------------------------------------------------------------- the model
 
-@dataclass
-class Shape:
-    """One micro-batch's forward: `tokens` run through the decoder, `scores` attention score elements per
-    head ([B, L, L] for B rows of L; GRPO's shared forward: the prompts' [n_p, P, P] plus each completion's
-    [C, P + C]), `rows` positions scored by the head, `calls` the positions of each MLP call in a layer (the
-    shared forward's prompt and completion passes). (The shared prompt's K/V repeated for each completion
-    measured as no extra peak: they live one layer at a time, inside the backward temporaries.)"""
-
-    tokens: int
-    scores: int
-    rows: int
-    label: str = ""
-    calls: tuple[int, ...] = ()  # positions per MLP call in a layer (default: all `tokens` in one)
-
-
-def _layer_saved(a: Arch, sh: Shape, s: int, native: bool = False, mlp_tokens: int | None = None) -> float:
-    """Bytes one decoder layer keeps for backward (no checkpointing): the decoder's own model."""
-    return layer_saved_bytes(a.D, a.I, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s, native, mlp_tokens)
+def _layer_saved(a: Arch, sh: Shape, s: int, kind: str, native: bool = False, mlp_tokens: int | None = None
+                 ) -> float:
+    """Bytes one decoder layer of `kind` ("attention" / "linear") keeps for backward (`plan.layers`)."""
+    if kind == "linear":
+        n = a.linear
+        return linear_layer_saved_bytes(a.D, a.I, n["C"], n["V"], n["state"], sh.tokens, s, native, mlp_tokens)
+    return layer_saved_bytes(a.D, a.I, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s, native, mlp_tokens,
+                             a.gated)
 
 
 def lora_dropout(args, trainer: str = "sft") -> float:
@@ -171,13 +181,16 @@ def lora_dropout(args, trainer: str = "sft") -> float:
     return float(getattr(args, "lora_dropout", 0.0) or 0.0)
 
 
-def _lora_extra(a: Arch, args, n: int, s: int, trainer: str = "sft", mlp_tokens: int | None = None) -> float:
-    """What LoRA adds to each layer (`models.language.lora_saved_bytes`; the native path's dropout is fused
-    into the down-projection, `Dropout.matmul`, and keeps no dropped copy)."""
+def _lora_extra(a: Arch, args, n: int, s: int, kind: str, trainer: str = "sft", mlp_tokens: int | None = None
+                ) -> float:
+    """What LoRA adds to each layer (`plan.layers.lora_saved_bytes`; the native path's dropout is fused
+    into the down-projection, `Dropout.matmul`, and keeps no dropped copy). A DeltaNet layer's adapters:
+    in_proj_qkv / z / b / a see D, out_proj sees Hv dv."""
     if not getattr(args, "use_peft", False):
         return 0.0
     dropped = lora_dropout(args, trainer) > 0 and not native_cpu(args)
-    return lora_saved_bytes(a.D, a.I, a.heads, a.head_dim, n, args.lora_r, s, dropped, mlp_tokens)
+    mixer = (4 * a.D + a.linear["V"], 5) if kind == "linear" else (3 * a.D + a.heads * a.head_dim, 4)
+    return lora_saved_bytes(a.D, a.I, *mixer, n, args.lora_r, s, dropped, mlp_tokens)
 
 
 def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: str = "sft") -> float:
@@ -187,24 +200,33 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     [tokens, intermediate] arrays count one tile's positions per MLP call."""
     peft = getattr(args, "use_peft", False)
 
-    def per_layer(tile: int) -> float:  # the MLP's arrays: one tile of each MLP call (its `calls`) at a time
+    def per_layer(tile: int, kind: str) -> float:  # the MLP's arrays: one tile of each MLP call at a time
         n = sum(min(c, tile) for c in sh.calls or (sh.tokens,)) if tile else sh.tokens
-        layer = _layer_saved(a, sh, s, native_cpu(args), n) + _lora_extra(a, args, sh.tokens, s, trainer, n)
+        layer = (_layer_saved(a, sh, s, kind, native_cpu(args), n)
+                 + _lora_extra(a, args, sh.tokens, s, kind, trainer, n))
         return layer * LORA_SAVED if peft else layer
 
     # measured on the native CPU path only; elsewhere (the graph path, bf16) the untiled figure, an upper bound
     tile = tile_tokens_for(args, a.D, checkpointing) if native_cpu(args) else 0
-    layer = per_layer(tile)
+    kinds = a.kinds()
+    layers = {kind: per_layer(tile, kind) for kind in kinds}
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
     segments = getattr(args, "checkpoint_segments", 0) or 0  # nested segments keep fewer layer inputs
-    kept = (kept_inputs(a.layers, segments) * s * sh.tokens * a.D + a.layers * kept_attention_bytes(a, args, sh)
-            if checkpointing else a.layers * layer)
+    kept = (kept_inputs(a.layers, segments) * s * sh.tokens * a.D
+            + kinds.get("attention", 0) * kept_attention_bytes(a, args, sh)
+            if checkpointing else sum(n * layers[kind] for kind, n in kinds.items()))
     drained = drains_queue(args, sh.tokens, max(a.D, a.heads * a.head_dim))
-    ckpt = ckpt_layers(trainer, drained)
-    live = layer
-    if checkpointing and peft and tile:  # the tiles save more than LORA_SAVED x the MLP's arrays (measured)
-        live -= TILED_LORA_BONUS * (per_layer(0) - layer)
-    extra = (ckpt if checkpointing else DRAINED_BACKWARD_LAYERS if drained else BACKWARD_LAYERS) * live
+    factor = ckpt_layers(trainer, drained) if checkpointing else DRAINED_BACKWARD_LAYERS if drained else BACKWARD_LAYERS
+
+    def backward(kind: str) -> float:  # the temporaries of the layer being (recomputed and) differentiated
+        live = layers[kind]
+        if checkpointing and peft and tile:  # the tiles save more than LORA_SAVED x the MLP's arrays (measured)
+            live -= TILED_LORA_BONUS * (per_layer(0, kind) - live)
+        if kind == "linear" and checkpointing and drained:  # its convolution and gated norm are MLX's ops,
+            return max(factor, LINEAR_CKPT_DRAINED) * live  # whose queued work the kernels do not drain
+        return factor * live
+
+    extra = max(backward(kind) for kind in kinds)
     return max(kept, a.layer_trainable_bytes) + extra + edges
 
 
@@ -232,12 +254,9 @@ def kept_attention_bytes(a: Arch, args, sh: Shape) -> int:
     return 4 * sh.tokens * a.heads * (a.head_dim + 1)
 
 
-def native_cpu(args) -> bool:
-    """Whether mlxrl's native CPU kernels run this configuration's math (float32 on the CPU, the
-    kernels built): its AdamW step updates in place and SFT's fused head is one kernel."""
-    if runtime.default_device_kind() == "gpu" or dtype_bytes(args) != 4:
-        return False
-    return native_kernels()
+def native_sft_head(args, trainer: str) -> bool:
+    """Whether SFT's native fused head runs: it forms the head's weight gradient in the forward."""
+    return trainer == "sft" and getattr(args, "head_mode", "") in ("fused", "two_phase") and native_cpu(args)
 
 
 def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
@@ -248,7 +267,7 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     if mode == "auto":  # GRPO's: the trainer's own rule
         mode = "fused" if uses_fused_head(args) else "differentiable"
     fused = mode in ("fused", "two_phase")
-    if fused and trainer == "sft" and native_cpu(args):
+    if native_sft_head(args, trainer):
         return fused_head.native_peak_bytes(rows, a.V, a.D, a.head_trainable)
     if fused and (a.head_trainable or s == 4):
         return fused_head.graph_peak_bytes(rows, a.V, a.D, s, a.head_trainable, a.tied)
@@ -302,52 +321,6 @@ def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, st
     return None, "unknown"
 
 
-def grpo_prompt_length(args, prompt_length: int | None = None) -> int:
-    """Prompt tokens of a GRPO run (TRL 1.x has no max_prompt_length; --prompt_length, default 512),
-    left-padded to the trainer's multiple of 32."""
-    P = int(prompt_length or getattr(args, "max_prompt_length", None) or DEFAULT_PROMPT_LENGTH)
-    return -(-P // 32) * 32
-
-
-def causal_scores(args, L: int) -> int:
-    """Attention-score elements per head of one SFT / DPO row of L tokens, in the units of
-    `layer_saved_bytes` (SCORE_COPIES of them per element). Right-padded rows attend with "causal"
-    (`data.batches.right_padded`); on the native CPU path that is the FlashAttention kernel
-    (`fastmath.scaled_dot_product_attention`), which keeps no score array, forward or backward (its
-    per-core block buffers are a few MB): 0. Packed or padding-free rows (a segment mask) and the graph
-    path keep the [L, L] square."""
-    if getattr(args, "packing", False) or getattr(args, "padding_free", False) or not native_cpu(args):
-        return L * L
-    return 0
-
-
-def _shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int | None = None) -> Shape:
-    """The forward of one micro-batch (extra_tokens: image tokens per sequence). prompt_length: GRPO's
-    prompt tokens (default 512); DPO's prompt tokens per pair, which the head does not score (default 0:
-    every token scored, an upper bound)."""
-    L = int(getattr(args, "max_length", None) or 1024) + extra_tokens
-    B = int(args.per_device_train_batch_size)
-    # SFT trains every token of a row, image tokens included (TRL's collator keeps them as labels); DPO's
-    # and GRPO's images belong to the prompt, which is not scored
-    scored = L if trainer == "sft" else L - extra_tokens
-    if trainer == "dpo":  # only the completions are scored: the prompt's tokens skip the head
-        scored = max(1, scored - int(prompt_length or 0))
-        return Shape(2 * B * L, 2 * B * causal_scores(args, L), row_bucket(2 * B * scored),
-                     label=f"B={2 * B} (chosen + rejected) L={L}" + (f", {scored} scored" if prompt_length else ""))
-    if trainer == "grpo":  # b completions; whole groups when b >= G, else a slice of one prompt's group
-        P = grpo_prompt_length(args, prompt_length) + extra_tokens
-        C = int(args.max_completion_length)
-        n_p = max(1, B // int(args.num_generations))
-        if not getattr(args, "shared_prompt", True):  # every completion row carries its own prompt
-            return Shape(B * (P + C), B * (P + C) ** 2, B * C, label=f"B={B} L={P + C} (prompt not shared)")
-        # the native CPU path's shared forward runs both attentions through the FlashAttention kernel
-        # (shared_prompt: key windows, two calls merged by log-sum-exp): no score array
-        scores = 0 if native_cpu(args) else n_p * P * P + B * C * (P + C)
-        return Shape(n_p * P + B * C, scores, B * C,
-                     label=f"{n_p} prompt(s) of {P} + {B} completions of {C} (prompt shared)", calls=(n_p * P, B * C))
-    return Shape(B * L, B * causal_scores(args, L), B * scored, label=f"B={B} L={L}")
-
-
 def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
             image_size: int | None = None, prompt_length: int | None = None, suggest: bool = True,
             _arch: Arch | None = None) -> Plan:
@@ -363,7 +336,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     s = dtype_bytes(args)
     a = _arch or arch_of(cfg, args, s)
     L_img = image_tokens(a, images, image_size)
-    sh = _shape(args, trainer, L_img, prompt_length)
+    sh = forward_shape(args, trainer, L_img, prompt_length)
     W, T = a.weight_bytes, a.trainable_bytes
     accum, ckpt = int(getattr(args, "gradient_accumulation_steps", 1) or 1), bool(args.gradient_checkpointing)
     act = {c: activations(a, args, sh, s, c, trainer) for c in (True, False)}
@@ -411,7 +384,11 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         def cache_len(n):  # mlx-lm's KVCache grows in steps of 256 positions
             return -(-n // KV_STEP) * KV_STEP
 
-        kv = 2 * a.layers * a.kv_heads * a.head_dim * s * prompts * (cache_len(P) + G * cache_len(C))
+        attending = a.kinds().get("attention", 0)
+        kv = 2 * attending * a.kv_heads * a.head_dim * s * prompts * (cache_len(P) + G * cache_len(C))
+        if a.linear:  # a Gated DeltaNet layer's cache: K - 1 conv inputs and the float32 state per row, any length
+            n = a.linear
+            kv += n["layers"] * prompts * (G + 1) * ((n["K"] - 1) * n["C"] * s + 4 * n["state"])
         filtered = (0 < (getattr(args, "top_k", 0) or 0) < a.V or (getattr(args, "top_p", 1.0) or 1.0) < 1.0
                     or (getattr(args, "min_p", 0.0) or 0.0) > 0.0)
         gen_logits = (GEN_LOGIT_COPIES + (GEN_FILTER_COPIES if filtered else 0.0)) * 4 * prompts * G * a.V
@@ -420,7 +397,11 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     steady = W + moments + ref
     # the tower's temporaries peak while it runs (before the decoder's forward, or after its backward),
     # not next to the decoder's head
-    step = steady + other + accum_sum + img_kept + max(act[ckpt] + head, img_temps)
+    # a trained tied head under SFT's native kernel: the embedding's [V, D] gradient (in `other`) appears
+    # only at the backward's end, after the head's tiles are gone, where the head's gradient is added to it
+    tied = a.V * a.D * s if a.tied and a.head_trainable and native_sft_head(args, trainer) else 0
+    step = steady + other - tied + accum_sum + img_kept + max(act[ckpt] + head, img_temps)
+    step = max(step, steady + other + accum_sum + a.layer_trainable_bytes + tied)
     clip = (getattr(args, "max_grad_norm", 0) or 0) > 0
     update = steady + optim_lib.update_peak_bytes(optim_name, T, a.largest_trainable, clip, s, bool(a.master_params),
                                                   native_cpu(args))

@@ -1,0 +1,74 @@
+"""What one decoder layer keeps for its backward, by kind of layer: the planner's per-layer model, in bytes,
+from the layer's widths and the positions it runs (measured on MLX 0.32, CPU, by the slope of a run's peak
+over its depth: `plan.measure` at two depths of one layer kind).
+
+- **Attention** (Qwen2 / Qwen3 / the VL decoders, Qwen3.5's gated attention): per token, the norm inputs /
+  outputs, q / k / v before and after q/k-norm and rotary, the attention output, the MLP's gate / up /
+  silu / product; and ~1.25 [H, L, L] score tensors per sequence where attention materialises them (MLX's
+  attention with a mask is unfused on the CPU and keeps the probabilities; the native CPU path's
+  FlashAttention kernel keeps none). Qwen3.5's gated attention also keeps q_proj's gate half and the gated
+  output: two more query widths per token.
+- **Gated DeltaNet** (Qwen3.5's linear-attention layers): per token, about four convolution widths
+  (`in_proj_qkv`'s output, the convolution's sum, its SiLU and the op's contiguous q / k / v) and six value
+  widths (the rule's output, z, the gated norm's input, output and float32 gate, out_proj's input) beside
+  the norms and the MLP; and the gated delta rule's saved state at each chunk start ([dk, dv] per value
+  head, float32 whatever the compute dtype: `models.gated_delta`), one per 64 positions.
+"""
+
+from __future__ import annotations
+
+SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
+# The native CPU path's SwiGLU product is one primitive whose VJP recomputes the sigmoid: it keeps g and u
+# only, where MLX's ops also keep sigmoid(g) and silu(g) (measured per layer, 2 x 768 -> 1536 I: native
+# +2.0 floats per token per I, MLX's ops +4.0)
+SAVED_PER_TOKEN_NATIVE = {**SAVED_PER_TOKEN, "I": 3}
+SCORE_COPIES = 1.25
+GATE_SAVED = 2  # gated attention: widths of H * hd more per token (measured +2.0)
+LINEAR_SAVED = {"C": 4, "V": 6}  # Gated DeltaNet: per token, per convolution / value width (measured 4.0, 6.1)
+STATE_CHUNK = 64  # the gated delta rule's chunk (`models.gated_delta.CHUNK`): one saved state per chunk
+
+
+def _mlp(intermediate: int, tokens: int, mlp_tokens: int | None, native: bool) -> float:
+    k = SAVED_PER_TOKEN_NATIVE if native else SAVED_PER_TOKEN
+    return (tokens if mlp_tokens is None else mlp_tokens) * k["I"] * intermediate
+
+
+def layer_saved_bytes(hidden: int, intermediate: int, heads: int, head_dim: int, kv_heads: int, tokens: int,
+                      scores: int, elem: int, native: bool = False, mlp_tokens: int | None = None,
+                      gated: bool = False) -> float:
+    """Bytes one attention layer keeps for its backward: `tokens` positions, `scores` attention-score
+    elements per head (B L^2 for B rows of L), `elem` bytes per element; `native`: the native CPU kernels
+    run the layer's elementwise work (`cpu.fastmath`); `mlp_tokens`: the positions whose MLP
+    [tokens, intermediate] arrays exist at once (the tiled MLP, `models.tiled`: one tile per call; default
+    all); `gated`: Qwen3.5's output gate."""
+    k = SAVED_PER_TOKEN
+    q = k["Q"] + (GATE_SAVED if gated else 0)
+    per_token = k["D"] * hidden + q * heads * head_dim + k["KV"] * kv_heads * head_dim
+    return (elem * (tokens * per_token + _mlp(intermediate, tokens, mlp_tokens, native))
+            + elem * SCORE_COPIES * heads * scores)
+
+
+def linear_layer_saved_bytes(hidden: int, intermediate: int, conv_dim: int, value_dim: int, state: int, tokens: int,
+                             elem: int, native: bool = False, mlp_tokens: int | None = None) -> float:
+    """Bytes one Gated DeltaNet layer keeps for its backward: `conv_dim` the convolution's channels
+    (q, k and v: 2 Hk dk + Hv dv), `value_dim` Hv dv, `state` Hv dk dv (one chunk start's state, float32);
+    the rest as `layer_saved_bytes`."""
+    per_token = SAVED_PER_TOKEN["D"] * hidden + LINEAR_SAVED["C"] * conv_dim + LINEAR_SAVED["V"] * value_dim
+    chunks = -(-tokens // STATE_CHUNK)
+    return elem * (tokens * per_token + _mlp(intermediate, tokens, mlp_tokens, native)) + 4 * chunks * state
+
+
+def lora_saved_bytes(hidden: int, intermediate: int, mixer_inputs: int, adapters: int, tokens: int, rank: int,
+                     elem: int, dropout: bool, mlp_tokens: int | None = None) -> float:
+    """What LoRA adds to a layer: with `dropout` (a dropped copy: the graph path) each adapted layer's
+    dropped-out input, and x A ([n, r]) per adapter; on a bf16 base (`elem` != 4) each adapted input's
+    float32 cast (the float32 adapters' x @ A) instead. `mixer_inputs`: the widths of the attention (or
+    DeltaNet) projections' inputs together (attention: q, k, v see D, o sees H hd), `adapters` their count;
+    the MLP's gate and up see D, down sees I. `mlp_tokens`: the positions the MLP's three adapters hold at
+    once (as `layer_saved_bytes`)."""
+    mlp_tokens = tokens if mlp_tokens is None else mlp_tokens
+    mlp = 2 * hidden + intermediate
+    if elem != 4:
+        return 4 * (tokens * (mixer_inputs + adapters * 2 * rank) + mlp_tokens * (mlp + 3 * 2 * rank))
+    dropped = (tokens * mixer_inputs + mlp_tokens * mlp) if dropout else 0
+    return elem * (dropped + (tokens * adapters + mlp_tokens * 3) * 2 * rank)
