@@ -1679,9 +1679,9 @@ mx::array gelu_tanh_grad_op(const mx::array& x, const mx::array& c, mx::Stream s
 // sum; o rescaled when the max grows) and P V accumulates; only the output and each row's log-sum-exp are
 // written (with a whole row of scores, 1 MB at 4096 keys, and the old exp: 302-303 against 285-293 ms at
 // Qwen3-0.6B's 16/8 heads and 4096 causal tokens, `scripts/bench_attention.py`, alternating processes). The backward recomputes P = exp(S - lse) per block and builds
-// dq, dk, dv with the same tiles. The matmuls are a register-tiled micro-kernel (C [8, 32] += A B, 16
-// accumulators of 16 floats, B packed in panels of 32 columns, k blocked by 128 so a panel block stays in
-// L1): the BLAS would pack and zero more than it multiplies at these sizes (K = head_dim = 64-128), and
+// dq, dk, dv with the same tiles. The matmuls are the register-tiled micro-kernel `mk_mm` (the C tile in
+// registers in the machine's vector width, B packed in panels of 32 columns, k blocked by 128 so a panel block
+// stays in L1): the BLAS would pack and zero more than it multiplies at these sizes (K = head_dim = 64-128), and
 // each call would send the block's scores through memory.
 
 constexpr int kPanel = 32;                                          // packed B panels: 32 columns
@@ -1689,17 +1689,31 @@ constexpr int kDepth = 128;                                         // k per pas
 
 inline size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
-// C[MR, 16 NV] (+)= A B for A(i, k) = a[i ai + k ak] and B(k, j) = b[k ldb + j].
+// The small products' micro-kernel (FlashAttention's blocks, the gated delta rule's chunks): C[MR, NV lanes] (+)=
+// A B with the C tile in registers, in the machine's own vector width, so the tile fits the register file: with
+// AVX-512, 8 x 32 tiles of 16-lane vectors (16 accumulators); otherwise (AVX2, NEON) 6 x 16 tiles of 8-lane ones
+// (12 accumulators, 2 for B, 1 broadcast: 15 of 16 AVX2 registers). A tile of 16-lane vectors on an AVX2 machine
+// needs 32 registers and spills: ~1.5 GFLOP/s instead of the GEMM rate.
+#if defined(__AVX512F__)
+constexpr int kMkLanes = 16, kMkRows = 8;
+#else
+constexpr int kMkLanes = 8, kMkRows = 6;
+#endif
+typedef float mk_vec __attribute__((vector_size(kMkLanes * sizeof(float)), aligned(4)));
+
+inline mk_vec mk_load(const float* p) { return *reinterpret_cast<const mk_vec*>(p); }
+inline void mk_store(float* p, mk_vec v) { *reinterpret_cast<mk_vec*>(p) = v; }
+
 template <int MR, int NV>
-inline void tile_kernel(int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c, size_t ldc,
-                        bool acc) {
-  vf16 r[MR][NV];
+inline void mk_tile(int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c, size_t ldc,
+                    bool acc) {
+  mk_vec r[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) r[i][v] = acc ? load16(c + i * ldc + 16 * v) : vf16{};
+    for (int v = 0; v < NV; ++v) r[i][v] = acc ? mk_load(c + i * ldc + v * kMkLanes) : mk_vec{};
   for (int k = 0; k < K; ++k) {
     const float* bk = b + size_t(k) * ldb;
-    vf16 bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = load16(bk + 16 * v);
+    mk_vec bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = mk_load(bk + v * kMkLanes);
     const float* ak_ = a + size_t(k) * ak;
     for (int i = 0; i < MR; ++i) {
       const float x = ak_[i * ai];
@@ -1707,25 +1721,50 @@ inline void tile_kernel(int K, const float* a, size_t ai, size_t ak, const float
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) store16(c + i * ldc + 16 * v, r[i][v]);
+    for (int v = 0; v < NV; ++v) mk_store(c + i * ldc + v * kMkLanes, r[i][v]);
 }
 
+// mk_tile for a tile of mr <= kMkRows rows and nv (1 or 2) vectors of columns.
 template <int NV>
-inline void tile_rows(int M, int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c,
-                      size_t ldc, bool acc) {
-  int i = 0;
-  for (; i + 8 <= M; i += 8) tile_kernel<8, NV>(K, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc, acc);
-  const float* ar = a + i * ai;
-  float* cr = c + i * ldc;
-  switch (M - i) {
-    case 7: tile_kernel<7, NV>(K, ar, ai, ak, b, ldb, cr, ldc, acc); break;
-    case 6: tile_kernel<6, NV>(K, ar, ai, ak, b, ldb, cr, ldc, acc); break;
-    case 5: tile_kernel<5, NV>(K, ar, ai, ak, b, ldb, cr, ldc, acc); break;
-    case 4: tile_kernel<4, NV>(K, ar, ai, ak, b, ldb, cr, ldc, acc); break;
-    case 3: tile_kernel<3, NV>(K, ar, ai, ak, b, ldb, cr, ldc, acc); break;
-    case 2: tile_kernel<2, NV>(K, ar, ai, ak, b, ldb, cr, ldc, acc); break;
-    case 1: tile_kernel<1, NV>(K, ar, ai, ak, b, ldb, cr, ldc, acc); break;
+void mk_tile_n(int mr, int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c, size_t ldc,
+               bool acc) {
+  switch (mr) {
+    case 8: if constexpr (kMkRows >= 8) mk_tile<8, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
+    case 7: if constexpr (kMkRows >= 7) mk_tile<7, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
+    case 6: mk_tile<6, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
+    case 5: mk_tile<5, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
+    case 4: mk_tile<4, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
+    case 3: mk_tile<3, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
+    case 2: mk_tile<2, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
+    case 1: mk_tile<1, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
     default: break;
+  }
+}
+
+// What a product may skip (its [c, c] operands are triangular): kLowerA, A(i, k) = 0 for k > i (the inverse,
+// P = L * QK); kUpperA, A(i, k) = 0 for k < i (their transposes); kLowerC, only C(i, j) for j <= i is read
+// afterwards (K K^T, Q K^T, dO U^T; what lies above is left as it was).
+enum MkShape { kFull, kLowerA, kUpperA, kLowerC };
+
+// C[M, N] (+)= A B: A(i, k) = a[i ai + k ak], B row-major [K, N] with row stride ldb, N a multiple of 16.
+// Per block of 2 vectors' columns (B's block stays in L1), every tile of rows.
+void mk_mm(int M, int N, int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c,
+           size_t ldc, bool acc, MkShape shape = kFull) {
+  for (int j = 0; j < N; j += 2 * kMkLanes) {
+    const bool two = N - j >= 2 * kMkLanes;
+    for (int i = 0; i < M; i += kMkRows) {
+      const int mr = std::min(kMkRows, M - i);
+      if (shape == kLowerC && j > i + mr - 1) continue;  // the tile lies above the diagonal
+      const int k0 = shape == kUpperA ? std::min(K, i) : 0, k1 = shape == kLowerA ? std::min(K, i + mr) : K;
+      const float* ap = a + i * ai + size_t(k0) * ak;
+      const float* bp = b + size_t(k0) * ldb + j;
+      float* cp = c + i * ldc + j;
+      if (two) {
+        mk_tile_n<2>(mr, std::max(0, k1 - k0), ap, ai, ak, bp, ldb, cp, ldc, acc);
+      } else {
+        mk_tile_n<1>(mr, std::max(0, k1 - k0), ap, ai, ak, bp, ldb, cp, ldc, acc);
+      }
+    }
   }
 }
 
@@ -1745,11 +1784,7 @@ void panel_gemm(int M, int N, int K, const float* a, size_t ai, size_t ak, const
     for (int j0 = 0; j0 < N; j0 += kPanel) {
       const float* bp = b + size_t(j0 / kPanel) * panel + size_t(k0) * ldb;
       const float* ap = a + size_t(k0) * ak;
-      if (N - j0 >= kPanel) {
-        tile_rows<2>(M, kk, ap, ai, ak, bp, ldb, c + j0, ldc, add);
-      } else {
-        tile_rows<1>(M, kk, ap, ai, ak, bp, ldb, c + j0, ldc, add);
-      }
+      mk_mm(M, std::min(kPanel, N - j0), kk, ap, ai, ak, bp, ldb, c + j0, ldc, add);
     }
   }
 }

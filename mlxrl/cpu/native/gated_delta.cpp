@@ -18,7 +18,7 @@
 // from its saved start state, turns dO and the state cotangent from the chunk after into the chunk's input
 // gradients and passes dS back; then the q / k L2 normalisation's backward runs over the item's rows. Every
 // intermediate is one chunk's, in a per-worker workspace (~1 MB at chunk 64, dk = dv = 128); the products
-// ([c, c], [c, dk], [dk, dv] sized) run in a register-tiled micro-kernel (gd_mm) with every width padded to
+// ([c, c], [c, dk], [dk, dv] sized) run in a register-tiled micro-kernel (mk_mm) with every width padded to
 // a multiple of 16 (zeros), skipping the zero triangles of the [c, c] factors: a BLAS call's packing and
 // threading cost about as much as the work at these sizes, and the workers call it concurrently.
 
@@ -48,84 +48,6 @@ struct GdDims {
   size_t tok(int b, int t, int hv) const { return (size_t(b) * T + t) * Hv + hv; }
   size_t state(int n, int b, int hv) const { return ((size_t(n) * B + b) * Hv + hv) * dk * dv; }
 };
-
-// The products' micro-kernel: C[MR, NV lanes] (+)= A B with the C tile in registers, in the machine's own
-// vector width (cpu_math.cpp's tile_kernel is written for 16-float vectors: on an AVX2 machine its 8 x 32 tile
-// needs 32 registers of 16 and spills, ~1.5 GFLOP/s at these sizes). AVX-512: 8 x 32 tiles of 16-lane
-// vectors; AVX2: 6 x 16 tiles of 8-lane ones (12 accumulators, 2 for B, 1 broadcast: 15 of 16 registers).
-#if defined(__AVX512F__)
-constexpr int kGdLanes = 16, kGdRows = 8;
-#else
-constexpr int kGdLanes = 8, kGdRows = 6;
-#endif
-typedef float gd_vec __attribute__((vector_size(kGdLanes * sizeof(float)), aligned(4)));
-
-inline gd_vec gd_load(const float* p) { return *reinterpret_cast<const gd_vec*>(p); }
-inline void gd_store(float* p, gd_vec v) { *reinterpret_cast<gd_vec*>(p) = v; }
-
-template <int MR, int NV>
-inline void gd_tile(int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c, size_t ldc,
-                    bool acc) {
-  gd_vec r[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) r[i][v] = acc ? gd_load(c + i * ldc + v * kGdLanes) : gd_vec{};
-  for (int k = 0; k < K; ++k) {
-    const float* bk = b + size_t(k) * ldb;
-    gd_vec bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = gd_load(bk + v * kGdLanes);
-    const float* ak_ = a + size_t(k) * ak;
-    for (int i = 0; i < MR; ++i) {
-      const float x = ak_[i * ai];
-      for (int v = 0; v < NV; ++v) r[i][v] += x * bv[v];
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) gd_store(c + i * ldc + v * kGdLanes, r[i][v]);
-}
-
-// gd_tile for a tile of mr <= kGdRows rows and nv (1 or 2) vectors of columns.
-template <int NV>
-void gd_tile_n(int mr, int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c, size_t ldc,
-               bool acc) {
-  switch (mr) {
-    case 8: if constexpr (kGdRows >= 8) gd_tile<8, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    case 7: if constexpr (kGdRows >= 7) gd_tile<7, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    case 6: gd_tile<6, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    case 5: gd_tile<5, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    case 4: gd_tile<4, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    case 3: gd_tile<3, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    case 2: gd_tile<2, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    case 1: gd_tile<1, NV>(K, a, ai, ak, b, ldb, c, ldc, acc); break;
-    default: break;
-  }
-}
-
-// What a product may skip (its [c, c] operands are triangular): kLowerA, A(i, k) = 0 for k > i (the inverse,
-// P = L * QK); kUpperA, A(i, k) = 0 for k < i (their transposes); kLowerC, only C(i, j) for j <= i is read
-// afterwards (K K^T, Q K^T, dO U^T; what lies above is left as it was).
-enum GdShape { kFull, kLowerA, kUpperA, kLowerC };
-
-// C[M, N] (+)= A B: A(i, k) = a[i ai + k ak], B row-major [K, N] with row stride ldb, N a multiple of 16.
-// Per block of 2 vectors' columns (B's block stays in L1), every tile of rows.
-void gd_mm(int M, int N, int K, const float* a, size_t ai, size_t ak, const float* b, size_t ldb, float* c,
-           size_t ldc, bool acc, GdShape shape = kFull) {
-  for (int j = 0; j < N; j += 2 * kGdLanes) {
-    const bool two = N - j >= 2 * kGdLanes;
-    for (int i = 0; i < M; i += kGdRows) {
-      const int mr = std::min(kGdRows, M - i);
-      if (shape == kLowerC && j > i + mr - 1) continue;  // the tile lies above the diagonal
-      const int k0 = shape == kUpperA ? std::min(K, i) : 0, k1 = shape == kLowerA ? std::min(K, i + mr) : K;
-      const float* ap = a + i * ai + size_t(k0) * ak;
-      const float* bp = b + size_t(k0) * ldb + j;
-      float* cp = c + i * ldc + j;
-      if (two) {
-        gd_tile_n<2>(mr, std::max(0, k1 - k0), ap, ai, ak, bp, ldb, cp, ldc, acc);
-      } else {
-        gd_tile_n<1>(mr, std::max(0, k1 - k0), ap, ai, ak, bp, ldb, cp, ldc, acc);
-      }
-    }
-  }
-}
 
 inline float gd_dot(const float* a, const float* b, int n) {
   float s = 0.0f;
@@ -222,8 +144,8 @@ void gd_prepare(const GdDims& d, const GdConfig& cfg, const GdInputs& in, GdWork
     std::fill(Li + i + 1, Li + cp, 0.0f);
   }
 
-  gd_mm(c, cp, d.dk, w.K, Dk, 1, w.Kt, Cp, w.KK, Cp, false, kLowerC);
-  gd_mm(c, cp, d.dk, w.Q, Dk, 1, w.Kt, Cp, w.QK, Cp, false, kLowerC);
+  mk_mm(c, cp, d.dk, w.K, Dk, 1, w.Kt, Cp, w.KK, Cp, false, kLowerC);
+  mk_mm(c, cp, d.dk, w.Q, Dk, 1, w.Kt, Cp, w.QK, Cp, false, kLowerC);
   // T = (I + A)^-1 by forward substitution: row i = e_i - sum_{m < i} A_im (row m), row m zero past m
   for (int i = 0; i < c; ++i) {
     float* Ti = w.T + size_t(i) * Cp;
@@ -238,7 +160,7 @@ void gd_prepare(const GdDims& d, const GdConfig& cfg, const GdInputs& in, GdWork
     }
     Ti[i] = 1.0f;
   }
-  gd_mm(c, Dv, d.dk, w.K, Dk, 1, w.S, Dv, w.KS, Dv, false);  // K S
+  mk_mm(c, Dv, d.dk, w.K, Dk, 1, w.S, Dv, w.KS, Dv, false);  // K S
   for (int i = 0; i < c; ++i) {  // -> diag(beta) (V - diag(b) K S), in place
     float* r = w.KS + size_t(i) * Dv;
     const float* Vi = w.V + size_t(i) * Dv;
@@ -246,7 +168,7 @@ void gd_prepare(const GdDims& d, const GdConfig& cfg, const GdInputs& in, GdWork
 #pragma omp simd
     for (int e = 0; e < Dv; ++e) r[e] = bt * (Vi[e] - bi * r[e]);
   }
-  gd_mm(c, Dv, c, w.T, Cp, 1, w.KS, Dv, w.U, Dv, false, kLowerA);
+  mk_mm(c, Dv, c, w.T, Cp, 1, w.KS, Dv, w.U, Dv, false, kLowerA);
   for (int i = 0; i < c; ++i) {
     float *Pi = w.P + size_t(i) * Cp, *Kli = w.Kl + size_t(i) * Dk;
     const float *Li = w.L + size_t(i) * Cp, *QKi = w.QK + size_t(i) * Cp, *Ki = w.K + size_t(i) * Dk;
@@ -261,21 +183,21 @@ void gd_prepare(const GdDims& d, const GdConfig& cfg, const GdInputs& in, GdWork
 // The chunk's output rows (into out) and the state at its end (w.S in place).
 void gd_forward_chunk(const GdDims& d, GdWork& w, float* out, int b, int hv, int s, int c) {
   const int Dk = d.Dk, Dv = d.Dv, Cp = d.Cp;
-  gd_mm(c, Dv, d.dk, w.Q, Dk, 1, w.S, Dv, w.O, Dv, false);  // Q S
+  mk_mm(c, Dv, d.dk, w.Q, Dk, 1, w.S, Dv, w.O, Dv, false);  // Q S
   for (int i = 0; i < c; ++i) {
     float* Oi = w.O + size_t(i) * Dv;
     const float bi = w.b[i];
 #pragma omp simd
     for (int e = 0; e < Dv; ++e) Oi[e] *= bi;
   }
-  gd_mm(c, Dv, c, w.P, Cp, 1, w.U, Dv, w.O, Dv, true, kLowerA);  // + P U
+  mk_mm(c, Dv, c, w.P, Cp, 1, w.U, Dv, w.O, Dv, true, kLowerA);  // + P U
   for (int i = 0; i < c; ++i) {
     const float* Oi = w.O + size_t(i) * Dv;
     std::copy(Oi, Oi + d.dv, out + d.vrow(b, s + i, hv));
   }
   const float be = w.b[c - 1];
   for (size_t i = 0; i < size_t(d.dk) * Dv; ++i) w.S[i] *= be;
-  gd_mm(d.dk, Dv, c, w.Kl, 1, Dk, w.U, Dv, w.S, Dv, true);  // + (diag(last) K)^T U
+  mk_mm(d.dk, Dv, c, w.Kl, 1, Dk, w.U, Dv, w.S, Dv, true);  // + (diag(last) K)^T U
 }
 
 struct GdGrads {
@@ -310,23 +232,23 @@ void gd_backward_chunk(const GdDims& d, const GdConfig& cfg, const GdInputs& in,
     std::fill(Uf + c, Uf + cp, 0.0f);
   }
 
-  gd_mm(c, Dv, c, w.P, 1, Cp, w.dO, Dv, w.dU, Dv, false, kUpperA);  // dU = P^T dO
-  gd_mm(c, Dv, dk, w.Kl, Dk, 1, w.dS, Dv, w.dU, Dv, true);           //    + Kl dS_end
-  gd_mm(c, cp, dv, w.dO, Dv, 1, w.Ut, Cp, w.dP, Cp, false, kLowerC);  // dP = dO U^T
-  gd_mm(c, Dk, dv, w.U, Dv, 1, w.dSt, Dk, w.dKl, Dk, false);          // dKl = U dS_end^T
-  gd_mm(c, Dk, dv, w.dO, Dv, 1, w.St, Dk, w.dQb, Dk, false);          // dQb = dO S^T
+  mk_mm(c, Dv, c, w.P, 1, Cp, w.dO, Dv, w.dU, Dv, false, kUpperA);  // dU = P^T dO
+  mk_mm(c, Dv, dk, w.Kl, Dk, 1, w.dS, Dv, w.dU, Dv, true);           //    + Kl dS_end
+  mk_mm(c, cp, dv, w.dO, Dv, 1, w.Ut, Cp, w.dP, Cp, false, kLowerC);  // dP = dO U^T
+  mk_mm(c, Dk, dv, w.U, Dv, 1, w.dSt, Dk, w.dKl, Dk, false);          // dKl = U dS_end^T
+  mk_mm(c, Dk, dv, w.dO, Dv, 1, w.St, Dk, w.dQb, Dk, false);          // dQb = dO S^T
   const float db_end = gd_dot(w.S, w.dS, dk * Dv);
-  gd_mm(c, Dv, c, w.T, 1, Cp, w.dU, Dv, w.dX1, Dv, false, kUpperA);  // dX1 = T^T dU
-  gd_mm(c, Dk, dv, w.dX1, Dv, 1, w.St, Dk, w.dX2, Dk, false);        // -dX2 = dX1 S^T
+  mk_mm(c, Dv, c, w.T, 1, Cp, w.dU, Dv, w.dX1, Dv, false, kUpperA);  // dX1 = T^T dU
+  mk_mm(c, Dk, dv, w.dX1, Dv, 1, w.St, Dk, w.dX2, Dk, false);        // -dX2 = dX1 S^T
   for (int i = 0; i < c; ++i) {
     float* r = w.dX2 + size_t(i) * Dk;
 #pragma omp simd
     for (int e = 0; e < Dk; ++e) r[e] = -r[e];
   }
-  gd_mm(c, cp, dv, w.dX1, Dv, 1, w.Ut, Cp, w.Z, Cp, false, kLowerC);  // Z = dX1 U^T = -dA
+  mk_mm(c, cp, dv, w.dX1, Dv, 1, w.Ut, Cp, w.Z, Cp, false, kLowerC);  // Z = dX1 U^T = -dA
   // dS_start = Qb^T dO + b_end dS_end - X2^T dX1
-  gd_mm(dk, Dv, c, w.Qb, 1, Dk, w.dO, Dv, w.dSn, Dv, false);
-  gd_mm(dk, Dv, c, w.Kb, 1, Dk, w.dX1, Dv, w.tmpS, Dv, false);
+  mk_mm(dk, Dv, c, w.Qb, 1, Dk, w.dO, Dv, w.dSn, Dv, false);
+  mk_mm(dk, Dv, c, w.Kb, 1, Dk, w.dX1, Dv, w.tmpS, Dv, false);
   const float be = w.b[c - 1];
   for (size_t i = 0; i < size_t(dk) * Dv; ++i) w.dSn[i] += be * w.dS[i] - w.tmpS[i];
   std::swap(w.dS, w.dSn);
@@ -374,9 +296,9 @@ void gd_backward_chunk(const GdDims& d, const GdConfig& cfg, const GdInputs& in,
   }
 
   // dK = (dKK + dKK^T) K + dQK^T Q + beta b dX2 + last dKl;  dQ = dQK K + b dQb
-  gd_mm(c, Dk, c, w.M, Cp, 1, w.K, Dk, w.dK, Dk, false);
-  gd_mm(c, Dk, c, w.dQK, 1, Cp, w.Q, Dk, w.dK, Dk, true, kUpperA);
-  gd_mm(c, Dk, c, w.dQK, Cp, 1, w.K, Dk, w.dQ, Dk, false, kLowerA);
+  mk_mm(c, Dk, c, w.M, Cp, 1, w.K, Dk, w.dK, Dk, false);
+  mk_mm(c, Dk, c, w.dQK, 1, Cp, w.Q, Dk, w.dK, Dk, true, kUpperA);
+  mk_mm(c, Dk, c, w.dQK, Cp, 1, w.K, Dk, w.dQ, Dk, false, kLowerA);
   for (int i = 0; i < c; ++i) {
     const float *dKi = w.dK + size_t(i) * Dk, *dQi = w.dQ + size_t(i) * Dk, *dX2 = w.dX2 + size_t(i) * Dk;
     const float *dKli = w.dKl + size_t(i) * Dk, *dQbi = w.dQb + size_t(i) * Dk;
