@@ -4,6 +4,8 @@
     python scripts/bench_scale.py --shapes qwen3-0.6b qwen3-1.7b --modes lora full --max_length 1024 4096
     python scripts/bench_scale.py --shapes qwen3-0.6b --modes lora --quant 4 --max_length 4096  # + QLoRA (4-bit)
     python scripts/bench_scale.py --shapes qwen3-vl-2b --modes lora --images 2 --image_px 448   # VL rows
+    python scripts/bench_scale.py --shapes qwen3.5-0.8b --layers 8 --modes lora --max_length 2048   # Qwen3.5 text
+    python scripts/bench_scale.py --shapes qwen3.5-2b --layers 4 --modes lora --images 2 --image_px 896 --sides ours trl
     python scripts/bench_scale.py --grpo                               # GRPO, TRL PR #2669's shape on 0.6B
     python scripts/bench_scale.py --frontier --budget_gb 20 --modes lora --steps 1 --warmup 0 \
         --trl_lengths 5120 6144 --ours_lengths 12288      # the longest max_length under 20 GB (root: a cgroup)
@@ -13,7 +15,8 @@
 
 Checkpoints (random weights, real widths, depths and vocabulary; built offline with transformers in float32,
 saved with safetensors into `--ckpt_dir` and reused when present; `--layers N` cuts the text depth to N (and
-the vision depth to min(24, N), keeping the deepstack indexes below it, or the last block), widths kept;
+the vision depth to min(24, N), keeping the deepstack indexes below it, or the last block; Qwen3.5 keeps its 3:1
+pattern, every 4th layer attention: N=4 is 3 DeltaNet + 1 attention, N=8 twice that, N<4 DeltaNet only), widths kept;
 `--ckpt_dtype bfloat16` stores them in bfloat16, as the Hub's Qwen checkpoints are, in folders of their own:
 every side still computes in float32 on the CPU, but transformers keeps a float32 checkpoint's frozen weights as
 mapped file pages and converts a bfloat16 one into its own memory):
@@ -22,17 +25,30 @@ mapped file pages and converts a bfloat16 one into its own memory):
   qwen3-vl-2b  Qwen3-VL: text as qwen3-1.7b (mrope interleaved [24, 20, 20], rope_theta 5e6); vision depth 24,
                hidden 1024, MLP 4096, 16 heads, patch 16, merge 2, temporal patch 2, out 2048, deepstack
                [5, 11, 17]; the processor Qwen3-VL ships (min_pixels 256^2, max_pixels 4096^2, mean/std 0.5)
+  qwen3.5-0.8b Qwen3.5 text, the form mlx-lm's conversions have (transformers' Qwen3_5TextConfig /
+               Qwen3_5ForCausalLM): 24 layers, layer_types every 4th "full_attention" (gated attention: 8/2 heads
+               of 256, q_proj twice wide for the output gate, a quarter of each head rotated: partial_rotary_factor
+               0.25, rope_theta 1e7, mrope_section [11, 11, 10] interleaved, as the Hub's config), the others
+               "linear_attention" (Gated DeltaNet: 16 key / 16 value heads of 128, conv kernel 4); hidden 1024,
+               MLP 3584, tied 248320 vocab (752M); Qwen3.5's tokenizer, special ids (tiny_checkpoints'
+               QWEN3_5_TOKEN_IDS) and chat template (mlxrl.processing.QWEN3_5_CHAT_TEMPLATE)
+  qwen3.5-2b   Qwen3.5 (Qwen3_5Config / Qwen3_5ForConditionalGeneration): text as qwen3.5-0.8b at hidden 2048, MLP
+               6144 (tied); vision Qwen3-VL's tower without DeepStack: depth 24, hidden 1024, MLP 4096, 16 heads,
+               patch 16, merge 2, temporal patch 2, out 2048, 2304 position embeddings, gelu_pytorch_tanh (2213M);
+               QWEN3_5_VL_TOKEN_IDS, and Qwen3-VL's processor (the class a Qwen3.5 checkpoint names), as qwen3-vl-2b
 
 Data: batch 1, one row of exactly `--max_length` real tokens trained at every step, identical on every side (a
 hash of the ids each side tokenized is printed; with one row, data order cannot differ, so the step-0 losses
 compare: LoRA's B starts at 0, so dropout does not touch step 0). The text row is bench_sft.py's: random English
-words, longer than max_length, truncated (keep_start) to it, every position trained. The VL row (qwen3-vl-2b):
-one user turn with `--images` random-noise images of `--image_px` square (448 -> 196 tokens each, 896 -> 784)
-first, then the same kind of words, truncated to max_length after the images; image tokens are labels too, as
-TRL's collator leaves them (ours does the same).
+words, longer than max_length, truncated (keep_start) to it, every position trained. The VL row (qwen3-vl-2b,
+qwen3.5-2b): one user turn with `--images` random-noise images of `--image_px` square (448 -> 196 tokens each,
+896 -> 784) first, then the same kind of words, truncated to max_length after the images; image tokens are
+labels too, as TRL's collator leaves them (ours does the same).
 
 Modes, the same on every side: `lora` (r 16, alpha 32 (mlx-lm: scale 2.0), dropout `--lora_dropout` (0.05,
-TRL's ModelConfig default), the seven projections q/k/v/o/gate/up/down of every language-model layer, lr
+TRL's ModelConfig default), the seven projections q/k/v/o/gate/up/down of every language-model layer (Qwen3.5:
+those each layer has, and its Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj: ours'
+default targets, PEFT's target_modules, mlx-lm's `linear_attn.*` keys; a key a layer lacks is skipped), lr
 `--lr_lora` 1e-4), `full` (every parameter, embedding and vision tower included; lr `--lr_full` 1e-5),
 `--quant 4|8` adds `qlora`: ours with load_in_4bit (8bit), group `--q_group_size` 64 (scales bfloat16;
 embedding / head stay float), mlx-lm with its `quantize_model` on the same checkpoint as `mlx_lm.convert`
@@ -56,8 +72,10 @@ Sides, each in its own subprocess:
            segments, `mlxrl.models.checkpointing`: fewer layer inputs kept, one more forward). `--checkpoint_segments
            N` sets it on every side of ours and in the frontier's planner.
   trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
-           AutoModelForCausalLM / Qwen3VLForConditionalGeneration; Qwen3VLProcessor with the PIL image
-           processor for VL: no torchvision here). Its process never imports mlxrl (see bench_sft.run_peak).
+           AutoModelForCausalLM / Qwen3VLForConditionalGeneration / Qwen3_5ForConditionalGeneration;
+           Qwen3VLProcessor with the PIL image processor for VL: no torchvision here). Its process never imports
+           mlxrl (see bench_sft.run_peak). Qwen3.5: without flash-linear-attention and causal-conv1d (CUDA
+           kernels) transformers runs its torch reference, torch_chunk_gated_delta_rule and a conv1d.
   mlxlm    mlx_lm.tuner.trainer.train with its default loss (mlx_lm.utils.load_model on the same folder;
            linear_to_lora_layers(rank 16, scale 2.0, dropout, keys = the seven projections, all layers);
            full: model.unfreeze() (mlx-lm's CLI unfreezes the layers only; embedding and norms too here, as the
@@ -68,6 +86,10 @@ Sides, each in its own subprocess:
            mlx-lm pads a row to 1 + a multiple of 32 and its mask counts one target past the last token
            (the padding), so on the same T-token row it forwards T tokens, as the others, and scores T
            targets where ours and TRL score T - 1 (one LM-head row more, printed as "trained/step").
+           Qwen3.5: mlx-lm has no qwen3_5_text module; its qwen3_5 Model takes the text config as it is (no
+           text_config in it), so the checkpoint loads with model_type overridden to qwen3_5. Off Metal and in
+           training it runs the gated delta rule as a per-token loop under MLX's autograd (no custom VJP:
+           ml-explore/mlx-lm#1206): every token's [heads, 128, 128] state is kept for the backward.
 
 Timing and memory: `--warmup` untimed steps (compilation, allocator, first touch), then s/step = median of
 `--steps` step-end to step-end intervals; tokens/s = real tokens per step / s per step. Peak RSS = the child's
@@ -81,8 +103,10 @@ with mlxrl's BLAS or torch with 2 threads, best of 5, before and after the runs)
 bench_sft.model_flops (its docstring has the formula: projections, MLP, dense attention square, head on the
 trained rows, recomputed forward with checkpointing) split into trunk and head: full = 3 x (trunk + head);
 LoRA / QLoRA = 2 x (trunk + head) (no weight gradient for frozen weights) + 3 x the adapters' matmuls; both +
-one trunk (and adapter) forward for checkpointing; VL adds the vision tower's matmuls and attention (3x in full,
-1x in LoRA: nothing before it is trained). Our bucketed image patches (patch_buckets) are not counted.
+one trunk (and adapter) forward for checkpointing (Qwen3.5: its own trunk count, `qwen3_5_forward`: gated
+attention and Gated DeltaNet layers, the chunked delta rule estimated from its matmuls); VL adds the vision
+tower's matmuls and attention (3x in full, 1x in LoRA: nothing before it is trained). Our bucketed image
+patches (patch_buckets) are not counted.
 
 On a GPU (`--gpu`: MLX's default device, Metal or CUDA, and torch's CUDA device; SFT only): bfloat16 compute on
 every side, as users train there. Ours: `dtype bfloat16` (LoRA: the base bf16, the adapters float32; full: bf16
@@ -129,14 +153,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 LORA_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DELTANET_KEYS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's linear_attn.*
 HEADS = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
              tie_word_embeddings=True)
 SHAPES = {  # name: (kind, hidden, MLP)
     "qwen3-0.6b": ("text", 1024, 3072),
     "qwen3-1.7b": ("text", 2048, 6144),
     "qwen3-vl-2b": ("vl", 2048, 6144),
+    "qwen3.5-0.8b": ("text", 1024, 3584),
+    "qwen3.5-2b": ("vl", 2048, 6144),
 }
 DEPTH, VISION_DEPTH, DEEPSTACK = 28, 24, (5, 11, 17)
+# Qwen3.5 (the Hub's Qwen3.5-0.8B / -2B text configs): 24 layers, every 4th gated attention (8 / 2 heads of 256, a
+# quarter of each head rotated, interleaved M-RoPE [11, 11, 10]), the others Gated DeltaNet (16 / 16 heads of 128)
+QWEN3_5 = ("qwen3.5-0.8b", "qwen3.5-2b")
+QWEN3_5_DEPTH, QWEN3_5_INTERVAL = 24, 4
+QWEN3_5_TEXT = dict(vocab_size=248320, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    hidden_act="silu", max_position_embeddings=262144)
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": True}
 VL_PREPROCESSOR = dict(min_pixels=256 * 256, max_pixels=4096 * 4096, patch_size=16, temporal_patch_size=2,
                        merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3, processor_class="Qwen3VLProcessor")
 
@@ -195,12 +232,32 @@ def resident_kinds(r: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def depths(layers: int | None) -> tuple[int, int, list[int]]:
-    """(text layers, vision blocks, deepstack indexes) for a --layers override (None: the real depths)."""
+def real_depth(shape: str) -> int:
+    """The shape's real text depth (--layers cuts it)."""
+    return QWEN3_5_DEPTH if shape in QWEN3_5 else DEPTH
+
+
+def depths(layers: int | None, shape: str = "qwen3-0.6b") -> tuple[int, int, list[int]]:
+    """(text layers, vision blocks, deepstack indexes) for a --layers override (None: the real depths); Qwen3.5's
+    tower has no deepstack."""
+    if shape in QWEN3_5:
+        return (layers or QWEN3_5_DEPTH), min(VISION_DEPTH, layers or VISION_DEPTH), []
     if not layers:
         return DEPTH, VISION_DEPTH, list(DEEPSTACK)
     vision = min(VISION_DEPTH, layers)
     return layers, vision, [i for i in DEEPSTACK if i < vision] or [vision - 1]
+
+
+def qwen3_5_layer_types(n: int) -> list[str]:
+    """Qwen3.5's layer pattern over n layers: every 4th "full_attention", else "linear_attention" (the Hub's
+    configs; n=4 -> 3 Gated DeltaNet + 1 gated attention; under 4 layers, DeltaNet only)."""
+    return ["full_attention" if (i + 1) % QWEN3_5_INTERVAL == 0 else "linear_attention" for i in range(n)]
+
+
+def lora_keys(ckpt: str) -> tuple[str, ...]:
+    """The LoRA targets of a checkpoint: the seven projections, and Qwen3.5's five DeltaNet ones."""
+    config = json.loads((Path(ckpt) / "config.json").read_text())
+    return LORA_KEYS + (DELTANET_KEYS if config["model_type"].startswith("qwen3_5") else ())
 
 
 def ckpt_name(shape: str, layers: int | None, dtype: str = "float32") -> str:
@@ -217,18 +274,34 @@ def build_checkpoint(s: dict) -> dict:
     tiny = _script("tiny_checkpoints")
     sys.path.insert(0, str(ROOT))
     from mlxrl.processing import (
+        QWEN3_5_CHAT_TEMPLATE,
         QWEN3_VL_CHAT_TEMPLATE,
         QWEN_CHAT_TEMPLATE,
         ImageProcessor,
         Processor,
+        build_qwen3_5_tokenizer,
         build_qwen_tokenizer,
     )
 
     torch.set_num_threads(2)
     kind, hidden, mlp = SHAPES[s["shape"]]
-    layers, vision_depth, deepstack = depths(s["layers"])
+    layers, vision_depth, deepstack = depths(s["layers"], s["shape"])
     text = dict(HEADS, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, **tiny.TOKEN_IDS)
-    if kind == "text":
+    tokenizer = build_qwen_tokenizer
+    if s["shape"] in QWEN3_5:
+        tokenizer, template = build_qwen3_5_tokenizer, QWEN3_5_CHAT_TEMPLATE
+        text = dict(QWEN3_5_TEXT, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                    layer_types=qwen3_5_layer_types(layers), rope_parameters=QWEN3_5_ROPE, **tiny.QWEN3_5_TOKEN_IDS)
+        if kind == "text":  # the text-only form (mlx-lm's conversions): Qwen3_5ForCausalLM
+            config, cls, image_processor = tf.Qwen3_5TextConfig(**text), tf.Qwen3_5ForCausalLM, None
+        else:  # Qwen3-VL's tower without DeepStack
+            vision = dict(depth=vision_depth, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                          out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                          num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh", in_channels=3)
+            config = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                      **tiny.QWEN3_5_VL_TOKEN_IDS)
+            cls, image_processor = tf.Qwen3_5ForConditionalGeneration, ImageProcessor.from_dict(VL_PREPROCESSOR)
+    elif kind == "text":
         config = tf.Qwen3Config(**text, max_position_embeddings=40960,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
         cls, template, image_processor = tf.Qwen3ForCausalLM, QWEN_CHAT_TEMPLATE, None
@@ -253,7 +326,7 @@ def build_checkpoint(s: dict) -> dict:
         model = model.to(torch.bfloat16)
         model.config.dtype = torch.bfloat16
     model.save_pretrained(out)  # safetensors
-    Processor(build_qwen_tokenizer(), image_processor, template).save_pretrained(out)
+    Processor(tokenizer(), image_processor, template).save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
     (out / "bench_scale.json").write_text(json.dumps({"shape": s["shape"], "layers": s["layers"], "params": params,
                                                       "dtype": s.get("dtype", "float32")}))
@@ -427,7 +500,7 @@ def _hf_vl_processor(folder: str):
 def _lora_config(s: dict, task_type: str = "CAUSAL_LM"):
     from peft import LoraConfig
 
-    return LoraConfig(r=16, lora_alpha=32, lora_dropout=s["lora_dropout"], target_modules=list(LORA_KEYS),
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=s["lora_dropout"], target_modules=list(lora_keys(s["ckpt"])),
                       bias="none", task_type=task_type)
 
 
@@ -445,8 +518,11 @@ def run_trl(s: dict) -> dict:
     dtype = torch.bfloat16 if gpu and s["mode"] != "full" else torch.float32  # full on a GPU: AMP
     rows = make_rows(s)
     base = rss_gb()
-    if s["vl"]:
-        model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(s["ckpt"], dtype=dtype)
+    if s["vl"]:  # Qwen3.5 names Qwen3-VL's processor (its image processor is Qwen2-VL's, as Qwen3-VL's)
+        vl_class = {"qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+                    "qwen3_5": transformers.Qwen3_5ForConditionalGeneration}[
+            json.loads((Path(s["ckpt"]) / "config.json").read_text())["model_type"]]
+        model = vl_class.from_pretrained(s["ckpt"], dtype=dtype)
         processing = _hf_vl_processor(s["ckpt"])
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(s["ckpt"], dtype=dtype)
@@ -506,7 +582,10 @@ def run_mlxlm(s: dict) -> dict:
     ids = [tok(r["text"], add_special_tokens=False)["input_ids"][:t] for r in make_rows(s)]
     assert all(len(x) == t for x in ids), "a row is shorter than max_length"
     base = rss_gb()
-    model, config = load_model(Path(s["ckpt"]))
+    stored = json.loads((Path(s["ckpt"]) / "config.json").read_text())["model_type"]
+    # mlx-lm has no qwen3_5_text module: its qwen3_5 Model takes a text config as is (no text_config in it)
+    model, config = load_model(Path(s["ckpt"]), model_config={"model_type": "qwen3_5"} if stored == "qwen3_5_text"
+                               else None)
     model.set_dtype(mx.bfloat16 if s.get("gpu") else mx.float32)  # the other sides' compute dtype, whatever is stored
     if s["mode"] == "qlora":  # as mlx_lm.convert --quantize does (its default predicate: every divisible layer)
         decoder = (lambda path, m: "embed_tokens" not in path) if s["mlxlm_quant"] == "decoder" else None
@@ -516,9 +595,11 @@ def run_mlxlm(s: dict) -> dict:
     if s["mode"] == "full":
         model.unfreeze()
     else:
+        # a key a layer lacks (Qwen3.5: self_attn.* on DeltaNet layers, linear_attn.* on attention ones) is skipped
+        keys = ([f"self_attn.{k}" for k in LORA_KEYS[:4]] + [f"mlp.{k}" for k in LORA_KEYS[4:]]
+                + [f"linear_attn.{k}" for k in lora_keys(s["ckpt"])[len(LORA_KEYS):]])
         linear_to_lora_layers(model, len(model.layers), {"rank": 16, "scale": 2.0, "dropout": s["lora_dropout"],
-                                                         "keys": [f"self_attn.{k}" for k in LORA_KEYS[:4]]
-                                                         + [f"mlp.{k}" for k in LORA_KEYS[4:]]})
+                                                         "keys": keys})
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     opt = optim.AdamW(learning_rate=optim.linear_schedule(s["lr"], 0.0, total), betas=[0.9, 0.999], eps=1e-8,
                       weight_decay=0.0)
@@ -804,19 +885,47 @@ def vision_flops(config: dict, grids) -> float:
     return total
 
 
+def qwen3_5_forward(t: dict, seq: int) -> tuple[float, float]:
+    """(trunk forward FLOPs, the LoRA adapters' in + out widths summed over the layers) of a Qwen3.5 text config.
+    Gated attention layers: q_proj twice the query width (query and output gate), k / v / o, the dense attention
+    square; Gated DeltaNet layers: in_proj_qkv / z / b / a, out_proj, the depthwise causal conv, and the chunked
+    delta rule per value head and token: three products with the dk x dv state (6 dk dv) and the 64-token chunk's
+    key / query products (2 * 64 * (2 dk + dv)), an estimate of its matmuls; the MLP on every layer."""
+    d, inter, hd = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+    hv, dk, dv = t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"]
+    key, value = t["linear_num_key_heads"] * dk, hv * dv
+    mlp = 2 * seq * d * inter * 3
+    attention = 2 * seq * d * (2 * q + 2 * kv) + 2 * seq * q * d + 2 * 2 * seq * seq * q + mlp
+    deltanet = (2 * seq * d * (2 * key + 2 * value + 2 * hv) + 2 * seq * value * d
+                + 2 * seq * (2 * key + value) * t["linear_conv_kernel_dim"]
+                + seq * hv * (6 * dk * dv + 2 * 64 * (2 * dk + dv)) + mlp)
+    widths_mlp = 2 * (d + inter) + (inter + d)
+    widths_attention = (d + 2 * q) + 2 * (d + kv) + (q + d) + widths_mlp
+    widths_deltanet = (d + 2 * key + value) + (d + value) + 2 * (d + hv) + (value + d) + widths_mlp
+    types = t.get("layer_types") or qwen3_5_layer_types(t["num_hidden_layers"])
+    full = sum(x == "full_attention" for x in types)
+    return (full * attention + (len(types) - full) * deltanet,
+            full * widths_attention + (len(types) - full) * widths_deltanet)
+
+
 def step_flops(config: dict, seq: int, trained: int, mode: str, grids=()) -> float:
     """Model FLOPs of one training step (batch 1, gradient checkpointing on): see the module docstring."""
-    trunk = SFT.model_flops(config, 1, seq, 0, False) / 3  # forward
-    head = SFT.model_flops(config, 1, seq, trained, False) / 3 - trunk
-    if mode == "full":
-        total = 3 * (trunk + head) + trunk
+    t = config.get("text_config", config)
+    if str(t.get("model_type", "")).startswith("qwen3_5"):  # its own layer kinds (qwen3_5_forward)
+        trunk, widths = qwen3_5_forward(t, seq)
+        head = 2 * trained * t["hidden_size"] * t["vocab_size"]
     else:
-        t = config.get("text_config", config)
+        trunk = SFT.model_flops(config, 1, seq, 0, False) / 3  # forward
+        head = SFT.model_flops(config, 1, seq, trained, False) / 3 - trunk
         d, inter, hd = t["hidden_size"], t["intermediate_size"], t.get("head_dim") or t["hidden_size"] // t[
             "num_attention_heads"]
         q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
-        widths = (d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inter) + (inter + d)  # in + out of the seven
-        adapters = 2 * seq * 16 * widths * t["num_hidden_layers"]  # x -> A (r) -> B, forward
+        widths = ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + inter) + (inter + d)) * t["num_hidden_layers"]
+    if mode == "full":
+        total = 3 * (trunk + head) + trunk
+    else:
+        adapters = 2 * seq * 16 * widths  # x -> A (r) -> B, forward, over every adapted linear (in + out widths)
         total = 2 * (trunk + head) + trunk + 4 * adapters
     if grids:
         total += vision_flops(config, grids) * (3 if mode == "full" else 1)
@@ -940,7 +1049,8 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
         vl = SHAPES[shape][0] == "vl"
         for t in a.max_length:
             for mode in modes:
-                entry = {"shape": shape, "layers": depths(a.layers)[0], "max_length": t, "mode": mode, "sides": {}}
+                entry = {"shape": shape, "layers": depths(a.layers, shape)[0], "max_length": t, "mode": mode,
+                         "sides": {}}
                 for side in a.sides:
                     if side == "trl" and mode == "qlora":
                         entry["sides"][side] = {"na": "no bitsandbytes on CPU"}
@@ -971,12 +1081,14 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
 
 
 def print_sft(a, results: list, peak: float) -> None:
-    depth = f"{a.layers} of {DEPTH} layers (--layers)" if a.layers else f"{DEPTH} layers"
+    real = "/".join(sorted({str(real_depth(x)) for x in a.shapes}))
+    deltanet = " (Qwen3.5: and the five DeltaNet ones)" if set(a.shapes) & set(QWEN3_5) else ""
+    depth = f"{a.layers} of {real} layers (--layers)" if a.layers else f"{real} layers"
     print()
     where = "bfloat16 on the GPU (--gpu)" if a.gpu else "float32"
     print(f"SFT step, random checkpoints ({depth}), batch 1, {where}, gradient checkpointing on every side, AdamW, "
           f"lr full {a.lr_full:g} / LoRA {a.lr_lora:g}, LoRA r16 alpha 32 dropout {a.lora_dropout:g} on the seven "
-          f"projections; median of {a.steps} step(s) after {a.warmup} warm-up; MFU vs {peak:.1f} GFLOP/s")
+          f"projections{deltanet}; median of {a.steps} step(s) after {a.warmup} warm-up; MFU vs {peak:.1f} GFLOP/s")
     print(f"{'shape':12} {'T':>5} {'mode':5} {'side':7} {'s/step':>8} {'tokens/s':>9} {'peak RSS':>9} "
           f"{'above base':>10} {'dev peak' if a.gpu else 'MLX peak':>9} {'MFU':>6} {'trainable':>10} "
           f"{'tok/step':>8} {'trained':>8} {'row':>12}  loss")
@@ -1029,7 +1141,7 @@ def run_grpo(a, root: Path, tmp: Path, env) -> dict:
     for side in a.grpo_sides:
         r = child(side, {**spec, "out": str(tmp / side)}, env)
         res[side] = r if "error" in r else GRPO.summarise(r, a.warmup)
-    depth = f"{a.layers} of {DEPTH} layers" if a.layers else f"{DEPTH} layers"
+    depth = f"{a.layers} of {real_depth(a.grpo_shape)} layers" if a.layers else f"{real_depth(a.grpo_shape)} layers"
     print()
     print(f"GRPO step, {a.grpo_shape} ({depth}), LoRA r16 alpha 32 dropout {a.lora_dropout:g} lr {a.lr_lora:g}, fp32, "
           f"gradient checkpointing on, beta 0, dapo: 1 prompt of {a.prompt_length} tokens x G={a.num_generations}, "
