@@ -17,6 +17,8 @@ over its depth: `plan.measure` at two depths of one layer kind).
 
 from __future__ import annotations
 
+from ..models.gated_delta import CHUNK  # the gated delta rule's chunk: one saved state per chunk
+
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
 # The native CPU path's SwiGLU product is one primitive whose VJP recomputes the sigmoid: it keeps g and u
 # only, where MLX's ops also keep sigmoid(g) and silu(g) (measured per layer, 2 x 768 -> 1536 I: native
@@ -25,7 +27,6 @@ SAVED_PER_TOKEN_NATIVE = {**SAVED_PER_TOKEN, "I": 3}
 SCORE_COPIES = 1.25
 GATE_SAVED = 2  # gated attention: widths of H * hd more per token (measured +2.0)
 LINEAR_SAVED = {"C": 4, "V": 6}  # Gated DeltaNet: per token, per convolution / value width (measured 4.0, 6.1)
-STATE_CHUNK = 64  # the gated delta rule's chunk (`models.gated_delta.CHUNK`): one saved state per chunk
 
 
 def _mlp(intermediate: int, tokens: int, mlp_tokens: int | None, native: bool) -> float:
@@ -54,7 +55,7 @@ def linear_layer_saved_bytes(hidden: int, intermediate: int, conv_dim: int, valu
     (q, k and v: 2 Hk dk + Hv dv), `value_dim` Hv dv, `state` Hv dk dv (one chunk start's state, float32);
     the rest as `layer_saved_bytes`."""
     per_token = SAVED_PER_TOKEN["D"] * hidden + LINEAR_SAVED["C"] * conv_dim + LINEAR_SAVED["V"] * value_dim
-    chunks = -(-tokens // STATE_CHUNK)
+    chunks = -(-tokens // CHUNK)
     return elem * (tokens * per_token + _mlp(intermediate, tokens, mlp_tokens, native)) + 4 * chunks * state
 
 

@@ -147,12 +147,11 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
                   "heads": vc.get("num_heads", 1), "patch": vc.get("patch_size", 14),
                   "merge": vc.get("spatial_merge_size", 2), "temporal": vc.get("temporal_patch_size", 2)}
     linear = None
-    kinds = getattr(lm, "layer_types", None) or []
-    if "linear_attention" in kinds:
-        hk, hv = lm.linear_num_key_heads, lm.linear_num_value_heads
-        dk, dv = lm.linear_key_head_dim, lm.linear_value_head_dim
-        linear = {"layers": kinds.count("linear_attention"), "C": 2 * hk * dk + hv * dv, "V": hv * dv,
-                  "state": hv * dk * dv, "K": lm.linear_conv_kernel_dim}
+    deltas = [layer.linear_attn for layer in model.language_model.layers if hasattr(layer, "linear_attn")]
+    if deltas:  # the Gated DeltaNet layers' widths, as the layer has them
+        n = deltas[0]
+        linear = {"layers": len(deltas), "C": n.conv_dim, "V": n.hv * n.dv, "state": n.hv * n.dk * n.dv,
+                  "K": n.conv1d.weight.shape[-1]}
     return Arch(V=lm.vocab_size, D=lm.hidden_size, I=lm.intermediate_size, layers=lm.num_hidden_layers,
                 heads=lm.num_attention_heads, kv_heads=lm.num_key_value_heads, head_dim=lm.head_dim,
                 tied=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
