@@ -437,6 +437,8 @@ def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | 
     if not into:
         check_save_target(out, overwrite, "overwrite=True (--overwrite on the command line)")
     weights = dict(tree_flatten(model.parameters()))
+    if hasattr(model, "saved_layout"):  # e.g. one tensor per expert, as the Hub's MoE checkpoints hold them
+        weights = model.saved_layout(weights)
 
     def write(tmp: Path) -> None:
         config = dict(model.config)

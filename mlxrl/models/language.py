@@ -241,8 +241,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask, cache=None):
+    def __call__(self, x, cos, sin, mask, cache=None, router_logits: list | None = None):
+        """router_logits: a list that an expert layer (`models.moe`) appends its router logits to."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        if router_logits is not None and hasattr(self.mlp, "gate"):
+            return h + self.mlp(self.post_attention_layernorm(h), router_logits)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -327,11 +330,15 @@ class LanguageModel(nn.Module):
         mask=None,
         cache=None,
         deepstack: tuple[mx.array, list[mx.array]] | None = None,
+        router_aux: list | None = None,
+        token_mask: mx.array | None = None,
     ) -> mx.array:
         """inputs_embeds [B, L, D]; position_ids [B, L] or [3, B, L]; mask as attention_mask_for.
 
         deepstack: (visual_mask [B, L] bool, [features [M, D] per layer]) adds each layer's
         features to the visual positions after that layer (Qwen3-VL).
+        router_aux: a list that receives the load-balancing loss of the expert layers' routing
+        (`models.moe.RouterStats`) over the tokens where token_mask [B, L] (default: all) is 1.
         """
         cos, sin = self.rotary_emb(position_ids)
         h = inputs_embeds
@@ -343,6 +350,9 @@ class LanguageModel(nn.Module):
 
             def add(c, feat):
                 return (c[0] + mx.where(vis_mask[..., None], feat[idx].astype(c[0].dtype), 0),)
+        if cache is None and router_aux is not None and getattr(self, "router_stats", None) is not None:
+            h = self.router_stats.run(self, h, (cos, sin), mask, token_mask, router_aux, add, feats)
+            return self.norm(h)
         if cache is None:  # one dropout key per layer call: a checkpointed layer is recomputed with the same masks
             h, = checkpointing.run_layers(self, lambda layer, x, c_, s_: (layer(x, c_, s_, mask),), (h,), (cos, sin),
                                           add, feats)

@@ -1,0 +1,199 @@
+"""Qwen3-MoE (`qwen3_moe`, Qwen3-30B-A3B's architecture; issue 51) against transformers' `Qwen3MoeForCausalLM` on a
+tiny random checkpoint with 8 experts, top-2, a dense MLP layer among the expert layers (`mlp_only_layers`) and a
+router trained towards a few experts (so some experts get no token): the logits, with left padding too; the
+gradient of a loss through every parameter against torch autograd; the load-balancing loss against
+transformers' `aux_loss`, with and without padding, and differentiated through the router; loading the Hub's
+per-expert layout and mlx-lm's switch layout, and writing the per-expert layout back.
+
+    python -m pytest -q tests/test_moe.py
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxrl.models import moe
+from mlxrl.models.qwen_text import Model
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=200, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, mlp_only_layers=[1], rms_norm_eps=1e-6, router_aux_loss_coef=0.01)
+
+
+def hub_state(hf) -> dict:
+    """transformers' model's tensors in the layout its save_pretrained writes (one tensor per expert)."""
+    out = {}
+    for k, v in hf.state_dict().items():
+        v = mx.array(v.detach().numpy())
+        if k.endswith("experts.gate_up_proj"):
+            gate, up = mx.split(v, 2, axis=1)
+            for e in range(v.shape[0]):
+                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e]
+                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e]
+        elif k.endswith("experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(transformers' model, ours) with the same random weights, float32. Every hidden state has a positive
+    coordinate 0 (a constant embedding column) which the routers weigh strongly against experts 6 and 7: they
+    get no token, and experts 0-5 share every token."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**CONFIG)
+    hf = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[:, 0] = 0.1
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p) * 0.3)
+                p[:, 0] = 0.0
+                p[6:, 0] = -2.0
+    ours = Model({**cfg.to_dict(), "model_type": "qwen3_moe"})
+    ours.load_weights(list(ours.sanitize(hub_state(hf)).items()), strict=True)
+    ours.eval()
+    return hf, ours
+
+
+def test_layers_are_experts_or_dense_as_transformers_has_them(pair):
+    hf, ours = pair
+    for theirs, mine in zip(hf.model.layers, ours.model.layers, strict=True):
+        assert hasattr(theirs.mlp, "experts") == isinstance(mine.mlp, moe.SparseMoeBlock)
+    assert not isinstance(ours.model.layers[1].mlp, moe.SparseMoeBlock)
+
+
+def hf_out(hf, ids, **kw):
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor(ids), output_router_logits=True,
+                  **{k: torch.tensor(v) for k, v in kw.items()})
+
+
+@pytest.mark.parametrize("length", [1, 9, 70])
+def test_logits_equal_transformers(pair, length, kernel_path):
+    hf, ours = pair
+    ids = np.random.default_rng(length).integers(0, CONFIG["vocab_size"], size=(2, length))
+    np.testing.assert_allclose(np.array(ours(mx.array(ids))), hf_out(hf, ids).logits.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_routing_leaves_experts_6_and_7_unused_and_reaches_the_others(pair):
+    """What the tests here route: experts 0-5 chosen in every expert layer, 6 and 7 in none (the fixture)."""
+    hf, ours = pair
+    ids = np.random.default_rng(70).integers(0, CONFIG["vocab_size"], size=(2, 70))
+    for logits in hf_out(hf, ids).router_logits:
+        assert set(torch.topk(logits, 2, dim=-1).indices.reshape(-1).tolist()) == set(range(6))
+
+
+def test_load_balancing_loss_equals_transformers_aux_loss(pair):
+    hf, ours = pair
+    rng = np.random.default_rng(4)
+    ids = rng.integers(1, CONFIG["vocab_size"], size=(2, 40))
+    mask = np.ones_like(ids)
+    mask[0, :11] = 0
+    for kw in ({}, {"attention_mask": mask}):
+        aux = []
+        ours(mx.array(ids), router_aux=aux, **{k: mx.array(v) for k, v in kw.items()})
+        want = float(hf_out(hf, ids, **kw).aux_loss)
+        assert len(aux) == 1
+        np.testing.assert_allclose(float(aux[0]), want, rtol=1e-5)
+
+
+def test_left_padding_equals_transformers(pair):
+    hf, ours = pair
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, CONFIG["vocab_size"], size=(2, 30))
+    mask = np.ones_like(ids)
+    mask[0, :7] = 0
+    got = np.array(ours(mx.array(ids), attention_mask=mx.array(mask)))
+    want = hf_out(hf, ids, attention_mask=mask).logits.numpy()
+    np.testing.assert_allclose(got[mask > 0], want[mask > 0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradients_of_loss_plus_aux_loss_equal_torch_autograd(pair, checkpointing, kernel_path):
+    """Cross-entropy + router_aux_loss_coef x the load-balancing loss, transformers' training loss with
+    output_router_logits, through every parameter (the router's through both terms), per-layer checkpointed too."""
+    hf, ours = pair
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, CONFIG["vocab_size"], size=(2, 33))
+    hf.zero_grad()
+    out = hf(input_ids=torch.tensor(ids), labels=torch.tensor(ids), output_router_logits=True)
+    out.loss.backward()
+    want = {k: p.grad.numpy() for k, p in hf.named_parameters()}
+    coef = CONFIG["router_aux_loss_coef"]
+
+    def loss(params):
+        ours.update(tree_unflatten(list(params.items())))
+        aux = []
+        logits = ours(mx.array(ids), router_aux=aux)[:, :-1]
+        labels = mx.array(ids)[:, 1:, None]
+        ce = mx.mean(mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, labels, -1)[..., 0])
+        return ce + coef * aux[0]
+
+    ours.train()
+    ours.model.set_checkpointing(checkpointing)
+    try:
+        grads = mx.grad(loss)(dict(tree_flatten(ours.trainable_parameters())))
+    finally:
+        ours.model.set_checkpointing(False)
+        ours.eval()
+    assert set(grads) == set(want)
+    for k, g in grads.items():
+        g, w = np.array(g), want[k]
+        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-12)
+        assert err <= 1e-3, (k, err)
+
+
+def test_experts_load_from_every_layout_and_save_as_the_hub_has_them(pair):
+    hf, ours = pair
+    hub = hub_state(hf)
+    fused = {k: mx.array(v.detach().numpy()) for k, v in hf.state_dict().items()}
+    switch = {}
+    for k, v in hub.items():  # mlx-lm's layout: model.layers.N.mlp.switch_mlp.<proj>.weight [E, out, in]
+        if ".experts.0." in k:
+            base, name = k.split(".experts.0.")
+            switch[f"{base}.switch_mlp.{name}"] = mx.stack(
+                [hub[k.replace(".experts.0.", f".experts.{e}.")] for e in range(CONFIG["num_experts"])])
+        elif ".experts." not in k:
+            switch[k] = v
+    want = dict(tree_flatten(ours.parameters()))
+    for layout in (fused, switch):
+        got = ours.sanitize(layout)
+        assert set(got) == set(want)
+        for k in want:
+            np.testing.assert_array_equal(np.array(got[k]), np.array(want[k]))
+    written = moe.split_experts(want)
+    assert set(written) == set(hub)
+    for k in hub:
+        np.testing.assert_array_equal(np.array(written[k]), np.array(hub[k]))
+
+
+def test_a_transformers_folder_loads_and_our_save_loads_in_transformers(pair, tokenizer, tmp_path):
+    """`mlxrl.load` reads the folder transformers saves; `mlxrl.save` writes one transformers loads, with our
+    logits."""
+    import mlxrl
+
+    hf, ours = pair
+    hf.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    model, _ = mlxrl.load(str(tmp_path / "hf"))
+    ids = np.random.default_rng(5).integers(0, CONFIG["vocab_size"], size=(1, 20))
+    np.testing.assert_allclose(np.array(model(mx.array(ids))), hf_out(hf, ids).logits.numpy(), atol=1e-4)
+    from mlxrl.loading import save
+
+    save(model, None, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").float().eval()
+    with torch.no_grad():
+        got = back(input_ids=torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(got, np.array(ours(mx.array(ids))), atol=1e-4)
