@@ -9,6 +9,7 @@ heads of 16, M-RoPE sections [2, 3, 3] for VL, a 2-block vision tower), our toke
 chat template, and for VL a preprocessor_config.json with small min/max pixels so tests are fast.
 Qwen3.5 (`qwen3_5_text`, and `qwen3_5` with Qwen3-VL's tower without DeepStack): Qwen3.5's 248320
 vocabulary and tokenizer, 4 layers (3 Gated DeltaNet, 1 gated attention with half of each head rotated).
+Qwen3-MoE (`qwen3_moe`): Qwen3's 2 layers with 8 experts (top 2) in the MLPs' place.
 Weights are re-drawn with a larger std than transformers' 0.02 so that logits are far from
 uniform and parity tests can fail. The same seed gives the same weights.
 
@@ -23,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe")
 SEED = 0
 INIT_STD = 0.15
 # Qwen3.5's 4 layers at 0.15 amplify float32 rounding to ~1e-4 of the logits (transformers' own float32 forward is
@@ -53,8 +54,12 @@ QWEN3_5_VL_TOKEN_IDS = dict(image_token_id=248056, video_token_id=248057, vision
 # half of each attention head rotated (8 of 16 dimensions: interleaved M-RoPE sections [2, 1, 1])
 QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
                 "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+# Qwen3-MoE (Qwen3-30B-A3B's architecture): 8 experts of width 32, top 2, normalised; the load-balancing loss's
+# coefficient larger than the real 0.001 so that its share of a gradient shows
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                 router_aux_loss_coef=0.02)
 TIED = {"qwen2": True, "qwen3": False, "qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": True,
-        "qwen3_5_text": True, "qwen3_5": False}
+        "qwen3_5_text": True, "qwen3_5": False, "qwen3_moe": False}
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -91,6 +96,9 @@ def _config(arch: str, size: str = "tiny"):
     if arch == "qwen3":
         return tf.Qwen3Config(**TEXT, head_dim=16, tie_word_embeddings=tied, rope_parameters={
             "rope_type": "default", "rope_theta": 1_000_000.0}), tf.Qwen3ForCausalLM
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**TEXT, **QWEN3_MOE, head_dim=16, tie_word_embeddings=tied, rope_parameters={
+            "rope_type": "default", "rope_theta": 1_000_000.0}), tf.Qwen3MoeForCausalLM
     if arch == "qwen3_5_text":
         return tf.Qwen3_5TextConfig(**QWEN3_5_TEXT, tie_word_embeddings=tied), tf.Qwen3_5ForCausalLM
     if arch == "qwen3_5":

@@ -197,3 +197,107 @@ def test_a_transformers_folder_loads_and_our_save_loads_in_transformers(pair, to
     with torch.no_grad():
         got = back(input_ids=torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(got, np.array(ours(mx.array(ids))), atol=1e-4)
+
+
+def test_lora_on_the_experts_is_per_expert_and_peft_loads_it_with_our_logits(pair, tokenizer, tmp_path):
+    """LoRA on both fused expert parameters and on q_proj, the adapters drawn at random: the forward equals the
+    merged model's (W_e + scale B_e A_e per expert, the naive update); the saved adapter, loaded by PEFT onto
+    transformers' model with `target_parameters`, gives our logits; `load_adapter` reads it back."""
+    import peft
+
+    from mlxrl.models import lora as lora_lib
+    from mlxrl.models.lora_experts import LoRAExperts
+
+    hf, _ = pair
+    hf.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    import mlxrl
+
+    model, _ = mlxrl.load(str(tmp_path / "base"))
+    paths = lora_lib.apply_lora(model, r=3, alpha=6, dropout=0.0, target_modules=["q_proj"])
+    assert [p for p in paths if p.endswith("experts")] == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]
+    rng = np.random.default_rng(0)
+    for _, m in lora_lib.lora_layers(model):
+        if isinstance(m, LoRAExperts):
+            for name in m.targets:
+                m.lora_b[name] = mx.array(rng.normal(0, 0.3, m.lora_b[name].shape).astype(np.float32))
+        else:
+            m.lora_b = mx.array(rng.normal(0, 0.3, m.lora_b.shape).astype(np.float32))
+    model.eval()
+    ids = np.random.default_rng(6).integers(0, CONFIG["vocab_size"], size=(2, 25))
+    ours = np.array(model(mx.array(ids)))
+    with lora_lib.merged(model):
+        np.testing.assert_allclose(np.array(model(mx.array(ids))), ours, atol=1e-4)
+    lora_lib.save_adapter(model, tmp_path / "adapter")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").float().eval()
+    with torch.no_grad():
+        plain = base(input_ids=torch.tensor(ids)).logits.numpy()
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=torch.tensor(ids))
+    assert np.abs(ours - plain).max() > 1e-2  # the adapters change the logits
+    np.testing.assert_allclose(theirs.logits.numpy(), ours, atol=1e-4)
+    again, _ = mlxrl.load(str(tmp_path / "base"))
+    lora_lib.load_adapter(again, tmp_path / "adapter")
+    again.eval()
+    np.testing.assert_allclose(np.array(again(mx.array(ids))), ours, atol=1e-5)
+    lora_lib.save_adapter(again, tmp_path / "again")  # what was read is written back as it was
+    first = mlxrl.loading.read_safetensors(tmp_path / "adapter" / "adapter_model.safetensors", fix="")
+    second = mlxrl.loading.read_safetensors(tmp_path / "again" / "adapter_model.safetensors", fix="")
+    assert set(first) == set(second)
+    for k in first:
+        np.testing.assert_array_equal(np.array(first[k]), np.array(second[k]))
+
+
+def test_sft_with_lora_trains_the_experts_and_peft_loads_the_run_s_adapter(tiny_checkpoint, tmp_path):
+    """SFTTrainer with LoRA on a Qwen3-MoE checkpoint: every expert layer gets per-expert adapters by default,
+    they train (with dropout, the router's loss logged as aux_loss), the frozen experts do not move, and the
+    adapter the run saves loads in PEFT (target_parameters) with the trained model's logits."""
+    import peft
+
+    import mlxrl
+    from mlxrl.models.lora_experts import LoRAExperts
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft import SFTTrainer
+
+    folder = tiny_checkpoint("qwen3_moe")
+    model, processor = mlxrl.load(str(folder))
+    before = {k: np.array(v) for k, v in tree_flatten(model.parameters()) if "experts" in k}
+    rows = [{"messages": [{"role": "user", "content": f"Count to {n}"},
+                          {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+            for n in range(2, 8)]
+    args = SFTConfig(output_dir=str(tmp_path / "run"), use_peft=True, lora_r=4, lora_alpha=8, max_steps=4,
+                     learning_rate=2e-2, per_device_train_batch_size=3, logging_steps=1, disable_tqdm=True,
+                     save_steps=0)
+    trainer = SFTTrainer(model, processor, args, train_dataset=rows)
+    trainer.train()
+    logs = [e for e in trainer.log_history if "loss" in e]
+    assert all(e["aux_loss"] > 0 for e in logs) and logs[-1]["loss"] < logs[0]["loss"]
+    experts = [m for _, m in model.named_modules() if isinstance(m, LoRAExperts)]
+    assert len(experts) == 2 and all(m.targets == ("gate_up_proj", "down_proj") for m in experts)
+    assert all(float(mx.abs(m.lora_b[n]).max()) > 0 for m in experts for n in m.targets)
+    for k, v in tree_flatten(model.parameters()):
+        if "experts.base." in k:
+            np.testing.assert_array_equal(np.array(v), before[k.replace("experts.base.", "experts.")])
+    model.eval()
+    ids = np.random.default_rng(7).integers(0, 2000, size=(1, 12))
+    ours = np.array(model(mx.array(ids)))
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    tuned = peft.PeftModel.from_pretrained(base, tmp_path / "run").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(tuned(input_ids=torch.tensor(ids)).logits.numpy(), ours, atol=1e-4)
+
+
+def test_router_loss_and_expert_flags_are_refused_where_they_cannot_apply(tiny_checkpoint, tmp_path):
+    import mlxrl
+    from mlxrl.hub import ConfigError
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft import SFTTrainer
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    model, processor = mlxrl.load(str(tiny_checkpoint("qwen3")))
+    with pytest.raises(ConfigError, match="router_aux_loss_coef is 0.01 but qwen3 is not a Mixture-of-Experts"):
+        SFTTrainer(model, processor, SFTConfig(output_dir=str(tmp_path / "a"), router_aux_loss_coef=0.01),
+                   train_dataset=rows)
+    with pytest.raises(ValueError, match="lora_target_parameters .* match no expert parameter"):
+        SFTTrainer(model, processor, SFTConfig(output_dir=str(tmp_path / "b"), use_peft=True,
+                                               lora_target_parameters=["mlp.experts.gate_up_proj"]),
+                   train_dataset=rows)

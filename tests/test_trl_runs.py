@@ -87,6 +87,40 @@ def test_a_ragged_last_accumulation_step_is_trained_as_trl_trains_it(tiny_checkp
     assert_same_weights(start, ours, theirs)
 
 
+def per_expert(weights: dict) -> dict:
+    """transformers' in-memory fused experts (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj`) as the
+    per-expert tensors its save_pretrained and ours write."""
+    out = {}
+    for k, v in weights.items():
+        if k.endswith("experts.gate_up_proj"):
+            gate, up = np.split(v, 2, axis=1)
+            out.update({k.replace("gate_up_proj", f"{e}.gate_proj.weight"): gate[e] for e in range(len(v))})
+            out.update({k.replace("gate_up_proj", f"{e}.up_proj.weight"): up[e] for e in range(len(v))})
+        elif k.endswith("experts.down_proj"):
+            out.update({k.replace("down_proj", f"{e}.down_proj.weight"): v[e] for e in range(len(v))})
+        else:
+            out[k] = v
+    return out
+
+
+def test_moe_full_fine_tuning_with_the_router_loss_ends_at_trls_weights(tiny_checkpoint, tmp_path):
+    """Qwen3-MoE: TRL adds the model config's router_aux_loss_coef x the load-balancing loss to each micro-batch's
+    loss and logs it as aux_loss; 2 micro-batches per step (its 1 / accumulation share), weight decay, the router
+    trained through both terms."""
+    folder = tiny_checkpoint("qwen3_moe")
+    start = load_file(str(folder / "model.safetensors"))
+    hyper = {**HYPER, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+             "train_sampling_strategy": "sequential"}  # the aux loss is a mean per micro-batch: the same pairs
+    ours, ours_log, theirs, trl_log = both_runs(folder, tmp_path, ROWS, hyper)
+    assert len(ours_log) == len(trl_log) == 3
+    for a, b in zip(ours_log, trl_log, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
+        assert abs(a["aux_loss"] - b["aux_loss"]) <= 1e-4 * abs(b["aux_loss"]), (a, b)
+    theirs = per_expert(theirs)
+    assert any(".experts.7.down_proj" in k for k in ours) and set(ours) == set(theirs)
+    assert_same_weights(start, ours, theirs)
+
+
 def assert_same_weights(start, ours, theirs):
     exempt = [k for k in start if k.endswith(".bias") or "norm" in k]
     assert exempt  # what transformers leaves undecayed is in this model

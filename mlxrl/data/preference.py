@@ -264,7 +264,8 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
     out = {"input_ids": ids, "rows": padded_rows, "targets": targets,
            "seq_weights": seq_weights, "seq_mask": seq_mask,
            "chosen_counts": counts[:b], "rejected_counts": counts[b:],
-           "num_tokens": int(mask.sum()), "num_pairs": b, "example_ids": [e.index for e in examples]}
+           "num_tokens": int(mask.sum()), "num_pairs": b, "example_ids": [e.index for e in examples],
+           "token_mask": mask}  # the real tokens, whose routing an MoE model's load-balancing loss averages
     if padding_free or not right_padded(mask):  # else causal attention is exact (`right_padded`)
         out["attention_mask"] = mask
     if padding_free:

@@ -31,6 +31,14 @@ from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
 from ..hub import MlxrlError
 from ..loading import field_error, is_int, is_number, read_json, read_safetensors
 from .dropout import Dropout
+from .lora_experts import (  # noqa: F401  (none_means_empty: lora.none_means_empty)
+    AdapterMismatchError,
+    LoRAExperts,
+    expert_adapter_keys,
+    expert_modules,
+    expert_targets,
+    none_means_empty,
+)
 from .widened import WidenedLinear
 
 # PEFT's "all-linear" for a Qwen decoder (the LM head excluded); the in_proj_* / out_proj are Qwen3.5's
@@ -136,10 +144,15 @@ def our_module_path(model, name: str) -> str:
 
 
 def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: float = 0.05,
-               target_modules=None, use_dora: bool = False, include_vision: bool = False) -> list[str]:
+               target_modules=None, use_dora: bool = False, include_vision: bool = False,
+               target_parameters=None) -> list[str]:
     """Freeze the model and wrap the target Linear layers with LoRA (or DoRA). Returns the paths.
     A quantized layer (`mlxrl.models.quantize`) is wrapped as it is: the adapters are float32 and the
-    base stays frozen and quantized (QLoRA)."""
+    base stays frozen and quantized (QLoRA).
+
+    target_parameters: an MoE model's fused expert parameters to adapt per expert (`moe.LoRAExperts`),
+    named as PEFT's `target_parameters` ("mlp.experts.gate_up_proj", or by the last name); None: both
+    (`lora_experts.EXPERT_PARAMETERS`), the experts being most of such a model; [] for none."""
     targets = tuple(target_modules or DEFAULT_TARGETS)
     if targets == ("all-linear",):
         targets = DEFAULT_TARGETS
@@ -150,23 +163,31 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
         if path.split(".")[-1] not in targets or (_is_vision(path) and not include_vision):
             continue
         replaced.append(path)
-    if not replaced:
+    experts = expert_targets(model, target_parameters)
+    if not replaced and not experts:
         raise ValueError(f"lora_target_modules {list(targets)} match no Linear layer of this model")
-    _wrap(model, replaced, r=r, alpha=alpha, dropout=dropout, use_dora=use_dora)
-    return replaced
+    if experts and use_dora:
+        raise ValueError("DoRA on the experts' fused parameters is not supported (nor by PEFT): use LoRA, or set "
+                         "lora_target_parameters to none")
+    _wrap(model, replaced, r=r, alpha=alpha, dropout=dropout, use_dora=use_dora, experts=experts)
+    return replaced + sorted(experts)
 
 
-def _wrap(model, paths, *, r, alpha, dropout, use_dora, use_rslora=False):
+def _wrap(model, paths, *, r, alpha, dropout, use_dora, use_rslora=False, experts=None):
     model.freeze()
     cls = QDoRALinear if use_dora else LoRALinear
     scale = alpha / (math.sqrt(r) if use_rslora else r)
     layers = [(p, cls.from_base(_get(model, p), r=r, dropout=dropout, scale=scale)) for p in paths]
     for _, layer in layers:  # masks replayed by a checkpointed layer's recomputation (`models.dropout`)
         layer.dropout = Dropout(dropout)
+    layers += [(p, LoRAExperts(_get(model, p), names, r, scale, dropout)) for p, names in (experts or {}).items()]
     _set_modules(model, layers)
     # a plain attribute (not a child of the module tree, which would treat the dict as parameters)
     cfg = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "use_dora": use_dora, "use_rslora": use_rslora,
-           "target_modules": sorted({p.split(".")[-1] for p in paths}), "paths": list(paths)}
+           "target_modules": sorted({p.split(".")[-1] for p in paths}), "paths": list(paths),
+           "target_parameters": sorted({f"{p.split('.')[-2]}.{p.split('.')[-1]}.{n}"
+                                        for p, names in (experts or {}).items() for n in names}),
+           "expert_paths": {p: list(n) for p, n in (experts or {}).items()}}
     object.__setattr__(model, "lora_config", cfg)
 
 
@@ -188,14 +209,21 @@ def _set_modules(model, updates):
 
 
 def lora_layers(model) -> list[tuple[str, nn.Module]]:
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, (MlxLmLoRALinear, DoRALinear))]
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, (MlxLmLoRALinear, DoRALinear, LoRAExperts))]
 
 
 def peft_state(model) -> dict[str, mx.array]:
-    """Adapter weights under PEFT's keys (transformers' module names) and layouts."""
+    """Adapter weights under PEFT's keys (transformers' module names) and layouts; per-expert adapters as PEFT's
+    `target_parameters` ones: lora_A [E r, in] (expert-major rows), lora_B [out, r E] (rank-major columns)."""
     out = {}
     for path, m in lora_layers(model):
         key = PREFIX + hf_module_name(model, path)
+        if isinstance(m, LoRAExperts):
+            for name, at in expert_adapter_keys(key, m.targets).items():
+                a, b = m.lora_a[name], m.lora_b[name]  # [E, r, in], [E, out, r]
+                out[f"{at}.lora_A.weight"] = a.reshape(-1, a.shape[-1])
+                out[f"{at}.lora_B.weight"] = b.transpose(1, 2, 0).reshape(b.shape[1], -1)
+            continue
         out[f"{key}.lora_A.weight"] = m.lora_a.T
         out[f"{key}.lora_B.weight"] = m.lora_b.T
         if isinstance(m, DoRALinear):
@@ -238,18 +266,15 @@ def save_adapter(model, out_dir, base_model_name: str | None = None) -> Path:
         "target_modules": cfg["target_modules"], "exclude_modules": _exclude_modules(model, cfg),
         "modules_to_save": None, "inference_mode": True, "fan_in_fan_out": False, "init_lora_weights": True,
     }
+    if cfg.get("target_parameters"):  # PEFT refuses dropout there (training only: the adapter is the same)
+        peft_cfg.update(target_parameters=cfg["target_parameters"], lora_dropout=0.0)
     (out / ADAPTER_CONFIG).write_text(json.dumps(peft_cfg, indent=2))
     return out
 
 
-class AdapterMismatchError(MlxrlError):
-    """A readable adapter that does not fit the model (weights of modules it lacks, or of other shapes): an
-    adapter of another model. A damaged or malformed adapter folder is a plain MlxrlError."""
-
-
 # options of PEFT's LoraConfig this loader does not implement: (field, value that is fine)
 _UNSUPPORTED = (("modules_to_save", None), ("rank_pattern", None), ("alpha_pattern", None), ("lora_bias", False),
-                ("bias", "none"), ("fan_in_fan_out", False), ("target_parameters", None), ("layer_replication", None))
+                ("bias", "none"), ("fan_in_fan_out", False), ("layer_replication", None))
 ADAPTER_FIX = "fix the field or save the adapter again"
 
 
@@ -273,6 +298,8 @@ _FIELDS = (
     ("use_rslora", False, _is_flag, "true or false"),
     ("target_modules", None, _is_modules, "a list of module names or a regex (a string)"),
     ("base_model_name_or_path", None, lambda v: v is None or isinstance(v, str), "a Hub id or a folder (a string)"),
+    ("target_parameters", None, lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+     "a list of parameter names (an MoE model's fused experts)"),
 )
 
 
@@ -332,6 +359,7 @@ def load_adapter(model, adapter_dir) -> list[str]:
     if not modules:
         raise AdapterMismatchError(f"{where}: holds no LoRA weights")
     r, use_dora = cfg["r"], cfg["use_dora"]
+    experts = expert_modules(model, modules, cfg["target_parameters"], r, where)  # PEFT's target_parameters
     for path, w in sorted(modules.items()):
         try:
             base = _get(model, path)
@@ -352,7 +380,11 @@ def load_adapter(model, adapter_dir) -> list[str]:
                 raise AdapterMismatchError(f"{where}: {path}{suffix} is {found}; r={r} and this model imply {shape}")
     paths = sorted(modules)
     _wrap(model, paths, r=r, alpha=cfg["lora_alpha"], dropout=float(cfg["lora_dropout"]), use_dora=use_dora,
-          use_rslora=cfg["use_rslora"])
+          use_rslora=cfg["use_rslora"], experts={p: tuple(w) for p, w in experts.items()})
+    for path, w in experts.items():
+        m = _get(model, path)
+        for name, (a, b) in w.items():
+            m.lora_a[name], m.lora_b[name] = a, b
     for path in paths:
         m, w = _get(model, path), modules[path]
         m.lora_a = w[".lora_A.weight"].astype(mx.float32).T
@@ -360,7 +392,7 @@ def load_adapter(model, adapter_dir) -> list[str]:
         if use_dora:
             m.m = w[".lora_magnitude_vector"].astype(mx.float32)
     mx.eval(model.parameters())
-    return paths
+    return paths + sorted(experts)
 
 
 def merge_lora(model, dequantize: bool = True) -> None:

@@ -17,7 +17,7 @@ The experts as gathered matmuls (`mx.gather_mm`): the N x k (token, expert) pair
 pair's row multiplies its expert's matrix, and the outputs are put back in token order and summed with the
 routing weights. Nothing is [tokens, experts, ...] and no loop runs over experts, so the step compiles whatever
 the routing. MLX differentiates `gather_mm` for both operands, so full fine-tuning and LoRA (whose per-expert
-factors are gathered the same way, `models.lora`) share this path.
+factors are gathered the same way, `models.lora_experts`) share this path.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Experts(nn.Module):
 
     def project(self, name: str, x: mx.array, experts: mx.array) -> mx.array:
         """x [M, in] (rows sorted by expert) through parameter `name` of each row's expert: [M, out]. The one place
-        the weights are read, which LoRA on the experts (`models.lora.LoRAExperts`) overrides."""
+        the weights are read, which LoRA on the experts (`models.lora_experts.LoRAExperts`) overrides."""
         return gathered(x, self[name], experts)
 
     def __call__(self, x: mx.array, weights: mx.array, indices: mx.array) -> mx.array:

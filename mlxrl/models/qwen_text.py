@@ -47,12 +47,13 @@ class Model(CausalLMHead, nn.Module):
         pixel_values=None,
         neftune_scale: mx.array | None = None,
         router_aux: list | None = None,
+        router_mask: mx.array | None = None,
         **_ignored,
     ) -> mx.array:
         """Logits [B, L, V], or hidden states [B, L, D] before the LM head with return_hidden. neftune_scale:
         NEFTune's noise scale for the input embeddings in training (`dropout.embedding_noise`). router_aux: a
-        list that receives an MoE model's load-balancing loss over the tokens attention_mask keeps
-        (`moe.RouterStats`); a dense model leaves it empty."""
+        list that receives an MoE model's load-balancing loss over the tokens router_mask [B, L] (default:
+        attention_mask) keeps (`moe.RouterStats`); a dense model leaves it empty."""
         if pixel_values is not None:
             raise ValueError(f"{self.config.get('model_type')} is a text-only model: it cannot take images")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -61,7 +62,8 @@ class Model(CausalLMHead, nn.Module):
         if position_ids is None:
             position_ids = text_positions(*h.shape[:2], offset, segment_ids)
         mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
-        h = self.model(h, position_ids, mask, cache, router_aux=router_aux, token_mask=attention_mask)
+        h = self.model(h, position_ids, mask, cache, router_aux=router_aux,
+                       token_mask=attention_mask if router_mask is None else router_mask)
         return h if return_hidden else self.apply_lm_head(h)
 
     def saved_layout(self, weights: dict) -> dict:

@@ -118,7 +118,8 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
                 for p, m in model.named_modules())
     if getattr(args, "use_peft", False):
         lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                            target_modules=args.lora_target_modules, use_dora=args.use_dora)
+                            target_modules=args.lora_target_modules, use_dora=args.use_dora,
+                            target_parameters=lora_lib.none_means_empty(getattr(args, "lora_target_parameters", None)))
     else:
         if getattr(args, "freeze_vision_tower", False) and hasattr(model, "vision_tower"):
             model.vision_tower.freeze()

@@ -125,6 +125,10 @@ class TrainConfig(ElsewhereArguments):
     lora_alpha: int = _f(32, "LoRA alpha (scale = alpha / r)")
     lora_dropout: float = _f(0.05, "LoRA dropout")
     lora_target_modules: list[str] | None = _f(None, "module names to adapt (default: all linear layers of the LM)")
+    lora_target_parameters: list[str] | None = _f(None, "Mixture-of-Experts models: the fused expert parameters to "
+                                                        "adapt, one adapter per expert, as PEFT's target_parameters "
+                                                        "(mlp.experts.gate_up_proj, mlp.experts.down_proj; default: "
+                                                        "both; none: the experts stay frozen)")
     use_dora: bool = _f(False, "DoRA instead of LoRA")
     # a quantized frozen base (QLoRA; TRL's ModelConfig names, MLX's affine quantization)
     load_in_4bit: bool = _f(False, "quantize the frozen base's decoder linears to 4 bits on load (QLoRA: LoRA adapters "
@@ -182,7 +186,10 @@ class TrainConfig(ElsewhereArguments):
     # TRL's model fields (every trainer's config has them)
     model_init_kwargs: str | None = refused(None, "load the model with mlxrl.load (dtype: --dtype)")
     trust_remote_code: bool = refused(False, "mlxrl never runs model code from the Hub")
-    router_aux_loss_coef: float | None = refused(None, "mlxrl has no Mixture-of-Experts models yet")
+    router_aux_loss_coef: float | None = _f(None, "Mixture-of-Experts models: the weight of the router's "
+                                                  "load-balancing loss added to the training loss (default: the "
+                                                  "model config's router_aux_loss_coef; 0 turns it off); refused for "
+                                                  "a model without experts")
 
     def __post_init__(self):
         """TRL's aliases resolved into the fields the trainers read: activation_checkpointing into

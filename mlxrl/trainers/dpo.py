@@ -49,6 +49,7 @@ from ..models.reference import adapters_disabled, frozen_copy
 from . import trl_api
 from .config import TrainConfig, _f, check_config, refused
 from .engine import Trainer, hidden_rows
+from .forward import with_router_aux
 from .trl_fields import multiple_of
 
 __all__ = ["DPOConfig", "DPOTrainer"]
@@ -267,7 +268,8 @@ class DPOTrainer(Trainer):
     # ------------------------------------------------------------------ loss
     def loss(self, model, batch, normalizer):
         a = self.args
-        h = hidden_rows(model, batch)                                   # [R, D]
+        aux = []  # an MoE model's load-balancing loss (`engine.with_router_aux`)
+        h = hidden_rows(model, batch, aux)                              # [R, D]
         weight = model.lm_head_weight()
         t = batch["targets"]
         logp, ent, argmax = head_logprobs(h, weight, t, chunk_size=a.chunk_size, return_entropy=True,
@@ -296,7 +298,7 @@ class DPOTrainer(Trainer):
         metrics["logits/chosen"] = (mean_logit * chosen).sum() / mx.maximum(chosen.sum(), 1.0)
         metrics["logits/rejected"] = (mean_logit * rejected).sum() / mx.maximum(rejected.sum(), 1.0)
         # dpo_loss is a mean over these b pairs; the engine sums micro-batches normalised by all pairs
-        return loss * (b / normalizer), metrics
+        return with_router_aux(loss * (b / normalizer), metrics, aux, batch)
 
     # ------------------------------------------------------------------ evaluation
     def tokenize_eval(self, rows) -> list:

@@ -45,6 +45,7 @@ from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_model_dtype
 from .distributed import DataParallel, PeerLostError, accumulate
+from .forward import hidden_rows, hidden_states, router_aux_coef  # noqa: F401  (engine.hidden_*)
 from .progress import Progress
 from .reporting import Logging, Reporter
 from .saving import Saving
@@ -52,20 +53,6 @@ from .signals import Signals, TrainingInterrupted  # noqa: F401  (engine.Trainin
 from .sources import DatasetSource, step_seed  # noqa: F401  (engine.step_seed)
 from .trl_api import TRLSurface
 from .trl_fields import every_steps
-
-
-def hidden_states(model, batch: dict) -> mx.array:
-    """Hidden states [B, L, D] of a prepared batch (the trunk up to the final norm); a batch without
-    `attention_mask` is right-padded (`data.batches.right_padded`) and attends causally."""
-    kw = {k: batch[k] for k in ("attention_mask", "segment_ids", "pixel_values", "image_grid_thw", "vision_meta",
-                                "neftune_scale") if k in batch}
-    return model(input_ids=batch["input_ids"], return_hidden=True, **kw)
-
-
-def hidden_rows(model, batch: dict) -> mx.array:
-    """Hidden states [R, D] at the scored positions `batch["rows"]`."""
-    hidden = hidden_states(model, batch)
-    return hidden.reshape(-1, hidden.shape[-1])[batch["rows"]]
 
 
 class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
@@ -96,6 +83,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         runtime.setup(tf32=args.tf32, use_cpu=args.use_cpu)  # MLX's CPU cache, TF32 on a GPU, --use_cpu
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
+        self.router_aux_coef = router_aux_coef(model, args.router_aux_loss_coef)
         self._setup_trainable()
         check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
         self.optimizer = None
@@ -133,7 +121,8 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
                           "CPU FlashAttention kernel (float32 on the CPU)", stacklevel=2)
         if a.use_peft:
             lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
-                                target_modules=a.lora_target_modules, use_dora=a.use_dora)
+                                target_modules=a.lora_target_modules, use_dora=a.use_dora,
+                                target_parameters=lora_lib.none_means_empty(a.lora_target_parameters))
         else:
             m.unfreeze()
             if a.freeze_vision_tower and hasattr(m, "vision_tower"):
@@ -428,6 +417,9 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         shapes = self.step_shapes
         for b in group:
             arrays = self.gradient_free_inputs(self.to_device(self.bucket_images(b)))
+            if self.router_aux_coef:  # TRL's weighted aux loss: a mean per micro-batch, averaged over them and ranks
+                arrays["router_aux_scale"] = mx.array(self.router_aux_coef / (len(group) * self.world_size),
+                                                      mx.float32)
             step = self._step_for(arrays)
             loss, metrics, grads = step(arrays, mx.array(normalizer, dtype=mx.float32))
             grads_sum = grads if len(group) == 1 else accumulate(grads_sum, grads)

@@ -49,7 +49,7 @@ import numpy as np
 from ..data.files import naming_rows, origins_of, rows_fingerprint
 from ..data.formats import DataError, chatml, check_prompt_rows, template_kwargs
 from ..data.images import fill_images, row_images
-from ..hub import MlxrlError
+from ..hub import ConfigError, MlxrlError
 from ..losses.fused_head import fused_head_loss
 from ..losses.grpo import (
     TOKEN_SUM_LOSS_TYPES,
@@ -122,6 +122,10 @@ class GRPOTrainer(Trainer):
         for f, name in zip(funcs, names, strict=True):
             check_reward_signature(f, name, columns)
         super().__init__(model, processor, args)
+        if self.router_aux_coef:  # TRL adds it over each sample's prompt + completion; not built here yet
+            raise ConfigError(f"GRPO on a Mixture-of-Experts model does not add the router's load-balancing loss yet "
+                              f"(router_aux_loss_coef {self.router_aux_coef}, the model config's unless set): set "
+                              "router_aux_loss_coef 0")
         self.reward_funcs = funcs
         self.reward_func_names = names
         self.rows = list(train_dataset)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..data.batches import quarter_octave, right_padded
 from ..data.files import naming_rows, origins_of, rows_fingerprint
+from ..hub import ConfigError
 from ..losses.fused_head import fused_head_loss, fused_value_and_grad
 from ..losses.head import head_logprobs
 from ..losses.sft import check_has_labels, sft_loss, token_metrics
@@ -22,6 +23,7 @@ from ..tokens import IGNORE_INDEX
 from . import eval_metrics, trl_api
 from .config import SFTConfig
 from .engine import Trainer, hidden_rows
+from .forward import with_router_aux
 from .tokenizer_args import apply_tokenizer_args
 from .trl_api import format_rows
 from .trl_fields import multiple_of
@@ -52,6 +54,9 @@ class SFTTrainer(Trainer):
         self.compute_metrics = extra["compute_metrics"]
         self.preprocess_logits_for_metrics = extra["preprocess_logits_for_metrics"]
         super().__init__(model, processor, args)
+        if self.router_aux_coef and args.head_mode == "two_phase":
+            raise ConfigError("head_mode two_phase differentiates the trunk alone, without an MoE model's router "
+                              "loss: use head_mode fused, or set router_aux_loss_coef 0")
         if train_dataset is None:
             raise ValueError("SFTTrainer needs a train_dataset (a list of rows or a datasets.Dataset)")
         if extra["formatting_func"] is not None:  # TRL: each row becomes the text the function makes of it
@@ -120,7 +125,9 @@ class SFTTrainer(Trainer):
         out = {"input_ids": np.asarray(batch.input_ids, np.int32),
                "rows": padded_rows, "targets": padded_targets,
                "num_tokens": int(np.asarray(batch.attention_mask).sum()), "trained_tokens": int(rows.size),
-               "example_ids": list(batch.example_ids)}
+               "example_ids": list(batch.example_ids),
+               # the real tokens, whose routing an MoE model's load-balancing loss averages
+               "token_mask": np.asarray(batch.attention_mask, np.int32)}
         if seg is not None or not right_padded(batch.attention_mask):  # else causal attention is exact
             out["attention_mask"] = np.asarray(batch.attention_mask, np.int32)
         if seg is not None:
@@ -140,18 +147,20 @@ class SFTTrainer(Trainer):
 
     # ------------------------------------------------------------------ loss
     def loss(self, model, batch, normalizer):
-        h = hidden_rows(model, batch)
+        aux = []  # an MoE model's load-balancing loss (`engine.with_router_aux`)
+        h = hidden_rows(model, batch, aux)
         t = batch["targets"]
         if self.args.head_mode == "differentiable":  # the general vocab-tiled head (4 matmuls)
             logp, ent, argmax = head_logprobs(h, model.lm_head_weight(), t, chunk_size=self.args.chunk_size,
                                               return_entropy=True, return_argmax=True, skip_ignored=False,
                                               weight_grad=self._head_trainable)
-            return sft_loss(logp, t, loss_type=self.args.loss_type, num_items=normalizer, entropy=ent, argmax=argmax)
+            return with_router_aux(*sft_loss(logp, t, loss_type=self.args.loss_type, num_items=normalizer,
+                                             entropy=ent, argmax=argmax), aux, batch)
         # fused: loss, d_hidden and d_weight in one pass over row chunks (3 matmuls, as naive)
         loss, _, ent, argmax = fused_head_loss(h, model.lm_head_weight(), t, loss_type=self.args.loss_type,
                                                num_items=normalizer, skip_ignored=False,
                                                weight_grad=self._head_trainable)
-        return loss, token_metrics(t, ent, argmax)
+        return with_router_aux(loss, token_metrics(t, ent, argmax), aux, batch)
 
     @property
     def compilable(self) -> bool:

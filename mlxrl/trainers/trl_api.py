@@ -71,7 +71,7 @@ def apply_peft_config(args, peft_config):
     if kind != "LORA":
         raise MlxrlError(f"peft_config: {kind} adapters are not supported by mlxrl (LoRA and DoRA are)")
     refused = {"use_rslora": False, "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-               "alpha_pattern": {}, "bias": "none", "target_parameters": None, "lora_bias": False,
+               "alpha_pattern": {}, "bias": "none", "lora_bias": False,
                "trainable_token_indices": None, "exclude_modules": None, "layer_replication": None,
                "init_lora_weights": True, "fan_in_fan_out": False}
     for name, default in refused.items():
@@ -86,6 +86,8 @@ def apply_peft_config(args, peft_config):
     return dataclasses.replace(args, use_peft=True, lora_r=int(peft_config.r), lora_alpha=peft_config.lora_alpha,
                                lora_dropout=float(peft_config.lora_dropout or 0.0),
                                lora_target_modules=sorted(targets) if targets else None,
+                               # PEFT adapts an MoE model's experts only where target_parameters names them
+                               lora_target_parameters=list(getattr(peft_config, "target_parameters", None) or []),
                                use_dora=bool(getattr(peft_config, "use_dora", False)))
 
 
