@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cpu import fastmath
+from ..cpu import fastmath, native
 from . import checkpointing
 
 
@@ -87,7 +87,11 @@ def sort_by_expert(indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
 
 
 def gathered(x: mx.array, weight: mx.array, experts: mx.array) -> mx.array:
-    """x [M, in] rows sorted by expert times their expert's weight [E, out, in] transposed: [M, out]."""
+    """x [M, in] rows sorted by expert times their expert's weight [E, out, in] transposed: [M, out]. On float32
+    CPU arrays the native kernel runs one BLAS GEMM per expert over its rows (`cpu/native/experts.cpp`; MLX's CPU
+    gather_mm runs a product per row); elsewhere MLX's `gather_mm` (Metal's and CUDA's gathered kernels)."""
+    if x.dtype == weight.dtype == mx.float32 and fastmath.kernels_for(x) is not None:
+        return native.load().expert_matmul(x, weight, experts)
     return mx.gather_mm(x[:, None, :], weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)[:, 0]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..hub import MlxrlError
 from . import moe
 from .dropout import embedding_noise
 from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, text_positions
@@ -73,6 +74,10 @@ class Model(CausalLMHead, nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         if hasattr(self, "moe_config"):
+            if any(k.endswith((".scales", ".biases")) and ("switch_mlp" in k or ".experts." in k) for k in weights):
+                raise MlxrlError("quantized expert layers (an MLX 4- or 8-bit mixture-of-experts folder) are not "
+                                 "supported yet: load the bfloat16 checkpoint (--load_in_4bit quantizes the other "
+                                 "layers)")
             weights = moe.fuse_experts(weights)
         out = {}
         for k, v in weights.items():

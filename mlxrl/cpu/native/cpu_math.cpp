@@ -2191,6 +2191,11 @@ std::vector<mx::array> flash_attention_op(const mx::array& q, const mx::array& k
 // but compiled here, inside this namespace: it uses the helpers above.
 #include "gated_delta.cpp"
 
+// ------------------------------------------------------------------------------ mixture-of-experts matmuls
+
+// An MoE layer's gathered matmuls, one GEMM per expert over its rows (experts.cpp, compiled here as above).
+#include "experts.cpp"
+
 }  // namespace
 
 NB_MODULE(_cpu_math, m) {
@@ -2271,5 +2276,8 @@ NB_MODULE(_cpu_math, m) {
         nb::arg("scale"), nb::arg("l2norm"),
         "gated_delta's VJP from its inputs, the saved chunk-start states and the cotangents of (out, final state): "
         "[dq, dk, dv, dg, dbeta, d_state], each chunk recomputed from its start state, last chunk first.");
+  m.def("expert_matmul", &expert_matmul_op, nb::arg("x"), nb::arg("w"), nb::arg("experts"),
+        "x [M, in] rows sorted by expert times their expert's w [E, out, in] transposed: [M, out], one GEMM per "
+        "expert (experts [M], non-decreasing), differentiable in x and w.");
   m.def("threads", &worker_count);
 }
