@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import runtime
 from .atomic import check_complete, check_save_target, replace_dir_atomically, write_atomically  # noqa: F401
 from .hub import ConfigError, MlxrlError, resolve_model_path, weight_files
-from .models import UnsupportedModelError, build_model
+from .models import UnsupportedModelError, build_model, moe
 from .models.quantize import prepare_quantized, quantization_config, quantized_layers
 from .models.widened import keep_linears
 
@@ -140,7 +140,7 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_lin
 
 
 # VL model types whose language model is a text model of ours (by its text_config)
-TEXT_MODEL_OF = {"qwen3_5": "qwen3_5_text"}
+TEXT_MODEL_OF = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def text_only(config: dict, weights: dict) -> dict | None:
@@ -437,11 +437,11 @@ def save(model, processor, out_dir: str | os.PathLike, *, max_shard_size: int | 
     if not into:
         check_save_target(out, overwrite, "overwrite=True (--overwrite on the command line)")
     weights = dict(tree_flatten(model.parameters()))
-    if hasattr(model, "saved_layout"):  # e.g. one tensor per expert, as the Hub's MoE checkpoints hold them
+    if hasattr(model, "saved_layout"):  # one tensor per expert, as the Hub's MoE checkpoints hold them
         weights = model.saved_layout(weights)
 
     def write(tmp: Path) -> None:
-        config = dict(model.config)
+        config = moe.readable_config(dict(model.config))
         # a quantized model is saved as mlx-lm / mlx-vlm save one (what they and `load` read back)
         config.pop("quantization", None)
         config.pop("quantization_config", None)

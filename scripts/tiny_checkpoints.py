@@ -9,7 +9,8 @@ heads of 16, M-RoPE sections [2, 3, 3] for VL, a 2-block vision tower), our toke
 chat template, and for VL a preprocessor_config.json with small min/max pixels so tests are fast.
 Qwen3.5 (`qwen3_5_text`, and `qwen3_5` with Qwen3-VL's tower without DeepStack): Qwen3.5's 248320
 vocabulary and tokenizer, 4 layers (3 Gated DeltaNet, 1 gated attention with half of each head rotated).
-Qwen3-MoE (`qwen3_moe`): Qwen3's 2 layers with 8 experts (top 2) in the MLPs' place.
+Qwen3-MoE (`qwen3_moe`): Qwen3's 2 layers with 8 experts (top 2) in the MLPs' place; Qwen3.5-MoE
+(`qwen3_5_moe_text`, `qwen3_5_moe`): Qwen3.5's with 8 experts (top 2) and a gated shared expert.
 Weights are re-drawn with a larger std than transformers' 0.02 so that logits are far from
 uniform and parity tests can fail. The same seed gives the same weights.
 
@@ -24,7 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe",
+         "qwen3_5_moe_text", "qwen3_5_moe")
 SEED = 0
 INIT_STD = 0.15
 # Qwen3.5's 4 layers at 0.15 amplify float32 rounding to ~1e-4 of the logits (transformers' own float32 forward is
@@ -58,8 +60,11 @@ QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rot
 # coefficient larger than the real 0.001 so that its share of a gradient shows
 QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                  router_aux_loss_coef=0.02)
+# Qwen3.5-MoE: Qwen3.5's layers, each MLP 8 experts (top 2) beside a gated shared expert
+QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   router_aux_loss_coef=0.02)
 TIED = {"qwen2": True, "qwen3": False, "qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": True,
-        "qwen3_5_text": True, "qwen3_5": False, "qwen3_moe": False}
+        "qwen3_5_text": True, "qwen3_5": False, "qwen3_moe": False, "qwen3_5_moe_text": False, "qwen3_5_moe": False}
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -74,7 +79,7 @@ PREPROCESSOR = {
                      merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                      processor_class="Qwen3VLProcessor"),
 }
-PREPROCESSOR["qwen3_5"] = PREPROCESSOR["qwen3_vl"]
+PREPROCESSOR["qwen3_5"] = PREPROCESSOR["qwen3_5_moe"] = PREPROCESSOR["qwen3_vl"]
 
 
 def _config(arch: str, size: str = "tiny"):
@@ -101,11 +106,18 @@ def _config(arch: str, size: str = "tiny"):
             "rope_type": "default", "rope_theta": 1_000_000.0}), tf.Qwen3MoeForCausalLM
     if arch == "qwen3_5_text":
         return tf.Qwen3_5TextConfig(**QWEN3_5_TEXT, tie_word_embeddings=tied), tf.Qwen3_5ForCausalLM
-    if arch == "qwen3_5":
-        text = {**QWEN3_5_TEXT, "tie_word_embeddings": tied, "rope_parameters": QWEN3_5_ROPE}
+    if arch == "qwen3_5_moe_text":
+        return tf.Qwen3_5MoeTextConfig(**QWEN3_5_TEXT, **QWEN3_5_MOE, tie_word_embeddings=tied), \
+            tf.Qwen3_5MoeForCausalLM
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        text = {**QWEN3_5_TEXT, "tie_word_embeddings": tied, "rope_parameters": QWEN3_5_ROPE,
+                **(QWEN3_5_MOE if arch == "qwen3_5_moe" else {})}
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                       hidden_act="gelu_pytorch_tanh", in_channels=3)
+        if arch == "qwen3_5_moe":
+            return tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied,
+                                       **QWEN3_5_VL_TOKEN_IDS), tf.Qwen3_5MoeForConditionalGeneration
         cfg = tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tied,
                                **QWEN3_5_VL_TOKEN_IDS)
         return cfg, tf.Qwen3_5ForConditionalGeneration

@@ -90,7 +90,8 @@ def trl_step0(arch, folder, ref_folder, rows, tmp_path):
     from trl import DPOConfig as TRLConfig
     from trl import DPOTrainer as TRLTrainer
 
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM}.get(
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+           "qwen3_moe": transformers.Qwen3MoeForCausalLM}.get(
         arch, transformers.Qwen2VLForConditionalGeneration)
     policy = cls.from_pretrained(str(folder), dtype=torch.float32)
     ref = cls.from_pretrained(str(ref_folder), dtype=torch.float32)
@@ -115,7 +116,7 @@ def trl_step0(arch, folder, ref_folder, rows, tmp_path):
 
 @pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("arch,data", [("qwen3", "text"), ("qwen3", "conversational"), ("qwen2_vl", "vision"),
-                                       ("qwen3_5_text", "conversational")])
+                                       ("qwen3_5_text", "conversational"), ("qwen3_moe", "text")])
 def test_step0_loss_and_metrics_match_trl(arch, data, tiny_checkpoint, ref_checkpoint, tmp_path):
     folder, ref_folder = tiny_checkpoint(arch), ref_checkpoint(arch)
     rows = {"text": TEXT_ROWS, "conversational": CONV_ROWS, "vision": vision_rows()}[data]
@@ -126,12 +127,14 @@ def test_step0_loss_and_metrics_match_trl(arch, data, tiny_checkpoint, ref_check
     trainer = DPOTrainer(model, processor, config(tmp_path), train_dataset=rows, ref_model=ref_model)
     batch = trainer._batches_of(trainer.train_examples, 0, False, len(rows))[0]
     arrays = trainer.gradient_free_inputs(trainer.to_device(batch))
+    if trainer.router_aux_coef:  # an MoE model: the engine's weight of the router loss for a one-batch step
+        arrays["router_aux_scale"] = mx.array(trainer.router_aux_coef, dtype=mx.float32)
     for (types, weights), (want_loss, want) in zip(LOSSES, expected, strict=True):
         trainer.args.loss_type, trainer.args.loss_weights = types, weights
         loss, metrics = trainer.loss(trainer.model, arrays, mx.array(len(rows), dtype=mx.float32))
         got = {k: v.item() for k, v in metrics.items()}
         assert abs(loss.item() - want_loss) <= 1e-4 * max(1.0, abs(want_loss)), (types, loss.item(), want_loss)
-        for k in METRICS:
+        for k in METRICS + (("aux_loss",) if arch == "qwen3_moe" else ()):
             assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (types, k, got[k], want[k])
         assert batch["num_tokens"] == want["num_tokens"]
     assert abs(got["rewards/margins"]) > 1e-3  # the perturbed reference makes the comparison non-trivial

@@ -351,7 +351,8 @@ class LanguageModel(nn.Module):
             def add(c, feat):
                 return (c[0] + mx.where(vis_mask[..., None], feat[idx].astype(c[0].dtype), 0),)
         if cache is None and router_aux is not None and getattr(self, "router_stats", None) is not None:
-            h = self.router_stats.run(self, h, (cos, sin), mask, token_mask, router_aux, add, feats)
+            h = self.router_stats.run(self, h, (cos, sin), lambda layer, x, c_, s_, rl: layer(x, c_, s_, mask,
+                                      router_logits=rl), token_mask, router_aux, add, feats)
             return self.norm(h)
         if cache is None:  # one dropout key per layer call: a checkpointed layer is recomputed with the same masks
             h, = checkpointing.run_layers(self, lambda layer, x, c_, s_: (layer(x, c_, s_, mask),), (h,), (cos, sin),

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from ..hub import MlxrlError
 from .dropout import Dropout
 from .moe import Experts, gathered
+from .quantized_experts import QuantizedExperts
 
 # the fused expert parameters LoRA adapts (PEFT's `target_parameters`, by their last name)
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -29,14 +30,14 @@ class LoRAExperts(nn.Module):
     form an [E, out, in] update. Dropout, as mlx-lm's LoRA on switch layers, is drawn per row at the adapter's
     input (PEFT cannot apply it to target_parameters: it refuses lora_dropout there)."""
 
-    def __init__(self, base: Experts, targets, r: int, scale: float, dropout: float = 0.0):
+    def __init__(self, base: Experts | QuantizedExperts, targets, r: int, scale: float, dropout: float = 0.0):
         super().__init__()
         self.base = base
         self.scale, self.targets = scale, tuple(targets)
         self.dropout = Dropout(dropout)
         self.lora_a, self.lora_b = {}, {}
         for name in self.targets:
-            e, out, inp = base[name].shape
+            e, out, inp = expert_shape(base, name)
             bound = 1 / math.sqrt(inp)  # mlx-lm's LoRALinear init for A (uniform); B zero: the base at the start
             self.lora_a[name] = mx.random.uniform(-bound, bound, (e, r, inp))
             self.lora_b[name] = mx.zeros((e, out, r))
@@ -59,12 +60,17 @@ class LoRAExperts(nn.Module):
         """scale B_e A_e for every expert: [E, out, in]."""
         return self.scale * (self.lora_b[name] @ self.lora_a[name])
 
-    def fuse(self, dequantize: bool = False) -> Experts:
-        """The plain expert layer with every adapter folded in (W + scale B A, in W's dtype)."""
-        base = self.base
+    def fuse(self, dequantize: bool = False) -> Experts | QuantizedExperts:
+        """The plain expert layer with every adapter folded in (W + scale B A, in W's dtype); over a quantized
+        base, dequantize(W) + scale B A, quantized again as the base was unless `dequantize` (mlx-lm's fuse)."""
+        quantized = isinstance(self.base, QuantizedExperts)
+        base = self.base.dequantized(self.lora_b[self.targets[0]].dtype) if quantized else self.base
         fused = Experts(base.num_experts, base.down_proj.shape[1], base.down_proj.shape[2])
         fused.update({name: (base[name] + self.delta(name).astype(base[name].dtype)) if name in self.lora_a
                       else base[name] for name in EXPERT_PARAMETERS})
+        if quantized and not dequantize:
+            s = self.base.down_proj
+            return QuantizedExperts.of(fused, s.group_size, s.bits, s["scales"].dtype)
         return fused
 
 
@@ -74,12 +80,21 @@ def none_means_empty(names: list[str] | None) -> list[str] | None:
     return [] if names is not None and [str(n).lower() for n in names] == ["none"] else names
 
 
+def expert_shape(layer, name: str) -> tuple[int, int, int]:
+    """[E, out, in] of expert parameter `name` of a float or quantized expert layer."""
+    p = layer[name]
+    if isinstance(p, mx.array):
+        return tuple(p.shape)
+    e, out, packed = p["weight"].shape
+    return e, out, packed * 32 // p.bits
+
+
 def expert_targets(model, names) -> dict[str, tuple[str, ...]]:
     """{path of an MoE expert layer: the parameters of it to adapt} for PEFT-style `target_parameters` names
     (None: every expert parameter; a full name "mlp.experts.down_proj" or its last part)."""
     out = {}
     for path, module in model.named_modules():
-        if not isinstance(module, Experts):
+        if not isinstance(module, (Experts, QuantizedExperts)):
             continue
         chosen = tuple(n for n in EXPERT_PARAMETERS if names is None or any(
             f"{path}.{n}" == t or f"{path}.{n}".endswith("." + t) for t in names))
@@ -114,14 +129,14 @@ def expert_modules(model, modules: dict, target_parameters, r: int, where) -> di
         while base_path.endswith(".base_layer"):
             base_path, depth = base_path[: -len(".base_layer")], depth + 1
         base = dict(model.named_modules()).get(base_path)
-        if not isinstance(base, Experts):
+        if not isinstance(base, (Experts, QuantizedExperts)):
             continue
         names = expert_targets(model, target_parameters or []).get(base_path, ())
         if depth >= len(names):
             raise AdapterMismatchError(f"{where}: {path} adapts none of this expert layer's target_parameters "
                                        f"{list(target_parameters or [])}")
         name = names[len(names) - 1 - depth]
-        e, n_out, n_in = base[name].shape
+        e, n_out, n_in = expert_shape(base, name)
         w = modules.pop(path)
         a, b = w.get(".lora_A.weight"), w.get(".lora_B.weight")
         for got, want, what in ((a, (e * r, n_in), "lora_A"), (b, (n_out, r * e), "lora_B")):

@@ -135,6 +135,7 @@ class SparseMoeBlock(nn.Module):
     """The expert layer in a decoder layer's MLP place: router -> top-k -> experts (+ the gated shared expert)."""
 
     def __init__(self, config: MoeConfig, hidden_size: int, mlp_class=None):
+        """mlp_class(hidden, intermediate): the dense MLP of the shared expert (Qwen3.5-MoE, Qwen3-Next)."""
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Router(config.num_experts, hidden_size)
@@ -180,9 +181,9 @@ class RouterStats:
         hits = (chosen[..., None] == mx.arange(self.num_experts)).astype(mx.float32).sum(axis=1)  # [N, E]
         return (hits * token_mask).sum(axis=0), (probs * token_mask).sum(axis=0)
 
-    def run(self, lm, h, args: tuple, mask, token_mask, out: list, add=None, feats=()) -> mx.array:
-        """lm's layers over h (as `LanguageModel.__call__` runs them, args = (cos, sin)), appending the loss to
-        `out`; returns the last layer's output."""
+    def run(self, lm, h, args: tuple, call, token_mask, out: list, add=None, feats=()) -> mx.array:
+        """lm's layers over h as its forward runs them (`run_layers` with the same args, `call(layer, x, *args,
+        router_logits)` one layer), appending the loss to `out`; returns the last layer's output."""
         B, L = h.shape[:2]
         weight = (mx.ones((B * L, 1), mx.float32) if token_mask is None
                   else token_mask.reshape(-1, 1).astype(mx.float32))
@@ -190,7 +191,7 @@ class RouterStats:
         def layer_fn(layer, x, tokens, probs, *rest):
             *layer_args, w = rest
             logits = []
-            y = layer(x, *layer_args, mask, router_logits=logits)
+            y = call(layer, x, *layer_args, logits)
             for one in logits:
                 t, p = self.layer_sums(one, w)
                 tokens, probs = tokens + t, probs + p
@@ -213,38 +214,68 @@ def install(lm, config: MoeConfig, hidden_size: int, mlp_class) -> None:
     lm.router_stats = RouterStats(config.num_experts, config.num_experts_per_tok, len(sparse)) if sparse else None
 
 
+def readable_config(config: dict) -> dict:
+    """A config.json to write for an MoE model that mlx-lm reads too: transformers 5 writes `num_local_experts`
+    and nests `rope_theta` in `rope_parameters`, which mlx-lm's MoE models require at the top level as
+    `num_experts` and `rope_theta` (as the Hub's checkpoints have them); transformers reads both spellings.
+    Other configs are returned as they are."""
+    for c in (config, config.get("text_config")):
+        if not isinstance(c, dict) or "num_local_experts" not in c:
+            continue
+        c.setdefault("num_experts", c["num_local_experts"])
+        theta = (c.get("rope_parameters") or {}).get("rope_theta")
+        if theta is not None:
+            c.setdefault("rope_theta", theta)
+    return config
+
+
 def fuse_experts(weights: dict) -> dict:
     """Checkpoint tensors with one key per expert (`...mlp.experts.N.gate_proj.weight` / `up_proj` / `down_proj`,
     the Hub's and transformers' saved layout) or mlx-lm's switch layout (`...mlp.switch_mlp.gate_proj.weight`
     [E, I, D], `up_proj`, `down_proj`) as the fused parameters `...mlp.experts.gate_up_proj` and
-    `...mlp.experts.down_proj`. Other keys pass through, already fused ones too."""
-    out, parts_of = {}, {}  # (layer prefix, projection) -> {expert: [out, in]} or {None: [E, out, in]}
+    `...mlp.experts.down_proj`; a quantized switch layout's packed weights, scales and biases as the
+    `QuantizedStack`s' `...experts.gate_up_proj.weight` / `.scales` / `.biases`. Other keys pass through, already
+    fused ones too."""
+    out, parts_of = {}, {}  # (layer prefix, projection, tensor) -> {expert: [out, in]} or {None: [E, out, in]}
     for key, value in weights.items():
-        m = re.fullmatch(r"(.*)\.(?:experts\.(\d+)|switch_mlp)\.(gate_proj|up_proj|down_proj)\.weight", key)
-        if m is None:
+        m = re.fullmatch(r"(.*)\.(?:experts\.(\d+)|switch_mlp)\.(gate_proj|up_proj|down_proj)\."
+                         r"(weight|scales|biases)", key)
+        if m is None or (m.group(2) is not None and m.group(4) != "weight"):
             out[key] = value
             continue
-        base, expert, name = m.groups()
-        parts_of.setdefault((base, name), {})[None if expert is None else int(expert)] = value
+        base, expert, name, tensor = m.groups()
+        parts_of.setdefault((base, name, tensor), {})[None if expert is None else int(expert)] = value
 
-    def stacked(base, name):
-        entry = parts_of.pop((base, name))
+    def stacked(base, name, tensor):
+        entry = parts_of.pop((base, name, tensor))
         return entry[None] if None in entry else mx.stack([entry[e] for e in sorted(entry)])
 
-    for base in sorted({base for base, _ in parts_of}):
+    # a quantized checkpoint's scales and biases are fused as its packed weights are (per row: gate rows, up rows)
+    quantized = {b for b, _, t in parts_of if t == "scales"}  # `QuantizedStack`s: weight / scales / biases each
+    for base, tensor in sorted({(b, t) for b, _, t in parts_of}):
+        suffix = f".{tensor}" if base in quantized else ""
         # gate rows, then up rows, per expert: transformers' converter concatenates them so
-        out[f"{base}.experts.gate_up_proj"] = mx.concatenate([stacked(base, "gate_proj"), stacked(base, "up_proj")],
-                                                              axis=1)
-        out[f"{base}.experts.down_proj"] = stacked(base, "down_proj")
+        out[f"{base}.experts.gate_up_proj{suffix}"] = mx.concatenate(
+            [stacked(base, "gate_proj", tensor), stacked(base, "up_proj", tensor)], axis=1)
+        out[f"{base}.experts.down_proj{suffix}"] = stacked(base, "down_proj", tensor)
     return out
 
 
 def split_experts(weights: dict) -> dict:
     """The fused float expert parameters as one key per expert (`...experts.N.gate_proj.weight`, `up_proj`,
-    `down_proj`): the layout of the Hub's checkpoints, which transformers and mlx-lm load. Other keys pass."""
+    `down_proj`): the layout of the Hub's checkpoints, which transformers and mlx-lm load; quantized stacks in
+    mlx-lm's switch layout (`...mlp.switch_mlp.gate_proj.weight` / `scales` / `biases`). Other keys pass."""
     out = {}
     for key, value in weights.items():
-        if key.endswith(".experts.gate_up_proj"):
+        m = re.fullmatch(r"(.*)\.experts\.(gate_up_proj|down_proj)\.(weight|scales|biases)", key)
+        if m is not None:  # a quantized stack: mlx-lm's switch layout (what it and `mlxrl.load` read)
+            base, name, tensor = m.groups()
+            if name == "down_proj":
+                out[f"{base}.switch_mlp.down_proj.{tensor}"] = value
+            else:
+                gate, up = mx.split(value, 2, axis=1)
+                out[f"{base}.switch_mlp.gate_proj.{tensor}"], out[f"{base}.switch_mlp.up_proj.{tensor}"] = gate, up
+        elif key.endswith(".experts.gate_up_proj"):
             base = key[: -len("gate_up_proj")]
             gate, up = mx.split(value, 2, axis=1)
             for e in range(value.shape[0]):

@@ -42,11 +42,18 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..hub import MlxrlError
+from .quantized_experts import (  # noqa: F401  (DEQUANTIZE_MIN_ROWS, dequantize: also quantize's names)
+    DEQUANTIZE_MIN_ROWS,
+    QuantizedExperts,
+    QuantizedStack,
+    dequantize,
+    quantize_experts,
+    quantized_experts_in,
+)
 from .widened import WidenedLinear
 
 BITS = (4, 8)  # what --load_in_4bit / --load_in_8bit give; mx.quantize also accepts 2, 3, 5, 6
 GROUP_SIZES = (32, 64, 128)
-DEQUANTIZE_MIN_ROWS = 8  # CPU: from this many rows, dequantize + BLAS beats mx.quantized_matmul
 
 
 def _on_cpu() -> bool:
@@ -147,16 +154,18 @@ def quantize_model(model, bits: int = 4, group_size: int = 64, *, vision: bool =
     `apply_lora` (LoRA then wraps the quantized layers; they stay frozen)."""
     check_quantization(bits, group_size)
     paths = [p for p, m in model.named_modules() if quantizable(p, m, group_size, vision=vision)]
+    experts = quantize_experts(model, bits, group_size, _scale_dtype(model))
     if paths:
         wanted = set(paths)
-        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: p in wanted)
+        nn.quantize(model, group_size=group_size, bits=bits,
+                    class_predicate=lambda p, m: p in wanted and isinstance(m, nn.Linear))
         dtype = _scale_dtype(model)
         for p, m in model.named_modules():
             if p in wanted:
                 m.scales, m.biases = m.scales.astype(dtype), m.biases.astype(dtype)
     use_fast_layers(model)
     mx.eval(model.parameters())
-    return paths
+    return paths + experts
 
 
 def quantize_for(model, args) -> list[str] | None:
@@ -185,7 +194,9 @@ def use_fast_layers(model) -> None:
 
 
 def quantized_layers(model) -> list[tuple[str, nn.Module]]:
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    """The quantized layers: linears, embeddings, and an MoE layer's quantized expert stacks."""
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedStack)
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, kinds)]
 
 
 def is_quantized(model) -> bool:
@@ -194,7 +205,7 @@ def is_quantized(model) -> bool:
 
 def _dims(m) -> tuple[int, int]:
     """(out, in) of a quantized layer."""
-    out_f, packed = m.weight.shape
+    out_f, packed = m.weight.shape[-2:]  # an expert stack's [E, out, packed] too
     return out_f, packed * 32 // m.bits
 
 
@@ -214,12 +225,6 @@ def quantization_config(model) -> dict | None:
     return out
 
 
-def dequantize(w, scales, biases, *, group_size: int, bits: int, mode: str = "affine", dtype=mx.float32):
-    """mx.dequantize in `dtype`, the scales and offsets cast first (exact: no float16 rounding of W)."""
-    return mx.dequantize(w, scales.astype(dtype), None if biases is None else biases.astype(dtype),
-                         group_size=group_size, bits=bits, mode=mode)
-
-
 def float_dtype(model) -> mx.Dtype:
     """The model's compute dtype: its LM head's (never quantized here), else float32."""
     head = getattr(model, "lm_head_weight", None)
@@ -233,8 +238,10 @@ def dequantize_model(model, dtype: mx.Dtype | None = None) -> list[str]:
     from mlx.utils import tree_unflatten
 
     dtype = dtype or float_dtype(model)
-    new = []
+    new = [(p, m.dequantized(dtype).freeze()) for p, m in model.named_modules() if isinstance(m, QuantizedExperts)]
     for p, m in quantized_layers(model):
+        if isinstance(m, QuantizedStack):
+            continue
         w = dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits, mode=m.mode,
                        dtype=dtype)
         if isinstance(m, nn.QuantizedEmbedding):
@@ -261,7 +268,7 @@ def weight_stats(model) -> dict:
     q_params = q_bytes = 0
     for _, m in quantized_layers(model):
         out_f, in_f = _dims(m)
-        q_params += out_f * in_f
+        q_params += out_f * in_f * (m.weight.shape[0] if m.weight.ndim == 3 else 1)  # a stack: E experts
         q_bytes += sum(m[k].nbytes for k in ("weight", "scales", "biases") if m.get(k) is not None)
     return {"total_bytes": total, "quantized_params": q_params, "quantized_bytes": q_bytes,
             "bits_per_param": 8 * q_bytes / q_params if q_params else None, "float_bytes": total - q_bytes}
@@ -308,6 +315,7 @@ def prepare_quantized(model, weights: dict, config: dict, where: str = "config.j
     if not prefixes:
         return weights
     mode = q.get("mode", "affine")
+    prefixes = quantized_experts_in(model, weights, prefixes, mode)
     expected = dict(tree_flatten(model.parameters()))
     modules = dict(model.named_modules())
     specs = {}

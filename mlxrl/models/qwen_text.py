@@ -7,7 +7,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..hub import MlxrlError
 from . import moe
 from .dropout import embedding_noise
 from .language import CausalLMHead, LanguageModel, TextConfig, attention_mask_for, text_positions
@@ -69,15 +68,11 @@ class Model(CausalLMHead, nn.Module):
 
     def saved_layout(self, weights: dict) -> dict:
         """The tensors `loading.save` writes: an MoE model's experts one tensor per expert (the Hub's layout,
-        which transformers and mlx-lm load); quantized experts stay fused (mlx-lm's layout)."""
+        which transformers and mlx-lm load); quantized experts in mlx-lm's switch layout."""
         return moe.split_experts(weights) if hasattr(self, "moe_config") else weights
 
     def sanitize(self, weights: dict) -> dict:
         if hasattr(self, "moe_config"):
-            if any(k.endswith((".scales", ".biases")) and ("switch_mlp" in k or ".experts." in k) for k in weights):
-                raise MlxrlError("quantized expert layers (an MLX 4- or 8-bit mixture-of-experts folder) are not "
-                                 "supported yet: load the bfloat16 checkpoint (--load_in_4bit quantizes the other "
-                                 "layers)")
             weights = moe.fuse_experts(weights)
         out = {}
         for k, v in weights.items():

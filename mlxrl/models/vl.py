@@ -148,6 +148,8 @@ class QwenVLBase(CausalLMHead, nn.Module):
         pixel_values_videos=None,
         video_grid_thw=None,
         neftune_scale: mx.array | None = None,
+        router_aux: list | None = None,
+        router_mask: mx.array | None = None,
         **_ignored,
     ) -> mx.array:
         """Logits [B, L, V] (or hidden states [B, L, D] with return_hidden=True).
@@ -156,6 +158,7 @@ class QwenVLBase(CausalLMHead, nn.Module):
         attention_mask when omitted (text-only batches get 0..L-1, as in transformers).
         segment_ids [B, L]: packed documents that must not attend to each other.
         neftune_scale: NEFTune's noise scale for the input embeddings in training (`dropout.embedding_noise`).
+        router_aux, router_mask: an MoE language model's load-balancing loss (`models.moe.RouterStats`).
         """
         if pixel_values_videos is not None or video_grid_thw is not None:
             raise NotImplementedError("video inputs are not supported yet: pass images (pixel_values)")
@@ -187,5 +190,7 @@ class QwenVLBase(CausalLMHead, nn.Module):
         mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
         extra = {"attention_mask": attention_mask, "segment_ids": segment_ids} if getattr(lm, "reads_padding", False) \
             else {}
+        if router_aux is not None and getattr(lm, "router_stats", None) is not None:
+            extra.update(router_aux=router_aux, token_mask=attention_mask if router_mask is None else router_mask)
         h = lm(h, position_ids, mask, cache, deepstack, **extra)
         return h if return_hidden else self.apply_lm_head(h)

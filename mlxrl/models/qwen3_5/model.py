@@ -1,5 +1,7 @@
 """`qwen3_5_text` (transformers' `Qwen3_5ForCausalLM`): `model.embed_tokens`, `model.layers.N.linear_attn.*` or
-`model.layers.N.self_attn.*`, `model.norm`, `lm_head` (absent when tied)."""
+`model.layers.N.self_attn.*`, `model.norm`, `lm_head` (absent when tied); `qwen3_5_moe_text`
+(`Qwen3_5MoeForCausalLM`) the same with expert layers (`model.layers.N.mlp.gate`, `.experts`, `.shared_expert`,
+`.shared_expert_gate`) in the MLPs' place."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
+from .. import moe
 from ..dropout import embedding_noise
 from ..language import CausalLMHead, attention_mask_for, text_positions
-from .text import Qwen35LanguageModel, Qwen35TextConfig, initial_value
+from .text import Qwen35LanguageModel, Qwen35TextConfig, dense_width, initial_value, install_experts
 
 
 class LinearCache(ArraysCache):
@@ -60,8 +63,10 @@ class Model(CausalLMHead, nn.Module):
         super().__init__()
         self.config = config
         text = config.get("text_config", config)  # a text config nested as the VL model nests it
-        self.text_config = Qwen35TextConfig.from_dict(text, qk_norm=True)
+        self.text_config = Qwen35TextConfig.from_dict(text, qk_norm=True, **dense_width(text))
         self.model = Qwen35LanguageModel(self.text_config)
+        if "moe" in str(config.get("model_type", "")):
+            self.moe_config = install_experts(self.model, text, self.text_config)
         if not self.text_config.tie_word_embeddings:
             self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
 
@@ -69,15 +74,22 @@ class Model(CausalLMHead, nn.Module):
     def language_model(self) -> Qwen35LanguageModel:
         return self.model
 
+    def saved_layout(self, weights: dict) -> dict:
+        """What `loading.save` writes: the experts one tensor per expert (transformers' and the Hub's layout)."""
+        return moe.split_experts(weights)
+
     @staticmethod
     def initial_value(name, value):
         return initial_value(name, value)
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, cache=None,
-                 return_hidden: bool = False, segment_ids=None, pixel_values=None, neftune_scale=None, **_ignored):
+                 return_hidden: bool = False, segment_ids=None, pixel_values=None, neftune_scale=None,
+                 router_aux=None, router_mask=None, **_ignored):
         """Logits [B, L, V], or hidden states [B, L, D] with return_hidden. attention_mask [B, L]: 1 for real
         tokens (padding enters the linear layers as zeros and is never attended); segment_ids [B, L]: packed
-        documents (positions, attention, the convolution and the delta rule's state restart per document)."""
+        documents (positions, attention, the convolution and the delta rule's state restart per document).
+        router_aux: a list receiving the MoE model's load-balancing loss over router_mask's tokens (default:
+        attention_mask's)."""
         if pixel_values is not None:
             raise ValueError("qwen3_5_text is a text-only model: it cannot take images")
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -86,7 +98,9 @@ class Model(CausalLMHead, nn.Module):
         if position_ids is None:
             position_ids = text_positions(*h.shape[:2], offset, segment_ids)
         mask = attention_mask_for(h.shape[1], attention_mask, segment_ids, offset)
-        h = self.model(h, position_ids, mask, cache, attention_mask=attention_mask, segment_ids=segment_ids)
+        moe_kw = {} if router_aux is None else {"router_aux": router_aux,
+                                                "token_mask": attention_mask if router_mask is None else router_mask}
+        h = self.model(h, position_ids, mask, cache, attention_mask=attention_mask, segment_ids=segment_ids, **moe_kw)
         return h if return_hidden else self.apply_lm_head(h)
 
     def make_cache(self):
@@ -97,7 +111,7 @@ class Model(CausalLMHead, nn.Module):
         the tower and the multi-token-prediction head dropped) and mlx-lm's (`language_model.model.*`, its conv
         kernel and norms, `from_mlx_layout`), with an MLX checkpoint's `scales` / `biases`; idempotent."""
         out = {}
-        for k, v in from_mlx_layout(weights).items():
+        for k, v in moe.fuse_experts(from_mlx_layout(weights)).items():
             if "rotary_emb.inv_freq" in k or k.startswith(("mtp.", "model.visual.", "visual.", "vision_tower.",
                                                            "language_model.mtp.")):
                 continue

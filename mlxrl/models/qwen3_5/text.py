@@ -247,14 +247,36 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask, cache=None, *, attention_mask=None, segment_ids=None):
+    def __call__(self, x, cos, sin, mask, cache=None, *, attention_mask=None, segment_ids=None, router_logits=None):
+        """router_logits: a list that an expert layer (Qwen3.5-MoE, `models.moe`) appends its router logits to."""
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, attention_mask, segment_ids, cache)
         else:
             h = self.self_attn(h, cos, sin, mask, cache)
         h = x + h
+        if router_logits is not None and hasattr(self.mlp, "gate"):
+            return h + self.mlp(self.post_attention_layernorm(h), router_logits)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def dense_width(text: dict) -> dict:
+    """The MLP width a Qwen3.5-MoE config lacks (it has no dense MLP: every layer's is replaced by
+    `install_experts`), so that the decoder builds; {} for a dense config."""
+    if "intermediate_size" in text or "moe_intermediate_size" not in text:
+        return {}
+    return {"intermediate_size": int(text["moe_intermediate_size"])}
+
+
+def install_experts(lm, text: dict, config: Qwen35TextConfig):
+    """Qwen3.5-MoE (`qwen3_5_moe` / `qwen3_5_moe_text`): every layer's MLP is the expert layer (`models.moe`), its
+    top-k always normalised, with the gated shared expert; the router's loss statistics ride with the layers."""
+    from .. import moe
+
+    cfg = moe.MoeConfig.from_dict({**text, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    moe.install(lm, cfg, config.hidden_size,
+                lambda d, i: MLP(dataclasses.replace(config, hidden_size=d, intermediate_size=i)))
+    return cfg
 
 
 class Qwen35LanguageModel(nn.Module):
@@ -286,13 +308,18 @@ class Qwen35LanguageModel(nn.Module):
     reads_padding = True
 
     def __call__(self, inputs_embeds, position_ids, mask=None, cache=None, deepstack=None, *, attention_mask=None,
-                 segment_ids=None) -> mx.array:
-        """position_ids [B, L] or [3, B, L] (M-RoPE); Qwen3.5 has no DeepStack (`deepstack` must be None)."""
+                 segment_ids=None, router_aux=None, token_mask=None) -> mx.array:
+        """position_ids [B, L] or [3, B, L] (M-RoPE); Qwen3.5 has no DeepStack (`deepstack` must be None).
+        router_aux: a list receiving Qwen3.5-MoE's load-balancing loss over token_mask's tokens (`moe.RouterStats`)."""
         if deepstack is not None:
             raise ValueError("Qwen3.5's language model takes no DeepStack features")
         cos, sin = self.rotary_emb(position_ids)
         h = inputs_embeds
         kw = {"attention_mask": attention_mask, "segment_ids": segment_ids}
+        if cache is None and router_aux is not None and getattr(self, "router_stats", None) is not None:
+            h = self.router_stats.run(self, h, (cos, sin), lambda layer, x, c_, s_, rl: layer(
+                x, c_, s_, mask, router_logits=rl, **kw), token_mask, router_aux)
+            return self.norm(h)
         if cache is None:
             h, = checkpointing.run_layers(self, lambda layer, x, c_, s_: (layer(x, c_, s_, mask, **kw),), (h,),
                                           (cos, sin), None, ())
