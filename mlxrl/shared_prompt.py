@@ -150,12 +150,17 @@ def shared_prompt_hidden(
     pixel_values: mx.array | None = None,
     image_grid_thw: mx.array | None = None,
     vision_meta: dict | None = None,
+    router_aux: list | None = None,
+    completion_mask: mx.array | None = None,
 ) -> mx.array:
     """Hidden states [P*G, C, D] (after the final norm) that predict each completion token:
     row r, column t predicts completion_ids[r, t] given prompt r // G and completion_ids[r, :t].
 
     prompt_ids / prompt_mask [P, Lp]: the prompts (left or right padded); completion_ids [P*G, C]
     (prompt-major; tokens after the end may be anything: causality keeps them from earlier tokens).
+    router_aux: a list receiving an MoE model's load-balancing loss over the P*G rows prompt + completion as
+    `repeated_hidden` would see them (each prompt token counted G times, completion tokens where
+    completion_mask [P*G, C] is 1), the prompt's routing computed once (`moe.RouterStats`).
     """
     P, Lp = prompt_ids.shape
     n, C = completion_ids.shape
@@ -183,17 +188,39 @@ def shared_prompt_hidden(
     # each prompt's real keys [first, last + 1): the native kernel's windows (left or right padding)
     bounds = mx.stack([prompt_mask.argmax(axis=1).astype(mx.int32), _last_real(prompt_mask) + 1], axis=1)
 
-    def run_layer(layer, hp, hc, cp, sp, cc, sc):
+    stats = getattr(lm, "router_stats", None) if router_aux is not None else None
+    if stats is not None:  # the prompt's tokens stand for its G rows' copies
+        w_p = (prompt_mask.astype(mx.float32) * G).reshape(-1, 1)
+        w_c = (mx.ones((n, C), mx.float32) if completion_mask is None else completion_mask.astype(mx.float32))
+        w_c = w_c.reshape(-1, 1)
+
+    def run_layer(layer, hp, hc, *rest):
+        cp, sp, cc, sc = rest[-4:] if stats is None else rest[2:6]
         cap = _Capture(bounds, prompt_mask)
-        hp = layer(hp, cp, sp, mask_p, cap)  # the prompt once: P rows
-        hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G, bounds, cap.recurrent))  # its G rows
-        return hp, hc
+        logits = [] if stats is not None else None
+        kw = {} if logits is None else {"router_logits": logits}
+        hp = layer(hp, cp, sp, mask_p, cap, **kw)  # the prompt once: P rows
+        n_p = 0 if logits is None else len(logits)
+        hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G, bounds, cap.recurrent), **kw)  # G rows
+        if stats is None:
+            return hp, hc
+        tokens, probs = rest[0], rest[1]
+        for i, one in enumerate(logits):
+            t, p = stats.layer_sums(one, rest[6] if i < n_p else rest[7])
+            tokens, probs = tokens + t, probs + p
+        return hp, hc, tokens, probs
 
     def add(carry, feat):  # Qwen3-VL's deepstack features: the prompt's visual positions
-        return carry[0] + mx.where(vis_mask[..., None], feat[vis_idx].astype(carry[0].dtype), 0), carry[1]
+        return (carry[0] + mx.where(vis_mask[..., None], feat[vis_idx].astype(carry[0].dtype), 0), *carry[1:])
 
-    hp, hc = checkpointing.run_layers(lm, run_layer, (hp, hc), (cos_p, sin_p, cos_c, sin_c), add,
-                                      feats if deepstack is not None else ())
+    feats = feats if deepstack is not None else ()
+    if stats is None:
+        hp, hc = checkpointing.run_layers(lm, run_layer, (hp, hc), (cos_p, sin_p, cos_c, sin_c), add, feats)
+    else:
+        zeros = mx.zeros((stats.num_experts,), mx.float32)
+        hp, hc, tokens, probs = checkpointing.run_layers(lm, run_layer, (hp, hc, zeros, zeros),
+                                                         (cos_p, sin_p, cos_c, sin_c, w_p, w_c), add, feats)
+        router_aux.append(stats.loss(tokens, probs, (w_p.sum() + w_c.sum()) * stats.sparse_layers))
 
     # the prompt's last real token predicts the first completion token of each of its G rows
     last = mx.take_along_axis(hp, _last_real(prompt_mask)[:, None, None], axis=1)  # [P, 1, D]
@@ -256,6 +283,7 @@ def repeated_hidden(
     *,
     pixel_values: mx.array | None = None,
     image_grid_thw: mx.array | None = None,
+    router_aux: list | None = None,
 ) -> mx.array:
     """`shared_prompt_hidden`'s hidden states [P*G, C, D] by forwarding each of the P*G rows
     `prompt + completion` separately (each prompt and its images repeated G times). Eager (images
@@ -271,6 +299,8 @@ def repeated_hidden(
     mask = mx.concatenate([mask, completion_mask.astype(mx.int32)], axis=1)
     positions, _ = prompt_positions(model, ids, mask, grid)
     kwargs = dict(pixel_values=pv, image_grid_thw=grid) if pv is not None else {}
+    if router_aux is not None:
+        kwargs["router_aux"] = router_aux  # an MoE model's load-balancing loss over `mask`'s tokens
     h = model(ids, attention_mask=mask, position_ids=positions, return_hidden=True, **kwargs)  # [P*G, Lp+C, D]
     # token t of the completion is predicted at the prompt's last real token (t = 0) or at Lp + t - 1
     first = _last_real(mask[:, :Lp])[:, None]

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe",
-         "qwen3_5_moe_text", "qwen3_5_moe")
+         "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_vl_moe")
 SEED = 0
 INIT_STD = 0.15
 # Qwen3.5's 4 layers at 0.15 amplify float32 rounding to ~1e-4 of the logits (transformers' own float32 forward is
@@ -64,7 +64,8 @@ QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 QWEN3_5_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                    router_aux_loss_coef=0.02)
 TIED = {"qwen2": True, "qwen3": False, "qwen2_vl": False, "qwen2_5_vl": True, "qwen3_vl": True,
-        "qwen3_5_text": True, "qwen3_5": False, "qwen3_moe": False, "qwen3_5_moe_text": False, "qwen3_5_moe": False}
+        "qwen3_5_text": True, "qwen3_5": False, "qwen3_moe": False, "qwen3_5_moe_text": False, "qwen3_5_moe": False,
+        "qwen3_vl_moe": False}
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -79,7 +80,7 @@ PREPROCESSOR = {
                      merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                      processor_class="Qwen3VLProcessor"),
 }
-PREPROCESSOR["qwen3_5"] = PREPROCESSOR["qwen3_5_moe"] = PREPROCESSOR["qwen3_vl"]
+PREPROCESSOR["qwen3_5"] = PREPROCESSOR["qwen3_5_moe"] = PREPROCESSOR["qwen3_vl_moe"] = PREPROCESSOR["qwen3_vl"]
 
 
 def _config(arch: str, size: str = "tiny"):
@@ -134,12 +135,17 @@ def _config(arch: str, size: str = "tiny"):
         cfg = tf.Qwen2_5_VLConfig(text_config={**TEXT, "rope_parameters": mrope, "tie_word_embeddings": tied},
                                   vision_config=vision, tie_word_embeddings=tied, **VL_TOKEN_IDS, **TOKEN_IDS)
         return cfg, tf.Qwen2_5_VLForConditionalGeneration
-    if arch == "qwen3_vl":
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
         text = {**TEXT, "head_dim": 16, "tie_word_embeddings": tied,
                 "rope_parameters": {**mrope, "mrope_interleaved": True}}
+        if arch == "qwen3_vl_moe":  # experts of width 24: their checkpoint layout [E, D, 2I] is not square
+            text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, router_aux_loss_coef=0.02)
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                       deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh", in_channels=3)
+        if arch == "qwen3_vl_moe":
+            return tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied,
+                                       **VL_TOKEN_IDS, **TOKEN_IDS), tf.Qwen3VLMoeForConditionalGeneration
         cfg = tf.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied,
                                **VL_TOKEN_IDS, **TOKEN_IDS)
         return cfg, tf.Qwen3VLForConditionalGeneration
@@ -191,8 +197,8 @@ def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
 
-    template = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen2_vl": QWEN_VL_CHAT_TEMPLATE,
-                "qwen2_5_vl": QWEN_VL_CHAT_TEMPLATE}.get(arch, QWEN_CHAT_TEMPLATE)
+    template = {"qwen3_vl": QWEN3_VL_CHAT_TEMPLATE, "qwen3_vl_moe": QWEN3_VL_CHAT_TEMPLATE,
+                "qwen2_vl": QWEN_VL_CHAT_TEMPLATE, "qwen2_5_vl": QWEN_VL_CHAT_TEMPLATE}.get(arch, QWEN_CHAT_TEMPLATE)
     tokenizer = build_qwen_tokenizer
     if arch.startswith("qwen3_5"):
         template, tokenizer = QWEN3_5_CHAT_TEMPLATE, build_qwen3_5_tokenizer

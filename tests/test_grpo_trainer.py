@@ -70,8 +70,9 @@ def _torch_logps(hf, inputs, temperature):
     return lp.gather(-1, inputs["completion_ids"][..., None])[..., 0], -(lp.exp() * lp).sum(-1)
 
 
-def trl_compute_loss(inputs, a, grad_accum, spg, logps_fn):
-    """TRL's own GRPOTrainer._compute_loss on a stub trainer (one process)."""
+def trl_compute_loss(inputs, a, grad_accum, spg, logps_fn, aux=None):
+    """TRL's own GRPOTrainer._compute_loss on a stub trainer (one process); aux: (router_aux_loss_coef, the model's
+    aux_loss) for an MoE model."""
     from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
 
     stub = SimpleNamespace(
@@ -80,11 +81,13 @@ def trl_compute_loss(inputs, a, grad_accum, spg, logps_fn):
         epsilon_high=a.epsilon_high if a.epsilon_high is not None else a.epsilon, use_vllm=False,
         vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=grad_accum, max_completion_length=a.max_completion_length,
-        accelerator=SimpleNamespace(num_processes=1, reduce=lambda x, reduction="sum": x, gather=lambda x: x),
-        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, reduce=lambda x, reduction="sum": x, gather=lambda x: x,
+                                    gather_for_metrics=lambda x: x),
+        _entropy_bonus_enabled=False, aux_loss_enabled=aux is not None, router_aux_loss_coef=aux and aux[0],
+        _metrics=defaultdict(lambda: defaultdict(list)),
         args=SimpleNamespace(delta=a.delta, use_bias_correction_kl=a.use_bias_correction_kl, steps_per_generation=spg,
                              sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg),
-        _get_per_token_logps_and_entropies=lambda *args, **kw: (*logps_fn(), None))
+        _get_per_token_logps_and_entropies=lambda *args, **kw: (*logps_fn(), aux and aux[1]))
     loss = TRLGRPOTrainer._compute_loss(stub, None, inputs)
     return loss.item(), {k: float(np.mean(v)) for k, v in stub._metrics["train"].items()}
 
@@ -149,6 +152,47 @@ def test_loss_at_a_fixed_batch_equals_trl(loss_type, level, text_setup):
     np.testing.assert_allclose(np.array(ours_lp)[m], hf_lp.numpy()[m], atol=1e-4, rtol=1e-4)
     want_hf, _ = trl_compute_loss(inputs, a, 2, 2, lambda: (hf_lp, hf_ent))
     assert abs(loss.item() - want_hf) <= 1e-4 * max(1.0, abs(want_hf)), (loss.item(), want_hf)
+
+
+@pytest.mark.usefixtures("kernel_path")
+@pytest.mark.parametrize("shared", [True, False])
+def test_moe_router_loss_at_a_fixed_batch_equals_trl(shared, tiny_checkpoint, tmp_path):
+    """Qwen3-MoE: TRL adds router_aux_loss_coef x the load-balancing loss of the policy forward over each row's
+    prompt + completion (its attention mask), over grad_accum; ours, with the prompt shared by its G rows (its
+    routing computed once, each prompt token counted G times) or each row forwarded whole, equals it, the aux
+    loss from transformers' own forward."""
+    import torch
+    import transformers
+
+    folder = tiny_checkpoint("qwen3_moe")
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model, processor = mlxrl.load(folder)
+    a = config(tmp_path, loss_type="dapo", beta=0.0, gradient_accumulation_steps=2, per_device_train_batch_size=8,
+               shared_prompt=shared)
+    trainer = GRPOTrainer(model, processor, a, train_dataset=TEXT_ROWS * 2, reward_funcs=length_reward)
+    assert trainer.router_aux_coef == 0.02  # the checkpoint config's
+    batch, _ = _fixed_batch(3)
+    tokens = int(batch["completion_mask"].sum())
+    arrays = trainer.to_device(batch)
+    arrays["router_aux_scale"] = mx.array(trainer.router_aux_coef / 2, dtype=mx.float32)  # 2 micro-batches
+    loss, metrics = trainer.loss(model, arrays, mx.array(2 * tokens, dtype=mx.float32))  # both micro-batches
+
+    t = {k: torch.tensor(v) for k, v in batch.items()}
+    inputs = {"prompt_ids": t["prompt_ids"].long().repeat_interleave(G, 0),
+              "prompt_mask": t["prompt_mask"].long().repeat_interleave(G, 0),
+              "completion_ids": t["completion_ids"].long(), "completion_mask": t["completion_mask"].long(),
+              "advantages": t["advantages"], "num_items_in_batch": torch.tensor(float(2 * tokens)),
+              "old_per_token_logps": None, "ref_per_token_logps": None}
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        aux = hf(input_ids=ids, attention_mask=att, output_router_logits=True).aux_loss
+    ours_lp, ours_ent = trainer.policy_logps(model, trainer.to_device(batch))
+    want, want_metrics = trl_compute_loss(  # steps_per_generation 2 (= gradient_accumulation_steps)
+        inputs, a, 2, 2, lambda: (torch.tensor(np.array(ours_lp)), torch.tensor(np.array(ours_ent))),
+        aux=(trainer.router_aux_coef, aux))
+    assert abs(metrics["aux_loss"].item() - want_metrics["aux_loss"]) <= 1e-5 * want_metrics["aux_loss"]
+    assert abs(loss.item() - want) <= 1e-5 * max(1.0, abs(want)), (loss.item(), want)
 
 
 def test_on_policy_shortcut_and_shared_prompt_off(text_setup):

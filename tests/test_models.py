@@ -17,7 +17,7 @@ import mlxrl
 from mlxrl.loading import load_model, read_weights
 from mlxrl.models.vl import mrope_positions
 
-VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"]
+VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"]
 TEXT = ["qwen2", "qwen3", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text"]
 HF_CLASS = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -28,6 +28,7 @@ HF_CLASS = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
@@ -208,7 +209,7 @@ def test_sanitize_is_idempotent_and_maps_layouts(arch_pair):
     if arch in ("qwen2_vl", "qwen2_5_vl"):
         other = {("model.language_model." + k[6:] if k.startswith("model.") else
                   "model." + k if k.startswith("visual.") else k): v for k, v in raw.items()}
-    elif arch in ("qwen3_vl", "qwen3_5", "qwen3_5_moe"):
+    elif arch in ("qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"):
         lm, vis = "model.language_model.", "model.visual."
         other = {("model." + k[len(lm):] if k.startswith(lm) else
                   "visual." + k[len(vis):] if k.startswith(vis) else k): v for k, v in raw.items()}

@@ -17,13 +17,14 @@ ARCHITECTURES = {
     "qwen2_vl": "qwen2_vl.model",
     "qwen2_5_vl": "qwen2_5_vl.model",
     "qwen3_vl": "qwen3_vl.model",
+    "qwen3_vl_moe": "qwen3_vl.model",
     "qwen3_5": "qwen3_5.vl",
     "qwen3_5_text": "qwen3_5.model",
     "qwen3_5_moe": "qwen3_5.vl",
     "qwen3_5_moe_text": "qwen3_5.model",
 }
 
-VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -33,7 +34,7 @@ class UnsupportedModelError(ValueError):
 def model_class(config: dict):
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        moe = ("qwen3_vl_moe", "qwen3_next")
+        moe = ("qwen3_next",)
         hint = " (mixture-of-experts checkpoints are not supported yet)" if model_type in moe else ""
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}{hint}: mlxrl supports {', '.join(ARCHITECTURES)}"

@@ -200,9 +200,12 @@ class RouterStats:
         after = None if add is None else (lambda c, f: (add((c[0],), f)[0], *c[1:]))
         zeros = mx.zeros((self.num_experts,), mx.float32)
         h, tokens, probs = checkpointing.run_layers(lm, layer_fn, (h, zeros, zeros), (*args, weight), after, feats)
-        rows = weight.sum() * self.sparse_layers
-        out.append(((tokens / rows) * (probs / rows)).sum() * self.num_experts)
+        out.append(self.loss(tokens, probs, weight.sum() * self.sparse_layers))
         return h
+
+    def loss(self, tokens: mx.array, probs: mx.array, rows) -> mx.array:
+        """E x sum_e f_e P_e from the summed slots and probabilities per expert over `rows` (tokens x layers)."""
+        return ((tokens / rows) * (probs / rows)).sum() * self.num_experts
 
 
 def install(lm, config: MoeConfig, hidden_size: int, mlp_class) -> None:

@@ -49,7 +49,7 @@ import numpy as np
 from ..data.files import naming_rows, origins_of, rows_fingerprint
 from ..data.formats import DataError, chatml, check_prompt_rows, template_kwargs
 from ..data.images import fill_images, row_images
-from ..hub import ConfigError, MlxrlError
+from ..hub import MlxrlError
 from ..losses.fused_head import fused_head_loss
 from ..losses.grpo import (
     TOKEN_SUM_LOSS_TYPES,
@@ -63,6 +63,7 @@ from ..models.reference import adapters_disabled, frozen_copy
 from ..tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
 from . import trl_api
 from .engine import Trainer, step_seed
+from .forward import with_router_aux
 from .grpo_config import GRPOConfig, check_grpo_config, resolve_batching
 from .rewards import RewardError, check_reward_signature, first_line, load_reward_func, reward_values
 from .sources import GenerationRounds
@@ -122,10 +123,6 @@ class GRPOTrainer(Trainer):
         for f, name in zip(funcs, names, strict=True):
             check_reward_signature(f, name, columns)
         super().__init__(model, processor, args)
-        if self.router_aux_coef:  # TRL adds it over each sample's prompt + completion; not built here yet
-            raise ConfigError(f"GRPO on a Mixture-of-Experts model does not add the router's load-balancing loss yet "
-                              f"(router_aux_loss_coef {self.router_aux_coef}, the model config's unless set): set "
-                              "router_aux_loss_coef 0")
         self.reward_funcs = funcs
         self.reward_func_names = names
         self.rows = list(train_dataset)
@@ -380,20 +377,26 @@ class GRPOTrainer(Trainer):
             return self._logps_no_grad(model, arrays)
 
     # ------------------------------------------------------------------ engine hooks
-    def policy_logps(self, model, batch, return_entropy=True):
+    def policy_logps(self, model, batch, return_entropy=True, aux: list | None = None):
         from ..shared_prompt import completion_logprobs
 
         a = self.args
-        return completion_logprobs(model, self._completion_hidden(model, batch), batch["completion_ids"],
+        return completion_logprobs(model, self._completion_hidden(model, batch, aux), batch["completion_ids"],
                                    batch["completion_mask"], temperature=a.temperature,
                                    return_entropy=return_entropy, chunk_size=a.chunk_size,
                                    skip_ignored=not a.compile)
 
-    def _completion_hidden(self, model, batch):
+    def _completion_hidden(self, model, batch, aux: list | None = None):
+        """aux: a list receiving an MoE model's load-balancing loss over each row's prompt + completion, as TRL
+        computes it, when the batch carries the engine's weight of it (`forward.with_router_aux`)."""
         from ..shared_prompt import repeated_hidden, shared_prompt_hidden
 
         kw = self._model_kwargs(batch)
+        if aux is not None and "router_aux_scale" in batch:
+            kw["router_aux"] = aux
         if self.args.shared_prompt:
+            if "router_aux" in kw:
+                kw["completion_mask"] = batch["completion_mask"]
             return shared_prompt_hidden(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                         **kw)
         kw.pop("vision_meta", None)
@@ -411,7 +414,8 @@ class GRPOTrainer(Trainer):
         (`fused_head_loss` with `grpo_token_loss` / `grpo_token_weights`); log-probs and entropy come out
         of the same pass for the metrics."""
         a = self.args
-        hidden = self._completion_hidden(model, batch)
+        aux = []  # an MoE model's load-balancing loss (`forward.with_router_aux`)
+        hidden = self._completion_hidden(model, batch, aux)
         n, C, D = hidden.shape
         mask = batch["completion_mask"].astype(mx.float32)
         targets = mx.where(mask > 0, batch["completion_ids"], IGNORE_INDEX).reshape(-1)
@@ -433,13 +437,14 @@ class GRPOTrainer(Trainer):
         logp = mx.stop_gradient(logp.reshape(n, C))
         _, metrics = grpo_loss(logp, old, ref, batch["advantages"], mask, max_completion_length=a.max_completion_length,
                                entropy=ent.reshape(n, C), **kw)
-        return loss, metrics
+        return with_router_aux(loss, metrics, aux, batch)
 
     def loss(self, model, batch, normalizer):
         a = self.args
         if uses_fused_head(a):
             return self._fused_loss(model, batch, normalizer)
-        logps, entropy = self.policy_logps(model, batch)
+        aux = []  # an MoE model's load-balancing loss (`forward.with_router_aux`)
+        logps, entropy = self.policy_logps(model, batch, aux=aux)
         token_sum = a.loss_type in TOKEN_SUM_LOSS_TYPES
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
                                   batch["completion_mask"], importance_sampling_level=a.importance_sampling_level,
@@ -447,7 +452,7 @@ class GRPOTrainer(Trainer):
                                   normalizer=normalizer if token_sum else None, entropy=mx.stop_gradient(entropy),
                                   **self._loss_kwargs())
         # mean-type losses: TRL divides each micro-batch's mean by grad_accum (the normaliser sums 1 per micro-batch)
-        return (loss if token_sum else loss / normalizer), metrics
+        return with_router_aux(loss if token_sum else loss / normalizer, metrics, aux, batch)
 
     # ------------------------------------------------------------------ the batch source
     def make_source(self):

@@ -1,11 +1,15 @@
-"""Qwen3-VL (dense): `model.visual.*`, `model.language_model.*`, `lm_head` (HF layout).
+"""Qwen3-VL (dense, and `qwen3_vl_moe`): `model.visual.*`, `model.language_model.*`, `lm_head` (HF layout).
 The language model is Qwen3's (q/k RMSNorm, no bias) with interleaved M-RoPE and DeepStack:
-features from early vision layers are added to the visual positions after the first LM layers."""
+features from early vision layers are added to the visual positions after the first LM layers. Qwen3-VL-MoE
+(Qwen3-VL-30B-A3B) puts the expert layer (`models.moe`, top-k always normalised) in the MLPs' place of its sparse
+layers; its checkpoints hold the fused experts transposed (`gate_up_proj` [E, D, 2I], `down_proj` [E, I, D]),
+which `sanitize` turns and `saved_layout` turns back."""
 
 from __future__ import annotations
 
 import mlx.nn as nn
 
+from .. import moe
 from ..language import LanguageModel, TextConfig
 from ..vl import QwenVLBase, VisualAndLanguage
 from .vision import VisionConfig, VisionModel
@@ -23,6 +27,9 @@ class Model(QwenVLBase):
         )
         vision = VisionModel(VisionConfig.from_dict(config.get("vision_config") or {}))
         self.model = VisualAndLanguage(vision, LanguageModel(self.text_config))
+        if config.get("model_type") == "qwen3_vl_moe":
+            self.moe_config = moe.MoeConfig.from_dict({**tc, "norm_topk_prob": True})
+            moe.install(self.model.language_model, self.moe_config, self.text_config.hidden_size, None)
         if not tie:
             self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
 
@@ -35,7 +42,34 @@ class Model(QwenVLBase):
         return self.model.language_model
 
     def sanitize(self, weights: dict) -> dict:
+        if hasattr(self, "moe_config"):
+            weights = moe.fuse_experts(weights)
+            weights = {k: self._turned(k, v) for k, v in weights.items()}
         return sanitize_vl_layouts(self, weights)
+
+    def _turned(self, key: str, value):
+        """A fused float expert tensor of Qwen3-VL-MoE's checkpoint layout ([E, in, out]) as ours ([E, out, in]);
+        ours and anything else unchanged (a square one is taken as the checkpoint's, as the Hub holds them)."""
+        if not key.endswith((".experts.gate_up_proj", ".experts.down_proj")) or value.ndim != 3:
+            return value
+        e = self.moe_config
+        d, i = self.text_config.hidden_size, e.moe_intermediate_size
+        ours = (e.num_experts, 2 * i, d) if key.endswith("gate_up_proj") else (e.num_experts, d, i)
+        theirs = (ours[0], ours[2], ours[1])
+        return value.swapaxes(1, 2) if tuple(value.shape) == theirs else value
+
+    def saved_layout(self, weights: dict) -> dict:
+        """The experts as Qwen3-VL-MoE's checkpoints hold them (fused, transposed), which transformers loads;
+        quantized ones in mlx-lm's switch layout; a dense Qwen3-VL's weights unchanged."""
+        if not hasattr(self, "moe_config"):
+            return weights
+        out = {}
+        for k, v in weights.items():
+            if k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                out[k] = v.swapaxes(1, 2)
+            else:
+                out.update(moe.split_experts({k: v}))
+        return out
 
 
 def sanitize_vl_layouts(model, weights: dict) -> dict:
