@@ -35,7 +35,10 @@ from mlxrl.models import lora
 
 HF_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
             "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+            "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 IMAGE_TOKEN = 151655
 STEPS = 20
 
@@ -46,6 +49,11 @@ def random_adapter(model, folder, out, use_dora=False):
     lora.apply_lora(model, r=4, alpha=8, dropout=0.0, use_dora=use_dora)
     rng = np.random.default_rng(1)
     for _, m in lora.lora_layers(model):
+        if isinstance(m.lora_a, dict):  # an MoE layer's per-expert adapters (`models.lora_experts`)
+            for name in m.targets:
+                m.lora_a[name] = mx.array(rng.normal(0, 0.2, m.lora_a[name].shape).astype(np.float32))
+                m.lora_b[name] = mx.array(rng.normal(0, 0.2, m.lora_b[name].shape).astype(np.float32))
+            continue
         m.lora_a = mx.array(rng.normal(0, 0.2, m.lora_a.shape).astype(np.float32))
         m.lora_b = mx.array(rng.normal(0, 0.2, m.lora_b.shape).astype(np.float32))
         if use_dora:
@@ -69,7 +77,7 @@ def peft_greedy(folder, arch, adapter, ids, pixel_values=None, grid=None, **kw):
 
 
 def question(arch, text="Describe what you see."):
-    vl = arch.endswith("_vl") or arch == "qwen3_5"
+    vl = arch in VL_ARCHS
     content = ([{"type": "image", "image": picture(96, 64, 0)}] if vl else []) + [{"type": "text", "text": text}]
     return [{"role": "user", "content": content}]
 
@@ -77,7 +85,8 @@ def question(arch, text="Describe what you see."):
 # ------------------------------------------------------------------------------ parity with PEFT
 @pytest.mark.parametrize("arch, dora", [("qwen3", False), ("qwen2", False), ("qwen3_vl", False),
                                         ("qwen2_5_vl", False), ("qwen2_vl", False), ("qwen2_5_vl", True),
-                                        ("qwen3_5", False), ("qwen3_5_text", True)])
+                                        ("qwen3_5", False), ("qwen3_5_text", True), ("qwen3_moe", False),
+                                        ("qwen3_vl_moe", False), ("qwen3_5_moe", False)])
 def test_greedy_with_adapter_equals_transformers_peft(tiny_checkpoint, tmp_path, arch, dora):
     folder = tiny_checkpoint(arch)
     messages, kw = question(arch), dict(max_new_tokens=STEPS, temperature=0, stop_token_ids=())

@@ -115,6 +115,23 @@ def test_images_match_transformers(arch_pair):
     assert len(grids) == 3, grids  # three different grids were exercised
 
 
+def test_moe_router_loss_matches_transformers_with_images_and_padding(arch_pair):
+    """An MoE model's load-balancing loss over a padded batch with images of two sizes equals transformers'
+    `aux_loss` (its router logits over the real tokens, the images' included)."""
+    arch, _, model, processor, ref = arch_pair
+    if "moe" not in arch:
+        pytest.skip("not a mixture of experts")
+    n = 0 if arch in TEXT else 1
+    rows = [[image(200, 90, 1)] if n else [], [image(64, 160, 3)] if n else []]
+    texts = [chat(processor, n, "Describe it."), chat(processor, n, "And this one, at some length, please?")]
+    batch = processor(text=texts, images=rows if n else None, padding_side="left")
+    with torch.no_grad():
+        want = float(ref(**hf_inputs(batch, processor.image_token_id), output_router_logits=True).aux_loss)
+    aux = []
+    model(**batch, router_aux=aux)
+    assert abs(float(aux[0]) - want) <= 1e-5 * want, (float(aux[0]), want)
+
+
 def test_vision_changes_logits(arch_pair):
     """Guard against a forward that ignores the image: other pixels, other logits."""
     arch, _, model, processor, _ = arch_pair

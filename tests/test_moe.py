@@ -456,3 +456,69 @@ def test_qwen3_5_moe_gradients_of_loss_plus_aux_loss_equal_torch_autograd(q35_pa
         # kernel and MLX's ops) miss the float64 one by 6-7e-3 in the third layer, transformers' float32 by 1e-3
         bound = 1e-2 if k.endswith(("A_log", "dt_bias")) else max(1e-3, 1.5 * float32_err)
         assert err <= bound, (k, err, float32_err)
+
+
+NEXT_CONFIG = dict(vocab_size=200, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
+                   shared_expert_intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, rms_norm_eps=1e-6,
+                   router_aux_loss_coef=0.02, mlp_only_layers=[2], norm_topk_prob=True)
+
+
+@pytest.fixture(scope="module")
+def next_pair():
+    """Qwen3-Next (`qwen3_next`): Qwen3.5's layers with the fused DeltaNet projections (two value heads per key
+    head, so their interleaving shows), 1-D rotary positions, experts with a shared expert in three of the four
+    layers (the third dense, `mlp_only_layers`)."""
+    from mlxrl.models.qwen3_5.model import Model as Qwen35Model
+
+    torch.manual_seed(2)
+    cfg = transformers.Qwen3NextConfig(**NEXT_CONFIG)
+    hf = transformers.Qwen3NextForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias", "A_log")):
+                p.add_(0.3 * torch.randn_like(p))
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.copy_(torch.randn_like(p) * 0.3)
+    ours = Qwen35Model({**cfg.to_dict(), "model_type": "qwen3_next"})
+    ours.load_weights(list(ours.sanitize(hub_state(hf)).items()), strict=True)
+    ours.eval()
+    return hf, ours
+
+
+@pytest.mark.parametrize("length", [1, 70])
+def test_qwen3_next_logits_and_aux_loss_equal_transformers(next_pair, length, kernel_path):
+    hf, ours = next_pair
+    assert not isinstance(ours.model.layers[2].mlp, moe.SparseMoeBlock)
+    ids = np.random.default_rng(length).integers(0, NEXT_CONFIG["vocab_size"], size=(2, length))
+    aux = []
+    got = np.array(ours(mx.array(ids), router_aux=aux))
+    want = hf_out(hf, ids)
+    np.testing.assert_allclose(got, want.logits.numpy(), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(float(aux[0]), float(want.aux_loss), rtol=1e-5)
+
+
+def test_qwen3_next_decoding_with_the_cache_equals_the_full_forward(next_pair):
+    _, ours = next_pair
+    ids = mx.array(np.random.default_rng(4).integers(0, NEXT_CONFIG["vocab_size"], size=(1, 12)))
+    full = np.array(ours(ids))
+    cache = ours.make_cache()
+    steps = [np.array(ours(ids[:, :8], cache=cache))]
+    for t in range(8, 12):
+        steps.append(np.array(ours(ids[:, t:t + 1], cache=cache)))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4)
+
+
+def test_qwen3_next_save_loads_in_transformers(next_pair, tokenizer, tmp_path):
+    """Our save of Qwen3-Next (the fused DeltaNet projections as they are, the experts one tensor each) loads in
+    transformers with our logits."""
+    from mlxrl.loading import save
+
+    _, ours = next_pair
+    save(ours, None, tmp_path / "next")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "next").float().eval()
+    ids = np.random.default_rng(5).integers(0, NEXT_CONFIG["vocab_size"], size=(1, 30))
+    with torch.no_grad():
+        got = back(input_ids=torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(got, np.array(ours(mx.array(ids))), atol=1e-4)

@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "qwen3_5_text": "qwen3_5.model",
     "qwen3_5_moe": "qwen3_5.vl",
     "qwen3_5_moe_text": "qwen3_5.model",
+    "qwen3_next": "qwen3_5.model",
 }
 
 VL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
@@ -34,8 +35,7 @@ class UnsupportedModelError(ValueError):
 def model_class(config: dict):
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        moe = ("qwen3_next",)
-        hint = " (mixture-of-experts checkpoints are not supported yet)" if model_type in moe else ""
+        hint = ""
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}{hint}: mlxrl supports {', '.join(ARCHITECTURES)}"
         )

@@ -42,9 +42,9 @@ from .lora_experts import (  # noqa: F401  (none_means_empty: lora.none_means_em
 from .widened import WidenedLinear
 
 # PEFT's "all-linear" for a Qwen decoder (the LM head excluded); the in_proj_* / out_proj are Qwen3.5's
-# Gated DeltaNet projections
+# Gated DeltaNet projections (in_proj_qkvz / in_proj_ba: Qwen3-Next's fused ones)
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                   "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+                   "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "in_proj_qkvz", "in_proj_ba")
 PREFIX = "base_model.model."  # PEFT's key prefix: PeftModel.base_model (LoraModel) .model
 SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector")
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

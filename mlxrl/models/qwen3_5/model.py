@@ -1,7 +1,9 @@
 """`qwen3_5_text` (transformers' `Qwen3_5ForCausalLM`): `model.embed_tokens`, `model.layers.N.linear_attn.*` or
 `model.layers.N.self_attn.*`, `model.norm`, `lm_head` (absent when tied); `qwen3_5_moe_text`
 (`Qwen3_5MoeForCausalLM`) the same with expert layers (`model.layers.N.mlp.gate`, `.experts`, `.shared_expert`,
-`.shared_expert_gate`) in the MLPs' place."""
+`.shared_expert_gate`) in the MLPs' place; `qwen3_next` (`Qwen3NextForCausalLM`, Qwen3-Next-80B-A3B) the same
+decoder with its fused DeltaNet projections (`in_proj_qkvz`, `in_proj_ba`), 1-D rotary positions and the expert
+layer in its sparse layers."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ class Model(CausalLMHead, nn.Module):
         text = config.get("text_config", config)  # a text config nested as the VL model nests it
         self.text_config = Qwen35TextConfig.from_dict(text, qk_norm=True, **dense_width(text))
         self.model = Qwen35LanguageModel(self.text_config)
-        if "moe" in str(config.get("model_type", "")):
+        if "moe" in str(config.get("model_type", "")) or config.get("model_type") == "qwen3_next":
             self.moe_config = install_experts(self.model, text, self.text_config)
         if not self.text_config.tie_word_embeddings:
             self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)

@@ -139,15 +139,37 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(d, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(d, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(d, self.hv, bias=False)
+        if config.model_type == "qwen3_next":  # two fused projections, interleaved per key head (`_projections`)
+            self.in_proj_qkvz = nn.Linear(d, self.conv_dim + value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(d, 2 * self.hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(d, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(d, self.hv, bias=False)
+            self.in_proj_a = nn.Linear(d, self.hv, bias=False)
         self.conv1d = Conv1dWeight(self.conv_dim, config.linear_conv_kernel_dim)
         self.dt_bias = mx.ones((self.hv,))
         self.A_log = mx.zeros((self.hv,))
         self.norm = GatedRMSNorm(self.dv, eps=config.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, d, bias=False)
+
+    def _projections(self, x: mx.array) -> tuple[mx.array, ...]:
+        """(the convolution's input [B, L, 2 Hk dk + Hv dv]: every q head, then k, then v; z [B, L, Hv, dv]; the
+        pre-sigmoid b and pre-softplus a [B, L, Hv]). Qwen3.5 has one projection for each; Qwen3-Next's
+        `in_proj_qkvz` emits, per key head, its q, k and its Hv / Hk value heads' v and z side by side (and
+        `in_proj_ba` its b then a), regrouped here as transformers' `fix_query_key_value_ordering` does."""
+        B, L, _ = x.shape
+        if "in_proj_qkv" in self:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).reshape(B, L, self.hv, self.dv), self.in_proj_b(x),
+                    self.in_proj_a(x))
+        r, dk, dv = self.hv // self.hk, self.dk, self.dv
+        qkvz = self.in_proj_qkvz(x).reshape(B, L, self.hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = (qkvz[..., :dk], qkvz[..., dk:2 * dk], qkvz[..., 2 * dk:2 * dk + r * dv],
+                      qkvz[..., 2 * dk + r * dv:])
+        mixed = mx.concatenate([q.reshape(B, L, -1), k.reshape(B, L, -1), v.reshape(B, L, -1)], axis=-1)
+        ba = self.in_proj_ba(x).reshape(B, L, self.hk, 2 * r)
+        return (mixed, z.reshape(B, L, self.hv, dv), ba[..., :r].reshape(B, L, self.hv),
+                ba[..., r:].reshape(B, L, self.hv))
 
     def __call__(self, x: mx.array, attention_mask=None, segment_ids=None, cache=None) -> mx.array:
         """x [B, L, D]. cache: a `LinearCache` (decoding), or shared_prompt's prompt pass (which keeps the
@@ -163,15 +185,15 @@ class GatedDeltaNet(nn.Module):
             conv_state, state = cache.prompt_states()
         elif hasattr(cache, "recurrent_state"):
             conv_state, state = cache.conv_state, cache.recurrent_state
-        projected = self.in_proj_qkv(x)
+        projected, z, b, a = self._projections(x)
         mixed, new_conv = causal_conv(projected, self.conv1d.weight, starts, conv_state)
         mixed = nn.silu(mixed)
         kd = self.hk * self.dk
         q = mixed[..., :kd].reshape(B, L, self.hk, self.dk)
         k = mixed[..., kd:2 * kd].reshape(B, L, self.hk, self.dk)
         v = mixed[..., 2 * kd:].reshape(B, L, self.hv, self.dv)
-        beta = mx.sigmoid(self.in_proj_b(x))
-        a = self.in_proj_a(x).astype(mx.float32)
+        beta = mx.sigmoid(b)
+        a = a.astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
         if real is not None:  # a padded position neither writes nor decays the state: the final state is the
             # last real token's, for left and right padding (the real positions' outputs are unchanged)
@@ -183,7 +205,6 @@ class GatedDeltaNet(nn.Module):
         elif hasattr(cache, "recurrent_state"):
             cache.conv_state, cache.recurrent_state = new_conv, final
             cache.offset += L
-        z = self.in_proj_z(x).reshape(B, L, self.hv, self.dv)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(B, L, -1))
 
@@ -269,11 +290,16 @@ def dense_width(text: dict) -> dict:
 
 
 def install_experts(lm, text: dict, config: Qwen35TextConfig):
-    """Qwen3.5-MoE (`qwen3_5_moe` / `qwen3_5_moe_text`): every layer's MLP is the expert layer (`models.moe`), its
-    top-k always normalised, with the gated shared expert; the router's loss statistics ride with the layers."""
+    """The expert layer (`models.moe`) with its gated shared expert in the MLPs' place: every layer's, the top-k
+    always normalised, for Qwen3.5-MoE (`qwen3_5_moe` / `qwen3_5_moe_text`); the sparse layers' by
+    `decoder_sparse_step` / `mlp_only_layers`, `norm_topk_prob` (default on) for Qwen3-Next (`qwen3_next`). The
+    router's loss statistics ride with the layers."""
     from .. import moe
 
-    cfg = moe.MoeConfig.from_dict({**text, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    every = {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if config.model_type == "qwen3_next":
+        every = {"norm_topk_prob": text.get("norm_topk_prob", True)}
+    cfg = moe.MoeConfig.from_dict({**text, **every})
     moe.install(lm, cfg, config.hidden_size,
                 lambda d, i: MLP(dataclasses.replace(config, hidden_size=d, intermediate_size=i)))
     return cfg
