@@ -72,6 +72,9 @@ DEEP = dict(SMALL, num_hidden_layers=12)  # where the layer inputs kept through 
 # Qwen3.5: three Gated DeltaNet layers and one gated attention layer (transformers' default layer_types)
 QWEN3_5 = dict(SMALL, model_type="qwen3_5_text", linear_num_key_heads=2, linear_num_value_heads=4,
                linear_key_head_dim=64, linear_value_head_dim=64)
+# a mixture of experts: 16 experts of width 256, top 4 (Qwen3-MoE)
+MOE = dict(SMALL, model_type="qwen3_moe", num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+           norm_topk_prob=True)
 
 
 def _config(name):
@@ -81,7 +84,7 @@ def _config(name):
         return {k: v for k, v in json.loads(DEMOS["qwen3_5"][1].read_text()).items() if k != "preprocessor_config"}
     if name == "default":
         return plan.load_config(None)
-    return dict({"deep": DEEP, "qwen3_5": QWEN3_5}.get(name, SMALL))
+    return dict({"deep": DEEP, "qwen3_5": QWEN3_5, "moe": MOE}.get(name, SMALL))
 
 
 def _check(trainer, cls, name, kw, **shape):
@@ -130,6 +133,20 @@ def test_qwen3_5_prediction_within_15_percent(trainer, cls, name, kw, shape, gra
         from mlxrl.cpu import native
 
         monkeypatch.setattr(native, "load", lambda: None)
+    _check(trainer, cls, name, kw, **shape)
+
+
+# the expert layer (`plan.layers.expert_saved_bytes`): full fine-tuning without checkpointing (every layer's saved
+# arrays), and LoRA on the experts with checkpointing (one layer's recompute and backward)
+MOE_CASES = [
+    ("sft", SFTConfig, "moe", dict(max_length=1024, per_device_train_batch_size=1, gradient_checkpointing=False), {},
+     False),
+    ("sft", SFTConfig, "moe", dict(max_length=2048, per_device_train_batch_size=1, use_peft=True), {}, False),
+]
+
+
+@pytest.mark.parametrize("trainer,cls,name,kw,shape,graph", MOE_CASES)
+def test_moe_prediction_within_15_percent(trainer, cls, name, kw, shape, graph):
     _check(trainer, cls, name, kw, **shape)
 
 

@@ -13,9 +13,10 @@ Routing, as transformers computes it: the router's logits in the compute dtype, 
 top k probabilities per token (`norm_topk_prob`: divided by their sum), cast back to the compute dtype. Every
 token reaches its k experts (dropless: no capacity, nothing dropped).
 
-The experts as gathered matmuls (`mx.gather_mm`): the N x k (token, expert) pairs are sorted by expert, each
-pair's row multiplies its expert's matrix, and the outputs are put back in token order and summed with the
-routing weights. Nothing is [tokens, experts, ...] and no loop runs over experts, so the step compiles whatever
+The experts as gathered matmuls (`gathered`: MLX's `gather_mm`, or on float32 CPU arrays the native kernel's
+one GEMM per expert): the N x k (token, expert) pairs are sorted by expert, each pair's row multiplies its
+expert's matrix, and the outputs are put back in token order and summed with the routing weights. Nothing is
+[tokens, experts, ...] and no loop runs over experts, so the step compiles whatever
 the routing. MLX differentiates `gather_mm` for both operands, so full fine-tuning and LoRA (whose per-expert
 factors are gathered the same way, `models.lora_experts`) share this path.
 """
@@ -146,7 +147,7 @@ class SparseMoeBlock(nn.Module):
         self.tile_tokens = 0  # accepted for `tile_mlp`; the experts' rows are gathered, not tiled
 
     def __call__(self, x: mx.array, router_logits: list | None = None) -> mx.array:
-        """x [..., D] -> [..., D]. router_logits: a list that receives this layer's router logits [N, D] (for the
+        """x [..., D] -> [..., D]. router_logits: a list that receives this layer's router logits [N, E] (for the
         load-balancing loss)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])

@@ -13,6 +13,10 @@ over its depth: `plan.measure` at two depths of one layer kind).
   widths (the rule's output, z, the gated norm's input, output and float32 gate, out_proj's input) beside
   the norms and the MLP; and the gated delta rule's saved state at each chunk start ([dk, dv] per value
   head, float32 whatever the compute dtype: `models.gated_delta`), one per 64 positions.
+- **The expert layer** (mixtures of experts, `models.moe`), in the MLP's place: per token and chosen expert, the
+  gathered input and the down projection's output (hidden widths) and the expert's gate / up / product
+  (expert widths), per token the router's logits and float32 probabilities (expert counts), and the shared
+  expert's MLP where there is one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ SAVED_PER_TOKEN_NATIVE = {**SAVED_PER_TOKEN, "I": 3}
 SCORE_COPIES = 1.25
 GATE_SAVED = 2  # gated attention: widths of H * hd more per token (measured +2.0)
 LINEAR_SAVED = {"C": 4, "V": 6}  # Gated DeltaNet: per token, per convolution / value width (measured 4.0, 6.1)
+# the expert layer: per token and chosen expert, hidden and expert widths; per token, experts. Measured by the
+# slope over depth (2 and 6 layers, 1024 tokens, full fine-tuning, no checkpointing, D 256) at k 2 / 4, I 128 /
+# 256, E 8 / 32: 896 floats per token and slot at I 128 (2 D + 3 I), +3 I per slot, ~9 per expert
+EXPERT_SAVED = {"D": 2, "I": 3, "E": 9}
 
 
 def _mlp(intermediate: int, tokens: int, mlp_tokens: int | None, native: bool) -> float:
@@ -73,3 +81,22 @@ def lora_saved_bytes(hidden: int, intermediate: int, mixer_inputs: int, adapters
         return 4 * (tokens * (mixer_inputs + adapters * 2 * rank) + mlp_tokens * (mlp + 3 * 2 * rank))
     dropped = (tokens * mixer_inputs + mlp_tokens * mlp) if dropout else 0
     return elem * (dropped + (tokens * adapters + mlp_tokens * 3) * 2 * rank)
+
+
+def expert_saved_bytes(hidden: int, moe: dict, tokens: int, elem: int, native: bool = False) -> float:
+    """Bytes one expert layer keeps for its backward in place of a dense MLP's (`moe`: the top `k` of `E` experts
+    of width `I`, a `shared` expert's width or 0), for `tokens` positions."""
+    k = EXPERT_SAVED
+    per_token = moe["k"] * (k["D"] * hidden + k["I"] * moe["I"]) + k["E"] * moe["E"]
+    return elem * (tokens * per_token + (_mlp(moe["shared"], tokens, None, native) if moe["shared"] else 0))
+
+
+# LoRA on the experts: per token and chosen expert, each adapted input's dropped copy (D, I) and each adapted
+# output's sum with the base (2 I, D); the [rows, r] products are small
+EXPERT_LORA_SAVED = {"D": 2, "I": 3}
+
+
+def expert_lora_bytes(hidden: int, moe: dict, tokens: int, elem: int) -> float:
+    """What LoRA on both expert parameters adds to an expert layer (`models.lora_experts`)."""
+    k = EXPERT_LORA_SAVED
+    return elem * tokens * moe["k"] * (k["D"] * hidden + k["I"] * moe["I"])

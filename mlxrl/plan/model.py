@@ -13,10 +13,18 @@ from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
 from ..models.checkpointing import kept_inputs
+from ..models.lora_experts import LoRAExperts
 from ..models.tiled import tile_tokens_for
 from ..models.widened import kept_saving
 from .config_json import load_config
-from .layers import SCORE_COPIES, layer_saved_bytes, linear_layer_saved_bytes, lora_saved_bytes
+from .layers import (
+    SCORE_COPIES,
+    expert_lora_bytes,
+    expert_saved_bytes,
+    layer_saved_bytes,
+    linear_layer_saved_bytes,
+    lora_saved_bytes,
+)
 from .report import Plan, Row, count, dtype_bytes, fmt
 from .shapes import Shape, forward_shape, grpo_prompt_length, native_cpu
 from .suggest import suggest_change
@@ -63,6 +71,8 @@ class Arch:
     # decoding cache); the other layers attend, with Qwen3.5's output gate when `gated`
     linear: dict | None = None
     gated: bool = False
+    # a mixture of experts: the expert layer in the MLPs' place (`plan.layers.expert_saved_bytes`)
+    moe: dict | None = None
 
     def kinds(self) -> dict[str, int]:
         """How many decoder layers of each kind: "attention", "linear" (Gated DeltaNet)."""
@@ -153,25 +163,35 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
         n = deltas[0]
         linear = {"layers": len(deltas), "C": n.conv_dim, "V": n.hv * n.dv, "state": n.hv * n.dk * n.dv,
                   "K": n.conv1d.weight.shape[-1]}
+    moe = None
+    if getattr(model, "moe_config", None) is not None:
+        m = model.moe_config
+        moe = {"E": m.num_experts, "k": m.num_experts_per_tok, "I": m.moe_intermediate_size,
+               "shared": m.shared_expert_intermediate_size,
+               "adapted": any(isinstance(x, LoRAExperts) for _, x in model.named_modules())}
     return Arch(V=lm.vocab_size, D=lm.hidden_size, I=lm.intermediate_size, layers=lm.num_hidden_layers,
                 heads=lm.num_attention_heads, kv_heads=lm.num_key_value_heads, head_dim=lm.head_dim,
                 tied=bool(t.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
                 weight_bytes=weight_bytes, trainable_bytes=sum(t_sizes),
                 layer_trainable_bytes=in_layers, largest_trainable=max(t_sizes, default=0),
                 head_trainable=head_trainable, lora_params=lora_n, vision=vision, trainable_params=n_train,
-                master_params=n_master, kept_bytes=kept, linear=linear, gated=gated)
+                master_params=n_master, kept_bytes=kept, linear=linear, gated=gated, moe=moe)
 
 
 # ---------------------------------------------------------------------------------------- the model
 
 def _layer_saved(a: Arch, sh: Shape, s: int, kind: str, native: bool = False, mlp_tokens: int | None = None
                  ) -> float:
-    """Bytes one decoder layer of `kind` ("attention" / "linear") keeps for backward (`plan.layers`)."""
+    """Bytes one decoder layer of `kind` ("attention" / "linear") keeps for backward (`plan.layers`); a mixture
+    of experts' layers count the expert layer in their MLP's place (each layer: mlp_only_layers are rare)."""
+    width = 0 if a.moe else a.I
+    experts = expert_saved_bytes(a.D, a.moe, sh.tokens, s, native) if a.moe else 0.0
     if kind == "linear":
         n = a.linear
-        return linear_layer_saved_bytes(a.D, a.I, n["C"], n["V"], n["state"], sh.tokens, s, native, mlp_tokens)
-    return layer_saved_bytes(a.D, a.I, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s, native, mlp_tokens,
-                             a.gated)
+        return experts + linear_layer_saved_bytes(a.D, width, n["C"], n["V"], n["state"], sh.tokens, s, native,
+                                                  mlp_tokens)
+    return experts + layer_saved_bytes(a.D, width, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s, native,
+                                       mlp_tokens, a.gated)
 
 
 def lora_dropout(args, trainer: str = "sft") -> float:
@@ -190,6 +210,9 @@ def _lora_extra(a: Arch, args, n: int, s: int, kind: str, trainer: str = "sft", 
         return 0.0
     dropped = lora_dropout(args, trainer) > 0 and not native_cpu(args)
     mixer = (4 * a.D + a.linear["V"], 5) if kind == "linear" else (3 * a.D + a.heads * a.head_dim, 4)
+    if a.moe:  # the experts' adapters (`plan.layers.expert_lora_bytes`); a dense MLP only as the shared expert
+        return (lora_saved_bytes(a.D, a.moe["shared"], *mixer, n, args.lora_r, s, dropped, mlp_tokens)
+                + (expert_lora_bytes(a.D, a.moe, n, s) if a.moe["adapted"] else 0.0))
     return lora_saved_bytes(a.D, a.I, *mixer, n, args.lora_r, s, dropped, mlp_tokens)
 
 
@@ -224,6 +247,11 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
             live -= TILED_LORA_BONUS * (per_layer(0, kind) - live)
         if kind == "linear" and checkpointing and drained:  # its convolution and gated norm are MLX's ops,
             return max(factor, LINEAR_CKPT_DRAINED) * live  # whose queued work the kernels do not drain
+        if a.moe and checkpointing:  # the expert layer's gathered rows are all alive in its backward: no discount
+            e = expert_saved_bytes(a.D, a.moe, sh.tokens, s) + (expert_lora_bytes(a.D, a.moe, sh.tokens, s)
+                                                                 if peft and a.moe["adapted"] else 0.0)
+            e = min(e * (LORA_SAVED if peft else 1.0), live)
+            return factor * (live - e) + max(factor, 1.0) * e
         return factor * live
 
     extra = max(backward(kind) for kind in kinds)
