@@ -104,6 +104,28 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tiny_checkpoint, tmp_p
         assert_same_adam_weights(c[k], a[k], err_msg=k)
 
 
+def test_moe_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
+    """Qwen3-MoE, full fine-tuning: the experts' and the router's gradients summed over 2 ranks equal one process
+    with the whole batch (the router's load-balancing loss off: it is a mean per micro-batch, as in TRL, so it
+    changes with the batch's split); with it on, a 2-rank run trains and logs the ranks' mean aux_loss."""
+    folder = tiny_checkpoint("qwen3_moe")
+    data = tmp_path / "rows.jsonl"
+    write_rows(data, n=16)
+    args = lambda out, batch: ["-m", "mlxrl.sft", *sft_args(folder, data, out, batch, max_steps=2,
+                                                            router_aux_loss_coef=0)]
+    for single, ranks in run_one_and_two(args, tmp_path, 4, 2):
+        assert single["loss"] == pytest.approx(ranks["loss"], rel=1e-5)
+        assert "aux_loss" not in single
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert any(".experts.7.down_proj" in k for k in a) and a.keys() == b.keys()
+    for k in a:
+        assert_same_adam_weights(b[k], a[k], err_msg=k)
+    on = launch(2, ["-m", "mlxrl.sft", *sft_args(folder, data, tmp_path / "aux", 2, max_steps=1)])
+    assert on.returncode == 0, on.stdout[-2000:] + on.stderr[-2000:]
+    logged = json.loads((tmp_path / "aux" / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["aux_loss"] > 0
+
+
 KILL = """
 import os, sys
 from mlxrl.trainers import engine
