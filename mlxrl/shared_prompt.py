@@ -197,16 +197,16 @@ def shared_prompt_hidden(
     def run_layer(layer, hp, hc, *rest):
         cp, sp, cc, sc = rest[-4:] if stats is None else rest[2:6]
         cap = _Capture(bounds, prompt_mask)
-        logits = [] if stats is not None else None
-        kw = {} if logits is None else {"router_logits": logits}
+        routing = [] if stats is not None else None
+        kw = {} if routing is None else {"routing": routing}
         hp = layer(hp, cp, sp, mask_p, cap, **kw)  # the prompt once: P rows
-        n_p = 0 if logits is None else len(logits)
+        n_p = 0 if routing is None else len(routing)
         hc = layer(hc, cc, sc, mask_c, _SharedPrefix(cap.keys, cap.values, G, bounds, cap.recurrent), **kw)  # G rows
         if stats is None:
             return hp, hc
         tokens, probs = rest[0], rest[1]
-        for i, one in enumerate(logits):
-            t, p = stats.layer_sums(one, rest[6] if i < n_p else rest[7])
+        for i, one in enumerate(routing):
+            t, p = stats.layer_sums(*one, rest[6] if i < n_p else rest[7])
             tokens, probs = tokens + t, probs + p
         return hp, hc, tokens, probs
 

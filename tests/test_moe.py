@@ -392,36 +392,46 @@ Q35_CONFIG = dict(vocab_size=200, hidden_size=48, moe_intermediate_size=24, shar
                   linear_value_head_dim=12, rms_norm_eps=1e-6, router_aux_loss_coef=0.02)
 
 
-@pytest.fixture(scope="module")
-def q35_pair():
-    """Qwen3.5-MoE's text model (3 Gated DeltaNet + 1 gated attention layer, every MLP the expert layer with its
-    gated shared expert): transformers' and ours with the same weights, the norms and decays perturbed."""
+def hybrid_pair(config_cls, model_cls, config: dict, model_type: str, seed: int):
+    """(transformers' model, ours) of a Qwen3.5-family decoder with experts, the same weights, float32: the norms
+    and decays perturbed from their initial values, the routers and shared-expert gates redrawn."""
     from mlxrl.models.qwen3_5.model import Model as Qwen35Model
 
-    torch.manual_seed(1)
-    cfg = transformers.Qwen3_5MoeTextConfig(**Q35_CONFIG)
-    hf = transformers.Qwen3_5MoeForCausalLM(cfg).float().eval()
+    torch.manual_seed(seed)
+    cfg = config_cls(**config)
+    hf = model_cls(cfg).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith(("norm.weight", "layernorm.weight", "dt_bias", "A_log")):
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.copy_(torch.randn_like(p) * 0.3)
-    ours = Qwen35Model({**cfg.to_dict(), "model_type": "qwen3_5_moe_text"})
+    ours = Qwen35Model({**cfg.to_dict(), "model_type": model_type})
     ours.load_weights(list(ours.sanitize(hub_state(hf)).items()), strict=True)
     ours.eval()
     return hf, ours
 
 
-@pytest.mark.parametrize("length", [1, 70])
-def test_qwen3_5_moe_logits_and_aux_loss_equal_transformers(q35_pair, length, kernel_path):
-    hf, ours = q35_pair
-    ids = np.random.default_rng(length).integers(0, Q35_CONFIG["vocab_size"], size=(2, length))
+def assert_logits_and_aux_loss_equal(hf, ours, vocab: int, length: int):
+    ids = np.random.default_rng(length).integers(0, vocab, size=(2, length))
     aux = []
     got = np.array(ours(mx.array(ids), router_aux=aux))
     want = hf_out(hf, ids)
     np.testing.assert_allclose(got, want.logits.numpy(), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(float(aux[0]), float(want.aux_loss), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def q35_pair():
+    """Qwen3.5-MoE's text model (3 Gated DeltaNet + 1 gated attention layer, every MLP the expert layer with its
+    gated shared expert)."""
+    return hybrid_pair(transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, Q35_CONFIG,
+                       "qwen3_5_moe_text", seed=1)
+
+
+@pytest.mark.parametrize("length", [1, 70])
+def test_qwen3_5_moe_logits_and_aux_loss_equal_transformers(q35_pair, length, kernel_path):
+    assert_logits_and_aux_loss_equal(*q35_pair, Q35_CONFIG["vocab_size"], length)
 
 
 def test_qwen3_5_moe_gradients_of_loss_plus_aux_loss_equal_torch_autograd(q35_pair, kernel_path):
@@ -470,33 +480,15 @@ def next_pair():
     """Qwen3-Next (`qwen3_next`): Qwen3.5's layers with the fused DeltaNet projections (two value heads per key
     head, so their interleaving shows), 1-D rotary positions, experts with a shared expert in three of the four
     layers (the third dense, `mlp_only_layers`)."""
-    from mlxrl.models.qwen3_5.model import Model as Qwen35Model
-
-    torch.manual_seed(2)
-    cfg = transformers.Qwen3NextConfig(**NEXT_CONFIG)
-    hf = transformers.Qwen3NextForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias", "A_log")):
-                p.add_(0.3 * torch.randn_like(p))
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                p.copy_(torch.randn_like(p) * 0.3)
-    ours = Qwen35Model({**cfg.to_dict(), "model_type": "qwen3_next"})
-    ours.load_weights(list(ours.sanitize(hub_state(hf)).items()), strict=True)
-    ours.eval()
-    return hf, ours
+    return hybrid_pair(transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, NEXT_CONFIG, "qwen3_next",
+                       seed=2)
 
 
 @pytest.mark.parametrize("length", [1, 70])
 def test_qwen3_next_logits_and_aux_loss_equal_transformers(next_pair, length, kernel_path):
     hf, ours = next_pair
     assert not isinstance(ours.model.layers[2].mlp, moe.SparseMoeBlock)
-    ids = np.random.default_rng(length).integers(0, NEXT_CONFIG["vocab_size"], size=(2, length))
-    aux = []
-    got = np.array(ours(mx.array(ids), router_aux=aux))
-    want = hf_out(hf, ids)
-    np.testing.assert_allclose(got, want.logits.numpy(), atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(float(aux[0]), float(want.aux_loss), rtol=1e-5)
+    assert_logits_and_aux_loss_equal(hf, ours, NEXT_CONFIG["vocab_size"], length)
 
 
 def test_qwen3_next_decoding_with_the_cache_equals_the_full_forward(next_pair):
@@ -522,3 +514,4 @@ def test_qwen3_next_save_loads_in_transformers(next_pair, tokenizer, tmp_path):
     with torch.no_grad():
         got = back(input_ids=torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(got, np.array(ours(mx.array(ids))), atol=1e-4)
+

@@ -241,11 +241,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask, cache=None, router_logits: list | None = None):
-        """router_logits: a list that an expert layer (`models.moe`) appends its router logits to."""
+    def __call__(self, x, cos, sin, mask, cache=None, routing: list | None = None):
+        """routing: a list that an expert layer (`models.moe`) appends its routing to (the load-balancing loss)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        if router_logits is not None and hasattr(self.mlp, "gate"):
-            return h + self.mlp(self.post_attention_layernorm(h), router_logits)
+        if routing is not None and hasattr(self.mlp, "gate"):
+            return h + self.mlp(self.post_attention_layernorm(h), routing)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -352,7 +352,7 @@ class LanguageModel(nn.Module):
                 return (c[0] + mx.where(vis_mask[..., None], feat[idx].astype(c[0].dtype), 0),)
         if cache is None and router_aux is not None and getattr(self, "router_stats", None) is not None:
             h = self.router_stats.run(self, h, (cos, sin), lambda layer, x, c_, s_, rl: layer(x, c_, s_, mask,
-                                      router_logits=rl), token_mask, router_aux, add, feats)
+                                      routing=rl), token_mask, router_aux, add, feats)
             return self.norm(h)
         if cache is None:  # one dropout key per layer call: a checkpointed layer is recomputed with the same masks
             h, = checkpointing.run_layers(self, lambda layer, x, c_, s_: (layer(x, c_, s_, mask),), (h,), (cos, sin),

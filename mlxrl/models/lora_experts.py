@@ -124,14 +124,16 @@ def expert_modules(model, modules: dict, target_parameters, r: int, where) -> di
     `lora.load_adapter` groups them), removed from `modules`: {expert layer path: {parameter: (lora_a [E, r, in],
     lora_b [E, out, r])}}, each checked against the layer's shapes (an AdapterMismatchError naming the file)."""
     out = {}
+    layers = {p: m for p, m in model.named_modules() if isinstance(m, (Experts, QuantizedExperts))}
+    targets = expert_targets(model, target_parameters or []) if layers else {}
     for path in sorted(modules):
         base_path, depth = path, 0
         while base_path.endswith(".base_layer"):
             base_path, depth = base_path[: -len(".base_layer")], depth + 1
-        base = dict(model.named_modules()).get(base_path)
-        if not isinstance(base, (Experts, QuantizedExperts)):
+        base = layers.get(base_path)
+        if base is None:
             continue
-        names = expert_targets(model, target_parameters or []).get(base_path, ())
+        names = targets.get(base_path, ())
         if depth >= len(names):
             raise AdapterMismatchError(f"{where}: {path} adapts none of this expert layer's target_parameters "
                                        f"{list(target_parameters or [])}")

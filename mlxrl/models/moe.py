@@ -68,15 +68,16 @@ class MoeConfig:
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
 
-def route(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
-    """(weights [N, k] in logits' dtype, expert indices [N, k] uint32) of router logits [N, E]: the top k of the
-    float32 softmax (in no particular order within a row), divided by their sum with norm_topk_prob."""
+def route(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array, mx.array]:
+    """(weights [N, k] in logits' dtype, expert indices [N, k] uint32, the float32 probabilities [N, E]) of router
+    logits [N, E]: the top k of the float32 softmax (in no particular order within a row), divided by their sum
+    with norm_topk_prob."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     indices = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
     weights = mx.take_along_axis(probs, indices, axis=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights.astype(logits.dtype), indices.astype(mx.uint32)
+    return weights.astype(logits.dtype), indices.astype(mx.uint32), probs
 
 
 def sort_by_expert(indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -146,15 +147,15 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.tile_tokens = 0  # accepted for `tile_mlp`; the experts' rows are gathered, not tiled
 
-    def __call__(self, x: mx.array, router_logits: list | None = None) -> mx.array:
-        """x [..., D] -> [..., D]. router_logits: a list that receives this layer's router logits [N, E] (for the
-        load-balancing loss)."""
+    def __call__(self, x: mx.array, routing: list | None = None) -> mx.array:
+        """x [..., D] -> [..., D]. routing: a list that receives this layer's routing, (the router's float32
+        probabilities [N, E], the chosen experts [N, k]), for the load-balancing loss (`RouterStats.layer_sums`)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.gate(x)
-        if router_logits is not None:
-            router_logits.append(logits)
-        weights, indices = route(logits, self.top_k, self.norm_topk_prob)
+        weights, indices, probs = route(logits, self.top_k, self.norm_topk_prob)
+        if routing is not None:
+            routing.append((probs, indices))
         y = self.experts(x, weights, indices)
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -174,27 +175,25 @@ class RouterStats:
     def __init__(self, num_experts: int, top_k: int, sparse_layers: int):
         self.num_experts, self.top_k, self.sparse_layers = num_experts, top_k, sparse_layers
 
-    def layer_sums(self, logits: mx.array, token_mask: mx.array) -> tuple[mx.array, mx.array]:
-        """(top-k slots per expert [E], router probability per expert [E]) over the tokens of router logits
-        [N, E] weighted by token_mask [N, 1]."""
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-        chosen = mx.stop_gradient(mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., :self.top_k])
+    def layer_sums(self, probs: mx.array, chosen: mx.array, token_mask: mx.array) -> tuple[mx.array, mx.array]:
+        """(top-k slots per expert [E], router probability per expert [E]) over the tokens of a layer's routing
+        (`SparseMoeBlock`'s float32 probabilities [N, E] and chosen experts [N, k]) weighted by token_mask [N, 1]."""
         hits = (chosen[..., None] == mx.arange(self.num_experts)).astype(mx.float32).sum(axis=1)  # [N, E]
         return (hits * token_mask).sum(axis=0), (probs * token_mask).sum(axis=0)
 
     def run(self, lm, h, args: tuple, call, token_mask, out: list, add=None, feats=()) -> mx.array:
         """lm's layers over h as its forward runs them (`run_layers` with the same args, `call(layer, x, *args,
-        router_logits)` one layer), appending the loss to `out`; returns the last layer's output."""
+        routing)` one layer), appending the loss to `out`; returns the last layer's output."""
         B, L = h.shape[:2]
         weight = (mx.ones((B * L, 1), mx.float32) if token_mask is None
                   else token_mask.reshape(-1, 1).astype(mx.float32))
 
         def layer_fn(layer, x, tokens, probs, *rest):
             *layer_args, w = rest
-            logits = []
-            y = call(layer, x, *layer_args, logits)
-            for one in logits:
-                t, p = self.layer_sums(one, w)
+            routing = []
+            y = call(layer, x, *layer_args, routing)
+            for one in routing:
+                t, p = self.layer_sums(*one, w)
                 tokens, probs = tokens + t, probs + p
             return y, tokens, probs
 

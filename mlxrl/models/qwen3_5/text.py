@@ -268,16 +268,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask, cache=None, *, attention_mask=None, segment_ids=None, router_logits=None):
-        """router_logits: a list that an expert layer (Qwen3.5-MoE, `models.moe`) appends its router logits to."""
+    def __call__(self, x, cos, sin, mask, cache=None, *, attention_mask=None, segment_ids=None, routing=None):
+        """routing: a list that an expert layer (Qwen3.5-MoE, `models.moe`) appends its routing to (the load-balancing
+        loss)."""
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, attention_mask, segment_ids, cache)
         else:
             h = self.self_attn(h, cos, sin, mask, cache)
         h = x + h
-        if router_logits is not None and hasattr(self.mlp, "gate"):
-            return h + self.mlp(self.post_attention_layernorm(h), router_logits)
+        if routing is not None and hasattr(self.mlp, "gate"):
+            return h + self.mlp(self.post_attention_layernorm(h), routing)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -344,7 +345,7 @@ class Qwen35LanguageModel(nn.Module):
         kw = {"attention_mask": attention_mask, "segment_ids": segment_ids}
         if cache is None and router_aux is not None and getattr(self, "router_stats", None) is not None:
             h = self.router_stats.run(self, h, (cos, sin), lambda layer, x, c_, s_, rl: layer(
-                x, c_, s_, mask, router_logits=rl, **kw), token_mask, router_aux)
+                x, c_, s_, mask, routing=rl, **kw), token_mask, router_aux)
             return self.norm(h)
         if cache is None:
             h, = checkpointing.run_layers(self, lambda layer, x, c_, s_: (layer(x, c_, s_, mask, **kw),), (h,),

@@ -63,12 +63,9 @@ class Model(QwenVLBase):
         quantized ones in mlx-lm's switch layout; a dense Qwen3-VL's weights unchanged."""
         if not hasattr(self, "moe_config"):
             return weights
-        out = {}
-        for k, v in weights.items():
-            if k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                out[k] = v.swapaxes(1, 2)
-            else:
-                out.update(moe.split_experts({k: v}))
+        fused = (".experts.gate_up_proj", ".experts.down_proj")
+        out = moe.split_experts({k: v for k, v in weights.items() if not k.endswith(fused)})
+        out.update({k: v.swapaxes(1, 2) for k, v in weights.items() if k.endswith(fused)})
         return out
 
 
