@@ -94,6 +94,9 @@ def gathered(x: mx.array, weight: mx.array, experts: mx.array) -> mx.array:
     gather_mm runs a product per row); elsewhere MLX's `gather_mm` (Metal's and CUDA's gathered kernels)."""
     if x.dtype == weight.dtype == mx.float32 and fastmath.kernels_for(x) is not None:
         return native.load().expert_matmul(x, weight, experts)
+    if fastmath.on_cpu() and (x.dtype != mx.float32 or weight.dtype != mx.float32):
+        # MLX's CPU gather_mm takes float32 only: a bfloat16 run on the CPU multiplies in float32
+        return gathered(x.astype(mx.float32), weight.astype(mx.float32), experts).astype(x.dtype)
     return mx.gather_mm(x[:, None, :], weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=True)[:, 0]
 
 
