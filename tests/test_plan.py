@@ -137,11 +137,14 @@ def test_qwen3_5_prediction_within_15_percent(trainer, cls, name, kw, shape, gra
 
 
 # the expert layer (`plan.layers.expert_saved_bytes`): full fine-tuning without checkpointing (every layer's saved
-# arrays), and LoRA on the experts with checkpointing (one layer's recompute and backward)
+# arrays), LoRA on the experts with checkpointing (one layer's recompute and backward), and over 4-bit experts (their
+# packed stacks, and the float copy of one stack the CPU multiplies)
 MOE_CASES = [
     ("sft", SFTConfig, "moe", dict(max_length=1024, per_device_train_batch_size=1, gradient_checkpointing=False), {},
      False),
     ("sft", SFTConfig, "moe", dict(max_length=2048, per_device_train_batch_size=1, use_peft=True), {}, False),
+    ("sft", SFTConfig, "moe", dict(max_length=1024, per_device_train_batch_size=1, use_peft=True, load_in_4bit=True),
+     {}, False),
 ]
 
 

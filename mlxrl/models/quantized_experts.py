@@ -106,12 +106,18 @@ def dequantized_experts(group_size: int, bits: int):
     return f
 
 
+def quantizable_experts(module, group_size: int) -> bool:
+    """Whether `quantize_experts` quantizes this module: a float expert layer whose widths divide into groups."""
+    return (type(module) is Experts and module.down_proj.shape[1] % group_size == 0
+            and module.down_proj.shape[2] % group_size == 0)
+
+
 def quantize_experts(model, bits: int, group_size: int, scale_dtype=mx.bfloat16) -> list[str]:
     """An MoE model's float expert layers (`moe.Experts`) as `moe.QuantizedExperts` in place; their paths."""
     from mlx.utils import tree_unflatten
 
     new = [(p, QuantizedExperts.of(m, group_size, bits, scale_dtype)) for p, m in model.named_modules()
-           if type(m) is Experts and m.down_proj.shape[1] % group_size == 0 and m.down_proj.shape[2] % group_size == 0]
+           if quantizable_experts(m, group_size)]
     if new:
         model.update_modules(tree_unflatten(new))
     return [p for p, _ in new]

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from .. import optim as optim_lib
 from .. import runtime
-from ..cpu import drain_bytes, evaluates_depth_first
+from ..cpu import drain_bytes, evaluates_depth_first, fastmath
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
@@ -97,17 +97,23 @@ def quantization_of(cfg: dict, args) -> tuple[int, int] | None:
 
 def quantized_saving(model, cfg: dict, args, s: int) -> int:
     """Bytes a quantized base saves against its float weights: each quantized linear (`models.quantize`'s
-    rule: the decoder's, not the embedding / head or the vision tower) holds `bits` per weight and a
-    16-bit scale and offset per group instead of `s` bytes per weight. Counted from the lazily built
+    rule: the decoder's, not the embedding / head or the vision tower) and expert stack
+    (`models.quantized_experts`) holds `bits` per weight and a 16-bit scale and offset per group instead of `s`
+    bytes per weight. On the CPU a quantized expert layer multiplies a float copy of each stack, one stack at a
+    time (`QuantizedExperts.project`): the largest is taken back off the saving. Counted from the lazily built
     model's shapes: nothing is allocated."""
     from ..models.quantize import quantizable
+    from ..models.quantized_experts import quantizable_experts
 
     q = quantization_of(cfg, args)
     if q is None:
         return 0
     bits, group = q
     n = sum(m.weight.size for p, m in model.named_modules() if quantizable(p, m, group))
-    return int(n * s - n * bits / 8 - 2 * 2 * n / group)
+    stacks = [v.size for m in model.modules() if quantizable_experts(m, group) for v in (m.gate_up_proj, m.down_proj)]
+    n += sum(stacks)
+    widened = max(stacks, default=0) * s if fastmath.on_cpu() else 0
+    return int(n * s - n * bits / 8 - 2 * 2 * n / group - widened)
 
 
 def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
