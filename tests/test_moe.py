@@ -305,6 +305,28 @@ def test_router_loss_and_expert_flags_are_refused_where_they_cannot_apply(tiny_c
                    train_dataset=rows)
 
 
+def test_full_fine_tuning_past_the_planner_s_limit_is_refused_in_one_line(tiny_checkpoint, tmp_path):
+    """An MoE model trained whole over its memory limit stops before the first step, naming the fix; LoRA under
+    the same limit is not refused, nor full fine-tuning under a limit it fits."""
+    import mlxrl
+    from mlxrl.hub import MlxrlError
+    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft import SFTTrainer
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    model, processor = mlxrl.load(str(tiny_checkpoint("qwen3_moe")))
+
+    def plan(**kw):
+        args = SFTConfig(output_dir=str(tmp_path / "run"), max_length=16, per_device_train_batch_size=1, **kw)
+        return SFTTrainer(model, processor, args, train_dataset=rows)._memory_plan()
+
+    with pytest.raises(MlxrlError, match=r"full fine-tuning of this mixture of experts is predicted to need .* "
+                                         r"over its limit of 0\.0 GB \(memory_limit 1MB\): train LoRA \(--use_peft"):
+        plan(memory_limit="1MB")
+    assert not plan(memory_limit="1MB", use_peft=True).fits
+    assert plan(memory_limit="64GB").fits
+
+
 def test_the_native_expert_matmul_equals_the_per_row_product_and_its_gradients():
     """`moe.gathered` on float32 CPU arrays (one GEMM per expert, `cpu/native/experts.cpp`) against the naive
     per-row product, values and the gradients of x and w (experts 2 and 4 reached by no row: zero gradient);

@@ -22,6 +22,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..hub import MlxrlError
+
 TRACKERS = ("wandb", "tensorboard")
 
 
@@ -167,6 +169,12 @@ class Logging:
             return None
         self.print(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with {shape} "
                    "(python -m mlxrl.plan for the breakdown)")
+        if not plan.fits and not self.args.use_peft and getattr(self.model, "moe_config", None) is not None:
+            # a mixture of experts trained whole past the memory it has would page all its experts
+            raise MlxrlError(f"full fine-tuning of this mixture of experts is predicted to need "
+                             f"{plan.total / 1e9:.1f} GB, over its limit of {plan.limit / 1e9:.1f} GB "
+                             f"({plan.limit_source}): train LoRA (--use_peft; --load_in_4bit quantizes the experts), "
+                             "or raise --memory_limit")
         return plan
 
     def _plan_shape(self) -> tuple[dict, str]:
