@@ -251,10 +251,12 @@ def _locate(rows, message: str) -> str:
 def load_model(ns, args):
     """(model, processor) of --model, quantized for --load_in_4bit / --load_in_8bit."""
     import mlxrl
+    from mlxrl.models.quantize import load_quantization
     from mlxrl.models.widened import keeps_checkpoint_dtype
 
-    # a LoRA run's frozen base stays in the checkpoint's bfloat16 (`models.widened`)
-    model, processor = mlxrl.load(ns.model, dtype=args.dtype, keep_linear_dtype=keeps_checkpoint_dtype(args))
+    # a LoRA run's frozen base stays in the checkpoint's bfloat16 (`models.widened`), or is quantized as it loads
+    model, processor = mlxrl.load(ns.model, dtype=args.dtype, keep_linear_dtype=keeps_checkpoint_dtype(args),
+                                  quantize=load_quantization(args))
     prepare_base(model, args)
     return model, processor
 

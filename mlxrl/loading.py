@@ -95,10 +95,11 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
-def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_linear_dtype: bool = False):
+def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_linear_dtype: bool = False,
+               quantize: tuple[int, int] | None = None):
     """The model of a Hugging Face folder in the compute `dtype`; with `keep_linear_dtype` under float32
     compute, its bfloat16 linear weights (not the LM head) stay bfloat16 and widen per call
-    (`models.widened`: for a LoRA run, whose base stays frozen)."""
+    (`models.widened`: for a LoRA run, whose base stays frozen); `quantize`: see `load`."""
     folder = Path(folder)
     check_complete(folder)
     config = read_config(folder)
@@ -133,6 +134,11 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_lin
         dtype = runtime.compute_dtype(dtype)
     kept = keep_linears(model, weights) if keep_linear_dtype and dtype == mx.float32 else set()
     set_float_dtype(model, dtype, kept)
+    del raw, weights, bad, expected  # an array evaluated while referenced keeps its buffer: only the model's stay
+    if quantize:  # the weights are still lazy (mx.load maps the files): quantized as they are read
+        from .models.quantize import quantize_model
+
+        quantize_model(model, *quantize)
     mx.eval(model.parameters())
     model.eval()
     model.name_or_path = str(folder)
@@ -172,7 +178,7 @@ def set_float_dtype(model, dtype: mx.Dtype, kept: set[str] = frozenset()) -> Non
 
 
 def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, revision: str | None = None,
-         keep_linear_dtype: bool = False):
+         keep_linear_dtype: bool = False, quantize: tuple[int, int] | None = None):
     """Load a Qwen / Qwen-VL model and its processor.
 
     id_or_path: a local folder, or a Hub id (looked up in the HF cache first, then downloaded).
@@ -180,10 +186,11 @@ def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, 
     keep_linear_dtype: under float32 compute, keep the checkpoint's bfloat16 linear weights (the LM head
     excepted) and widen them per call: for LoRA, half the frozen base's bytes, the same products
     (`models.widened`; the trainers refuse to train such a weight). The CLIs' `keep_frozen_dtype`.
-    Returns (model, processor).
-    """
+    quantize: (bits, group size): the decoder's linears and expert stacks quantized as they load (`load_in_4bit`),
+    each weight read, quantized and its float copy freed in turn: the float base is never in memory whole.
+    Returns (model, processor)."""
     folder = resolve_model_path(id_or_path, revision=revision)
-    model = load_model(folder, dtype, keep_linear_dtype)
+    model = load_model(folder, dtype, keep_linear_dtype, quantize)
     return model, load_processor(folder, model.config)
 
 

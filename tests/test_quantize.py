@@ -88,6 +88,39 @@ def test_quantize_model_defaults_and_bytes(tiny_checkpoint):
         Q.quantize_model(model, bits=3)
 
 
+def test_quantized_as_it_loads_equals_quantized_after_and_never_holds_the_float_base(tmp_path):
+    """`load(quantize=(4, 64))` (what --load_in_4bit does): the same arrays as loading the float model and
+    quantizing it, the experts' stacks included, at a peak below the float model's bytes (each weight read,
+    quantized and its float copy freed; before, the file's per-expert tensors, their stacks and the model were all
+    held: 1.2x the float bytes on this model). A bfloat16 Hub checkpoint, mostly experts, as the A3B models are."""
+    import torch
+    import transformers as tf
+
+    from mlxrl.loading import load_model
+
+    config = tf.Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                               num_experts=16, num_experts_per_tok=2, num_hidden_layers=8, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    ours = load_model(tmp_path, "float32", quantize=(4, 64))
+    peak = mx.get_peak_memory() - base
+    ref = load_model(tmp_path, "float32")
+    float_bytes = sum(v.nbytes for _, v in tree_flatten(ref.parameters()))
+    Q.quantize_model(ref, 4, 64)
+    got, want = dict(tree_flatten(ours.parameters())), dict(tree_flatten(ref.parameters()))
+    assert got.keys() == want.keys() and any(k.endswith("experts.gate_up_proj.scales") for k in got)
+    for k in got:
+        assert got[k].dtype == want[k].dtype, k
+        np.testing.assert_array_equal(np.array(got[k].view(mx.uint16) if got[k].dtype == mx.bfloat16 else got[k]),
+                                      np.array(want[k].view(mx.uint16) if want[k].dtype == mx.bfloat16 else want[k]),
+                                      err_msg=k)
+    assert peak < 0.5 * float_bytes, (peak, float_bytes)
+
+
 # ---------------------------------------------------------------------------------------- LoRA / DoRA
 
 @pytest.mark.parametrize("use_dora", [False, True])

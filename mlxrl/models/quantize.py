@@ -164,8 +164,19 @@ def quantize_model(model, bits: int = 4, group_size: int = 64, *, vision: bool =
             if p in wanted:
                 m.scales, m.biases = m.scales.astype(dtype), m.biases.astype(dtype)
     use_fast_layers(model)
+    for _, m in quantized_layers(model):  # layer by layer: a lazily loaded base is never whole in float
+        mx.eval(m.parameters())
     mx.eval(model.parameters())
     return paths + experts
+
+
+def load_quantization(args) -> tuple[int, int] | None:
+    """(bits, group size) to quantize a LoRA run's base with as it loads (`loading.load`'s `quantize`), for
+    `load_in_4bit` / `load_in_8bit`; None otherwise (full fine-tuning with them is `quantize_for`'s error)."""
+    bits = 4 if getattr(args, "load_in_4bit", False) else 8 if getattr(args, "load_in_8bit", False) else None
+    if bits is None or not getattr(args, "use_peft", False):
+        return None
+    return bits, int(getattr(args, "q_group_size", 64))
 
 
 def quantize_for(model, args) -> list[str] | None:

@@ -93,9 +93,11 @@ def apply_peft_config(args, peft_config):
 
 def _load(model, args):
     from ..loading import load
+    from ..models.quantize import load_quantization
     from ..models.widened import keeps_checkpoint_dtype
 
-    return load(str(model), dtype=args.dtype, keep_linear_dtype=keeps_checkpoint_dtype(args))
+    return load(str(model), dtype=args.dtype, keep_linear_dtype=keeps_checkpoint_dtype(args),
+                quantize=load_quantization(args))
 
 
 def _processor_of(model, processing_class, loaded):
