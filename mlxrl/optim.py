@@ -250,6 +250,7 @@ class AdamW8bit(FusedAdamW):
         self._after = None
         self._codes = (mx.array(q8.CODE_M), mx.array(q8.CODE_V))
         self._mids = (mx.array(q8.MID_M), mx.array(q8.MID_V))
+        self._starts = (self._luts[: 1 << 16], self._luts[1 << 16:])  # `q8.start_table` of each map
 
     def apply_gradients(self, gradients, parameters):
         self._after = None  # the previous 8-bit parameter's outputs: each update waits for them (`_apply32`)
@@ -286,8 +287,8 @@ class AdamW8bit(FusedAdamW):
             g = g.astype(FLOAT32) * scale
             m = b1 * q8.dequantize(mq, ma, self._codes[0]) + (1 - b1) * g
             v = b2 * q8.dequantize(vq, va, self._codes[1]) + (1 - b2) * mx.square(g)
-            return (self._kernels[2](w, m, v, self.learning_rate, c1, c2), *q8.quantize(m, self._mids[0]),
-                    *q8.quantize(v, self._mids[1]))
+            return (self._kernels[2](w, m, v, self.learning_rate, c1, c2),
+                    *q8.quantize(m, self._mids[0], self._starts[0]), *q8.quantize(v, self._mids[1], self._starts[1]))
 
         keys = ("m_codes", "m_max", "v_codes", "v_max")
         self._after = q8.chunked(step_chunk, [parameter, gradient, *(state[k] for k in keys)], self._after)

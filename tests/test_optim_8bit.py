@@ -38,6 +38,9 @@ def test_quantize_is_the_nearest_code_and_bitsandbytes_agrees():
         norm = (padded / np.abs(padded).max(1, keepdims=True)).reshape(-1)[: v.size]
         naive = np.abs(norm[:, None] - code[None, :]).argmin(1)
         np.testing.assert_array_equal(ours, naive)
+        mid = q8.midpoints(code)  # the bucket table's lookup (the optimizer's graph path) finds the same codes
+        looked_up, _ = q8.quantize(mx.array(v), mx.array(mid), mx.array(q8.start_table(mid)))
+        np.testing.assert_array_equal(np.array(looked_up), naive)
         theirs, state = F.quantize_blockwise(torch.from_numpy(v), code=torch.from_numpy(code), blocksize=q8.BLOCK)
         np.testing.assert_array_equal(top, state.absmax.numpy())
         diff = np.abs(ours.astype(int) - theirs.numpy().astype(int))
