@@ -99,9 +99,10 @@ def quantized_saving(model, cfg: dict, args, s: int) -> int:
     """Bytes a quantized base saves against its float weights: each quantized linear (`models.quantize`'s
     rule: the decoder's, not the embedding / head or the vision tower) and expert stack
     (`models.quantized_experts`) holds `bits` per weight and a 16-bit scale and offset per group instead of `s`
-    bytes per weight. On the CPU a quantized expert layer multiplies a float copy of each stack, one stack at a
-    time (`QuantizedExperts.project`): the largest is taken back off the saving. Counted from the lazily built
-    model's shapes: nothing is allocated."""
+    bytes per weight. On the CPU a quantized expert layer multiplies a float copy of each stack
+    (`QuantizedExperts.project`), made again in its backward: two copies of the largest stack are taken back off
+    the saving (measured: a checkpointed LoRA step's peak holds the recomputed forward's and the backward's).
+    Counted from the lazily built model's shapes: nothing is allocated."""
     from ..models.quantize import quantizable
     from ..models.quantized_experts import quantizable_experts
 
@@ -112,7 +113,7 @@ def quantized_saving(model, cfg: dict, args, s: int) -> int:
     n = sum(m.weight.size for p, m in model.named_modules() if quantizable(p, m, group))
     stacks = [v.size for m in model.modules() if quantizable_experts(m, group) for v in (m.gate_up_proj, m.down_proj)]
     n += sum(stacks)
-    widened = max(stacks, default=0) * s if fastmath.on_cpu() else 0
+    widened = 2 * max(stacks, default=0) * s if fastmath.on_cpu() else 0
     return int(n * s - n * bits / 8 - 2 * 2 * n / group - widened)
 
 
