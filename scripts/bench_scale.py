@@ -6,6 +6,8 @@
     python scripts/bench_scale.py --shapes qwen3-vl-2b --modes lora --images 2 --image_px 448   # VL rows
     python scripts/bench_scale.py --shapes qwen3.5-0.8b --layers 8 --modes lora --max_length 2048   # Qwen3.5 text
     python scripts/bench_scale.py --shapes qwen3.5-2b --layers 4 --modes lora --images 2 --image_px 896 --sides ours trl
+    python scripts/bench_scale.py --shapes qwen3-30b-a3b --layers 4 --ckpt_dtype bfloat16 --modes --quant 4 \
+        --mlxlm_quant decoder --max_length 2048 --sides ours mlxlm                # Qwen3-30B-A3B at 4 of 48 layers
     python scripts/bench_scale.py --grpo                               # GRPO, TRL PR #2669's shape on 0.6B
     python scripts/bench_scale.py --frontier --budget_gb 20 --modes lora --steps 1 --warmup 0 \
         --trl_lengths 5120 6144 --ours_lengths 12288      # the longest max_length under 20 GB (root: a cgroup)
@@ -36,6 +38,12 @@ mapped file pages and converts a bfloat16 one into its own memory):
                6144 (tied); vision Qwen3-VL's tower without DeepStack: depth 24, hidden 1024, MLP 4096, 16 heads,
                patch 16, merge 2, temporal patch 2, out 2048, 2304 position embeddings, gelu_pytorch_tanh (2213M);
                QWEN3_5_VL_TOKEN_IDS, and Qwen3-VL's processor (the class a Qwen3.5 checkpoint names), as qwen3-vl-2b
+  qwen3-30b-a3b Qwen3-MoE text (Qwen3MoeForCausalLM, the Hub's Qwen3-30B-A3B config): 48 layers, hidden 2048, 32/4
+               heads of 128, every MLP 128 experts of width 768 with top-8 routing, norm_topk_prob, router_aux_loss_coef
+               0.001, untied 151936 vocab (30.5B; ~3.3B active per token); saved in the Hub's per-expert layout. LoRA
+               on it: the four attention projections and every expert's projections (ours' default: its
+               lora_target_parameters; PEFT's target_parameters mlp.experts.gate_up_proj / down_proj; mlx-lm's
+               mlp.switch_mlp.gate_proj / up_proj / down_proj, LoRASwitchLinear); --quant 4 quantizes the experts too
 
 Data: batch 1, one row of exactly `--max_length` real tokens trained at every step, identical on every side (a
 hash of the ids each side tokenized is printed; with one row, data order cannot differ, so the step-0 losses
@@ -162,6 +170,7 @@ SHAPES = {  # name: (kind, hidden, MLP)
     "qwen3-vl-2b": ("vl", 2048, 6144),
     "qwen3.5-0.8b": ("text", 1024, 3584),
     "qwen3.5-2b": ("vl", 2048, 6144),
+    "qwen3-30b-a3b": ("text", 2048, 768),  # MLP: the expert width
 }
 DEPTH, VISION_DEPTH, DEEPSTACK = 28, 24, (5, 11, 17)
 # Qwen3.5 (the Hub's Qwen3.5-0.8B / -2B text configs): 24 layers, every 4th gated attention (8 / 2 heads of 256, a
@@ -172,6 +181,14 @@ QWEN3_5_TEXT = dict(vocab_size=248320, num_attention_heads=8, num_key_value_head
                     linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
                     linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
                     hidden_act="silu", max_position_embeddings=262144)
+# Qwen3-30B-A3B (the Hub's config): 48 layers, 32 / 4 heads of 128, every layer's MLP 128 experts of width 768, top 8
+MOE = ("qwen3-30b-a3b",)
+MOE_DEPTH = 48
+QWEN3_MOE_TEXT = dict(vocab_size=151936, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=True, intermediate_size=6144, decoder_sparse_step=1,
+                      mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=40960,
+                      router_aux_loss_coef=0.001, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # PEFT's target_parameters
 QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}
 VL_PREPROCESSOR = dict(min_pixels=256 * 256, max_pixels=4096 * 4096, patch_size=16, temporal_patch_size=2,
@@ -234,7 +251,7 @@ def resident_kinds(r: dict) -> str:
 # ---------------------------------------------------------------------------------------------- checkpoints
 def real_depth(shape: str) -> int:
     """The shape's real text depth (--layers cuts it)."""
-    return QWEN3_5_DEPTH if shape in QWEN3_5 else DEPTH
+    return QWEN3_5_DEPTH if shape in QWEN3_5 else MOE_DEPTH if shape in MOE else DEPTH
 
 
 def depths(layers: int | None, shape: str = "qwen3-0.6b") -> tuple[int, int, list[int]]:
@@ -242,6 +259,8 @@ def depths(layers: int | None, shape: str = "qwen3-0.6b") -> tuple[int, int, lis
     tower has no deepstack."""
     if shape in QWEN3_5:
         return (layers or QWEN3_5_DEPTH), min(VISION_DEPTH, layers or VISION_DEPTH), []
+    if shape in MOE:
+        return (layers or MOE_DEPTH), 0, []
     if not layers:
         return DEPTH, VISION_DEPTH, list(DEEPSTACK)
     vision = min(VISION_DEPTH, layers)
@@ -255,9 +274,16 @@ def qwen3_5_layer_types(n: int) -> list[str]:
 
 
 def lora_keys(ckpt: str) -> tuple[str, ...]:
-    """The LoRA targets of a checkpoint: the seven projections, and Qwen3.5's five DeltaNet ones."""
+    """The LoRA target modules of a checkpoint: the seven projections, and Qwen3.5's five DeltaNet ones; a mixture of
+    experts' the four attention ones (its experts are parameters: `is_moe`, EXPERT_PARAMETERS)."""
     config = json.loads((Path(ckpt) / "config.json").read_text())
+    if is_moe(ckpt):
+        return LORA_KEYS[:4]
     return LORA_KEYS + (DELTANET_KEYS if config["model_type"].startswith("qwen3_5") else ())
+
+
+def is_moe(ckpt: str) -> bool:
+    return json.loads((Path(ckpt) / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
 def ckpt_name(shape: str, layers: int | None, dtype: str = "float32") -> str:
@@ -288,7 +314,12 @@ def build_checkpoint(s: dict) -> dict:
     layers, vision_depth, deepstack = depths(s["layers"], s["shape"])
     text = dict(HEADS, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, **tiny.TOKEN_IDS)
     tokenizer = build_qwen_tokenizer
-    if s["shape"] in QWEN3_5:
+    if s["shape"] in MOE:
+        text = dict(QWEN3_MOE_TEXT, hidden_size=hidden, moe_intermediate_size=mlp, num_hidden_layers=layers,
+                    **tiny.TOKEN_IDS)
+        config, cls, image_processor = tf.Qwen3MoeConfig(**text), tf.Qwen3MoeForCausalLM, None
+        template = QWEN_CHAT_TEMPLATE
+    elif s["shape"] in QWEN3_5:
         tokenizer, template = build_qwen3_5_tokenizer, QWEN3_5_CHAT_TEMPLATE
         text = dict(QWEN3_5_TEXT, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                     layer_types=qwen3_5_layer_types(layers), rope_parameters=QWEN3_5_ROPE, **tiny.QWEN3_5_TOKEN_IDS)
@@ -326,6 +357,11 @@ def build_checkpoint(s: dict) -> dict:
         model = model.to(torch.bfloat16)
         model.config.dtype = torch.bfloat16
     model.save_pretrained(out)  # safetensors
+    if s["shape"] in MOE:  # the Hub's names, which mlx-lm reads (transformers 5 writes num_local_experts and
+        # rope_parameters)
+        saved = json.loads((out / "config.json").read_text())
+        saved.update(num_experts=saved["num_local_experts"], rope_theta=saved["rope_parameters"]["rope_theta"])
+        (out / "config.json").write_text(json.dumps(saved, indent=2))
     Processor(tokenizer(), image_processor, template).save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
     (out / "bench_scale.json").write_text(json.dumps({"shape": s["shape"], "layers": s["layers"], "params": params,
@@ -406,6 +442,7 @@ def run_ours(s: dict) -> dict:
     import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlxrl.models.quantize import load_quantization
     from mlxrl.models.widened import keeps_checkpoint_dtype
     from mlxrl.trainers.config import SFTConfig
     from mlxrl.trainers.sft import SFTTrainer
@@ -413,8 +450,10 @@ def run_ours(s: dict) -> dict:
     rows = make_rows(s)
     base = rss_gb()
     args = _sft_args(s, SFTConfig, s["max_length"])
-    # loaded as `python -m mlxrl.sft` loads it: a LoRA run keeps a bfloat16 checkpoint's linears (`models.widened`)
-    model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=keeps_checkpoint_dtype(args))
+    # loaded as `python -m mlxrl.sft` loads it: a LoRA run keeps a bfloat16 checkpoint's linears (`models.widened`),
+    # QLoRA quantizes them as they load
+    model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=keeps_checkpoint_dtype(args),
+                                  quantize=load_quantization(args))
     stamps = Stamps("ours")
     trainer = stamps.traced(SFT._timed_trainer(SFTTrainer, stamps))(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
@@ -500,8 +539,9 @@ def _hf_vl_processor(folder: str):
 def _lora_config(s: dict, task_type: str = "CAUSAL_LM"):
     from peft import LoraConfig
 
+    experts = {"target_parameters": list(EXPERT_PARAMETERS)} if is_moe(s["ckpt"]) else {}
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=s["lora_dropout"], target_modules=list(lora_keys(s["ckpt"])),
-                      bias="none", task_type=task_type)
+                      bias="none", task_type=task_type, **experts)
 
 
 def run_trl(s: dict) -> dict:
@@ -596,7 +636,8 @@ def run_mlxlm(s: dict) -> dict:
         model.unfreeze()
     else:
         # a key a layer lacks (Qwen3.5: self_attn.* on DeltaNet layers, linear_attn.* on attention ones) is skipped
-        keys = ([f"self_attn.{k}" for k in LORA_KEYS[:4]] + [f"mlp.{k}" for k in LORA_KEYS[4:]]
+        mlp = "mlp.switch_mlp" if is_moe(s["ckpt"]) else "mlp"  # mlx-lm's experts: SwitchLinear, LoRASwitchLinear
+        keys = ([f"self_attn.{k}" for k in LORA_KEYS[:4]] + [f"{mlp}.{k}" for k in LORA_KEYS[4:]]
                 + [f"linear_attn.{k}" for k in lora_keys(s["ckpt"])[len(LORA_KEYS):]])
         linear_to_lora_layers(model, len(model.layers), {"rank": 16, "scale": 2.0, "dropout": s["lora_dropout"],
                                                          "keys": keys})
@@ -909,11 +950,27 @@ def qwen3_5_forward(t: dict, seq: int) -> tuple[float, float]:
             full * widths_attention + (len(types) - full) * widths_deltanet)
 
 
+def moe_forward(t: dict, seq: int) -> tuple[float, float]:
+    """(trunk forward FLOPs, the LoRA adapters' in + out widths summed over the layers, per token) of a Qwen3-MoE
+    text config: attention as a dense layer's, the router (D x E), and per token its k experts' gate, up and down
+    products (D x I each); an expert adapter runs for the k experts a token chose (its width counted k times)."""
+    d, hd, e, k, inter = (t["hidden_size"], t["head_dim"], t.get("num_experts") or t["num_local_experts"],
+                          t["num_experts_per_tok"], t["moe_intermediate_size"])
+    q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
+    attention = 2 * seq * d * (q + 2 * kv) + 2 * seq * q * d + 2 * 2 * seq * seq * q
+    layer = attention + 2 * seq * d * e + k * 2 * seq * d * inter * 3
+    widths = (d + q) + 2 * (d + kv) + (q + d) + k * ((d + 2 * inter) + (inter + d))  # PEFT's fused gate_up adapter
+    return t["num_hidden_layers"] * layer, t["num_hidden_layers"] * widths
+
+
 def step_flops(config: dict, seq: int, trained: int, mode: str, grids=()) -> float:
     """Model FLOPs of one training step (batch 1, gradient checkpointing on): see the module docstring."""
     t = config.get("text_config", config)
     if str(t.get("model_type", "")).startswith("qwen3_5"):  # its own layer kinds (qwen3_5_forward)
         trunk, widths = qwen3_5_forward(t, seq)
+        head = 2 * trained * t["hidden_size"] * t["vocab_size"]
+    elif t.get("model_type") == "qwen3_moe":  # the active parameters: the router and the k chosen experts
+        trunk, widths = moe_forward(t, seq)
         head = 2 * trained * t["hidden_size"] * t["vocab_size"]
     else:
         trunk = SFT.model_flops(config, 1, seq, 0, False) / 3  # forward
