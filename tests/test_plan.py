@@ -189,10 +189,10 @@ def test_segments_suggested_and_their_saving_measured():
     is 3 segments (the fewest inputs kept; the same result; the chunk sizes before it do not fit). Measured,
     the segmented run's peak is below the per-layer run's by the planner's saving, the 6 layer inputs no longer
     kept, within 30% (on either path: the graph path's attention scores make its absolute prediction looser)."""
-    args = SFTConfig(max_length=4096, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True)
+    args = SFTConfig(max_length=2048, per_device_train_batch_size=1, gradient_checkpointing=True, use_peft=True)
     layer = plan.predict(DEEP, args, "sft", suggest=False).total
     segmented = plan.predict(DEEP, dataclasses.replace(args, checkpoint_segments=3), "sft", suggest=False).total
-    saving = (12 - 6) * 4096 * 256 * 4
+    saving = (12 - 6) * 2048 * 256 * 4
     assert layer - segmented == pytest.approx(saving)
     p = plan.predict(DEEP, args, "sft", memory_limit=(layer + segmented) // 2)
     assert p.suggestion == {"checkpoint_segments": 3}, p.table()
