@@ -276,10 +276,10 @@ def qwen3_5_layer_types(n: int) -> list[str]:
 def lora_keys(ckpt: str) -> tuple[str, ...]:
     """The LoRA target modules of a checkpoint: the seven projections, and Qwen3.5's five DeltaNet ones; a mixture of
     experts' the four attention ones (its experts are parameters: `is_moe`, EXPERT_PARAMETERS)."""
-    config = json.loads((Path(ckpt) / "config.json").read_text())
-    if is_moe(ckpt):
+    model_type = json.loads((Path(ckpt) / "config.json").read_text())["model_type"]
+    if model_type == "qwen3_moe":
         return LORA_KEYS[:4]
-    return LORA_KEYS + (DELTANET_KEYS if config["model_type"].startswith("qwen3_5") else ())
+    return LORA_KEYS + (DELTANET_KEYS if model_type.startswith("qwen3_5") else ())
 
 
 def is_moe(ckpt: str) -> bool:
@@ -966,11 +966,10 @@ def moe_forward(t: dict, seq: int) -> tuple[float, float]:
 def step_flops(config: dict, seq: int, trained: int, mode: str, grids=()) -> float:
     """Model FLOPs of one training step (batch 1, gradient checkpointing on): see the module docstring."""
     t = config.get("text_config", config)
-    if str(t.get("model_type", "")).startswith("qwen3_5"):  # its own layer kinds (qwen3_5_forward)
-        trunk, widths = qwen3_5_forward(t, seq)
-        head = 2 * trained * t["hidden_size"] * t["vocab_size"]
-    elif t.get("model_type") == "qwen3_moe":  # the active parameters: the router and the k chosen experts
-        trunk, widths = moe_forward(t, seq)
+    kind = str(t.get("model_type", ""))
+    # their own layer kinds: Qwen3.5's (qwen3_5_forward); an MoE's active parameters, the router and k experts
+    if kind.startswith("qwen3_5") or kind == "qwen3_moe":
+        trunk, widths = (moe_forward if kind == "qwen3_moe" else qwen3_5_forward)(t, seq)
         head = 2 * trained * t["hidden_size"] * t["vocab_size"]
     else:
         trunk = SFT.model_flops(config, 1, seq, 0, False) / 3  # forward

@@ -138,7 +138,7 @@ def test_qwen3_5_prediction_within_15_percent(trainer, cls, name, kw, shape, gra
 
 # the expert layer (`plan.layers.expert_saved_bytes`): full fine-tuning without checkpointing (every layer's saved
 # arrays), LoRA on the experts with checkpointing (one layer's recompute and backward), and over 4-bit experts (their
-# packed stacks, and the float copy of one stack the CPU multiplies)
+# packed stacks, and the two float copies of the largest stack the CPU's step holds)
 MOE_CASES = [
     ("sft", SFTConfig, "moe", dict(max_length=1024, per_device_train_batch_size=1, gradient_checkpointing=False), {},
      False),

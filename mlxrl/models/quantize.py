@@ -170,13 +170,16 @@ def quantize_model(model, bits: int = 4, group_size: int = 64, *, vision: bool =
     return paths + experts
 
 
+def requested_quantization(args) -> tuple[int, int] | None:
+    """(bits, group size) that a config's `load_in_4bit` / `load_in_8bit` (`q_group_size`) ask for; None without."""
+    bits = 4 if getattr(args, "load_in_4bit", False) else 8 if getattr(args, "load_in_8bit", False) else None
+    return None if bits is None else (bits, int(getattr(args, "q_group_size", 64) or 64))
+
+
 def load_quantization(args) -> tuple[int, int] | None:
     """(bits, group size) to quantize a LoRA run's base with as it loads (`loading.load`'s `quantize`), for
     `load_in_4bit` / `load_in_8bit`; None otherwise (full fine-tuning with them is `quantize_for`'s error)."""
-    bits = 4 if getattr(args, "load_in_4bit", False) else 8 if getattr(args, "load_in_8bit", False) else None
-    if bits is None or not getattr(args, "use_peft", False):
-        return None
-    return bits, int(getattr(args, "q_group_size", 64))
+    return requested_quantization(args) if getattr(args, "use_peft", False) else None
 
 
 def quantize_for(model, args) -> list[str] | None:
@@ -184,14 +187,12 @@ def quantize_for(model, args) -> list[str] | None:
     `load_in_8bit` (group `q_group_size`; idempotent), and refuse full fine-tuning (`use_peft` false) of
     a quantized base (flags or an MLX-quantized checkpoint) in one line. Returns the paths quantized
     now, or None without the flags."""
-    bits = 4 if getattr(args, "load_in_4bit", False) else 8 if getattr(args, "load_in_8bit", False) else None
-    if not getattr(args, "use_peft", False) and (bits is not None or is_quantized(model)):
-        what = f"load_in_{bits}bit" if bits else f"{getattr(model, 'name_or_path', 'the model')} is MLX-quantized: it"
+    q = requested_quantization(args)
+    if not getattr(args, "use_peft", False) and (q is not None or is_quantized(model)):
+        what = f"load_in_{q[0]}bit" if q else f"{getattr(model, 'name_or_path', 'the model')} is MLX-quantized: it"
         raise MlxrlError(f"{what} trains LoRA adapters over a frozen quantized base; full fine-tuning cannot "
                          "update quantized weights: add --use_peft (use_peft=True)")
-    if bits is None:
-        return None
-    return quantize_model(model, bits, int(getattr(args, "q_group_size", 64)))
+    return None if q is None else quantize_model(model, *q)
 
 
 def use_fast_layers(model) -> None:

@@ -87,8 +87,10 @@ def _text_config(cfg: dict) -> dict:
 def quantization_of(cfg: dict, args) -> tuple[int, int] | None:
     """(bits, group size) of the frozen base: `load_in_4bit` / `load_in_8bit` (`q_group_size`), or an
     MLX-quantized checkpoint's `quantization` entry; None for a float base."""
-    if getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False):
-        return (4 if getattr(args, "load_in_4bit", False) else 8), int(getattr(args, "q_group_size", 64) or 64)
+    from ..models.quantize import requested_quantization
+
+    if (asked := requested_quantization(args)) is not None:
+        return asked
     q = cfg.get("quantization") or cfg.get("quantization_config")
     if isinstance(q, dict) and q.get("bits"):
         return int(q["bits"]), int(q.get("group_size", 64))
