@@ -492,7 +492,8 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
                      max_length=max_length, gradient_checkpointing=True, seed=42,
                      keep_attention=s.get("keep_attention", False), tiled_mlp=s.get("tiled_mlp"),
                      keep_frozen_dtype=s.get("keep_frozen_dtype", True),
-                     checkpoint_segments=_segments(s), optim=s.get("optim") or "adamw_torch", **kw)
+                     checkpoint_segments=_segments(s), optim=s.get("optim") or "adamw_torch",
+                     compile=s.get("compile", True), **kw)
 
 
 def _segments(s: dict) -> int:
@@ -1011,7 +1012,8 @@ def sft_spec(a, folder: Path, out: Path, mode: str, t: int, vl: bool) -> dict:
     return {"ckpt": str(folder), "out": str(out), "mode": mode, "bits": a.quant, "q_group_size": a.q_group_size,
             "max_length": t, "steps": a.steps, "warmup": a.warmup, "lr": a.lr_full if mode == "full" else a.lr_lora,
             "lora_dropout": a.lora_dropout, "vl": vl, "images": a.images, "image_px": a.image_px,
-            "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu, "segments": a.checkpoint_segments, "optim": a.optim}
+            "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu, "segments": a.checkpoint_segments, "optim": a.optim,
+            "compile": a.compile == "true"}
 
 
 def run_frontier(a, root: Path, tmp: Path, env) -> dict:
@@ -1244,6 +1246,8 @@ def main(argv=None):
     ap.add_argument("--optim", choices=list(TRL_OPTIM), default="adamw_torch",
                     help="the optimizer of ours and TRL's (adamw_8bit: bitsandbytes' AdamW8bit on TRL's side; "
                          "mlx-lm keeps its AdamW)")
+    ap.add_argument("--compile", choices=["true", "false"], default="true",
+                    help="ours: mx.compile the step (the trainers' default) or step eagerly (--compile false)")
     ap.add_argument("--steps", type=int, default=2, help="timed optimizer steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     ap.add_argument("--lr_full", type=float, default=1e-5)

@@ -6,6 +6,8 @@ sticky device error still names the last case that ran.
     python scripts/gpu_probe.py vl              # tiny VL models: images alone against together, packed rows
     python scripts/gpu_probe.py decode          # cached decoding against the uncached forward, greedy
     python scripts/gpu_probe.py ops             # reductions, scans, gathers: the device against the CPU stream
+    python scripts/gpu_probe.py delta           # the gated delta rule: device vs CPU vs torch; timed at 0.8B widths
+    python scripts/gpu_probe.py q35             # Qwen3.5: logits vs transformers, 0.8B-width gradients vs the CPU
 
 `sdpa`: per query / key length, head dim, dtype and mask (none, "causal", a boolean block-diagonal mask as
 packed rows use, left-padding masks, additive and boolean), the largest difference of the output and of dq / dk /
@@ -376,16 +378,215 @@ def ops(_a) -> None:
         print(f"  {name:<52} {d:.2e}", flush=True)
 
 
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def delta(a) -> None:
+    """The gated delta rule (`mlxrl.models.gated_delta`) on the device: values and every input's gradient
+    against the same op on the CPU stream and against transformers' `torch_chunk_gated_delta_rule` under torch
+    autograd (float32, a length that is not a multiple of the chunk, an initial state, packed documents); then
+    forward + backward timed at Qwen3.5-0.8B's DeltaNet widths, ours (its own VJP) and MLX's autograd of the
+    same chunked forward against torch's on CUDA, with each side's peak device memory."""
+    from mlxrl.models.gated_delta import gated_delta_rule
+
+    dev = mx.default_device()
+    rng = np.random.default_rng(0)
+
+    def inputs(B, T, hk, hv, dk, dv):
+        f = np.float32
+        return [rng.standard_normal((B, T, hk, dk), f), rng.standard_normal((B, T, hk, dk), f),
+                rng.standard_normal((B, T, hv, dv), f), -rng.uniform(0.01, 1.0, (B, T, hv)).astype(f),
+                rng.uniform(0.0, 1.0, (B, T, hv)).astype(f), 0.1 * rng.standard_normal((B, hv, dk, dv), f),
+                rng.standard_normal((B, T, hv, dv), f)]
+
+    B, T, hk, hv, dk, dv = 2, 1000, 2, 4, 32, 48
+    arrays = inputs(B, T, hk, hv, dk, dv)
+    starts = np.zeros((B, T), bool)
+    starts[1, [0, 333, 700]] = True
+
+    def ours(stream, docs):
+        with mx.stream(stream):
+            *ins, w = (mx.array(x) for x in arrays)
+            d = mx.array(starts) if docs else None
+
+            def loss(q, k, v, g, beta, s0):
+                out, final = gated_delta_rule(q, k, v, g, beta, s0, d, use_qk_l2norm_in_kernel=True)
+                return (out * w).sum() + final.sum()
+
+            value, grads = mx.value_and_grad(loss, argnums=list(range(6)))(*ins)
+            mx.eval(value, grads)
+            return [np.array(x) for x in (value, *grads)]
+
+    names = ("value", "dq", "dk", "dv", "dg", "dbeta", "dstate")
+    print(f"device {dev}; gated delta rule B={B} T={T} heads {hk}/{hv} dk {dk} dv {dv}, float32, initial state: "
+          "relative difference", flush=True)
+    for docs in (False, True):
+        got, ref = ours(dev, docs), ours(mx.cpu, docs)
+        print(f"  {'packed documents' if docs else 'one sequence':<17} device vs CPU stream: "
+              + " ".join(f"{n} {_rel(x, y):.1e}" for n, x, y in zip(names, got, ref, strict=True)), flush=True)
+    try:
+        import torch
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    except ImportError as e:
+        print(f"  (no torch reference: {e})")
+        return
+    cuda = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    *leaves, w = (torch.tensor(x, device=cuda) for x in arrays)
+    for x in leaves:
+        x.requires_grad_(True)
+    out, final = torch_chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                              use_qk_l2norm_in_kernel=True)
+    value = (out * w).sum() + final.sum()
+    value.backward()
+    theirs = [value.detach().cpu().numpy()] + [x.grad.cpu().numpy() for x in leaves]
+    got = ours(dev, False)
+    print(f"  {'one sequence':<17} device vs torch ({cuda}): "
+          + " ".join(f"{n} {_rel(x, y):.1e}" for n, x, y in zip(names, got, theirs, strict=True)), flush=True)
+
+    print("forward + backward at Qwen3.5-0.8B's widths (16/16 heads of 128), B=1: median of 3 after the first; "
+          "peak device memory above the inputs", flush=True)
+    for T in a.lengths:
+        arrays = inputs(1, T, 16, 16, 128, 128)
+        for dtype in ("float32", "bfloat16"):
+            for side in ("ours", "mlx_autograd", "torch"):
+                if side == "torch":
+                    tdt = getattr(torch, dtype)
+                    *ins, w = (torch.tensor(x, device=cuda).to(tdt) for x in arrays[:5] + arrays[6:])
+
+                    def run(ins=ins, w=w):
+                        leaves = [x.clone().requires_grad_(True) for x in ins]
+                        out, _ = torch_chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)
+                        (out.float() * w.float()).sum().backward()
+                        if cuda == "cuda":
+                            torch.cuda.synchronize()
+
+                    if cuda == "cuda":
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                    else:
+                        base = 0
+                    peak = lambda base=base: (torch.cuda.max_memory_allocated() - base) if cuda == "cuda" else 0  # noqa: E731
+                else:
+                    mdt = getattr(mx, dtype)
+                    *ins, w = (mx.array(x).astype(mdt) for x in arrays[:5] + arrays[6:])
+                    mx.eval(ins, w)
+
+                    def loss(q, k, v, g, beta, w=w, custom=side == "ours"):
+                        out, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, custom_vjp=custom)
+                        return (out.astype(mx.float32) * w.astype(mx.float32)).sum()
+
+                    fn = mx.value_and_grad(loss, argnums=list(range(5)))
+
+                    def run(fn=fn, ins=ins):
+                        mx.eval(fn(*ins))
+
+                    mx.reset_peak_memory()
+                    base = mx.get_active_memory()
+                    peak = lambda base=base: mx.get_peak_memory() - base  # noqa: E731
+                try:
+                    t0 = time.perf_counter()
+                    run()
+                    first = time.perf_counter() - t0
+                    mem = peak()
+                    times = []
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        run()
+                        times.append(time.perf_counter() - t0)
+                    print(f"  T {T:>5} {dtype:<8} {side:<12} first {first:7.3f} s, then {sorted(times)[1]:7.4f} s, "
+                          f"peak {mem / 1e9:6.2f} GB", flush=True)
+                except Exception as e:  # an out-of-memory or a device fault: say so, go on
+                    print(f"  T {T:>5} {dtype:<8} {side:<12} failed: {str(e).splitlines()[0][:160]}", flush=True)
+                del ins, w
+
+
+def q35(a) -> None:
+    """Qwen3.5 (`qwen3_5_text`) on the device: a tiny random model's logits against transformers' on the CPU
+    (float32); the loss and every parameter's gradient at 0.8B widths (3 DeltaNet layers + 1 gated attention,
+    a small vocabulary, 1000 tokens) on the device against the CPU stream, float32, and the device's bfloat16
+    loss against that float32 one."""
+    import torch
+    import transformers
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlxrl.models.qwen3_5.model import Model
+
+    dev = mx.default_device()
+    torch.manual_seed(0)
+    tiny = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=12, rms_norm_eps=1e-6)
+    cfg = transformers.Qwen3_5TextConfig(**tiny)
+    hf = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias", "A_log")):
+                p.add_(0.3 * torch.randn_like(p))
+    ours = Model({**cfg.to_dict(), "model_type": "qwen3_5_text"})
+    ours.load_weights(list(ours.sanitize({k: mx.array(v.numpy()) for k, v in hf.state_dict().items()}).items()))
+    ours.eval()
+    print(f"device {dev}; Qwen3.5 text", flush=True)
+    for T in (70, 130):
+        ids = np.random.default_rng(T).integers(0, 300, (2, T))
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor(ids)).logits.numpy()
+        got = np.array(ours(mx.array(ids)))
+        print(f"  tiny, T {T}: logits max abs diff from transformers (CPU, float32) "
+              f"{np.abs(got - want).max():.2e}", flush=True)
+
+    wide = dict(tiny, vocab_size=4096, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                linear_key_head_dim=128, linear_value_head_dim=128, model_type="qwen3_5_text",
+                layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=8192)
+    model = Model({**transformers.Qwen3_5TextConfig(**{k: v for k, v in wide.items() if k != "model_type"}).to_dict(),
+                   "model_type": "qwen3_5_text"})
+    mx.eval(model.parameters())
+    rng = np.random.default_rng(1)
+    ids, targets = (mx.array(rng.integers(0, 4096, (1, 1000))) for _ in range(2))
+    params = dict(tree_flatten(model.trainable_parameters()))
+
+    def loss(p):
+        model.update(tree_unflatten(list(p.items())))
+        out = model(ids).astype(mx.float32)
+        return mx.mean(mx.logsumexp(out, axis=-1) - mx.take_along_axis(out, targets[..., None], -1)[..., 0])
+
+    results = {}
+    for name, stream, dtype in (("device f32", dev, mx.float32), ("cpu f32", mx.cpu, mx.float32),
+                                ("device bf16", dev, mx.bfloat16)):
+        with mx.stream(stream):
+            p = {k: v.astype(dtype) for k, v in params.items()}
+            t0 = time.perf_counter()
+            value, grads = mx.value_and_grad(loss)(p)
+            mx.eval(value, grads)
+            results[name] = (value.item(), {k: np.array(g.astype(mx.float32)) for k, g in grads.items()})
+            print(f"  0.8B widths, 4 layers, 1000 tokens, {name}: loss {value.item():.6f} "
+                  f"({time.perf_counter() - t0:.2f} s)", flush=True)
+    (l0, g0), (l1, g1) = results["device f32"], results["cpu f32"]
+    worst = max(((_rel(g0[k], g1[k]), k) for k in g1), key=lambda x: x[0])
+    print(f"  device vs CPU stream, float32: loss {abs(l0 - l1):.2e}, worst gradient {worst[0]:.2e} ({worst[1]})",
+          flush=True)
+    lb, gb = results["device bf16"]
+    worst = max(((_rel(gb[k], g1[k]), k) for k in g1), key=lambda x: x[0])
+    print(f"  device bfloat16 vs CPU float32: loss {abs(lb - l1):.2e}, worst gradient {worst[0]:.2e} ({worst[1]})",
+          flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["sdpa", "step", "vl", "decode", "ops"])
+    ap.add_argument("what", choices=["sdpa", "step", "vl", "decode", "ops", "delta", "q35"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--compile", type=int, default=1)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="delta: the timed lengths")
     a = ap.parse_args(argv)
-    {"sdpa": sdpa, "step": step, "vl": vl, "decode": decode, "ops": ops}[a.what](a)
+    {"sdpa": sdpa, "step": step, "vl": vl, "decode": decode, "ops": ops, "delta": delta, "q35": q35}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,13 @@
 #   bash scripts/gpu_session.sh prepare     # here: the cp312 wheels into .whl1/ and .whl2/ (each < 64 MiB)
 #   bash scripts/gpu_session.sh stage       # there, call 1 (carry .whl1): keep the first half in /tmp/w1
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
-#                                           # MLX CUDA wheel, install, then gpu_probe.py (reductions, scans
-#                                           # and gathers against the CPU; attention, cached too; VL images
-#                                           # alone / together, packed rows; cached decoding
-#                                           # against uncached; a 2-layer step compiled on an empty and
-#                                           # a warm kernel cache, and eager), the suite on
-#                                           # 16 workers and the GPU bench (--live) at full depth, for about
+#                                           # MLX CUDA wheel, install, then the suite on 12 workers beside
+#                                           # gpu_probe.py's value checks (a 2-layer step compiled on an empty
+#                                           # and a warm kernel cache, and eager; reductions, scans and
+#                                           # gathers against the CPU; attention; Qwen3.5; VL images; cached
+#                                           # decoding), then on a quiet device the gated delta rule timed
+#                                           # against torch's and the GPU bench (--live, eager) of the
+#                                           # Qwen3.5-0.8B and Qwen3-0.6B shapes against TRL, for about
 #                                           # N seconds (default 540) in all
 #   bash scripts/gpu_session.sh install     # there, call 2 instead of `run`: join and install only (then
 #                                           # export PYTHONPATH=/tmp/site:$PWD; e.g. scripts/gpu_probe.py)
@@ -18,7 +19,7 @@
 #                                           # illegal memory access (into $OUT/sanitize.log)
 #
 # `prepare` adds /.whl1/ and /.whl2/ to .git/info/exclude. Results land in $OUT (probe.log, bench.log, pytest.log,
-# junit.xml). The suite runs with -v (one line per test as it ends), so a run cut short still names what ran.
+# junit.xml, delta.log). The suite runs with -v (one line per test as it ends), so a run cut short still names what ran.
 set -u
 MLX=0.32.4
 CUDA_WHEEL=mlx_cuda_13-$MLX-py3-none-manylinux_2_35_x86_64.whl
@@ -52,28 +53,41 @@ run)
   budget=${2:-540}
   t0=$(date +%s)
   left() { echo $(( budget - ($(date +%s) - t0) )); }
+  # a probe with at most its cap, and never past the end of the phase ($phase_end, seconds since t0)
+  probe() { cap=$1; shift; t=$(( phase_end - ($(date +%s) - t0) )); [ "$t" -gt "$cap" ] && t=$cap
+         [ "$t" -ge 5 ] && timeout -s INT "$t" python3 "$@"; }
   export PYTHONUNBUFFERED=1
   bash "$0" install || exit 1
   export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import mlxrl, mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-  # first the figures that cannot miss (the last session: the compiled 2-layer step's first call did not end
-  # in 40 s, the eager one took 6.2 s and then 0.04 s): the fused attention, the VL models' images alone against
-  # together and packed rows, the compiled step on an empty kernel cache, again on the warm cache, and eager;
-  # then the suite (a sticky CUDA error now ends only its worker), then the real-scale bench with what is left
-  { timeout -s INT 20 python3 scripts/gpu_probe.py ops
-    timeout -s INT 40 python3 scripts/gpu_probe.py sdpa
-    timeout -s INT 60 python3 scripts/gpu_probe.py vl
-    timeout -s INT 40 python3 scripts/gpu_probe.py decode
-    timeout -s INT 150 python3 scripts/gpu_probe.py step --layers 2 --calls 3
-    timeout -s INT 45 python3 scripts/gpu_probe.py step --layers 2 --calls 3
-    timeout -s INT 25 python3 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0; } 2>&1 | tee "$OUT/probe.log"
-  suite=$(( $(left) - 100 )); [ "$suite" -lt 60 ] && suite=60  # the bench keeps ~100 s
-  timeout -s INT "$suite" python3 -m pytest -n 16 -o addopts="" -v -p no:cacheprovider \
-    -p no:warnings --tb=short -rfE --junitxml="$OUT/junit.xml" tests > "$OUT/pytest.log" 2>&1
+  # phase 1, ending 250 s before the budget: the suite on 12 workers in the background (the new model families'
+  # files first, one line per test) while the probes that check values run in front: the compiled step on an
+  # empty and a warm kernel cache and eager (its compile cost is what stalled the first two runs), the ops,
+  # attention, Qwen3.5 against transformers and the CPU stream, the VL and decoding probes
+  phase_end=$(( budget - 250 ))
+  python3 -m pytest -n 12 -o addopts="" -v -p no:cacheprovider -p no:warnings --tb=short -rfE \
+    --junitxml="$OUT/junit.xml" tests/test_qwen3_5.py tests/test_gated_delta.py tests/test_moe.py \
+    tests/test_models.py tests/test_generation.py tests/test_data.py tests > "$OUT/pytest.log" 2>&1 &
+  suite=$!
+  { probe 100 scripts/gpu_probe.py step --layers 2 --calls 3
+    probe 30 scripts/gpu_probe.py step --layers 2 --calls 3
+    probe 20 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0
+    probe 15 scripts/gpu_probe.py ops
+    probe 30 scripts/gpu_probe.py sdpa
+    probe 60 scripts/gpu_probe.py q35
+    probe 45 scripts/gpu_probe.py vl
+    probe 40 scripts/gpu_probe.py decode; } 2>&1 | tee "$OUT/probe.log"
+  while [ $(( $(date +%s) - t0 )) -lt "$phase_end" ] && kill -0 $suite 2>/dev/null; do sleep 2; done
+  kill -INT $suite 2>/dev/null; sleep 8; kill -9 $suite 2>/dev/null
   echo "suite ended at $(( $(date +%s) - t0 )) s"
+  # phase 2, on a quiet device: the gated delta rule timed against torch's, then the real-scale LoRA step of the
+  # Qwen3.5-0.8B and Qwen3-0.6B shapes, ours (eager: --compile false) against TRL, 4096 tokens
+  phase_end=$(( budget - 5 ))
+  probe 60 scripts/gpu_probe.py delta 2>&1 | tee "$OUT/delta.log"
   bench=$(left); [ "$bench" -lt 30 ] && bench=30
-  timeout -s INT "$bench" python3 scripts/bench_scale.py --gpu --live --modes lora \
-    --sides ours trl --max_length 4096 --steps 2 --warmup 1 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  timeout -s INT "$bench" python3 scripts/bench_scale.py --gpu --live --modes lora --shapes qwen3.5-0.8b \
+    qwen3-0.6b --sides ours trl --compile false --max_length 4096 --steps 2 --warmup 1 \
+    --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench ended at $(( $(date +%s) - t0 )) s"
   grep -cE " PASSED " "$OUT/pytest.log"; grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -40
   ;;
