@@ -53,6 +53,10 @@ import mlxrl  # (first: the fast BLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
+from mlxrl import runtime
+
+runtime.apply_tf32()  # full float32 matmuls on CUDA (MLX reads it at its first): the float32 checks compare values
+
 
 def naive_attention(q, k, v, scale, mask):
     rep = q.shape[1] // k.shape[1]

@@ -4,10 +4,10 @@
 #   bash scripts/gpu_session.sh prepare     # here: the cp312 wheels into .whl1/ and .whl2/ (each < 64 MiB)
 #   bash scripts/gpu_session.sh stage       # there, call 1 (carry .whl1): keep the first half in /tmp/w1
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
-#                                           # MLX CUDA wheel, install, then the suite on 12 workers beside
-#                                           # gpu_probe.py's value checks (a 2-layer step compiled on an empty
-#                                           # and a warm kernel cache, and eager; reductions, scans and
-#                                           # gathers against the CPU; attention; Qwen3.5; VL images; cached
+#                                           # MLX CUDA wheel, install, then gpu_probe.py's 2-layer step compiled
+#                                           # on an empty and a warm kernel cache, and eager; the suite on 12
+#                                           # workers beside its value checks (reductions, scans and gathers
+#                                           # against the CPU; attention; Qwen3.5; VL images; cached
 #                                           # decoding), then on a quiet device the gated delta rule timed
 #                                           # against torch's and the GPU bench (--live, eager) of the
 #                                           # Qwen3.5-0.8B and Qwen3-0.6B shapes against TRL, for about
@@ -19,7 +19,7 @@
 #                                           # illegal memory access (into $OUT/sanitize.log)
 #
 # `prepare` adds /.whl1/ and /.whl2/ to .git/info/exclude. Results land in $OUT (probe.log, bench.log, pytest.log,
-# junit.xml, delta.log). The suite runs with -v (one line per test as it ends), so a run cut short still names what ran.
+# junit.xml, failures.log, delta.log). The suite runs with -v (one line per test as it ends), so a run cut short still names what ran.
 set -u
 MLX=0.32.4
 CUDA_WHEEL=mlx_cuda_13-$MLX-py3-none-manylinux_2_35_x86_64.whl
@@ -55,30 +55,34 @@ run)
   left() { echo $(( budget - ($(date +%s) - t0) )); }
   # a probe with at most its cap, and never past the end of the phase ($phase_end, seconds since t0)
   probe() { cap=$1; shift; t=$(( phase_end - ($(date +%s) - t0) )); [ "$t" -gt "$cap" ] && t=$cap
-         [ "$t" -ge 5 ] && timeout -s INT "$t" python3 "$@"; }
+         [ "$t" -ge 5 ] && timeout -k 10 -s INT "$t" python3 "$@"; }  # -k: SIGINT waits for a C call to end
   export PYTHONUNBUFFERED=1
   bash "$0" install || exit 1
   export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import mlxrl, mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-  # phase 1, ending 250 s before the budget: the suite on 12 workers in the background (the new model families'
-  # files first, one line per test) while the probes that check values run in front: the compiled step on an
-  # empty and a warm kernel cache and eager (its compile cost is what stalled the first two runs), the ops,
-  # attention, Qwen3.5 against transformers and the CPU stream, the VL and decoding probes
-  phase_end=$(( budget - 250 ))
-  python3 -m pytest -n 12 -o addopts="" -v -p no:cacheprovider -p no:warnings --tb=short -rfE \
-    --junitxml="$OUT/junit.xml" tests/test_qwen3_5.py tests/test_gated_delta.py tests/test_moe.py \
-    tests/test_models.py tests/test_generation.py tests/test_data.py tests > "$OUT/pytest.log" 2>&1 &
-  suite=$!
-  { probe 100 scripts/gpu_probe.py step --layers 2 --calls 3
+  # the compiled step on an empty kernel cache, alone (the first two runs: not done in 40 s; the third, beside
+  # the suite: not in 100 s), then on the warm cache, and eager
+  phase_end=$(( budget - 400 ))
+  { probe 150 scripts/gpu_probe.py step --layers 2 --calls 3
     probe 30 scripts/gpu_probe.py step --layers 2 --calls 3
-    probe 20 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0
-    probe 15 scripts/gpu_probe.py ops
+    probe 20 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0; } 2>&1 | tee "$OUT/probe.log"
+  # phase 1, ending 250 s before the budget: the suite on 12 workers in the background (the new model families'
+  # files first, one line per test; each failure's traceback into failures.log as it happens) while the probes
+  # that check values run in front: the ops, attention, Qwen3.5 against transformers and the CPU stream, the VL
+  # and decoding probes
+  phase_end=$(( budget - 250 ))
+  MLXRL_FAILURE_LOG="$OUT/failures.log" python3 -m pytest -n 12 -o addopts="" -v -p no:cacheprovider \
+    -p no:warnings --tb=short -rfE --junitxml="$OUT/junit.xml" tests/test_qwen3_5.py tests/test_gated_delta.py \
+    tests/test_moe.py tests/test_models.py tests/test_generation.py tests/test_data.py tests > "$OUT/pytest.log" 2>&1 &
+  suite=$!
+  { probe 15 scripts/gpu_probe.py ops
     probe 30 scripts/gpu_probe.py sdpa
     probe 60 scripts/gpu_probe.py q35
     probe 45 scripts/gpu_probe.py vl
-    probe 40 scripts/gpu_probe.py decode; } 2>&1 | tee "$OUT/probe.log"
+    probe 40 scripts/gpu_probe.py decode; } 2>&1 | tee -a "$OUT/probe.log"
   while [ $(( $(date +%s) - t0 )) -lt "$phase_end" ] && kill -0 $suite 2>/dev/null; do sleep 2; done
-  kill -INT $suite 2>/dev/null; sleep 8; kill -9 $suite 2>/dev/null
+  kill -INT $suite 2>/dev/null  # pytest writes junit.xml on SIGINT once its workers stop
+  for _ in $(seq 15); do kill -0 $suite 2>/dev/null || break; sleep 2; done; kill -9 $suite 2>/dev/null
   echo "suite ended at $(( $(date +%s) - t0 )) s"
   # phase 2, on a quiet device: the gated delta rule timed against torch's, then the real-scale LoRA step of the
   # Qwen3.5-0.8B and Qwen3-0.6B shapes, ours (eager: --compile false) against TRL, 4096 tokens

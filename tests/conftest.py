@@ -31,12 +31,20 @@ STICKY_DEVICE_ERRORS = ("an illegal memory access was encountered", "unspecified
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
-    """On a GPU, a test that failed with a sticky CUDA error ends its pytest-xdist worker once the report is
-    sent (xdist's own hook sends it first): xdist starts a fresh worker for the tests left, so one fault fails
-    one test instead of every later test of that worker. MLXRL_TEST_STICKY=1 turns it on without a GPU (its
-    test)."""
-    if (report.failed and os.environ.get("PYTEST_XDIST_WORKER")
-            and (ON_GPU or os.environ.get("MLXRL_TEST_STICKY") == "1")
+    """Two things for runs on a lent GPU machine, where a run is often cut at its time limit before pytest's
+    summary prints: with MLXRL_FAILURE_LOG set, each failure's report is appended to that file as it happens
+    (the traceback survives the cut). And a test that failed with a sticky CUDA error ends its pytest-xdist
+    worker once the report is sent (xdist's own hook sends it first): xdist starts a fresh worker for the tests
+    left, so one fault fails one test instead of every later test of that worker. That is on with a GPU default
+    device; MLXRL_TEST_STICKY=1 / 0 turns it on / off whatever the device (its test)."""
+    if not report.failed:
+        return
+    # under xdist the controller gets each worker's report as it is sent: it alone writes, once per failure
+    if os.environ.get("MLXRL_FAILURE_LOG") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(os.environ["MLXRL_FAILURE_LOG"], "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+    sticky = os.environ.get("MLXRL_TEST_STICKY", "1" if ON_GPU else "0") == "1"
+    if (sticky and os.environ.get("PYTEST_XDIST_WORKER")
             and any(e in report.longreprtext for e in STICKY_DEVICE_ERRORS)):
         print(f"\n{report.nodeid}: a sticky device error; this worker exits for a fresh one", file=sys.stderr)
         sys.stderr.flush()
