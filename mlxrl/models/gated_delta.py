@@ -40,15 +40,21 @@ with the identity.
 Memory. The forward runs the chunks in order and returns, next to the output and the final state, the
 state at the start of every chunk ([T/C, B, H, dk, dv] float32); that and the inputs are all the VJP keeps
 (a forward that is never differentiated builds that stack too, and drops it when the call's results are
-evaluated).
-The backward walks the chunks in reverse: for each, it recomputes the chunk's decays, A, its inverse, U0, W
-and U from the inputs and the saved state, turns the output's cotangent and the state cotangent dS coming
-from the next chunk into the chunk's input gradients, and passes dS back to the chunk before. Each chunk's
-inputs are tied with `mx.depends` to the previous chunk's results, so MLX (which schedules depth-first from
-the outputs) runs the chunks one after another and only one chunk's intermediates are alive. Inputs are
-cast to float32 per chunk; the state and all accumulation are float32; the output comes back in v's dtype
-(transformers returns q's; Qwen3.5 gives both the same dtype) and each gradient in its input's dtype.
+evaluated). The backward walks the chunks in reverse: for each, it recomputes the chunk's decays, A, its
+inverse, U0, W and U from the inputs and the saved state, turns the output's cotangent and the state
+cotangent dS coming from the next chunk into the chunk's input gradients, and passes dS back to the chunk
+before. Inputs are cast to float32 per chunk; the state and all accumulation are float32; the output comes
+back in v's dtype (transformers returns q's; Qwen3.5 gives both the same dtype) and each gradient in its
+input's dtype.
 
+The graph path runs GROUP chunks side by side: everything that does not need the state passed from chunk to
+chunk (decays, A and its inverse, U0, W, Q K^T, and in the backward every gradient once the state's cotangent
+at each chunk end is known) is one batched product over the group, and only the state's passage (three small
+products per chunk) is a loop. On a GPU every MLX op is a kernel launch, and one chunk's products are too
+small to fill it: batching cuts the launches by about the group's size. Each group's inputs are tied with
+`mx.depends` to the previous group's results, so MLX (which schedules depth-first from the outputs) runs
+the groups one after another and only one group's intermediates are alive: the working set is a group's,
+whatever the length.
 Paths: `_path` is the one dispatch point, choosing an entry of `_PATHS` as every native kernel is chosen
 (`mlxrl.cpu.fastmath`): "native" when q, k, v, g, beta and the state are float32 arrays on the CPU and
 mlxrl's native module loads (not with MLXRL_NATIVE=0), else "graph". "native" is one C++ primitive for the
@@ -57,7 +63,7 @@ with the same memory (the inputs and one [dk, dv] state per chunk and head, one 
 core), one worker per batch row and value head (per key head in the backward, where a key head's value heads
 add into its dq / dk), the small products in a register-tiled micro-kernel and the triangular inverse by
 forward substitution. "graph" is the MLX graph below (Metal, CUDA, bf16 inputs), where the inverse is
-LAPACK's (`mx.linalg.tri_inv`) on the CPU and a log-depth block recursion of matmuls elsewhere.
+`models.triangular`'s (LAPACK's on the CPU, a log-depth block recursion of matmuls elsewhere).
 Compile-friendly: no Python branch looks at an array's values.
 
     pytest tests/test_gated_delta.py
@@ -71,88 +77,24 @@ import functools
 import mlx.core as mx
 
 from ..cpu import fastmath, native
+from .triangular import unit_lower_inverse
 
 CHUNK = 64
+GROUP = 8  # the graph path's chunks side by side: its batched products (memory: one group's intermediates)
 L2_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm eps
-
-# None: by device (LAPACK on the CPU, the block recursion elsewhere); "lapack" or "blocks" forces one (tests)
-INVERSE: str | None = None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the unit lower-triangular inverse
-
-
-def _inverse_blocks(a: mx.array) -> mx.array:
-    """(I + a)^-1 for strictly lower-triangular a [..., c, c], by doubling the size of the inverted diagonal
-    blocks: [[A11, 0], [A21, A22]]^-1 = [[X11, 0], [-X22 A21 X11, X22]]. Stable (it only multiplies blocks
-    of the inverse itself, unlike the Neumann series' powers of a, whose entries grow combinatorially with
-    correlated keys) and made of batched matmuls, so it runs on any device."""
-    c = a.shape[-1]
-    n = 1
-    while n < c:
-        n *= 2
-    lead = a.shape[:-2]
-    if n != c:  # the identity extends it: blockdiag(M, I)^-1 = blockdiag(M^-1, I)
-        a = mx.pad(a, [(0, 0)] * len(lead) + [(0, n - c), (0, n - c)])
-    inv = mx.ones(lead + (n, 1, 1), a.dtype)  # inverses of the diagonal blocks of size s: [..., n/s, s, s]
-    s = 1
-    while s < n:
-        m = n // (2 * s)
-        pairs = a.reshape(lead + (m, 2, s, m, 2, s))[..., :, 1, :, :, 0, :]  # [..., m, s, m, s]
-        a21 = mx.moveaxis(mx.diagonal(pairs, axis1=-4, axis2=-2), -1, -3)  # each pair's lower-left block
-        x = inv.reshape(lead + (m, 2, s, s))
-        x11, x22 = x[..., 0, :, :], x[..., 1, :, :]
-        x21 = -(x22 @ (a21 @ x11))
-        inv = mx.concatenate([mx.concatenate([x11, mx.zeros_like(x11)], -1), mx.concatenate([x21, x22], -1)], -2)
-        s *= 2
-    return inv.reshape(lead + (n, n))[..., :c, :c]
-
-
-def _inverse_method() -> str:
-    if INVERSE is not None:
-        return INVERSE
-    return "lapack" if mx.default_device() == mx.cpu else "blocks"
-
-
-@functools.cache
-def _make_inverse(method: str):
-    @mx.custom_function
-    def inverse(a):
-        if method == "lapack":
-            eye = mx.eye(a.shape[-1], dtype=a.dtype)
-            return mx.linalg.tri_inv(eye + a, upper=False, stream=mx.cpu)
-        return _inverse_blocks(a)
-
-    # MLX has no VJP for its inverse: d(I + a)^-1 = -T^T dT T^T (only a's strict lower triangle exists).
-    # Only MLX's autograd of the forward (custom_vjp=False, the comparison) uses it.
-    @inverse.vjp
-    def inverse_vjp(primals, cotangent, output):
-        t = output
-        tt = mx.swapaxes(t, -1, -2)
-        c = t.shape[-1]
-        i = mx.arange(c)
-        return (-(tt @ cotangent @ tt)) * (i[:, None] > i[None, :])
-
-    return inverse
-
-
-def unit_lower_inverse(a: mx.array, method: str | None = None) -> mx.array:
-    """(I + a)^-1 for a batch of strictly lower-triangular float32 matrices a [..., c, c]."""
-    return _make_inverse(method or _inverse_method())(a)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # one chunk
 
 
 def _decays(g: mx.array, starts: mx.array | None):
-    """The chunk's decay structure from g [B, H, c] (float32) and, with documents, starts [B, c] (bool).
+    """The decay structure of chunks from g [B, H, ..., c] (float32) and, with documents, starts [B, ..., c]
+    (bool); `...` is an optional axis of chunks side by side.
 
-    Returns gamma [B, H, c] (segment-aware cumulative log decay), L [B, H, c, c] (exp(gamma_i - gamma_j)
-    where j <= i in the same segment, else 0), b [B, H, c] (decay from the chunk start to i; 0 after a
-    document start), last [B, H, c] (decay from j to the chunk end; 0 before the last document's start)
-    and link (the lower-triangular same-segment mask, [c, c] or [B, 1, c, c])."""
+    Returns gamma [B, H, ..., c] (segment-aware cumulative log decay), L [B, H, ..., c, c] (exp(gamma_i -
+    gamma_j) where j <= i in the same segment, else 0), b [B, H, ..., c] (decay from the chunk start to i; 0
+    after a document start), last [B, H, ..., c] (decay from j to the chunk end; 0 before the last document's
+    start) and link (the lower-triangular same-segment mask, [c, c] or [B, 1, ..., c, c])."""
     c = g.shape[-1]
     i = mx.arange(c)
     link = i[:, None] >= i[None, :]
@@ -160,17 +102,17 @@ def _decays(g: mx.array, starts: mx.array | None):
         gamma = mx.cumsum(g, axis=-1)
     else:
         # a start's own decay multiplies a state that is dropped anyway: 0 keeps it out of every sum
-        g = mx.where(starts[:, None, :], 0.0, g)
-        seg = mx.cumsum(starts.astype(mx.int32), axis=-1)  # [B, c]
-        link = (link & (seg[:, :, None] == seg[:, None, :]))[:, None]  # [B, 1, c, c]
+        g = mx.where(starts[:, None], 0.0, g)
+        seg = mx.cumsum(starts.astype(mx.int32), axis=-1)  # [B, ..., c]
+        link = (link & (seg[..., :, None] == seg[..., None, :]))[:, None]  # [B, 1, ..., c, c]
         gamma = (link.astype(mx.float32) @ g[..., None])[..., 0]  # sums over the position's own segment only
     diff = gamma[..., :, None] - gamma[..., None, :]
     L = mx.where(link, mx.exp(mx.where(link, diff, 0.0)), 0.0)  # exp only where finite and <= 0
     b = mx.exp(gamma)
     last = mx.exp(gamma[..., -1:] - gamma)
     if starts is not None:
-        b = mx.where((seg == 0)[:, None, :], b, 0.0)
-        last = mx.where((seg == seg[:, -1:])[:, None, :], last, 0.0)
+        b = mx.where((seg == 0)[:, None], b, 0.0)
+        last = mx.where((seg == seg[..., -1:])[:, None], last, 0.0)
     return gamma, L, b, last, link
 
 
@@ -189,19 +131,31 @@ def _wy(K, V, beta, L, b):
     return KK, T, UW[..., :dv], UW[..., dv:]
 
 
-def _chunk_forward(Q, K, V, beta, L, b, last, S):
-    """One chunk: (O [B, H, c, dv], the state at its end)."""
+def _group_forward(Q, K, V, beta, L, b, last, S):
+    """n chunks side by side (Q, K [B, H, n, c, dk], V [B, H, n, c, dv], the decays of `_decays`) from the
+    state S [B, H, dk, dv] at the first one's start: (O [B, H, n, c, dv], the state at each chunk's start
+    [B, H, n, dk, dv], the state at the last one's end). Only the state's passage from chunk to chunk is a
+    loop; everything else is one batched product over the n chunks."""
     _, _, U0, W = _wy(K, V, beta, L, b)
-    U = U0 - W @ S
-    P = L * (Q @ mx.swapaxes(K, -1, -2))
-    out = (b[..., None] * Q) @ S + P @ U
-    S_end = b[..., -1:, None] * S + mx.swapaxes(last[..., None] * K, -1, -2) @ U
-    return out, S_end
+    KlT = mx.swapaxes(last[..., None] * K, -1, -2)
+    b_end = b[..., -1:, None]  # [B, H, n, 1, 1]
+    S0, Us = [], []
+    for j in range(Q.shape[2]):
+        S0.append(S)
+        U = U0[:, :, j] - W[:, :, j] @ S
+        Us.append(U)
+        S = b_end[:, :, j] * S + KlT[:, :, j] @ U
+    S0, U = mx.stack(S0, axis=2), mx.stack(Us, axis=2)
+    out = (b[..., None] * Q) @ S0 + (L * (Q @ mx.swapaxes(K, -1, -2))) @ U
+    return out, S0, S
 
 
-def _chunk_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
-    """One chunk's gradients, recomputed from its inputs and its start state S: (dQ, dK, dV, dg, dbeta, dS)
-    with dQ, dK per value head, float32. The chain rule of `_chunk_forward` and `_decays`, written out."""
+def _group_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
+    """n chunks' gradients, recomputed from their inputs (as in `_group_forward`, starts [B, n, c] or None)
+    and the state at each one's start S [B, H, n, dk, dv], with dS_end the cotangent of the last one's end
+    state: (dQ, dK, dV, dg, dbeta, dS at the first one's start), dQ and dK per value head, float32. The chain
+    rule of `_group_forward` and `_decays`, written out: a loop passes the state's cotangent from chunk to
+    chunk, the rest is batched over the chunks."""
     _, L, b, last, link = _decays(g, starts)
     KK, T, U0, W = _wy(K, V, beta, L, b)
     U = U0 - W @ S
@@ -210,12 +164,21 @@ def _chunk_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
     P = L * QK
     Qb, Kl = b[..., None] * Q, last[..., None] * K
 
-    dU = tr(P) @ dO + Kl @ dS_end  # [B, H, c, dv]
-    dS = tr(Qb) @ dO + b[..., -1:, None] * dS_end - tr(W) @ dU  # to the chunk before
+    # the state's cotangent, last chunk first: dU = P^T dO + Kl dS_end, dS = Qb^T dO + b_c dS_end - W^T dU
+    PdO, QbdO, WT, b_end = tr(P) @ dO, tr(Qb) @ dO, tr(W), b[..., -1:, None]
+    ends, dUs = [], []
+    dS = dS_end.astype(mx.float32)
+    for j in reversed(range(Q.shape[2])):
+        ends.append(dS)
+        dU = PdO[:, :, j] + Kl[:, :, j] @ dS
+        dUs.append(dU)
+        dS = QbdO[:, :, j] + b_end[:, :, j] * dS - WT[:, :, j] @ dU
+    dS_end, dU = mx.stack(ends[::-1], axis=2), mx.stack(dUs[::-1], axis=2)  # per chunk
+
     dP = dO @ tr(U)
     dKl = U @ tr(dS_end)
     dQb = dO @ tr(S)
-    db_end = (S * dS_end).sum(axis=(-2, -1))  # [B, H]
+    db_end = (S * dS_end).sum(axis=(-2, -1))  # [B, H, n]
     # U0 = T X1, W = T X2 with T = (I + A)^-1: dX = T^T dY, dA = -T^T dY Y_in^T T^T = -dX (T X)^T
     dv = V.shape[-1]
     dX = tr(T) @ mx.concatenate([dU, -(dU @ tr(S))], axis=-1)
@@ -243,7 +206,7 @@ def _chunk_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
         dg = mx.cumsum(dgamma, axis=-1, reverse=True)
     else:  # gamma = link @ g (g zero at starts): dg = link^T dgamma
         dg = (dgamma[..., None, :] @ link.astype(mx.float32))[..., 0, :]
-        dg = mx.where(starts[:, None, :], 0.0, dg)
+        dg = mx.where(starts[:, None], 0.0, dg)
     return dQ, dK, dV, dg, dbeta, dS
 
 
@@ -261,17 +224,23 @@ class _Config:
         return (self.chunk, self.scale, self.l2norm, self.groups, self.documents)
 
 
-def _bounds(T: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+def _groups(T: int, chunk: int) -> list[tuple[int, int, int]]:
+    """(start, end, chunks) of the groups the graph path runs side by side: up to GROUP full chunks each,
+    then the short last chunk (T not a multiple of the chunk) alone."""
+    full = T // chunk
+    groups = [(s * chunk, min(s + GROUP, full) * chunk, min(GROUP, full - s)) for s in range(0, full, GROUP)]
+    return groups + ([(full * chunk, T, 1)] if T % chunk else [])
 
 
-def _heads(x: mx.array) -> mx.array:
-    """A chunk's slice [B, c, H(, d)] -> float32 [B, H, c(, d)]."""
-    return mx.swapaxes(x.astype(mx.float32), 1, 2)
+def _heads(x: mx.array, n: int) -> mx.array:
+    """A group's slice [B, n c, H(, d)] -> float32 [B, H, n, c(, d)]."""
+    x = mx.swapaxes(x.astype(mx.float32), 1, 2)
+    return x.reshape(*x.shape[:2], n, x.shape[2] // n, *x.shape[3:])
 
 
 def _tokens(x: mx.array, like: mx.array) -> mx.array:
-    """float32 [B, H, c(, d)] -> [B, c, H(, d)] in `like`'s dtype (a chunk's piece of a result)."""
+    """float32 [B, H, n, c(, d)] -> [B, n c, H(, d)] in `like`'s dtype (a group's piece of a result)."""
+    x = x.reshape(*x.shape[:2], x.shape[2] * x.shape[3], *x.shape[4:])
     return mx.swapaxes(x, 1, 2).astype(like.dtype)
 
 
@@ -285,7 +254,7 @@ def _l2_backward(x, y, dy):
 
 
 def _qk(q, k, cfg):
-    """A chunk's q and k [B, Hk, c, dk] (float32) as the recurrence reads them: normalised (the flag),
+    """A group's q and k [B, Hk, n, c, dk] (float32) as the recurrence reads them: normalised (the flag),
     q scaled, repeated to the value heads."""
     qn, kn = (_l2(q), _l2(k)) if cfg.l2norm else (q, k)
     Q, K = qn * cfg.scale, kn
@@ -294,38 +263,45 @@ def _qk(q, k, cfg):
     return qn, kn, Q, K
 
 
+def _doc_starts(starts, s, e, n, cfg):
+    return starts[:, s:e].reshape(starts.shape[0], n, (e - s) // n) if cfg.documents else None
+
+
 def _graph_forward(q, k, v, g, beta, state, starts, cfg, save_states=True):
-    """The chunked forward: (out [B, T, Hv, dv] in v's dtype, final state float32 [B, Hv, dk, dv], the
-    states at the chunk starts [N, B, Hv, dk, dv] or None)."""
+    """The chunked forward, groups of chunks in order: (out [B, T, Hv, dv] in v's dtype, final state float32
+    [B, Hv, dk, dv], the states at the chunk starts [N, B, Hv, dk, dv] or None)."""
     S = state.astype(mx.float32)
     outs, saved = [], []
-    for s, e in _bounds(q.shape[1], cfg.chunk):
-        _, _, Q, K = _qk(_heads(q[:, s:e]), _heads(k[:, s:e]), cfg)
-        st = starts[:, s:e] if cfg.documents else None
-        _, L, b, last, _ = _decays(_heads(g[:, s:e]), st)
-        saved.append(S)
-        out, S = _chunk_forward(Q, K, _heads(v[:, s:e]), _heads(beta[:, s:e]), L, b, last, S)
+    for s, e, n in _groups(q.shape[1], cfg.chunk):
+        _, _, Q, K = _qk(_heads(q[:, s:e], n), _heads(k[:, s:e], n), cfg)
+        _, L, b, last, _ = _decays(_heads(g[:, s:e], n), _doc_starts(starts, s, e, n, cfg))
+        out, S0, S = _group_forward(Q, K, _heads(v[:, s:e], n), _heads(beta[:, s:e], n), L, b, last, S)
+        saved.append(mx.moveaxis(S0, 2, 0))
         outs.append(_tokens(out, v))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-    return out, S, (mx.stack(saved) if save_states else None)
+    return out, S, (mx.concatenate(saved) if save_states else None)
 
 
 def _graph_backward(primals, d_out, d_final, saved, cfg):
-    """The chunks in reverse, each recomputed from its saved start state; gradients of every primal."""
+    """The groups in reverse, each recomputed from its chunks' saved start states; gradients of every
+    primal."""
     q, k, v, g, beta, state, starts = primals
     dS = d_final.astype(mx.float32)
-    pieces = []  # per chunk, last first: (dq, dk, dv, dg, dbeta)
-    for n, (s, e) in reversed(list(enumerate(_bounds(q.shape[1], cfg.chunk)))):
-        # this chunk waits for everything the next one produced, so only one chunk's intermediates live
+    pieces = []  # per group, last first: (dq, dk, dv, dg, dbeta)
+    bounds = _groups(q.shape[1], cfg.chunk)
+    firsts = [sum(n for _, _, n in bounds[:i]) for i in range(len(bounds))]  # each group's first chunk
+    for (s, e, n), first in reversed(list(zip(bounds, firsts, strict=True))):
+        # this group waits for everything the next one produced, so only one group's intermediates live
         after = [dS, *pieces[-1]] if pieces else [dS]
-        ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], d_out[:, s:e], saved[n]]
+        ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], d_out[:, s:e], saved[first:first + n]]
         if cfg.documents:
-            ins.append(starts[:, s:e])
+            ins.append(starts)
         ins = mx.depends(ins, after) if pieces else ins
-        qc, kc, vc, gc, bc, dO = (_heads(x) for x in ins[:6])
-        S, st = ins[6], (ins[7] if cfg.documents else None)
+        qc, kc, vc, gc, bc, dO = (_heads(x, n) for x in ins[:6])
+        S = mx.moveaxis(ins[6], 0, 2)  # [B, H, n, dk, dv]
+        st = _doc_starts(ins[7], s, e, n, cfg) if cfg.documents else None
         qn, kn, Q, K = _qk(qc, kc, cfg)
-        dQ, dK, dV, dg, dbeta, dS = _chunk_backward(Q, K, vc, gc, bc, st, S, dO, dS)
+        dQ, dK, dV, dg, dbeta, dS = _group_backward(Q, K, vc, gc, bc, st, S, dO, dS)
         if cfg.groups > 1:  # the value heads that read one key head add their gradients
             dQ = dQ.reshape(dQ.shape[0], -1, cfg.groups, *dQ.shape[2:]).sum(2)
             dK = dK.reshape(dK.shape[0], -1, cfg.groups, *dK.shape[2:]).sum(2)

@@ -155,3 +155,16 @@ def _json_kind(value) -> str:
     """JSON's name for a parsed value's type (a list is a JSON array, a str a string)."""
     names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
+
+
+def quantization_of(cfg: dict, args) -> tuple[int, int] | None:
+    """(bits, group size) of the frozen base: `load_in_4bit` / `load_in_8bit` (`q_group_size`), or an
+    MLX-quantized checkpoint's `quantization` entry; None for a float base."""
+    from ..models.quantize import requested_quantization
+
+    if (asked := requested_quantization(args)) is not None:
+        return asked
+    q = cfg.get("quantization") or cfg.get("quantization_config")
+    if isinstance(q, dict) and q.get("bits"):
+        return int(q["bits"]), int(q.get("group_size", 64))
+    return None

@@ -21,7 +21,7 @@ over its depth: `plan.measure` at two depths of one layer kind).
 
 from __future__ import annotations
 
-from ..models.gated_delta import CHUNK  # the gated delta rule's chunk: one saved state per chunk
+from ..models.gated_delta import CHUNK, GROUP  # the rule's chunk (one saved state each) and its graph path's group
 
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
 # The native CPU path's SwiGLU product is one primitive whose VJP recomputes the sigmoid: it keeps g and u
@@ -31,6 +31,10 @@ SAVED_PER_TOKEN_NATIVE = {**SAVED_PER_TOKEN, "I": 3}
 SCORE_COPIES = 1.25
 GATE_SAVED = 2  # gated attention: widths of H * hd more per token (measured +2.0)
 LINEAR_SAVED = {"C": 4, "V": 6}  # Gated DeltaNet: per token, per convolution / value width (measured 4.0, 6.1)
+# the gated delta rule's backward on the graph path: one group of chunks' intermediates, per token of the group
+# and value head, float32: [c, c] and [c, d] arrays (d the mean of dk and dv; measured beyond its results at
+# Hv 4 / 8 / 16, d 64 / 32 / 128: 3.5 and 25.7 of them)
+DELTA_WORK = {"C": 3.5, "D": 25.7}
 # the expert layer: per token and chosen expert, hidden and expert widths; per token, experts. Measured by the
 # slope over depth (2 and 6 layers, 1024 tokens, full fine-tuning, no checkpointing, D 256) at k 2 / 4, I 128 /
 # 256, E 8 / 32: 896 floats per token and slot at I 128 (2 D + 3 I), +3 I per slot, ~9 per expert
@@ -100,3 +104,12 @@ def expert_lora_bytes(hidden: int, moe: dict, tokens: int, elem: int) -> float:
     """What LoRA on both expert parameters adds to an expert layer (`models.lora_experts`)."""
     k = EXPERT_LORA_SAVED
     return elem * tokens * moe["k"] * (k["D"] * hidden + k["I"] * moe["I"])
+
+
+def delta_rule_work_bytes(tokens: int, linear: dict) -> float:
+    """The gated delta rule's working set in its backward on the graph path (`models.gated_delta`): one
+    group's float32 intermediates, whatever the length. `linear`: a DeltaNet layer's value heads and widths.
+    (A batch of several long rows runs a group of each side by side: counted as one, a lower bound.)"""
+    group = min(tokens, GROUP * CHUNK)
+    d = (linear["dk"] + linear["dv"]) / 2
+    return 4 * group * linear["heads"] * (DELTA_WORK["C"] * CHUNK + DELTA_WORK["D"] * d)

@@ -16,9 +16,10 @@ from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..models.tiled import tile_tokens_for
 from ..models.widened import kept_saving
-from .config_json import load_config
+from .config_json import load_config, quantization_of
 from .layers import (
     SCORE_COPIES,
+    delta_rule_work_bytes,
     expert_lora_bytes,
     expert_saved_bytes,
     layer_saved_bytes,
@@ -82,19 +83,6 @@ class Arch:
 
 def _text_config(cfg: dict) -> dict:
     return {**cfg, **cfg.get("text_config", {})}
-
-
-def quantization_of(cfg: dict, args) -> tuple[int, int] | None:
-    """(bits, group size) of the frozen base: `load_in_4bit` / `load_in_8bit` (`q_group_size`), or an
-    MLX-quantized checkpoint's `quantization` entry; None for a float base."""
-    from ..models.quantize import requested_quantization
-
-    if (asked := requested_quantization(args)) is not None:
-        return asked
-    q = cfg.get("quantization") or cfg.get("quantization_config")
-    if isinstance(q, dict) and q.get("bits"):
-        return int(q["bits"]), int(q.get("group_size", 64))
-    return None
 
 
 def quantized_saving(model, cfg: dict, args, s: int) -> int:
@@ -171,7 +159,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
     if deltas:  # the Gated DeltaNet layers' widths, as the layer has them
         n = deltas[0]
         linear = {"layers": len(deltas), "C": n.conv_dim, "V": n.hv * n.dv, "state": n.hv * n.dk * n.dv,
-                  "K": n.conv1d.weight.shape[-1]}
+                  "K": n.conv1d.weight.shape[-1], "heads": n.hv, "dk": n.dk, "dv": n.dv}
     moe = None
     if getattr(model, "moe_config", None) is not None:
         m = model.moe_config
@@ -256,6 +244,8 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
             live -= TILED_LORA_BONUS * (per_layer(0, kind) - live)
         if kind == "linear" and checkpointing and drained:  # its convolution and gated norm are MLX's ops,
             return max(factor, LINEAR_CKPT_DRAINED) * live  # whose queued work the kernels do not drain
+        if kind == "linear" and not native_cpu(args):  # the delta rule's graph path: one group's work beside
+            return factor * live + delta_rule_work_bytes(sh.tokens, a.linear)
         if a.moe and checkpointing:  # the expert layer's gathered rows are all alive in its backward: no discount
             e = expert_saved_bytes(a.D, a.moe, sh.tokens, s) + (expert_lora_bytes(a.D, a.moe, sh.tokens, s)
                                                                  if peft and a.moe["adapted"] else 0.0)
