@@ -273,9 +273,13 @@ def _graph_forward(q, k, v, g, beta, state, starts, cfg, save_states=True):
     S = state.astype(mx.float32)
     outs, saved = [], []
     for s, e, n in _groups(q.shape[1], cfg.chunk):
-        _, _, Q, K = _qk(_heads(q[:, s:e], n), _heads(k[:, s:e], n), cfg)
-        _, L, b, last, _ = _decays(_heads(g[:, s:e], n), _doc_starts(starts, s, e, n, cfg))
-        out, S0, S = _group_forward(Q, K, _heads(v[:, s:e], n), _heads(beta[:, s:e], n), L, b, last, S)
+        ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e]]
+        # after the group before (its state), so that a breadth-first scheduler (a GPU's) does not prepare
+        # every group's batched products at once
+        qc, kc, vc, gc, bc = (_heads(x, n) for x in (mx.depends(ins, [S]) if outs else ins))
+        _, _, Q, K = _qk(qc, kc, cfg)
+        _, L, b, last, _ = _decays(gc, _doc_starts(starts, s, e, n, cfg))
+        out, S0, S = _group_forward(Q, K, vc, bc, L, b, last, S)
         saved.append(mx.moveaxis(S0, 2, 0))
         outs.append(_tokens(out, v))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
