@@ -48,7 +48,9 @@ def test_a_sticky_device_error_ends_the_worker_and_the_rest_run(tmp_path, sticky
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_faults.py").write_text(TESTS)
     pids, failures = tmp_path / "pids", tmp_path / "failures.log"
-    env = dict(os.environ, MLXRL_TEST_STICKY=sticky, PIDS=str(pids), MLXRL_FAILURE_LOG=str(failures))
+    # the child is a pytest session of its own: not a worker of the xdist run this test may be in
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.update(MLXRL_TEST_STICKY=sticky, PIDS=str(pids), MLXRL_FAILURE_LOG=str(failures))
     out = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "-o", "addopts=",
                           "test_faults.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     ran = dict(line.split() for line in pids.read_text().splitlines())
