@@ -19,6 +19,7 @@ gated attention; both are followed by the SwiGLU MLP, each sub-block pre-normed 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -97,8 +98,20 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        h = fastmath.rms_norm(x, self.weight, self.eps)
+        return _gated_norm(self.eps)(x, gate, self.weight)
+
+
+@functools.cache
+def _gated_norm(eps: float):
+    """`GatedRMSNorm` under `mx.checkpoint`: its backward keeps x, the gate and the weight, and recomputes the
+    norm, the float32 casts and the gate's SiLU (which MLX's autograd would keep through the rest of the
+    layer's backward)."""
+
+    def gated_norm(x, gate, weight):
+        h = fastmath.rms_norm(x, weight, eps)
         return (h.astype(mx.float32) * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+
+    return mx.checkpoint(gated_norm)
 
 
 def document_starts(segment_ids: mx.array | None, B: int, L: int) -> mx.array | None:
@@ -129,6 +142,70 @@ def causal_conv(x: mx.array, weight: mx.array, starts: mx.array | None, state: m
             term = mx.where((doc_full[:, j:j + L] == doc)[..., None], term, 0)
         y = term if y is None else y + term
     return y, full[:, L:]
+
+
+@functools.cache
+def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
+    """x [B, L, C], the conv weight, the K - 1 inputs before x (and the document starts) -> q, k [B, L, Hk, dk],
+    v [B, L, Hv, dv] (the SiLU of the causal convolution, split) and the last K - 1 inputs, as one function
+    whose VJP keeps its inputs alone: it recomputes the convolution c and s = sigmoid(c), then
+    dc = dy s (1 + c (1 - s)), the input's gradient as the K taps' shifted products of dc accumulated one at a
+    time, and each tap's weight gradient as a sum over positions. MLX's autograd of the same ops keeps the
+    padded input, c, s and the SiLU through the layer's backward, and its backward of the K shifted slices
+    builds a padded [B, L + K - 1, C] array per tap."""
+    kd = hk * dk
+
+    def taps(full, weight, starts, L):
+        """Each tap's input slice [B, L, C] and its weight [C], with the mask of positions whose input lies in
+        their own document (None without documents)."""
+        K = weight.shape[-1]
+        w = weight.reshape(-1, K).astype(full.dtype)
+        doc = doc_full = None
+        if documents:
+            doc = mx.cumsum(starts.astype(mx.int32), axis=1)
+            doc_full = mx.concatenate([mx.full((doc.shape[0], K - 1), -1, mx.int32), doc], axis=1)
+        for j in range(K):
+            same = (doc_full[:, j:j + L] == doc)[..., None] if documents else None
+            yield j, full[:, j:j + L], w[:, j], same
+
+    def conv(full, weight, starts, L):
+        c = None
+        for _, xs, wj, same in taps(full, weight, starts, L):
+            term = xs * wj if same is None else mx.where(same, xs * wj, 0)
+            c = term if c is None else c + term
+        return c
+
+    @mx.custom_function
+    def conv_qkv(x, weight, state, *starts):
+        B, L, _ = x.shape
+        full = mx.concatenate([state.astype(x.dtype), x], axis=1)
+        y = nn.silu(conv(full, weight, starts[0] if documents else None, L))
+        return (y[..., :kd].reshape(B, L, hk, dk), y[..., kd:2 * kd].reshape(B, L, hk, dk),
+                y[..., 2 * kd:].reshape(B, L, hv, dv), full[:, L:])
+
+    @conv_qkv.vjp
+    def conv_qkv_vjp(primals, cotangents, outputs):
+        x, weight, state, *starts = primals
+        dq, dk_, dv_, dlast = cotangents
+        B, L, C = x.shape
+        K = weight.shape[-1]
+        full = mx.concatenate([state.astype(x.dtype), x], axis=1)
+        st = starts[0] if documents else None
+        c = conv(full, weight, st, L)
+        s = mx.sigmoid(c)
+        dy = mx.concatenate([dq.reshape(B, L, -1), dk_.reshape(B, L, -1), dv_.reshape(B, L, -1)], axis=-1)
+        dc = dy * s * (1 + c * (1 - s))
+        d_full = mx.pad(dlast.astype(dc.dtype), [(0, 0), (L, 0), (0, 0)])  # the last K - 1 inputs' own cotangent
+        dw = []
+        for j, xs, wj, same in taps(full, weight, st, L):
+            dcj = dc if same is None else mx.where(same, dc, 0)
+            d_full = d_full + mx.pad(dcj * wj, [(0, 0), (j, K - 1 - j), (0, 0)])
+            dw.append((xs.astype(mx.float32) * dcj.astype(mx.float32)).sum(axis=(0, 1)))
+        dweight = mx.stack(dw, axis=-1).reshape(weight.shape).astype(weight.dtype)
+        grads = [d_full[:, K - 1:].astype(x.dtype), dweight, d_full[:, :K - 1].astype(state.dtype)]
+        return (*grads, *(mx.zeros_like(t) for t in starts))
+
+    return conv_qkv
 
 
 class GatedDeltaNet(nn.Module):
@@ -186,12 +263,10 @@ class GatedDeltaNet(nn.Module):
         elif hasattr(cache, "recurrent_state"):
             conv_state, state = cache.conv_state, cache.recurrent_state
         projected, z, b, a = self._projections(x)
-        mixed, new_conv = causal_conv(projected, self.conv1d.weight, starts, conv_state)
-        mixed = nn.silu(mixed)
-        kd = self.hk * self.dk
-        q = mixed[..., :kd].reshape(B, L, self.hk, self.dk)
-        k = mixed[..., kd:2 * kd].reshape(B, L, self.hk, self.dk)
-        v = mixed[..., 2 * kd:].reshape(B, L, self.hv, self.dv)
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv1d.weight.shape[-1] - 1, projected.shape[-1]), projected.dtype)
+        q, k, v, new_conv = _conv_qkv(self.hk, self.dk, self.hv, self.dv, starts is not None)(
+            projected, self.conv1d.weight, conv_state, *(() if starts is None else (starts,)))
         beta = mx.sigmoid(b)
         a = a.astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
