@@ -4,9 +4,8 @@
 #   bash scripts/gpu_session.sh prepare     # here: the cp312 wheels into .whl1/ and .whl2/ (each < 64 MiB)
 #   bash scripts/gpu_session.sh stage       # there, call 1 (carry .whl1): keep the first half in /tmp/w1
 #   bash scripts/gpu_session.sh run [N]     # there, call 2 (carry .whl2), within the warm window: join the
-#                                           # MLX CUDA wheel, install, then gpu_probe.py's 2-layer step compiled
-#                                           # on an empty and a warm kernel cache, and eager; the suite on 12
-#                                           # workers beside its value checks (reductions, scans and gathers
+#                                           # MLX CUDA wheel, install, then the suite on 12 workers beside
+#                                           # gpu_probe.py's value checks (reductions, scans and gathers
 #                                           # against the CPU; attention; Qwen3.5; VL images; cached
 #                                           # decoding), then on a quiet device the gated delta rule timed
 #                                           # against torch's and the GPU bench (--live, eager) of the
@@ -14,6 +13,8 @@
 #                                           # N seconds (default 540) in all
 #   bash scripts/gpu_session.sh install     # there, call 2 instead of `run`: join and install only (then
 #                                           # export PYTHONPATH=/tmp/site:$PWD; e.g. scripts/gpu_probe.py)
+#   bash scripts/gpu_session.sh compile [S] # there, after `run` / `install` on the same machine: the 2-layer
+#                                           # step compiled on the kernel cache as it is, again, and eager
 #   bash scripts/gpu_session.sh sanitize T  # there, after `run` on the same machine: the tests T (pytest ids)
 #                                           # under compute-sanitizer memcheck, which names the kernel of an
 #                                           # illegal memory access (into $OUT/sanitize.log)
@@ -60,17 +61,11 @@ run)
   bash "$0" install || exit 1
   export PYTHONPATH=/tmp/site:$PWD
   python3 -c "import mlxrl, mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-  # the compiled step on an empty kernel cache, alone (the first two runs: not done in 40 s; the third, beside
-  # the suite: not in 100 s), then on the warm cache, and eager
-  phase_end=$(( budget - 400 ))
-  { probe 150 scripts/gpu_probe.py step --layers 2 --calls 3
-    probe 30 scripts/gpu_probe.py step --layers 2 --calls 3
-    probe 20 scripts/gpu_probe.py step --layers 2 --calls 3 --compile 0; } 2>&1 | tee "$OUT/probe.log"
-  # phase 1, ending 250 s before the budget: the suite on 12 workers in the background (the new model families'
+  # phase 1, ending 230 s before the budget: the suite on 12 workers in the background (the new model families'
   # files first, one line per test; each failure's traceback into failures.log as it happens) while the probes
   # that check values run in front: the ops, attention, Qwen3.5 against transformers and the CPU stream, the VL
   # and decoding probes
-  phase_end=$(( budget - 250 ))
+  phase_end=$(( budget - 230 ))
   MLXRL_FAILURE_LOG="$OUT/failures.log" python3 -m pytest -n 12 -o addopts="" -v -p no:cacheprovider \
     -p no:warnings --tb=short -rfE --junitxml="$OUT/junit.xml" tests/test_qwen3_5.py tests/test_gated_delta.py \
     tests/test_moe.py tests/test_models.py tests/test_generation.py tests/test_data.py tests > "$OUT/pytest.log" 2>&1 &
@@ -79,7 +74,7 @@ run)
     probe 30 scripts/gpu_probe.py sdpa
     probe 60 scripts/gpu_probe.py q35
     probe 45 scripts/gpu_probe.py vl
-    probe 40 scripts/gpu_probe.py decode; } 2>&1 | tee -a "$OUT/probe.log"
+    probe 40 scripts/gpu_probe.py decode; } 2>&1 | tee "$OUT/probe.log"
   while [ $(( $(date +%s) - t0 )) -lt "$phase_end" ] && kill -0 $suite 2>/dev/null; do sleep 2; done
   kill -INT $suite 2>/dev/null  # pytest writes junit.xml on SIGINT once its workers stop
   for _ in $(seq 15); do kill -0 $suite 2>/dev/null || break; sleep 2; done; kill -9 $suite 2>/dev/null
@@ -87,13 +82,20 @@ run)
   # phase 2, on a quiet device: the gated delta rule timed against torch's, then the real-scale LoRA step of the
   # Qwen3.5-0.8B and Qwen3-0.6B shapes, ours (eager: --compile false) against TRL, 4096 tokens
   phase_end=$(( budget - 5 ))
-  probe 60 scripts/gpu_probe.py delta 2>&1 | tee "$OUT/delta.log"
+  probe 45 scripts/gpu_probe.py delta 2>&1 | tee "$OUT/delta.log"
   bench=$(left); [ "$bench" -lt 30 ] && bench=30
-  timeout -s INT "$bench" python3 scripts/bench_scale.py --gpu --live --modes lora --shapes qwen3.5-0.8b \
+  timeout -k 10 -s INT "$bench" python3 scripts/bench_scale.py --gpu --live --modes lora --shapes qwen3.5-0.8b \
     qwen3-0.6b --sides ours trl --compile false --max_length 4096 --steps 2 --warmup 1 \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench ended at $(( $(date +%s) - t0 )) s"
   grep -cE " PASSED " "$OUT/pytest.log"; grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -40
+  ;;
+compile)  # there, after `run` or `install` on the same machine: the 2-layer step compiled on the kernel cache
+  # as it is (empty on a fresh machine: the first two runs' first call did not end in 40 s, the third's, beside
+  # the suite, not in 100 s; on the cache it left, 0.91 s then 0.02 s), again, and eager
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  for c in 1 1 0; do timeout -k 10 -s INT "${2:-150}" python3 scripts/gpu_probe.py step --layers 2 --calls 3 \
+    --compile $c; done 2>&1 | tee "$OUT/compile.log"
   ;;
 sanitize)
   shift
