@@ -97,6 +97,8 @@ def kernel_path(request, monkeypatch):
     "graph" (MLX's own ops and mlxrl's MLX-graph head, attention and optimizer: what runs on Metal and
     CUDA; the same as MLXRL_NATIVE=0)."""
     skip_native_on_gpu(request.param)
+    if request.param == "native" and os.environ.get("MLXRL_NATIVE") == "0":
+        pytest.skip("MLXRL_NATIVE=0: the native kernels are off (the graph-path lane)")
     if request.param == "graph":
         from mlxrl.cpu import native
 

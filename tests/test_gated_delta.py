@@ -381,8 +381,8 @@ def test_dispatch_takes_the_native_kernel_where_the_other_native_kernels_run(mon
     """float32 CPU arrays with the module built: "native"; bf16 inputs or state, MLXRL_NATIVE=0, a module that
     cannot load, or a GPU default device: "graph"."""
     q, g, s = mx.zeros((1, 4, 2, 8)), mx.zeros((1, 4, 2)), mx.zeros((1, 2, 8, 8))
-    on_cpu = mx.default_device() == mx.cpu
-    assert gated_delta._path(q, q, q, g, g, s) == ("native" if on_cpu else "graph")
+    built = mx.default_device() == mx.cpu and native.load() is not None  # not with MLXRL_NATIVE=0 set already
+    assert gated_delta._path(q, q, q, g, g, s) == ("native" if built else "graph")
     bf = q.astype(mx.bfloat16)
     assert gated_delta._path(bf, bf, bf, g, g, s) == "graph"
     assert gated_delta._path(q, q, q, g, g, s.astype(mx.bfloat16)) == "graph"
@@ -395,6 +395,8 @@ def test_native_primitive_has_its_own_vjp():
     """The kernel's primitive differentiates by itself too (its VJP is the backward kernel), as the op does."""
     skip_native_on_gpu("native")
     kernels = native.load()
+    if kernels is None:
+        pytest.skip("no native CPU kernels (MLXRL_NATIVE=0 or no compiler)")
     q, k, v, g, beta, s0, w_out, w_state = _data(41, 2, 90, 1, 2, 8, 8, normalise=False)
     starts = np.zeros((2, 90), bool)
     starts[1, 70] = True
