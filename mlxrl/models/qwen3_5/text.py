@@ -122,6 +122,29 @@ def document_starts(segment_ids: mx.array | None, B: int, L: int) -> mx.array | 
     return mx.concatenate([first, segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
 
+def _taps(full: mx.array, weight: mx.array, starts: mx.array | None, L: int):
+    """The causal convolution's K taps over `full` (the K - 1 inputs before x, then x): each tap's index, input
+    slice [B, L, C] and weight [C], with the mask of positions whose input lies in their own document (None
+    without documents)."""
+    K = weight.shape[-1]
+    w = weight.reshape(-1, K).astype(full.dtype)
+    if starts is not None:
+        # document index of each position; an input counts only for positions of its own document
+        doc = mx.cumsum(starts.astype(mx.int32), axis=1)
+        doc_full = mx.concatenate([mx.full((doc.shape[0], K - 1), -1, mx.int32), doc], axis=1)
+    for j in range(K):
+        same = None if starts is None else (doc_full[:, j:j + L] == doc)[..., None]
+        yield j, full[:, j:j + L], w[:, j], same
+
+
+def _conv(full: mx.array, weight: mx.array, starts: mx.array | None, L: int) -> mx.array:
+    y = None
+    for _, xs, wj, same in _taps(full, weight, starts, L):
+        term = xs * wj if same is None else mx.where(same, xs * wj, 0)
+        y = term if y is None else y + term
+    return y
+
+
 def causal_conv(x: mx.array, weight: mx.array, starts: mx.array | None, state: mx.array | None = None):
     """Depthwise causal convolution over time: x [B, L, C], weight [C, 1, K] (HF's layout) -> [B, L, C];
     y[t] = sum_j w[:, j] x[t - K + 1 + j]. `starts`: document starts (no position sees another document's
@@ -130,18 +153,7 @@ def causal_conv(x: mx.array, weight: mx.array, starts: mx.array | None, state: m
     K = weight.shape[-1]
     past = mx.zeros((B, K - 1, C), x.dtype) if state is None else state.astype(x.dtype)
     full = mx.concatenate([past, x], axis=1)  # [B, K - 1 + L, C]
-    if starts is not None:
-        # document index of each position; an input counts only for positions of its own document
-        doc = mx.cumsum(starts.astype(mx.int32), axis=1)
-        doc_full = mx.concatenate([mx.full((B, K - 1), -1, mx.int32), doc], axis=1)
-    w = weight.reshape(C, K).astype(x.dtype)
-    y = None
-    for j in range(K):
-        term = full[:, j:j + L] * w[:, j]
-        if starts is not None:
-            term = mx.where((doc_full[:, j:j + L] == doc)[..., None], term, 0)
-        y = term if y is None else y + term
-    return y, full[:, L:]
+    return _conv(full, weight, starts, L), full[:, L:]
 
 
 @functools.cache
@@ -155,33 +167,13 @@ def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
     builds a padded [B, L + K - 1, C] array per tap."""
     kd = hk * dk
 
-    def taps(full, weight, starts, L):
-        """Each tap's input slice [B, L, C] and its weight [C], with the mask of positions whose input lies in
-        their own document (None without documents)."""
-        K = weight.shape[-1]
-        w = weight.reshape(-1, K).astype(full.dtype)
-        doc = doc_full = None
-        if documents:
-            doc = mx.cumsum(starts.astype(mx.int32), axis=1)
-            doc_full = mx.concatenate([mx.full((doc.shape[0], K - 1), -1, mx.int32), doc], axis=1)
-        for j in range(K):
-            same = (doc_full[:, j:j + L] == doc)[..., None] if documents else None
-            yield j, full[:, j:j + L], w[:, j], same
-
-    def conv(full, weight, starts, L):
-        c = None
-        for _, xs, wj, same in taps(full, weight, starts, L):
-            term = xs * wj if same is None else mx.where(same, xs * wj, 0)
-            c = term if c is None else c + term
-        return c
-
     @mx.custom_function
     def conv_qkv(x, weight, state, *starts):
         B, L, _ = x.shape
-        full = mx.concatenate([state.astype(x.dtype), x], axis=1)
-        y = nn.silu(conv(full, weight, starts[0] if documents else None, L))
+        y, last = causal_conv(x, weight, starts[0] if documents else None, state)
+        y = nn.silu(y)
         return (y[..., :kd].reshape(B, L, hk, dk), y[..., kd:2 * kd].reshape(B, L, hk, dk),
-                y[..., 2 * kd:].reshape(B, L, hv, dv), full[:, L:])
+                y[..., 2 * kd:].reshape(B, L, hv, dv), last)
 
     @conv_qkv.vjp
     def conv_qkv_vjp(primals, cotangents, outputs):
@@ -191,13 +183,13 @@ def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
         K = weight.shape[-1]
         full = mx.concatenate([state.astype(x.dtype), x], axis=1)
         st = starts[0] if documents else None
-        c = conv(full, weight, st, L)
+        c = _conv(full, weight, st, L)
         s = mx.sigmoid(c)
         dy = mx.concatenate([dq.reshape(B, L, -1), dk_.reshape(B, L, -1), dv_.reshape(B, L, -1)], axis=-1)
         dc = dy * s * (1 + c * (1 - s))
         d_full = mx.pad(dlast.astype(dc.dtype), [(0, 0), (L, 0), (0, 0)])  # the last K - 1 inputs' own cotangent
         dw = []
-        for j, xs, wj, same in taps(full, weight, st, L):
+        for j, xs, wj, same in _taps(full, weight, st, L):
             dcj = dc if same is None else mx.where(same, dc, 0)
             d_full = d_full + mx.pad(dcj * wj, [(0, 0), (j, K - 1 - j), (0, 0)])
             dw.append((xs.astype(mx.float32) * dcj.astype(mx.float32)).sum(axis=(0, 1)))
