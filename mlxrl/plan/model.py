@@ -238,20 +238,22 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
     drained = drains_queue(args, sh.tokens, max(a.D, a.heads * a.head_dim))
     factor = ckpt_layers(trainer, drained) if checkpointing else DRAINED_BACKWARD_LAYERS if drained else BACKWARD_LAYERS
 
-    def backward(kind: str) -> float:  # the temporaries of the layer being (recomputed and) differentiated
+    def temporaries(kind: str) -> float:  # the temporaries of the layer being (recomputed and) differentiated
         live = layers[kind]
         if checkpointing and peft and tile:  # the tiles save more than LORA_SAVED x the MLP's arrays (measured)
             live -= TILED_LORA_BONUS * (per_layer(0, kind) - live)
         if kind == "linear" and checkpointing and drained:  # its convolution and gated norm are MLX's ops,
             return max(factor, LINEAR_CKPT_DRAINED) * live  # whose queued work the kernels do not drain
-        if kind == "linear" and not native_cpu(args):  # the delta rule's graph path: one group's work beside
-            return factor * live + delta_rule_work_bytes(sh.tokens, a.linear)
         if a.moe and checkpointing:  # the expert layer's gathered rows are all alive in its backward: no discount
             e = expert_saved_bytes(a.D, a.moe, sh.tokens, s) + (expert_lora_bytes(a.D, a.moe, sh.tokens, s)
                                                                  if peft and a.moe["adapted"] else 0.0)
             e = min(e * (LORA_SAVED if peft else 1.0), live)
             return factor * (live - e) + max(factor, 1.0) * e
         return factor * live
+
+    def backward(kind: str) -> float:  # beside them, the delta rule's graph path holds one group's work
+        work = delta_rule_work_bytes(sh.tokens, a.linear) if kind == "linear" and not native_cpu(args) else 0.0
+        return temporaries(kind) + work
 
     extra = max(backward(kind) for kind in kinds)
     return max(kept, a.layer_trainable_bytes) + extra + edges
