@@ -43,9 +43,9 @@ state at the start of every chunk ([T/C, B, H, dk, dv] float32); that and the in
 evaluated). The backward walks the chunks in reverse: for each, it recomputes the chunk's decays, A, its
 inverse, U0, W and U from the inputs and the saved state, turns the output's cotangent and the state
 cotangent dS coming from the next chunk into the chunk's input gradients, and passes dS back to the chunk
-before. Inputs are cast to float32 per chunk; the state and all accumulation are float32; the output comes
-back in v's dtype (transformers returns q's; Qwen3.5 gives both the same dtype) and each gradient in its
-input's dtype.
+before. Inputs are cast to float32 a group at a time (below); the state and all accumulation are float32;
+the output comes back in v's dtype (transformers returns q's; Qwen3.5 gives both the same dtype) and each
+gradient in its input's dtype.
 
 The graph path runs GROUP chunks side by side: everything that does not need the state passed from chunk to
 chunk (decays, A and its inverse, U0, W, Q K^T, and in the backward every gradient once the state's cotangent
@@ -55,6 +55,7 @@ small to fill it: batching cuts the launches by about the group's size. Each gro
 `mx.depends` to the previous group's results, so MLX (which schedules depth-first from the outputs) runs
 the groups one after another and only one group's intermediates are alive: the working set is a group's,
 whatever the length.
+
 Paths: `_path` is the one dispatch point, choosing an entry of `_PATHS` as every native kernel is chosen
 (`mlxrl.cpu.fastmath`): "native" when q, k, v, g, beta and the state are float32 arrays on the CPU and
 mlxrl's native module loads (not with MLXRL_NATIVE=0), else "graph". "native" is one C++ primitive for the
@@ -292,9 +293,8 @@ def _graph_backward(primals, d_out, d_final, saved, cfg):
     q, k, v, g, beta, state, starts = primals
     dS = d_final.astype(mx.float32)
     pieces = []  # per group, last first: (dq, dk, dv, dg, dbeta)
-    bounds = _groups(q.shape[1], cfg.chunk)
-    firsts = [sum(n for _, _, n in bounds[:i]) for i in range(len(bounds))]  # each group's first chunk
-    for (s, e, n), first in reversed(list(zip(bounds, firsts, strict=True))):
+    for s, e, n in reversed(_groups(q.shape[1], cfg.chunk)):
+        first = s // cfg.chunk  # every chunk before a group is a full one
         # this group waits for everything the next one produced, so only one group's intermediates live
         after = [dS, *pieces[-1]] if pieces else [dS]
         ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], d_out[:, s:e], saved[first:first + n]]
