@@ -52,9 +52,12 @@ def pytest_runtest_logreport(report):
 
 
 def skip_native_on_gpu(param: str) -> None:
-    """A "native" parameter on a GPU default device would repeat the graph path: skipped."""
+    """A "native" parameter on a GPU default device, or with MLXRL_NATIVE=0 (the graph-path lane), would
+    repeat the graph path: skipped."""
     if ON_GPU and param == "native":
         pytest.skip("the native CPU kernels run on CPU arrays only; the default device is a GPU")
+    if param == "native" and os.environ.get("MLXRL_NATIVE") == "0":
+        pytest.skip("MLXRL_NATIVE=0: the native kernels are off (the graph-path lane)")
 
 
 def tiny_checkpoints_module():

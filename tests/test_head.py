@@ -341,3 +341,49 @@ def test_frozen_bf16_head_is_as_lean_as_float32(head_path):
             np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(np.array(a16), np.array(a32))
         np.testing.assert_allclose(np.array(g16), np.array(g32), rtol=1e-2, atol=2e-2 * np.abs(np.array(g32)).max())
+
+
+def test_kept_bf16_head_under_float32_compute(head_path, monkeypatch):
+    """A frozen head kept in bfloat16 under float32 compute (`models.widened`): the native kernel widens it a
+    block of rows at a time (`kWidenRows` 2048; V 5000 is two full blocks and a partial one) and the graph
+    path runs the vocab-tiled head; both give the float32 head's values and d_hidden (the same bfloat16
+    values widened), and neither holds a float32 copy of the weight."""
+    calls = []
+    kernels = fastmath.kernels_for(mx.zeros((1,)))
+    if head_path == "native":  # the kernel itself runs the bf16 weight (nll / dft), not the vocab-tiled head
+        real = kernels.fused_head
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(kernels, name)
+
+            def fused_head(self, h, w, *a):
+                calls.append(w.dtype)
+                return real(h, w, *a)
+
+        monkeypatch.setattr(fastmath, "kernels_for", lambda x: Spy() if x.dtype == mx.float32 else None)
+    n, d, v = 96, 40, 5000
+    h, w, t, *_ = make(n, d, v, "some", seed=9)
+    wb = w.astype(mx.bfloat16)
+    for loss_type in ("nll", "dft", _grpo_token_loss):
+        kw = dict(loss_type=loss_type, weight_grad=False, temperature=0.7, chunk_rows=40)
+        if callable(loss_type):
+            old = naive(h, wb.astype(mx.float32), t, 0.7)[0] + 0.1
+            kw.update(token_args=(old, old - 0.2), token_weights=mx.ones((n,)) / n)
+        outs = []
+        for weight in (wb, wb.astype(mx.float32)):
+            (loss, (lp, ent, am)), gh = mx.value_and_grad(
+                lambda x, y=weight: (lambda r: (r[0], r[1:]))(fused_head_loss(x, y, t, **kw)))(h)  # noqa: B023
+            outs.append((loss, lp, ent, am, gh))
+        (l16, lp16, e16, a16, g16), (l32, lp32, e32, a32, g32) = outs
+        for a, b in ((l16, l32), (lp16, lp32), (e16, e32), (g16, g32)):
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.array(a16), np.array(a32))
+    if head_path == "native":
+        assert mx.bfloat16 in calls, calls
+    else:
+        assert not calls
+    d, v = 256, 32768  # the weight: 16 MB in bfloat16, 32 MB widened; one row chunk's tile 4 MB
+    h, w, t, *_ = make(256, d, v, "none", seed=10)
+    peak = _head_peak(h, (w * 0.1).astype(mx.bfloat16), t, wrt=0, weight_grad=False, chunk_rows=32, chunk_size=512)
+    assert peak < 0.5 * v * d * 4, peak / 2**20

@@ -48,8 +48,9 @@ def test_kept_linears_are_bf16_and_give_the_float32_logits(bf16_checkpoint, arch
     wide, processor = mlxrl.load(folder, dtype="float32")
     kept, _ = mlxrl.load(folder, dtype="float32", keep_linear_dtype=True)
     narrow = {k for k, d in dtypes(kept).items() if d == mx.bfloat16}
-    linears = {f"{p}.weight" for p, m in wide.named_modules() if isinstance(m, nn.Linear)}
-    assert narrow and narrow == {k for k in linears if not k.endswith("lm_head.weight")}
+    linears = {f"{p}.weight" for p, m in wide.named_modules()
+               if isinstance(m, nn.Linear) or p.endswith("embed_tokens")}  # the embedding and the head too
+    assert narrow and narrow == linears and any(k.endswith("embed_tokens.weight") for k in narrow)
     assert all(dtypes(wide)[k] == mx.float32 for k in dtypes(wide))
     inputs = {"input_ids": mx.array([[1, 5, 7, 9, 11, 3, 2, 8]])}
     if arch == "qwen3_vl":  # an image: the vision tower's kept linears run too
@@ -60,6 +61,9 @@ def test_kept_linears_are_bf16_and_give_the_float32_logits(bf16_checkpoint, arch
     a, b = wide(**inputs), kept(**inputs)
     assert b.dtype == mx.float32
     np.testing.assert_array_equal(np.array(a), np.array(b))  # widening is exact: the same products
+
+
+HEADS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def sft(folder, tmp_path, name, keep: bool, **kw):
@@ -78,7 +82,9 @@ def sft(folder, tmp_path, name, keep: bool, **kw):
     if not args.use_peft:
         return losses, adapters
     with merged(model) as plain:  # the merged weights, as --merge saves them
-        adapters.update({f"merged {k}": np.array(v) for k, v in tree_flatten(plain.parameters())})
+        # the embedding and the head have no adapter: the merge leaves them kept (bfloat16), compared widened
+        adapters.update({f"merged {k}": np.array(v.astype(mx.float32) if k.endswith(HEADS) else v)
+                         for k, v in tree_flatten(plain.parameters())})
     return losses, adapters
 
 
@@ -92,7 +98,9 @@ def test_lora_training_over_a_kept_base_is_the_float32_run(bf16_checkpoint, tmp_
     assert adapters.keys() == kept_adapters.keys() and adapters
     for k in adapters:
         assert kept_adapters[k].dtype == adapters[k].dtype == np.float32, k  # the merge too: float32, unrounded
-        np.testing.assert_allclose(kept_adapters[k], adapters[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        # atol: the kept head's d_hidden sums the vocabulary a widened block at a time (rounding apart), which
+        # Adam's first steps enlarge where a gradient is near zero (1 element in 256 by 4e-7)
+        np.testing.assert_allclose(kept_adapters[k], adapters[k], rtol=1e-5, atol=2e-6, err_msg=k)
 
 
 def test_full_fine_tuning_of_a_kept_base_is_refused(bf16_checkpoint, tmp_path):

@@ -125,11 +125,13 @@ _NATIVE_MODES = {_nll_grad: 0, _dft_grad: 1}  # the token losses mlxrl's native 
 
 def _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad):
     """The whole row-chunk loop as one native CPU kernel (float32 CPU arrays, nll / dft), or None:
-    one tile buffer for every chunk and d_weight accumulated in place (3 matmuls, one [V, D] gradient)."""
+    one tile buffer for every chunk and d_weight accumulated in place (3 matmuls, one [V, D] gradient).
+    A frozen bfloat16 weight (`models.widened`) is widened a block of rows at a time inside the kernel."""
     mode = _NATIVE_MODES.get(grad_fn)
     kernels = fastmath.kernels_for(hidden)
-    if mode is None or kernels is None or not hasattr(kernels, "fused_head") or weight.dtype != mx.float32 \
-            or hidden.dtype != mx.float32 or not fastmath.uses_native(weight):
+    narrow = weight.dtype == mx.bfloat16 and not weight_grad
+    if mode is None or kernels is None or not hasattr(kernels, "fused_head") or hidden.dtype != mx.float32 \
+            or not (narrow or (weight.dtype == mx.float32 and fastmath.uses_native(weight))):
         return None
     loss, logp, ent, arg, dh, dw = kernels.fused_head(
         hidden, weight, targets, w.astype(mx.float32), float(inv_t), mode,
@@ -323,7 +325,10 @@ def fused_head_loss(
     if h.shape[0] == 0:
         z = mx.zeros((n,), mx.float32)
         return (hidden * 0).sum() + (weight * 0).sum(), z, z, mx.full((n,), -1, mx.int32)
-    if not weight_grad and weight.dtype != mx.float32:
+    # a frozen bf16 head (a bf16 model's, or one kept under float32 compute: `models.widened`) takes the
+    # vocab-tiled head, unless the native kernel runs it (it widens the weight a block at a time)
+    native = weight.dtype == mx.bfloat16 and not args and grad_fn in _NATIVE_MODES and fastmath.uses_native(h)
+    if not weight_grad and weight.dtype != mx.float32 and not native:
         loss, logp, ent, arg = _frozen_low_precision(h, weight, t, w, args, grad_fn, temperature, with_entropy,
                                                      chunk_size)
     else:

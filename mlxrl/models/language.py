@@ -384,6 +384,11 @@ class CausalLMHead:
                               bits=layer.bits, mode=layer.mode)
         return layer.weight
 
+    def compute_dtype(self) -> mx.Dtype:
+        """The dtype the model computes in: its final norm's (a frozen head may be kept in bfloat16 under
+        float32 compute, `models.widened`)."""
+        return self.language_model.norm.weight.dtype
+
     def apply_lm_head(self, hidden: mx.array) -> mx.array:
         if self.tied:
             return self.language_model.embed_tokens.as_linear(hidden)

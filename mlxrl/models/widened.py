@@ -13,9 +13,14 @@ tokens, LoRA, compiled, MLX's peak 1.26 GB against 1.14 GB with float32 weights)
 copy kept for the backward: 1.107 against 1.127 GB (four 0.6B layers of a bfloat16 checkpoint, 2048 tokens,
 the trainer's step); widened again in the backward: 1.051 GB, 76 of the 126 MB those layers' linears save.
 
-What keeps its float32: the embeddings and the LM head (the streamed head's kernels take float32), norms,
-biases, and anything trained: the rule (`keeps_checkpoint_dtype`) applies to LoRA runs over a float base
-only, and the engine refuses a widened weight that would train (`check_trainable_dtypes`).
+The embedding matrix and the LM head (the same matrix when tied) are kept too: `WidenedEmbedding` widens
+the rows it looks up and, as a tied head, multiplies like `WidenedLinear`; the trainers' heads take the
+bfloat16 [V, D] weight and widen it a vocab block at a time (the native fused head, the streamed head's
+tiles).
+
+What keeps its float32: norms, biases, and anything trained: the rule (`keeps_checkpoint_dtype`) applies to
+LoRA runs over a float base only, and the engine refuses a widened weight that would train
+(`check_trainable_dtypes`).
 """
 
 from __future__ import annotations
@@ -57,19 +62,38 @@ class WidenedLinear(nn.Linear):
         return y + self.bias if "bias" in self else y
 
 
+class WidenedEmbedding(nn.Embedding):
+    """`nn.Embedding` whose weight may be bfloat16 under float32 compute: the looked-up rows are widened, and
+    as a tied LM head (`as_linear`) it multiplies as `WidenedLinear` does."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = self.weight[x]
+        return rows.astype(mx.float32) if rows.dtype == KEPT else rows
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        w = self.weight
+        return x @ w.T if w.dtype == x.dtype else widened_product(x, w)
+
+
+def _head(path: str) -> bool:
+    return path.split(".")[-1] in ("lm_head", "embed_tokens")
+
+
 def _keepable(path: str, module) -> bool:
-    """A plain linear layer other than the LM head: what the load may keep and the planner counts."""
-    return type(module) is nn.Linear and path.split(".")[-1] != "lm_head"
+    """A plain linear layer or the embedding matrix: what the load may keep and the planner counts."""
+    return type(module) is nn.Linear or (type(module) is nn.Embedding and _head(path))
 
 
 def keep_linears(model: nn.Module, weights: dict[str, mx.array]) -> set[str]:
-    """Make every linear layer whose checkpoint weight (`weights`, by parameter path) is bfloat16 a
-    `WidenedLinear` (the LM head excepted); returns their weights' paths, which the load leaves bfloat16."""
+    """Make every linear layer (the LM head too) whose checkpoint weight (`weights`, by parameter path) is
+    bfloat16 a `WidenedLinear`, and such an embedding a `WidenedEmbedding`; returns their weights' paths, which
+    the load leaves bfloat16."""
     kept = set()
     for path, m in model.named_modules():
         w = weights.get(f"{path}.weight") if _keepable(path, m) else None
         if w is not None and w.dtype == KEPT:
-            m.__class__ = WidenedLinear  # the same module and arrays; only the call differs
+            # the same module and arrays; only the call differs
+            m.__class__ = WidenedEmbedding if isinstance(m, nn.Embedding) else WidenedLinear
             kept.add(f"{path}.weight")
     return kept
 
@@ -94,24 +118,31 @@ def checkpoint_dtype(cfg: dict) -> str | None:
 def planned_config(model: nn.Module) -> dict:
     """The model's config.json for the planner, its `dtype` saying whether this model holds kept linears (a
     bfloat16 checkpoint read all in float32 keeps none)."""
-    kept = any(isinstance(m, WidenedLinear) and m.weight.dtype == KEPT for _, m in model.named_modules())
+    kept = any(isinstance(m, (WidenedLinear, WidenedEmbedding)) and m.weight.dtype == KEPT
+               for _, m in model.named_modules())
     cfg = {k: v for k, v in dict(model.config).items() if k not in ("dtype", "torch_dtype")}
     return {**cfg, "dtype": "bfloat16" if kept else "float32"}
 
 
 def kept_saving(model: nn.Module, cfg: dict, args, element_bytes: int) -> int:
-    """What keeping bfloat16 linears takes off the planner's weights (`plan.model`): 2 bytes a kept weight,
-    less one layer's widened float32 copy (a checkpointed layer's recomputation and backward hold it).
-    Counted on the lazily built model, before LoRA wraps it; 0 where the rule does not keep them."""
+    """What keeping bfloat16 weights takes off the planner's weights (`plan.model`): 2 bytes a kept weight,
+    less one layer's widened float32 copy (a checkpointed layer's recomputation and backward hold it; the
+    embedding and the head are widened a block of rows at a time). Counted on the lazily built model, before
+    LoRA wraps it; 0 where the rule does not keep them."""
     if element_bytes != 4 or checkpoint_dtype(cfg) != "bfloat16" or not keeps_checkpoint_dtype(args, mx.float32):
         return 0
     layers: dict[str, int] = {}
+    total = 0
     for path, m in model.named_modules():
-        if _keepable(path, m):
-            layer = re.match(r"(.*?\.(?:layers|blocks)\.\d+)\.", path)
-            key = layer.group(1) if layer else path
-            layers[key] = layers.get(key, 0) + m.weight.size
-    return 2 * sum(layers.values()) - 4 * max(layers.values(), default=0)
+        if not _keepable(path, m):
+            continue
+        total += m.weight.size
+        if _head(path):
+            continue
+        layer = re.match(r"(.*?\.(?:layers|blocks)\.\d+)\.", path)
+        key = layer.group(1) if layer else path
+        layers[key] = layers.get(key, 0) + m.weight.size
+    return 2 * total - 4 * max(layers.values(), default=0)
 
 
 def check_trainable_dtypes(model: nn.Module) -> None:
@@ -123,7 +154,8 @@ def check_trainable_dtypes(model: nn.Module) -> None:
         raise MlxrlError("the model is in float16, which cannot train without loss scaling (small gradients flush "
                          "to zero): load it in bfloat16 (--dtype bfloat16 or MLXRL_DTYPE=bfloat16) or float32")
     for path, m in model.named_modules():
-        if isinstance(m, WidenedLinear) and m.weight.dtype == KEPT and "weight" in m.trainable_parameters():
+        if isinstance(m, (WidenedLinear, WidenedEmbedding)) and m.weight.dtype == KEPT \
+                and "weight" in m.trainable_parameters():
             raise MlxrlError(f"{path}.weight is kept in bfloat16 under float32 compute (loaded with "
                              "keep_linear_dtype=True, for LoRA) but this run trains it: load the model without "
                              "keep_linear_dtype for full fine-tuning")

@@ -298,10 +298,11 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     fused = mode in ("fused", "two_phase")
     if native_sft_head(args, trainer):
         return fused_head.native_peak_bytes(rows, a.V, a.D, a.head_trainable)
-    if fused and (a.head_trainable or s == 4):
+    head_kept = a.kept_bytes > 0 and not a.head_trainable  # a bf16 head under float32 compute (models.widened)
+    if fused and (a.head_trainable or (s == 4 and not head_kept)):
         return fused_head.graph_peak_bytes(rows, a.V, a.D, s, a.head_trainable, a.tied)
     # a frozen bf16 head under the fused mode runs the vocab-tiled head at its default chunk
-    return head.peak_bytes(rows, a.V, a.D, s, a.head_trainable, None if fused else args.chunk_size,
+    return head.peak_bytes(rows, a.V, a.D, 2 if head_kept else s, a.head_trainable, None if fused else args.chunk_size,
                            bool(getattr(args, "compile", True)), drain_bytes() if native_cpu(args) else 0)
 
 
@@ -372,7 +373,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     q = quantization_of(cfg, args)
     what = (f"{q[0]}-bit base (group {q[1]}: {q[0] + 32 / q[1]:g} bits per quantized weight), float embedding / "
             "head, norms, vision tower" if q else f"{count(W // s)} parameters x {s} B")
-    kept = "linears in bfloat16 (keep_frozen_dtype; one layer widened at a time), the rest float32"
+    kept = "linears and embedding in bfloat16 (keep_frozen_dtype; widened a layer at a time), the rest float32"
     out: list[Row] = [Row("weights", W, kept if a.kept_bytes else what)]
     n_train = a.trainable_params
     other = T - a.layer_trainable_bytes  # gradients outside the decoder layers (those are in activations)

@@ -141,7 +141,7 @@ def run_record(trainer) -> dict:
     return {"trainer": trainer.planner_kind, "model_type": model.config.get("model_type"),
             "model_config": json.loads(json.dumps(dict(model.config), default=str)),
             "adapter": adapter, "trainable": {k: list(v.shape) for k, v in sorted(trainable.items())},
-            "dtype": DTYPE_NAMES.get(model.lm_head_weight().dtype, str(model.lm_head_weight().dtype)),
+            "dtype": DTYPE_NAMES.get(model.compute_dtype(), str(model.compute_dtype())),
             "master_weights": bool(args.master_weights) if low_precision else None, "optim": args.optim}
 
 

@@ -137,7 +137,8 @@ class TrainConfig(ElsewhereArguments):
     q_group_size: int = _f(64, "(mlxrl; mlx-lm's name) with load_in_4bit / load_in_8bit: weights per scale and "
                                "offset: 32 | 64 | 128")
     keep_frozen_dtype: bool = _f(True, "(mlxrl) with use_peft and float32 compute (the CPU): the frozen base's linear "
-                                       "weights stay in the checkpoint's bfloat16 (the Hub's) and widen to float32 "
+                                       "weights, embedding and LM head stay in the checkpoint's bfloat16 (the "
+                                       "Hub's) and widen to float32 "
                                        "per use: the same products (the widening is exact), half those weights' "
                                        "memory; false: read them as float32")
     freeze_vision_tower: bool = _f(False, "(mlxrl) keep the vision tower frozen in full fine-tuning")

@@ -70,7 +70,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         self.is_main = self.rank == 0
         self.output_dir = Path(args.output_dir)
         check_config(args)  # types, ranges, choices, refused TRL fields, the optimizer: one line each, no folder yet
-        check_model_dtype(args, model.lm_head_weight().dtype)  # --bf16 against the model the user loaded
+        check_model_dtype(args, model.compute_dtype())  # --bf16 against the model the user loaded
         model.language_model.set_checkpointing(args.gradient_checkpointing, args.keep_attention,
                                                args.checkpoint_segments)  # segments the model cannot have: refused
         run_dir.check_target(args.output_dir, model=model)  # empty, the current folder, the model's own folder

@@ -149,7 +149,7 @@ class Logging:
 
     def _precision(self) -> tuple[mx.Dtype, str]:
         """The model's compute dtype and how its trainable weights are updated, for the start-up line."""
-        dtype = self.model.lm_head_weight().dtype
+        dtype = self.model.compute_dtype()
         if any(v.dtype != mx.float32 for _, v in tree_flatten(self.model.trainable_parameters())):
             how = "fp32 master weights" if self.args.master_weights else "bf16 weights, stochastic rounding"
             return dtype, f" ({how}, fp32 optimizer state)"

@@ -838,6 +838,21 @@ std::vector<mx::array> adamw8_step_op(const mx::array& g, const mx::array& w, co
 //     entropy = lse - sum(ez z) / s,  g = d loss / d logp,  a = -g / s,  ez' = ez - s onehot(t)
 //     dh = (a / T) (ez' W),  dW += ez'^T (a h / T)
 // loss modes: 0 nll (l = -w logp, g = -w), 1 dft (l = -w p logp, g = -w p, p = exp(logp) detached).
+// A bfloat16 W (a frozen head kept in the checkpoint's dtype: mlxrl.models.widened) is widened to float32 one
+// block of kWidenRows rows at a time into a small scratch before each product (exact: widening only appends
+// zero bits), so the float32 [V, D] copy never exists; it has no weight gradient.
+constexpr int kWidenRows = 2048;
+
+inline void widen_rows(const uint16_t* src, float* dst, size_t n) {
+  parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+    for (size_t i = b; i < e; ++i) {
+      const uint32_t bits = uint32_t(src[i]) << 16;
+      std::memcpy(dst + i, &bits, sizeof bits);
+    }
+  });
+}
+
 class FusedHead : public CpuPrimitive {
  public:
   FusedHead(mx::Stream s, float inv_t, int mode, int chunk_rows, bool with_entropy, bool weight_grad)
@@ -857,7 +872,10 @@ class FusedHead : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = encode_outputs(stream(), inputs, outputs);
     const int n = inputs[0].shape(0), d = inputs[0].shape(1), v = inputs[1].shape(0);
-    encoder.dispatch([h = inputs[0].data<float>(), W = inputs[1].data<float>(), t = inputs[2].data<int32_t>(),
+    const bool narrow = inputs[1].dtype() == mx::bfloat16;
+    encoder.dispatch([h = inputs[0].data<float>(), W = narrow ? nullptr : inputs[1].data<float>(),
+                      Wb = narrow ? reinterpret_cast<const uint16_t*>(inputs[1].data<mx::bfloat16_t>()) : nullptr,
+                      t = inputs[2].data<int32_t>(),
                       w = inputs[3].data<float>(), loss = outputs[0].data<float>(), logp = outputs[1].data<float>(),
                       ent = outputs[2].data<float>(), arg = outputs[3].data<int32_t>(),
                       dh = outputs[4].data<float>(), dw = dw_ ? outputs[5].data<float>() : nullptr, n, d, v,
@@ -868,11 +886,32 @@ class FusedHead : public CpuPrimitive {
       auto scaled_buf = mx::allocator::malloc(sizeof(float) * size_t(rows_max) * d);
       float* tile = static_cast<float*>(tile_buf.buffer().raw_ptr());
       float* scaled = static_cast<float*>(scaled_buf.buffer().raw_ptr());
+      const int vb = Wb != nullptr ? std::min(v, kWidenRows) : 0;
+      auto wide_buf = mx::allocator::malloc(sizeof(float) * size_t(std::max(vb, 1)) * d);
+      float* wide = static_cast<float*>(wide_buf.buffer().raw_ptr());
+      // out (+)= op(a) x W^T (z: [nc, V], ldc v) or a x W (dh: [nc, D], a's lda v), W a block at a time if narrow
+      auto times_w = [&](bool transposed_w, int nc, float alpha, const float* a, float* out) {
+        if (Wb == nullptr) {
+          if (transposed_w)
+            cblas_sgemm(101, 111, 112, nc, v, d, alpha, a, d, W, d, 0.0f, out, v);
+          else
+            cblas_sgemm(101, 111, 111, nc, d, v, alpha, a, v, W, d, 0.0f, out, d);
+          return;
+        }
+        for (int b0 = 0; b0 < v; b0 += vb) {
+          const int nb_ = std::min(vb, v - b0);
+          widen_rows(Wb + size_t(b0) * d, wide, size_t(nb_) * d);
+          if (transposed_w)
+            cblas_sgemm(101, 111, 112, nc, nb_, d, alpha, a, d, wide, d, 0.0f, out + b0, v);
+          else
+            cblas_sgemm(101, 111, 111, nc, d, nb_, alpha, a + b0, v, wide, d, b0 == 0 ? 0.0f : 1.0f, out, d);
+        }
+      };
       std::vector<double> row_loss(n, 0.0);
       std::vector<float> row_a(rows_max);
       for (int r0 = 0; r0 < n; r0 += chunk) {
         const int nc = std::min(chunk, n - r0);
-        cblas_sgemm(101, 111, 112, nc, v, d, inv_t, h + size_t(r0) * d, d, W, d, 0.0f, tile, v);  // z
+        times_w(true, nc, inv_t, h + size_t(r0) * d, tile);  // z
         parallel_for(nc, 1, [&](size_t, size_t b, size_t e) {
           for (size_t i = b; i < e; ++i) {
             const size_t r = r0 + i;
@@ -905,7 +944,7 @@ class FusedHead : public CpuPrimitive {
             for (int k = 0; k < d; ++k) scaled[i * size_t(d) + k] = ha * h[r * size_t(d) + k];
           }
         });
-        cblas_sgemm(101, 111, 111, nc, d, v, 1.0f, tile, v, W, d, 0.0f, dh + size_t(r0) * d, d);  // ez' W
+        times_w(false, nc, 1.0f, tile, dh + size_t(r0) * d);  // ez' W
         for (int i = 0; i < nc; ++i) {
           const float ha = row_a[i] * inv_t;
           float* row = dh + size_t(r0 + i) * d;
@@ -931,11 +970,13 @@ class FusedHead : public CpuPrimitive {
 std::vector<mx::array> fused_head_op(const mx::array& h, const mx::array& weight, const mx::array& targets,
                                      const mx::array& w, float inv_t, int mode, int chunk_rows, bool with_entropy,
                                      bool weight_grad) {
-  auto stream = cpu_stream({&h, &weight, &w});
+  auto stream = weight.dtype() == mx::bfloat16 ? cpu_stream({&h, &w}) : cpu_stream({&h, &weight, &w});
   if (h.ndim() != 2 || weight.ndim() != 2 || h.shape(1) != weight.shape(1) || targets.ndim() != 1 ||
       targets.shape(0) != h.shape(0) || w.shape() != targets.shape())
     throw std::invalid_argument("fused_head: h [N, D], weight [V, D], targets [N] and w [N] expected.");
   if (mode != 0 && mode != 1) throw std::invalid_argument("fused_head: mode is 0 (nll) or 1 (dft).");
+  if (weight.dtype() == mx::bfloat16 && weight_grad)
+    throw std::invalid_argument("fused_head: a bfloat16 weight is a frozen head's (no weight gradient).");
   auto dense = [&](const mx::array& a) { return ::dense(a, stream); };
   auto t = mx::clip(mx::astype(targets, mx::int32, stream), mx::array(0), mx::array(weight.shape(0) - 1), stream);
   mx::Shape n{h.shape(0)};
