@@ -349,10 +349,10 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         source, accum = self.source, self.args.gradient_accumulation_steps
         window = self._new_window()
         mx.reset_peak_memory()
-        while self.global_step < total and not self.control.should_training_stop:
+        while self.global_step < total and not self.stop_requested:
             if not self._epoch_done():
                 with source.open(self.epoch, self.batch_in_epoch, self._epoch_usable(), accum) as items:
-                    while self.global_step < total and not self.control.should_training_stop:
+                    while self.global_step < total and not self.stop_requested:
                         group = [next(items) for _ in range(self._group_size())]
                         window["metrics"].extend(source.pop_metrics())
                         self._optimizer_step(group, window, bar, total)

@@ -209,6 +209,23 @@ def format_rows(rows, formatting_func) -> list[dict]:
     return out
 
 
+def _trainer_class(module: str, name: str):
+    """transformers' `transformers.<module>.<name>` (TrainerControl, TrainerState, TrainOutput). Importing
+    those modules imports PEFT, which imports bitsandbytes where it is installed, whose CPU backend logs a
+    warning about optional kernels mlxrl never runs: that logger is quieted for the import, so a CLI's stderr
+    holds only what mlxrl says."""
+    import importlib
+    import logging
+
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return getattr(importlib.import_module(f"transformers.{module}"), name)
+    finally:
+        log.setLevel(level)
+
+
 class TRLSurface:
     """Mixin of the engine's `Trainer`: what a TRL script calls on a trainer and reads back, and
     transformers' `TrainerCallback`s: the loop raises their events (on_train_begin, on_step_end, on_log,
@@ -224,10 +241,13 @@ class TRLSurface:
     def control(self):
         """transformers' `TrainerControl` the callbacks set."""
         if self._control is None:
-            from transformers import TrainerControl
-
-            self._control = TrainerControl()
+            self._control = _trainer_class("trainer_callback", "TrainerControl")()
         return self._control
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a callback set control.should_training_stop (read without building a control)."""
+        return self._control is not None and bool(self._control.should_training_stop)
 
     def _event(self, name: str, **kwargs) -> None:
         """Call `name` on each callback (transformers' CallbackHandler order: a callback's returned control
@@ -252,8 +272,7 @@ class TRLSurface:
         """TRL's end-of-run entry (train_runtime, samples and steps per second, train_loss: the mean step
         loss of this call), printed, appended to log_history (not metrics.jsonl, which holds the steps) and
         returned as transformers' TrainOutput."""
-        from transformers.trainer_utils import TrainOutput
-
+        TrainOutput = _trainer_class("trainer_utils", "TrainOutput")  # noqa: N806 (a class)
         steps = self.global_step - first_step
         batch = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.world_size
         losses = self._step_losses[-steps:] if steps else []
@@ -269,7 +288,7 @@ class TRLSurface:
     def state(self):
         """transformers' `TrainerState` of this trainer (TRL's `trainer.state`): global_step, epoch, max_steps,
         log_history (the trainer's own list), best_metric / best_model_checkpoint."""
-        from transformers import TrainerState
+        TrainerState = _trainer_class("trainer_callback", "TrainerState")  # noqa: N806 (a class)
 
         best = getattr(self, "_best", None)
         if self._trainer_state is None:  # one object, so that what a callback keeps on it stays
