@@ -145,3 +145,36 @@ def test_batched_greedy_generation_equals_transformers_generate(pair):
     got = np.array(out.completion_ids)
     assert len({tuple(r) for r in want}) == 3, "the prompts should not all continue alike"
     np.testing.assert_array_equal(got, np.repeat(want, 2, axis=0))
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_fused_conv_vjp_equals_autograd_of_the_plain_convolution(documents):
+    """The convolution + SiLU + split as one function with its own VJP (`text._conv_qkv`: recomputed from its
+    input, the input's gradient summed from shifted windows of dc) against MLX's autograd of `causal_conv`,
+    SiLU and the split: every input's gradient (x, the weight, the K - 1 inputs before x), with packed
+    documents and a carried-in state, at a length of no special size."""
+    from mlxrl.models.qwen3_5 import text
+
+    hk, dk, hv, dv, K, B, L = 2, 8, 3, 12, 4, 2, 37
+    C = 2 * hk * dk + hv * dv
+    rng = np.random.default_rng(5)
+    x, weight, state = (mx.array(rng.normal(size=s).astype(np.float32)) for s in ((B, L, C), (C, 1, K), (B, K - 1, C)))
+    cot = [mx.array(rng.normal(size=s).astype(np.float32)) for s in ((B, L, hk, dk), (B, L, hk, dk), (B, L, hv, dv),
+                                                                     (B, K - 1, C))]
+    starts = mx.array(np.isin(np.arange(L), [0, 11, 25])[None].repeat(B, 0)) if documents else None
+    extra = (starts,) if documents else ()
+
+    def plain(x, weight, state):
+        y, last = text.causal_conv(x, weight, starts, state)
+        y = y * mx.sigmoid(y)
+        return (y[..., :hk * dk].reshape(B, L, hk, dk), y[..., hk * dk:2 * hk * dk].reshape(B, L, hk, dk),
+                y[..., 2 * hk * dk:].reshape(B, L, hv, dv), last)
+
+    fused = text._conv_qkv(hk, dk, hv, dv, documents)
+    outs = []
+    for f in (plain, lambda x, w, s: fused(x, w, s, *extra)):
+        def loss(x, w, s, f=f):
+            return sum((o * c).sum() for o, c in zip(f(x, w, s), cot, strict=True))
+        outs.append(mx.grad(loss, argnums=(0, 1, 2))(x, weight, state))
+    for want, got in zip(*outs, strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -188,10 +188,15 @@ def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
         dy = mx.concatenate([dq.reshape(B, L, -1), dk_.reshape(B, L, -1), dv_.reshape(B, L, -1)], axis=-1)
         dc = dy * s * (1 + c * (1 - s))
         d_full = mx.pad(dlast.astype(dc.dtype), [(0, 0), (L, 0), (0, 0)])  # the last K - 1 inputs' own cotangent
+        # d_full[i] = sum_j w_j dc[i - j]: each tap a shifted window of dc padded once on both sides, so the
+        # sum is elementwise over views (one fused kernel when compiled), not a padded copy per tap
+        edge = [(0, 0), (K - 1, K - 1), (0, 0)]
+        dcp = mx.pad(dc, edge)
         dw = []
         for j, xs, wj, same in _taps(full, weight, st, L):
             dcj = dc if same is None else mx.where(same, dc, 0)
-            d_full = d_full + mx.pad(dcj * wj, [(0, 0), (j, K - 1 - j), (0, 0)])
+            src = dcp if same is None else mx.pad(dcj, edge)
+            d_full = d_full + src[:, K - 1 - j:2 * (K - 1) - j + L] * wj
             dw.append((xs.astype(mx.float32) * dcj.astype(mx.float32)).sum(axis=(0, 1)))
         dweight = mx.stack(dw, axis=-1).reshape(weight.shape).astype(weight.dtype)
         grads = [d_full[:, K - 1:].astype(x.dtype), dweight, d_full[:, :K - 1].astype(state.dtype)]
