@@ -123,18 +123,23 @@ def _fused_chunk(h, weight, t, inv_t, w, args, grad_fn, with_entropy, dw):
 _NATIVE_MODES = {_nll_grad: 0, _dft_grad: 1}  # the token losses mlxrl's native fused head computes
 
 
-def _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad):
-    """The whole row-chunk loop as one native CPU kernel (float32 CPU arrays, nll / dft), or None:
-    one tile buffer for every chunk and d_weight accumulated in place (3 matmuls, one [V, D] gradient).
-    A frozen bfloat16 weight (`models.widened`) is widened a block of rows at a time inside the kernel."""
-    mode = _NATIVE_MODES.get(grad_fn)
+def _native_kernels(hidden, weight, grad_fn, weight_grad):
+    """The native module when its fused head runs this call, else None: nll / dft over float32 CPU rows, with
+    a float32 weight or a frozen bfloat16 one (`models.widened`: widened a block of rows at a time inside)."""
     kernels = fastmath.kernels_for(hidden)
-    narrow = weight.dtype == mx.bfloat16 and not weight_grad
-    if mode is None or kernels is None or not hasattr(kernels, "fused_head") or hidden.dtype != mx.float32 \
-            or not (narrow or (weight.dtype == mx.float32 and fastmath.uses_native(weight))):
+    if grad_fn not in _NATIVE_MODES or kernels is None or not hasattr(kernels, "fused_head"):
+        return None
+    return kernels if weight.dtype == mx.float32 or (weight.dtype == mx.bfloat16 and not weight_grad) else None
+
+
+def _fused_native(hidden, weight, targets, w, grad_fn, inv_t, chunk_rows, with_entropy, weight_grad):
+    """The whole row-chunk loop as one native CPU kernel (`_native_kernels`), or None: one tile buffer for
+    every chunk and d_weight accumulated in place (3 matmuls, one [V, D] gradient)."""
+    kernels = _native_kernels(hidden, weight, grad_fn, weight_grad)
+    if kernels is None:
         return None
     loss, logp, ent, arg, dh, dw = kernels.fused_head(
-        hidden, weight, targets, w.astype(mx.float32), float(inv_t), mode,
+        hidden, weight, targets, w.astype(mx.float32), float(inv_t), _NATIVE_MODES[grad_fn],
         int(chunk_rows or default_chunk_rows(weight.shape[0])), bool(with_entropy), bool(weight_grad))
     return loss, logp, ent, arg, dh, dw if weight_grad else mx.zeros_like(weight)
 
@@ -327,7 +332,7 @@ def fused_head_loss(
         return (hidden * 0).sum() + (weight * 0).sum(), z, z, mx.full((n,), -1, mx.int32)
     # a frozen bf16 head (a bf16 model's, or one kept under float32 compute: `models.widened`) takes the
     # vocab-tiled head, unless the native kernel runs it (it widens the weight a block at a time)
-    native = weight.dtype == mx.bfloat16 and not args and grad_fn in _NATIVE_MODES and fastmath.uses_native(h)
+    native = not args and _native_kernels(h, weight, grad_fn, weight_grad) is not None
     if not weight_grad and weight.dtype != mx.float32 and not native:
         loss, logp, ent, arg = _frozen_low_precision(h, weight, t, w, args, grad_fn, temperature, with_entropy,
                                                      chunk_size)
