@@ -147,22 +147,24 @@ def test_batched_greedy_generation_equals_transformers_generate(pair):
     np.testing.assert_array_equal(got, np.repeat(want, 2, axis=0))
 
 
+@pytest.mark.parametrize("L", [37, 2])
 @pytest.mark.parametrize("documents", [False, True])
-def test_fused_conv_vjp_equals_autograd_of_the_plain_convolution(documents):
-    """The convolution + SiLU + split as one function with its own VJP (`text._conv_qkv`: recomputed from its
-    input, the input's gradient summed from shifted windows of dc) against MLX's autograd of `causal_conv`,
-    SiLU and the split: every input's gradient (x, the weight, the K - 1 inputs before x), with packed
-    documents and a carried-in state, at a length of no special size."""
+def test_fused_conv_vjp_equals_autograd_of_the_plain_convolution(documents, L, kernel_path, monkeypatch):
+    """The convolution + SiLU + split as one op with its own VJP (`text.conv_qkv`: on the native path the C++
+    kernel, `cpu/native/causal_conv.cpp`, recomputing position by position; on the graph path `_conv_qkv`,
+    recomputed from its input, the input's gradient summed from shifted windows of dc) against MLX's autograd
+    of `causal_conv`, SiLU and the split: the outputs and every input's gradient (x, the weight, the K - 1
+    inputs before x), with packed documents and a carried-in state, at a length of no special size and at one
+    shorter than the kernel (the last K - 1 inputs then reach into the state)."""
     from mlxrl.models.qwen3_5 import text
 
-    hk, dk, hv, dv, K, B, L = 2, 8, 3, 12, 4, 2, 37
+    hk, dk, hv, dv, K, B = 2, 8, 3, 12, 4, 2
     C = 2 * hk * dk + hv * dv
     rng = np.random.default_rng(5)
     x, weight, state = (mx.array(rng.normal(size=s).astype(np.float32)) for s in ((B, L, C), (C, 1, K), (B, K - 1, C)))
     cot = [mx.array(rng.normal(size=s).astype(np.float32)) for s in ((B, L, hk, dk), (B, L, hk, dk), (B, L, hv, dv),
                                                                      (B, K - 1, C))]
-    starts = mx.array(np.isin(np.arange(L), [0, 11, 25])[None].repeat(B, 0)) if documents else None
-    extra = (starts,) if documents else ()
+    starts = mx.array(np.isin(np.arange(L), [0, 1, 11, 25])[None].repeat(B, 0)) if documents else None
 
     def plain(x, weight, state):
         y, last = text.causal_conv(x, weight, starts, state)
@@ -170,11 +172,17 @@ def test_fused_conv_vjp_equals_autograd_of_the_plain_convolution(documents):
         return (y[..., :hk * dk].reshape(B, L, hk, dk), y[..., hk * dk:2 * hk * dk].reshape(B, L, hk, dk),
                 y[..., 2 * hk * dk:].reshape(B, L, hv, dv), last)
 
-    fused = text._conv_qkv(hk, dk, hv, dv, documents)
+    ran = []
+    real = text._conv_qkv
+    monkeypatch.setattr(text, "_conv_qkv", lambda *a: ran.append("graph") or real(*a))
     outs = []
-    for f in (plain, lambda x, w, s: fused(x, w, s, *extra)):
+    for f in (plain, lambda x, w, s: text.conv_qkv(x, w, s, starts, hk, dk, hv, dv)):
         def loss(x, w, s, f=f):
             return sum((o * c).sum() for o, c in zip(f(x, w, s), cot, strict=True))
-        outs.append(mx.grad(loss, argnums=(0, 1, 2))(x, weight, state))
-    for want, got in zip(*outs, strict=True):
+        outs.append((f(x, weight, state), mx.grad(loss, argnums=(0, 1, 2))(x, weight, state)))
+    assert bool(ran) == (kernel_path == "graph"), "the dispatch did not take the path under test"
+    (want_y, want_g), (got_y, got_g) = outs
+    for want, got in zip(want_y, got_y, strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+    for want, got in zip(want_g, got_g, strict=True):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -8,9 +8,10 @@ primitives with VJPs and JVPs; `mlxrl.fastmath` routes float32 CPU arrays to the
 AdamW step (updating in place: no second copy of weights and moments) and the fused LM head
 (`mlxrl.losses.fused_head`: one reused tile, the weight gradient accumulated in place by the BLAS),
 counter-hash dropout, and the decoder's RMSNorm, rotary embedding and SwiGLU product with their VJPs
-(one multi-threaded pass each, where MLX runs several single-core ops), FlashAttention, and the gated delta
-rule of Qwen3.5's linear attention (`gated_delta.cpp`) and a mixture-of-experts layer's gathered matmuls
-(`experts.cpp`), which cpu_math.cpp #includes: the one translation unit.
+(one multi-threaded pass each, where MLX runs several single-core ops), FlashAttention, the gated delta
+rule of Qwen3.5's linear attention and its causal convolution (`gated_delta.cpp`, `causal_conv.cpp`), and a
+mixture-of-experts layer's gathered matmuls (`experts.cpp`), which cpu_math.cpp #includes: the one
+translation unit.
 
 The module is built with the system's `g++` against the installed MLX's headers and library and
 nanobind (in MLX's nanobind domain, so `mx.array` crosses unchanged), with `-O3 -march=native`,
@@ -45,7 +46,7 @@ import mlx.core as mx
 
 SOURCE = Path(__file__).with_name("cpu_math.cpp")
 # every source the build reads (the build key hashes them): cpu_math.cpp, the one translation unit, and the
-# kernels it #includes from this folder (gated_delta.cpp, experts.cpp)
+# kernels it #includes from this folder (gated_delta.cpp, causal_conv.cpp, experts.cpp)
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 MODULE = "_cpu_math"
 CXX = os.environ.get("CXX", "g++")

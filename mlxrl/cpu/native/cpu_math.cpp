@@ -1,7 +1,8 @@
 // mlxrl's CPU kernels: exp, sigmoid, softmax over the last axis, sum of squares, the AdamW step,
 // the fused LM head (loss + gradients over row chunks, its matmuls through the BLAS MLX uses), dropout,
 // and the decoder's elementwise work (RMSNorm, rotary embedding, the SwiGLU product), FlashAttention and the
-// gated delta rule (gated_delta.cpp, included below), as MLX primitives.
+// gated delta rule with its causal convolution (gated_delta.cpp and causal_conv.cpp, included below), as MLX
+// primitives.
 //
 // Why: MLX's Linux CPU wheel is built for baseline x86-64, so its exp / sigmoid / softmax are scalar
 // loops whose fma calls go through libm (~0.05 G elements/s, against ~1.3 for a multiply). These
@@ -2232,6 +2233,9 @@ std::vector<mx::array> flash_attention_op(const mx::array& q, const mx::array& k
 // but compiled here, inside this namespace: it uses the helpers above.
 #include "gated_delta.cpp"
 
+// Its convolution with the SiLU, split into q / k / v, and the VJP (causal_conv.cpp, compiled here as above).
+#include "causal_conv.cpp"
+
 // ------------------------------------------------------------------------------ mixture-of-experts matmuls
 
 // An MoE layer's gathered matmuls, one GEMM per expert over its rows (experts.cpp, compiled here as above).
@@ -2242,7 +2246,7 @@ std::vector<mx::array> flash_attention_op(const mx::array& q, const mx::array& k
 NB_MODULE(_cpu_math, m) {
   m.doc() = "mlxrl's vectorised, multi-threaded CPU kernels (float32): exp, sigmoid, softmax (last axis), "
             "sum of squares, the AdamW step, the fused LM head, dropout (and LoRA's dropout + down-projection), "
-            "RMSNorm, rotary embedding, SwiGLU, FlashAttention, the gated delta rule.";
+            "RMSNorm, rotary embedding, SwiGLU, FlashAttention, the gated delta rule and its causal convolution.";
   m.def("drain_bytes", &drain_bytes,
         "Output size from which a kernel finishes the stream's queued work before allocating (MLXRL_DRAIN_BYTES).");
   m.def("exp", [](const mx::array& x) { return fast_exp_op(x); }, nb::arg("x"));
@@ -2317,6 +2321,15 @@ NB_MODULE(_cpu_math, m) {
         nb::arg("scale"), nb::arg("l2norm"),
         "gated_delta's VJP from its inputs, the saved chunk-start states and the cotangents of (out, final state): "
         "[dq, dk, dv, dg, dbeta, d_state], each chunk recomputed from its start state, last chunk first.");
+  m.def("causal_conv_silu", &causal_conv_silu_op, nb::arg("x"), nb::arg("weight"), nb::arg("state"), nb::arg("starts"),
+        nb::arg("widths"), nb::arg("documents"),
+        "silu(depthwise causal conv over time) of x [B, L, C] with weight [C, 1, K], the K - 1 rows before x (state "
+        "[B, K - 1, C]) and, when documents, the document starts (bool [B, L]: no tap crosses a start, the state "
+        "is not read), split into parts [B, L, width] side by side: [*parts, the last K - 1 rows of (state, x)].");
+  m.def("causal_conv_silu_grad", &causal_conv_silu_grad_op, nb::arg("x"), nb::arg("weight"), nb::arg("state"),
+        nb::arg("starts"), nb::arg("d_parts"), nb::arg("d_last"), nb::arg("widths"), nb::arg("documents"),
+        "causal_conv_silu's VJP from its inputs and the cotangents of its outputs: [dx, d_weight, d_state], the "
+        "convolution recomputed position by position, last first.");
   m.def("expert_matmul", &expert_matmul_op, nb::arg("x"), nb::arg("w"), nb::arg("experts"),
         "x [M, in] rows sorted by expert times their expert's w [E, out, in] transposed: [M, out], one GEMM per "
         "expert (experts [M], non-decreasing), differentiable in x and w.");

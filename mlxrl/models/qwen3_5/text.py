@@ -205,6 +205,22 @@ def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
     return conv_qkv
 
 
+def conv_qkv(x: mx.array, weight: mx.array, state: mx.array, starts: mx.array | None, hk: int, dk: int, hv: int,
+             dv: int):
+    """q, k [B, L, Hk, dk], v [B, L, Hv, dv] (the SiLU of the causal convolution of x [B, L, C], split) and the
+    last K - 1 inputs. Float32 on the CPU: the native kernel (`cpu/native/causal_conv.cpp`), whose VJP recomputes
+    the convolution position by position and makes no [L, C] array but the input's gradient; else `_conv_qkv`'s
+    MLX graph."""
+    kernels = fastmath.kernels_for(x)
+    if kernels is None:
+        return _conv_qkv(hk, dk, hv, dv, starts is not None)(x, weight, state, *(() if starts is None else (starts,)))
+    B, L, _ = x.shape
+    marks = mx.zeros((B, L), mx.bool_) if starts is None else starts
+    q, k, v, last = kernels.causal_conv_silu(x, weight.astype(x.dtype), state.astype(x.dtype), marks,
+                                             [hk * dk, hk * dk, hv * dv], starts is not None)
+    return q.reshape(B, L, hk, dk), k.reshape(B, L, hk, dk), v.reshape(B, L, hv, dv), last
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: Qwen35TextConfig):
         super().__init__()
@@ -262,8 +278,8 @@ class GatedDeltaNet(nn.Module):
         projected, z, b, a = self._projections(x)
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv1d.weight.shape[-1] - 1, projected.shape[-1]), projected.dtype)
-        q, k, v, new_conv = _conv_qkv(self.hk, self.dk, self.hv, self.dv, starts is not None)(
-            projected, self.conv1d.weight, conv_state, *(() if starts is None else (starts,)))
+        q, k, v, new_conv = conv_qkv(projected, self.conv1d.weight, conv_state, starts, self.hk, self.dk, self.hv,
+                                     self.dv)
         beta = mx.sigmoid(b)
         a = a.astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias.astype(mx.float32))
