@@ -51,7 +51,8 @@ compare: LoRA's B starts at 0, so dropout does not touch step 0). The text row i
 words, longer than max_length, truncated (keep_start) to it, every position trained. The VL row (qwen3-vl-2b,
 qwen3.5-2b): one user turn with `--images` random-noise images of `--image_px` square (448 -> 196 tokens each,
 896 -> 784) first, then the same kind of words, truncated to max_length after the images; image tokens are
-labels too, as TRL's collator leaves them (ours does the same).
+labels too, as TRL's collator leaves them (ours does the same). `--images 0`: the VL checkpoint trained on a
+text turn (the Hub's Qwen3.5-2B is this model: its tower is loaded and unused).
 
 Modes, the same on every side: `lora` (r 16, alpha 32 (mlx-lm: scale 2.0), dropout `--lora_dropout` (0.05,
 TRL's ModelConfig default), the seven projections q/k/v/o/gate/up/down of every language-model layer (Qwen3.5:
@@ -78,7 +79,8 @@ Sides, each in its own subprocess:
            base read all in float32, where ours keeps its linears in bfloat16 (`mlxrl.models.widened`).
   ours_seg the same with the planner's checkpoint_segments (4 for 28 layers: the layers also checkpointed in nested
            segments, `mlxrl.models.checkpointing`: fewer layer inputs kept, one more forward). `--checkpoint_segments
-           N` sets it on every side of ours and in the frontier's planner.
+           N` sets it on every side of ours and in the frontier's planner, `--tiled_mlp_tokens N` ours' MLP tile
+           (default: the hidden size).
   trl      trl.SFTTrainer with its default loss path, PEFT LoraConfig for lora (transformers model,
            AutoModelForCausalLM / Qwen3VLForConditionalGeneration / Qwen3_5ForConditionalGeneration;
            Qwen3VLProcessor with the PIL image processor for VL: no torchvision here). Its process never imports
@@ -491,6 +493,7 @@ def _sft_args(s: dict, SFTConfig, max_length: int):
                      learning_rate=s["lr"], logging_steps=1, save_strategy="no", save_steps=0, disable_tqdm=True,
                      max_length=max_length, gradient_checkpointing=True, seed=42,
                      keep_attention=s.get("keep_attention", False), tiled_mlp=s.get("tiled_mlp"),
+                     tiled_mlp_tokens=s.get("tiled_mlp_tokens"),
                      keep_frozen_dtype=s.get("keep_frozen_dtype", True),
                      checkpoint_segments=_segments(s), optim=s.get("optim") or "adamw_torch",
                      compile=s.get("compile", True), **kw)
@@ -1013,7 +1016,7 @@ def sft_spec(a, folder: Path, out: Path, mode: str, t: int, vl: bool) -> dict:
             "max_length": t, "steps": a.steps, "warmup": a.warmup, "lr": a.lr_full if mode == "full" else a.lr_lora,
             "lora_dropout": a.lora_dropout, "vl": vl, "images": a.images, "image_px": a.image_px,
             "mlxlm_quant": a.mlxlm_quant, "gpu": a.gpu, "segments": a.checkpoint_segments, "optim": a.optim,
-            "compile": a.compile == "true"}
+            "compile": a.compile == "true", "tiled_mlp_tokens": a.tiled_mlp_tokens}
 
 
 def run_frontier(a, root: Path, tmp: Path, env) -> dict:
@@ -1243,6 +1246,8 @@ def main(argv=None):
     ap.add_argument("--checkpoint_segments", type=int, default=0,
                     help="checkpoint_segments on every side of ours and in the frontier's planner (-1: the "
                          "planner's count; default 0: off)")
+    ap.add_argument("--tiled_mlp_tokens", type=int, default=None,
+                    help="ours: positions per MLP tile (default: the trainers', the hidden size)")
     ap.add_argument("--optim", choices=list(TRL_OPTIM), default="adamw_torch",
                     help="the optimizer of ours and TRL's (adamw_8bit: bitsandbytes' AdamW8bit on TRL's side; "
                          "mlx-lm keeps its AdamW)")
@@ -1253,7 +1258,8 @@ def main(argv=None):
     ap.add_argument("--lr_full", type=float, default=1e-5)
     ap.add_argument("--lr_lora", type=float, default=1e-4)
     ap.add_argument("--lora_dropout", type=float, default=0.05, help="TRL's ModelConfig default")
-    ap.add_argument("--images", type=int, default=1, choices=[1, 2, 3, 4], help="images per VL row")
+    ap.add_argument("--images", type=int, default=1, choices=[0, 1, 2, 3, 4],
+                    help="images per VL row (0: a VL checkpoint trained on text)")
     ap.add_argument("--image_px", type=int, default=448, help="VL image side in pixels (up to 896)")
     ap.add_argument("--peak_n", type=int, help="matmul size for the MFU peak (default 2048 fp32; --gpu: 8192 bf16)")
     ap.add_argument("--gpu", action="store_true", help="SFT on MLX's default device and torch's CUDA, bfloat16")
