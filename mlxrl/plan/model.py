@@ -37,7 +37,6 @@ DRAINED_BACKWARD_LAYERS = 0.5   # the same with the native kernels draining MLX'
 # MLX's order: breadth-first (MLX's own), depth-first (the CPU's: cpu.depth_first_eval), and depth-first with
 # the native kernels draining MLX's queue (cpu.drain_bytes)
 CKPT_LAYERS = {"breadth": (2.75, 2.25), "depth": (2.0, 1.75), "drained": (0.85, 1.5)}
-LINEAR_CKPT_DRAINED = 1.2   # a Gated DeltaNet layer's in the drained order (fit to the qwen3_5 rows of test_plan)
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 TILED_LORA_BONUS = 0.4      # under LoRA + checkpointing the tiled MLP saves 1.4x its modelled share (measured:
                             # 1.43x on the small config at 2048 tokens, 1.69x on two 0.6B-shaped layers at 4096)
@@ -242,8 +241,6 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
         live = layers[kind]
         if checkpointing and peft and tile:  # the tiles save more than LORA_SAVED x the MLP's arrays (measured)
             live -= TILED_LORA_BONUS * (per_layer(0, kind) - live)
-        if kind == "linear" and checkpointing and drained:  # its convolution and gated norm are MLX's ops,
-            return max(factor, LINEAR_CKPT_DRAINED) * live  # whose queued work the kernels do not drain
         if a.moe and checkpointing:  # the expert layer's gathered rows are all alive in its backward: no discount
             e = expert_saved_bytes(a.D, a.moe, sh.tokens, s) + (expert_lora_bytes(a.D, a.moe, sh.tokens, s)
                                                                  if peft and a.moe["adapted"] else 0.0)
