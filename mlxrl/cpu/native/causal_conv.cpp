@@ -54,36 +54,42 @@ inline void conv_at(const ConvDims& d, const float* x, const float* state, const
   }
 }
 
-// The parts' outputs: channel ch of the convolution is column ch - begin[i] of part i.
+// The parts side by side (the forward's outputs, the backward's cotangents): channel ch of the convolution is
+// column ch - begin[i] of part i.
 struct ConvParts {
   std::vector<float*> ptr;
   std::vector<int> begin, width;
-  // (part, its column) of channel ch; a block never straddles two parts (conv_blocks)
+  ConvParts(const std::vector<int>& widths, std::vector<float*> ptrs) : ptr(std::move(ptrs)), width(widths) {
+    for (int c0 = 0; int w : widths) begin.push_back(std::exchange(c0, c0 + w));
+  }
+  // (part, its column) of channel ch; a block never straddles two parts (ConvPlan's blocks)
   std::pair<int, int> at(int ch) const {
     int i = 0;
     while (ch >= begin[i] + width[i]) ++i;
     return {i, ch - begin[i]};
   }
+  // the row of part `part` at (b, t), from column `col`
+  float* row(const ConvDims& d, int part, int b, int t, int col) const {
+    return ptr[size_t(part)] + (size_t(b) * d.L + t) * width[size_t(part)] + col;
+  }
 };
 
-// Channel blocks of at most kConvBlock that do not straddle two parts: (first channel, count).
-std::vector<std::pair<int, int>> conv_blocks(const std::vector<int>& widths) {
-  std::vector<std::pair<int, int>> blocks;
-  int c0 = 0;
-  for (int w : widths) {
-    for (int s = 0; s < w; s += kConvBlock) blocks.emplace_back(c0 + s, std::min(kConvBlock, w - s));
-    c0 += w;
+// What both directions set up once per call: the weight as [K, C] (each tap's weights contiguous over the
+// channels, from HF's [C, 1, K]), the channel blocks (at most kConvBlock each, none straddling two parts: the
+// work items) and every batch row's document index.
+struct ConvPlan {
+  std::vector<float> wt;
+  std::vector<std::pair<int, int>> blocks;  // (first channel, count)
+  std::vector<std::vector<int>> docs;
+  ConvPlan(const ConvDims& d, const float* w, const ConvParts& parts, const bool* starts) : wt(size_t(d.K) * d.C) {
+    for (int ch = 0; ch < d.C; ++ch)
+      for (int j = 0; j < d.K; ++j) wt[size_t(j) * d.C + ch] = w[size_t(ch) * d.K + j];
+    for (size_t i = 0; i < parts.width.size(); ++i)
+      for (int s = 0; s < parts.width[i]; s += kConvBlock)
+        blocks.emplace_back(parts.begin[i] + s, std::min(kConvBlock, parts.width[i] - s));
+    for (int b = 0; b < d.B; ++b) docs.push_back(conv_docs(d, starts, b));
   }
-  return blocks;
-}
-
-// [K, C] from HF's [C, 1, K] weight: each tap's weights contiguous over the channels.
-std::vector<float> conv_taps(const ConvDims& d, const float* w) {
-  std::vector<float> wt(size_t(d.K) * d.C);
-  for (int ch = 0; ch < d.C; ++ch)
-    for (int j = 0; j < d.K; ++j) wt[size_t(j) * d.C + ch] = w[size_t(ch) * d.K + j];
-  return wt;
-}
+};
 
 class ConvPrimitive : public CpuPrimitive {
  public:
@@ -117,28 +123,21 @@ class CausalConvSilu : public ConvPrimitive {
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = encode_outputs(stream(), inputs, outputs);  // allocates the outputs: their pointers after
-    ConvParts parts;
-    for (size_t i = 0, c0 = 0; i < widths_.size(); c0 += widths_[i], ++i) {
-      parts.ptr.push_back(outputs[i].data<float>());
-      parts.begin.push_back(int(c0));
-      parts.width.push_back(widths_[i]);
-    }
-    encoder.dispatch([d = ConvDims(inputs[0], inputs[1]), parts,
+    std::vector<float*> ptrs;
+    for (size_t i = 0; i < widths_.size(); ++i) ptrs.push_back(outputs[i].data<float>());
+    encoder.dispatch([d = ConvDims(inputs[0], inputs[1]), parts = ConvParts(widths_, std::move(ptrs)),
         x = inputs[0].data<float>(), w = inputs[1].data<float>(), state = inputs[2].data<float>(),
         starts = documents_ ? inputs[3].data<bool>() : nullptr, documents = documents_,
         last = outputs.back().data<float>()]() {
-      const auto wt = conv_taps(d, w);
-      const auto blocks = conv_blocks(parts.width);
-      std::vector<std::vector<int>> docs;
-      for (int b = 0; b < d.B; ++b) docs.push_back(conv_docs(d, starts, b));
-      parallel_items(blocks.size(), worker_count(), [&](size_t, size_t item) {
-        const auto [c0, n] = blocks[item];
+      const ConvPlan plan(d, w, parts, starts);
+      parallel_items(plan.blocks.size(), worker_count(), [&](size_t, size_t item) {
+        const auto [c0, n] = plan.blocks[item];
         const auto [part, col] = parts.at(c0);
         float acc[kConvBlock];
         for (int b = 0; b < d.B; ++b)
           for (int t = 0; t < d.L; ++t) {
-            conv_at(d, x, state, wt.data(), docs[size_t(b)], documents, b, t, c0, n, acc);
-            float* y = parts.ptr[size_t(part)] + (size_t(b) * d.L + t) * parts.width[size_t(part)] + col;
+            conv_at(d, x, state, plan.wt.data(), plan.docs[size_t(b)], documents, b, t, c0, n, acc);
+            float* y = parts.row(d, part, b, t, col);
 #pragma omp simd
             for (int i = 0; i < n; ++i) y[i] = acc[i] / (1.0f + fast_exp(-acc[i]));
           }
@@ -172,29 +171,24 @@ class CausalConvSiluGrad : public ConvPrimitive {
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const size_t np = widths_.size();
-    ConvParts dparts;
-    for (size_t i = 0, c0 = 0; i < np; c0 += widths_[i], ++i) {
-      dparts.ptr.push_back(const_cast<float*>(inputs[4 + i].data<float>()));
-      dparts.begin.push_back(int(c0));
-      dparts.width.push_back(widths_[i]);
-    }
-    encode_outputs(stream(), inputs, outputs).dispatch([d = ConvDims(inputs[0], inputs[1]), dparts,
+    std::vector<float*> ptrs;
+    for (size_t i = 0; i < np; ++i) ptrs.push_back(const_cast<float*>(inputs[4 + i].data<float>()));
+    encode_outputs(stream(), inputs, outputs).dispatch([d = ConvDims(inputs[0], inputs[1]),
+        dparts = ConvParts(widths_, std::move(ptrs)),
         x = inputs[0].data<float>(), w = inputs[1].data<float>(), state = inputs[2].data<float>(),
         starts = documents_ ? inputs[3].data<bool>() : nullptr, documents = documents_,
         dlast = inputs[4 + np].data<float>(), dx = outputs[0].data<float>(), dw = outputs[1].data<float>(),
         dstate = outputs[2].data<float>()]() {
-      const auto wt = conv_taps(d, w);
-      const auto blocks = conv_blocks(dparts.width);
-      std::vector<std::vector<int>> docs;
-      for (int b = 0; b < d.B; ++b) docs.push_back(conv_docs(d, starts, b));
+      const ConvPlan plan(d, w, dparts, starts);
+      const auto& wt = plan.wt;
       const int K = d.K;
-      parallel_items(blocks.size(), worker_count(), [&](size_t, size_t item) {
-        const auto [c0, n] = blocks[item];
+      parallel_items(plan.blocks.size(), worker_count(), [&](size_t, size_t item) {
+        const auto [c0, n] = plan.blocks[item];
         const auto [part, col] = dparts.at(c0);
         std::vector<float> ring(size_t(K) * kConvBlock), dwt(size_t(K) * kConvBlock, 0.0f);
         float c[kConvBlock];
         for (int b = 0; b < d.B; ++b) {
-          const auto& doc = docs[size_t(b)];
+          const auto& doc = plan.docs[size_t(b)];
           std::fill(ring.begin(), ring.end(), 0.0f);
           // the input gradient of position p (-(K - 1) <= p < L): its own cotangent as one of the last K - 1
           // rows, then the taps of the outputs t = p + K - 1 - j it feeds, whose dc sit in the ring
@@ -217,7 +211,7 @@ class CausalConvSiluGrad : public ConvPrimitive {
           };
           for (int t = d.L - 1; t >= 0; --t) {
             conv_at(d, x, state, wt.data(), doc, documents, b, t, c0, n, c);
-            const float* dy = dparts.ptr[size_t(part)] + (size_t(b) * d.L + t) * dparts.width[size_t(part)] + col;
+            const float* dy = dparts.row(d, part, b, t, col);
             float* dc = ring.data() + size_t(t % K) * kConvBlock;
 #pragma omp simd
             for (int i = 0; i < n; ++i) {
@@ -255,11 +249,11 @@ std::vector<mx::array> causal_conv_grad_op(const std::vector<mx::array>& inputs,
 
 void conv_check(const mx::array& x, const mx::array& w, const mx::array& state, const mx::array& starts,
                 const std::vector<int>& widths) {
-  int total = 0;
-  for (int v : widths) total += v > 0 ? v : -1 << 20;
+  const bool widths_ok = std::all_of(widths.begin(), widths.end(), [](int v) { return v > 0; }) &&
+                         std::accumulate(widths.begin(), widths.end(), 0) == x.shape(2);
   const bool ok = x.ndim() == 3 && w.ndim() == 3 && w.shape(0) == x.shape(2) && w.shape(1) == 1 && w.shape(2) >= 1 &&
                   state.shape() == mx::Shape{x.shape(0), w.shape(2) - 1, x.shape(2)} &&
-                  starts.shape() == mx::Shape{x.shape(0), x.shape(1)} && total == x.shape(2) && w.shape(2) <= 64;
+                  starts.shape() == mx::Shape{x.shape(0), x.shape(1)} && widths_ok && w.shape(2) <= 64;
   if (!ok)
     throw std::invalid_argument("causal_conv_silu: x [B, L, C], weight [C, 1, K] (K <= 64), state [B, K - 1, C], "
                                 "starts [B, L] and part widths summing to C expected.");
@@ -274,18 +268,4 @@ std::vector<mx::array> causal_conv_silu_op(const mx::array& x, const mx::array& 
   auto prim = std::make_shared<CausalConvSilu>(s, widths, documents);
   auto shapes = prim->output_shapes(in);
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), prim, in);
-}
-
-std::vector<mx::array> causal_conv_silu_grad_op(const mx::array& x, const mx::array& w, const mx::array& state,
-                                                const mx::array& starts, const std::vector<mx::array>& d_parts,
-                                                const mx::array& d_last, const std::vector<int>& widths,
-                                                bool documents) {
-  auto s = cpu_stream({&x, &w, &state});
-  conv_check(x, w, state, starts, widths);
-  if (d_parts.size() != widths.size()) throw std::invalid_argument("causal_conv_silu_grad: one cotangent per part.");
-  std::vector<mx::array> in{x, w, state, mx::astype(starts, mx::bool_, s)};
-  for (size_t i = 0; i < widths.size(); ++i)
-    in.push_back(mx::broadcast_to(mx::astype(d_parts[i], mx::float32, s), {x.shape(0), x.shape(1), widths[i]}, s));
-  in.push_back(mx::broadcast_to(mx::astype(d_last, mx::float32, s), state.shape(), s));
-  return causal_conv_grad_op(in, widths, documents, s);
 }

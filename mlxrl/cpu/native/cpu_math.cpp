@@ -27,8 +27,10 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -2326,10 +2328,6 @@ NB_MODULE(_cpu_math, m) {
         "silu(depthwise causal conv over time) of x [B, L, C] with weight [C, 1, K], the K - 1 rows before x (state "
         "[B, K - 1, C]) and, when documents, the document starts (bool [B, L]: no tap crosses a start, the state "
         "is not read), split into parts [B, L, width] side by side: [*parts, the last K - 1 rows of (state, x)].");
-  m.def("causal_conv_silu_grad", &causal_conv_silu_grad_op, nb::arg("x"), nb::arg("weight"), nb::arg("state"),
-        nb::arg("starts"), nb::arg("d_parts"), nb::arg("d_last"), nb::arg("widths"), nb::arg("documents"),
-        "causal_conv_silu's VJP from its inputs and the cotangents of its outputs: [dx, d_weight, d_state], the "
-        "convolution recomputed position by position, last first.");
   m.def("expert_matmul", &expert_matmul_op, nb::arg("x"), nb::arg("w"), nb::arg("experts"),
         "x [M, in] rows sorted by expert times their expert's w [E, out, in] transposed: [M, out], one GEMM per "
         "expert (experts [M], non-decreasing), differentiable in x and w.");
