@@ -1,4 +1,4 @@
-"""Real-scale benchmark: mlxrl vs TRL 1.16 vs mlx-lm 0.32's LoRA trainer, side by side, at the sizes users train.
+"""Real-scale benchmark: mlxrl vs TRL 1.16 vs mlx-lm 0.32's and mlx-vlm 0.7.10's trainers, side by side, at real sizes.
 
     python scripts/bench_scale.py --shapes qwen3-0.6b --modes lora --max_length 4096          # the LoRA table
     python scripts/bench_scale.py --shapes qwen3-0.6b qwen3-1.7b --modes lora full --max_length 1024 4096
@@ -6,6 +6,8 @@
     python scripts/bench_scale.py --shapes qwen3-vl-2b --modes lora --images 2 --image_px 448   # VL rows
     python scripts/bench_scale.py --shapes qwen3.5-0.8b --layers 8 --modes lora --max_length 2048   # Qwen3.5 text
     python scripts/bench_scale.py --shapes qwen3.5-2b --layers 4 --modes lora --images 2 --image_px 896 --sides ours trl
+    PYTHONPATH=<folder holding mlx_vlm> python scripts/bench_scale.py --shapes qwen3.5-2b --layers 4 --modes lora \
+        --images 1 --image_px 448 --sides ours mlxvlm                  # against mlx-vlm's trainer (--images 0 too)
     python scripts/bench_scale.py --shapes qwen3-30b-a3b --layers 4 --ckpt_dtype bfloat16 --modes --quant 4 \
         --mlxlm_quant decoder --max_length 2048 --sides ours mlxlm                # Qwen3-30B-A3B at 4 of 48 layers
     python scripts/bench_scale.py --grpo                               # GRPO, TRL PR #2669's shape on 0.6B
@@ -54,20 +56,22 @@ qwen3.5-2b): one user turn with `--images` random-noise images of `--image_px` s
 labels too, as TRL's collator leaves them (ours does the same). `--images 0`: the VL checkpoint trained on a
 text turn (the Hub's Qwen3.5-2B is this model: its tower is loaded and unused).
 
-Modes, the same on every side: `lora` (r 16, alpha 32 (mlx-lm: scale 2.0), dropout `--lora_dropout` (0.05,
-TRL's ModelConfig default), the seven projections q/k/v/o/gate/up/down of every language-model layer (Qwen3.5:
-those each layer has, and its Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj: ours'
-default targets, PEFT's target_modules, mlx-lm's `linear_attn.*` keys; a key a layer lacks is skipped), lr
-`--lr_lora` 1e-4), `full` (every parameter, embedding and vision tower included; lr `--lr_full` 1e-5),
-`--quant 4|8` adds `qlora`: ours with load_in_4bit (8bit), group `--q_group_size` 64 (scales bfloat16;
-embedding / head stay float), mlx-lm with its `quantize_model` on the same checkpoint as `mlx_lm.convert`
+Modes, the same on every side: `lora` (r 16, alpha 32 (mlx-lm: scale 2.0; mlx-vlm: lora_alpha 32, its scale alpha /
+rank = 2.0), dropout `--lora_dropout` (0.05, TRL's ModelConfig default), the seven projections q/k/v/o/gate/up/down
+of every language-model layer (Qwen3.5: those each layer has, and its Gated DeltaNet's in_proj_qkv / in_proj_z /
+in_proj_b / in_proj_a / out_proj: ours' default targets, PEFT's target_modules, mlx-lm's `linear_attn.*` keys; a key
+a layer lacks is skipped), lr `--lr_lora` 1e-4), `full` (every parameter, embedding and vision tower included; lr
+`--lr_full` 1e-5), `--quant 4|8` adds `qlora`: ours with load_in_4bit (8bit), group `--q_group_size` 64 (scales
+bfloat16; embedding / head stay float), mlx-lm with its `quantize_model` on the same checkpoint as `mlx_lm.convert`
 does (float32 scales here, since the checkpoint is float32; the tied embedding / head quantized too: MLX's CPU
-quantized matmul over the 151936-row head is slow; `--mlxlm_quant decoder` quantizes ours' set instead, the
-decoder linears only); TRL prints n/a (no bitsandbytes on CPU). Everywhere: float32 (TRL bf16=False),
-gradient checkpointing (TRL gradient_checkpointing=True, ours its default, mlx-lm grad_checkpoint=True), AdamW
-(betas 0.9/0.999, eps 1e-8, weight decay 0), linear decay to 0 over the run, no warm-up, seed 42, no saving, no
-evaluation, logging every step, torch 2 threads. Grad-norm clipping 1.0 on ours and TRL; mlx-lm's trainer has
-none. The QLoRA table puts the "qlora" row next to "lora" (the float base) on every side.
+quantized matmul over the 151936-row head is slow; `--mlxlm_quant decoder` quantizes ours' set instead, the decoder
+linears only), mlx-vlm with its prepare_model_for_training(quantization_bits) (every Linear and Embedding whose
+width the group divides: the vision tower and the tied embedding / head too); TRL prints n/a (no bitsandbytes on
+CPU). Everywhere: float32 (TRL bf16=False), gradient checkpointing (TRL gradient_checkpointing=True, ours its
+default, mlx-lm / mlx-vlm grad_checkpoint=True), AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0), linear decay to
+0 over the run, no warm-up, seed 42, no saving, no evaluation, logging every step, torch 2 threads. Grad-norm
+clipping 1.0 on ours and TRL; mlx-lm's and mlx-vlm's trainers have none (so their step-1 losses part from ours). The
+QLoRA table puts the "qlora" row next to "lora" (the float base) on every side.
 
 Sides, each in its own subprocess:
   ours     mlxrl.SFTTrainer (mlxrl.load; streamed LM head, compiled step, its defaults).
@@ -100,6 +104,27 @@ Sides, each in its own subprocess:
            text_config in it), so the checkpoint loads with model_type overridden to qwen3_5. Off Metal and in
            training it runs the gated delta rule as a per-token loop under MLX's autograd (no custom VJP:
            ml-explore/mlx-lm#1206): every token's [heads, 128, 128] state is kept for the backward.
+  mlxvlm   mlx-vlm's own SFT trainer, `mlx_vlm.trainer.Trainer`, the engine `python -m mlx_vlm.train` drives
+           (scripts/bench_scale_mlxvlm.py). Optional: dropped with a line when mlx_vlm cannot be imported (the child
+           inherits the environment: a PYTHONPATH that reaches mlx_vlm reaches it too). mlx_vlm.load on the same
+           folder (its own model classes: qwen3_5 / qwen3_5_text, and its own processor, mlx-vlm's Qwen3VLProcessor),
+           weights cast to float32 (set_dtype), then prepare_model_for_training: lora_rank 16, lora_alpha 32,
+           lora_dropout, target_modules = the suffixes above that this language model has (mlx-vlm refuses a suffix
+           that matches nothing), every layer; full: train_type "full" (every parameter, as ours); qlora: see above.
+           VLMTrainingArgs: batch 1, grad_checkpoint (mx.checkpoint around every layer and vision block class),
+           max_seq_length = max_length, no evaluation; MLX AdamW with the linear decay; seed 42; BLAS as mlx-lm's
+           side. Chat rows (the VL rows) go through its VisionDataset: its chat template, image resizing and image
+           placeholders (here the same ids as ours: the row hash is printed); the plain text rows, which VisionDataset
+           does not take (it wants messages), are tokenized by its processor's tokenizer and passed prepared. Its
+           collator keeps the first max_length tokens; its loss forwards T - 1 of them (the others forward T) and scores
+           the same T - 1 targets as ours (only padding masked: image tokens are labels, as elsewhere); its step-0 loss
+           is ours. Where it differs: no gradient clipping (its engine has none), no mx.compile (its `compile`
+           setting, off by default as in its CLI), its data preparation at the first step (every row processed for
+           its length grouping, 32 kept in its cache: steps + warm-up over 32 process rows again inside timed steps;
+           its own data time per step is in the JSON as data_s). Off Metal and in training its Qwen3.5 runs the
+           chunked gated delta rule (64-token chunks) under MLX's autograd. Its Qwen3.5 places attention every
+           full_attention_interval (4) layers, the checkpoints' layer_types, and needs one: under --layers 4, n/a.
+           Not in --frontier.
 
 Timing and memory: `--warmup` untimed steps (compilation, allocator, first touch), then s/step = median of
 `--steps` step-end to step-end intervals; tokens/s = real tokens per step / s per step. Peak RSS = the child's
@@ -122,8 +147,8 @@ On a GPU (`--gpu`: MLX's default device, Metal or CUDA, and torch's CUDA device;
 every side, as users train there. Ours: `dtype bfloat16` (LoRA: the base bf16, the adapters float32; full: bf16
 weights with float32 master copies); TRL: bf16=True (torch autocast) with the model loaded in bfloat16 for LoRA
 (what its `dtype auto` gives for a bf16 checkpoint; PEFT keeps the adapters float32) and in float32 for full
-(AMP: float32 weights and optimizer, bf16 matmuls); mlx-lm: the weights cast to bfloat16 (`set_dtype`) before
-its LoRA layers. Memory: the device's peak (`mx.get_peak_memory()` / `torch.cuda.max_memory_allocated()`)
+(AMP: float32 weights and optimizer, bf16 matmuls); mlx-lm and mlx-vlm: the weights cast to bfloat16 (`set_dtype`)
+before their LoRA layers. Memory: the device's peak (`mx.get_peak_memory()` / `torch.cuda.max_memory_allocated()`)
 decides the ratios; MFU is against the bf16 matmul peak (`--peak_n`, default 8192 there) measured in the run.
 
 GRPO (`--grpo`, instead of SFT): TRL PR #2669's scaled shape on qwen3-0.6b: one prompt of `--prompt_length`
@@ -209,6 +234,7 @@ def _script(name: str):
 TRL_OPTIM = {"adamw_torch": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit"}
 SFT = _script("bench_sft")  # text_rows, model_flops, rss_gb, _peaks, _timed_trainer
 GRPO = _script("bench_grpo")  # reward_vowels, make_prompts, summarise, _args_common
+MLXVLM = _script("bench_scale_mlxvlm")  # the mlxvlm side: available, run
 rss_gb = SFT.rss_gb
 
 
@@ -673,6 +699,12 @@ def run_mlxlm(s: dict) -> dict:
             **({"device_peak_gb": mx.get_peak_memory() / 1e9} if s.get("gpu") else {})}
 
 
+def run_mlxvlm(s: dict) -> dict:
+    """mlx-vlm's own SFT trainer on this run's rows and LoRA targets (bench_scale_mlxvlm.py)."""
+    return MLXVLM.run(s, make_rows=make_rows, targets=lora_keys(s["ckpt"]), rss_gb=rss_gb, ids_hash=ids_hash,
+                      stamps=Stamps("mlxvlm"))
+
+
 def run_gpu_peak(s: dict) -> dict:
     """Child: the best bf16 n x n matmul of MLX on its default device and of torch on CUDA, TFLOP/s (best of 5
     timed products after 3 warm-ups; the GPU side's MFU denominator)."""
@@ -790,6 +822,7 @@ CHILDREN = {"build": build_checkpoint, "plan": run_plan, "ours": run_ours,
             "ours_untiled": lambda s: run_ours({**s, "tiled_mlp": False}),
             "ours_f32base": lambda s: run_ours({**s, "keep_frozen_dtype": False}),
             "ours_seg": lambda s: run_ours({**s, "segments": -1}), "trl": run_trl, "mlxlm": run_mlxlm,
+            "mlxvlm": run_mlxvlm,
             "ours_8bit": lambda s: run_ours({**s, "optim": "adamw_8bit"}),
             "trl_8bit": lambda s: run_trl({**s, "optim": "adamw_8bit"}),
             "grpo_shared": lambda s: run_grpo_ours(s, True), "grpo_unshared": lambda s: run_grpo_ours(s, False),
@@ -1003,7 +1036,7 @@ def summarise_sft(r: dict, warmup: int, max_length: int) -> dict:
 
 NAMES = {"ours": "mlxrl", "ours_keep": "mlxrl+keep", "ours_untiled": "mlxrl untiled", "ours_f32base": "mlxrl f32base",
          "ours_seg": "mlxrl segments", "ours_8bit": "mlxrl 8-bit AdamW", "trl_8bit": "TRL 8-bit AdamW",
-         "trl": "TRL", "mlxlm": "mlx-lm",
+         "trl": "TRL", "mlxlm": "mlx-lm", "mlxvlm": "mlx-vlm",
          "grpo_shared": "mlxrl shared", "grpo_unshared": "mlxrl unshared", "grpo_trl": "TRL"}
 
 
@@ -1119,6 +1152,9 @@ def run_sft(a, root: Path, tmp: Path, env) -> dict:
                     if side == "mlxlm" and vl:
                         entry["sides"][side] = {"na": "mlx-lm's trainer is text-only"}
                         continue
+                    if side == "mlxvlm" and MLXVLM.unsupported(config):
+                        entry["sides"][side] = {"na": MLXVLM.unsupported(config)}
+                        continue
                     r = child(side, sft_spec(a, folder, tmp / f"{shape}-{t}-{mode}-{side}", mode, t, vl), env)
                     if "error" not in r:
                         r = summarise_sft(r, a.warmup, t)
@@ -1177,7 +1213,7 @@ def print_sft(a, results: list, peak: float) -> None:
             if mine not in ok:
                 continue
             o = ok[mine]
-            for other in ("trl", "trl_8bit", "mlxlm"):
+            for other in ("trl", "trl_8bit", "mlxlm", "mlxvlm"):
                 if other in ok:
                     r = ok[other]
                     if a.gpu and "device_peak_gb" in o and "device_peak_gb" in r:
@@ -1239,10 +1275,11 @@ def main(argv=None):
     ap.add_argument("--max_length", type=int, nargs="+", default=[4096], help="tokens per row (batch 1)")
     ap.add_argument("--sides", nargs="+", default=["ours", "trl", "mlxlm"],
                     choices=["ours", "ours_keep", "ours_untiled", "ours_f32base", "ours_seg", "ours_8bit", "trl",
-                             "trl_8bit", "mlxlm"],
+                             "trl_8bit", "mlxlm", "mlxvlm"],
                     help="ours_keep: mlxrl with keep_attention (the recompute reuses each layer's attention output); "
                          "ours_untiled: mlxrl with tiled_mlp=False; ours_f32base: with keep_frozen_dtype=False; "
-                         "ours_seg: with the planner's checkpoint_segments (4 for 28 layers)")
+                         "ours_seg: with the planner's checkpoint_segments (4 for 28 layers); mlxvlm: mlx-vlm's "
+                         "trainer (dropped when mlx_vlm cannot be imported)")
     ap.add_argument("--checkpoint_segments", type=int, default=0,
                     help="checkpoint_segments on every side of ours and in the frontier's planner (-1: the "
                          "planner's count; default 0: off)")
@@ -1306,6 +1343,9 @@ def main(argv=None):
     a.peak_n = a.peak_n or (8192 if a.gpu else 2048)
     if a.gpu and (a.grpo or a.frontier or a.budget_gb):
         ap.error("--gpu: the SFT table only (no --grpo, --frontier, --budget_gb)")
+    if "mlxvlm" in a.sides and not MLXVLM.available():
+        print("(mlx-vlm is not installed: no mlx-vlm side)", flush=True)
+        a.sides = [side for side in a.sides if side != "mlxvlm"]
     if a.image_px > 896 or a.image_px < 32:
         ap.error("--image_px: 32 to 896")
     env = None
