@@ -2,16 +2,20 @@
 
 Importing mlxrl changes nothing but what must come before MLX's first use: the BLAS MLX loads on Linux
 (`mlxrl.cpu.blas`, before ``mlx.core``) and, on the CPU, depth-first evaluation (`mlxrl.cpu.depth_first_eval`,
-before MLX's first evaluation). `setup()` is called by every trainer (at construction) and every CLI
-(`setup(cli=True)`, first thing): it has glibc's malloc keep freed memory for reuse (`keep_freed_memory`),
-sets MLX's CPU buffer cache (`default_cache_limit`: none where malloc keeps it), and for a CLI re-executes
-`python -m mlxrl.<cli>` once with malloc's huge pages (`cpu.blas.reexec_with_huge_pages`).
+before MLX's first evaluation) and one malloc arena (`mlxrl.cpu.one_malloc_arena`). `setup()` is called by
+every trainer (at construction) and every CLI (`setup(cli=True)`, first thing): it has glibc's malloc keep
+freed memory for reuse (`keep_freed_memory`), sets MLX's CPU buffer cache (`default_cache_limit`: none where
+malloc keeps it), and for a CLI re-executes `python -m mlxrl.<cli>` once with malloc's huge pages
+(`cpu.blas.reexec_with_huge_pages`). While a trainer trains, the kept heap's free pages go back to the OS
+every MLXRL_TRIM_SECONDS (`free_pages_returned`).
 
 Environment:
   MLXRL_DTYPE=float32|bfloat16|float16                      (default: float32 on CPU, bf16 on GPU)
   MLXRL_CACHE_LIMIT=256MB                                   (MLX's CPU buffer cache; default 0, 256 MB with
                                                              MLXRL_KEEP_FREED=0; see default_cache_limit)
   MLXRL_KEEP_FREED=0                                        (malloc unmaps large blocks; see keep_freed_memory)
+  MLXRL_TRIM_SECONDS=0.5                                    (the kept heap's free pages returned this often while
+                                                             training; 0: never; see free_pages_returned)
   (the BLAS and huge-page variables: see mlxrl.cpu.blas)
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -159,6 +164,49 @@ def _keeps_freed_memory_here() -> bool:
     MLXRL_KEEP_FREED=0 (glibc's mallopt may still refuse: musl has none)."""
     return default_device_kind() == "cpu" and sys.platform.startswith("linux") \
         and os.environ.get("MLXRL_KEEP_FREED", "1") != "0"
+
+
+TRIM_SECONDS = 0.5  # how often `free_pages_returned` hands the heap's free pages back while training
+
+
+@contextmanager
+def free_pages_returned(seconds: float | None = None):
+    """Inside, where malloc keeps freed memory (`keep_freed_memory`), a daemon thread calls glibc's
+    `malloc_trim(0)` every `seconds` (default: MLXRL_TRIM_SECONDS, else TRIM_SECONDS; 0: never).
+
+    The kept heap reuses a freed range for any later block that fits in it; a range no block has fit in
+    since it was freed stays resident, so the process's resident size rises above MLX's live memory by the
+    heap's free ranges.
+    `malloc_trim(0)` gives the physical pages of every free range back to the OS (`madvise`
+    MADV_DONTNEED): the ranges stay in the heap, so reuse still needs no `mmap`, and only a range reused
+    after a trim is faulted in again, where without the kept heap every large block is. The thread holds
+    malloc's lock only while it walks the free lists (measured in docs/platforms.md, "Runtime")."""
+    if seconds is None:
+        seconds = float(os.environ.get("MLXRL_TRIM_SECONDS") or TRIM_SECONDS)
+    if seconds <= 0 or not _keeps_freed_memory_here():
+        yield
+        return
+    import ctypes
+    import threading
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        yield
+        return
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(seconds):
+            trim(0)
+
+    thread = threading.Thread(target=loop, name="mlxrl-malloc-trim", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> dict:

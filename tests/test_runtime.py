@@ -279,6 +279,46 @@ def test_import_leaves_threads_one_malloc_arena(arena_max):
     assert heaps == 1 if arena_max is None else heaps > 1, heaps
 
 
+TRIM_CHILD = """
+import time
+import mlxrl, mlx.core as mx
+from mlxrl import runtime
+
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) << 10
+
+runtime.setup()
+hole, pin = mx.zeros((64 << 20) // 4) + 1, mx.zeros(1 << 18) + 1  # the hole below a live block
+mx.eval(hole, pin)
+del hole  # freed into malloc's heap, which keeps it
+kept = anon()
+with runtime.free_pages_returned(0.05):
+    time.sleep(0.5)
+    inside = anon()
+mx.eval(pin)
+print(kept, inside)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or runtime.default_device_kind() != "cpu",
+                    reason="glibc's malloc on the CPU path")
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_free_pages_returned_while_training(keep):
+    """Inside `runtime.free_pages_returned` a 64 MB range freed into malloc's kept heap stops being resident
+    (the trimming thread hands its pages back); with MLXRL_KEEP_FREED=0 there is no kept heap: the block was
+    unmapped on free, and nothing is left to return."""
+    env = {**os.environ, "MLXRL_KEEP_FREED": keep}
+    out = subprocess.run([sys.executable, "-c", TRIM_CHILD], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    kept, inside = map(int, out.stdout.split())
+    if keep == "1":
+        assert kept - inside >= 48 << 20, (kept, inside)
+    else:
+        assert abs(kept - inside) < 16 << 20, (kept, inside)
+
+
 def test_huge_pages_env_sets_the_tunable_once():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sys.platform.startswith("linux") or not thp.exists() or "[never]" in thp.read_text():

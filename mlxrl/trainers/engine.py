@@ -302,7 +302,8 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         restore_signals = self._catch_signals()
         self._event("on_train_begin")
         try:
-            self._train_loop(total)
+            with runtime.free_pages_returned():
+                self._train_loop(total)
             self._final_save()
         finally:
             restore_signals()
