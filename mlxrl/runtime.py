@@ -14,7 +14,7 @@ Environment:
   MLXRL_CACHE_LIMIT=256MB                                   (MLX's CPU buffer cache; default 0, 256 MB with
                                                              MLXRL_KEEP_FREED=0; see default_cache_limit)
   MLXRL_KEEP_FREED=0                                        (malloc unmaps large blocks; see keep_freed_memory)
-  MLXRL_TRIM_SECONDS=0.5                                    (the kept heap's free pages returned this often while
+  MLXRL_TRIM_SECONDS=0.1                                    (the kept heap's free pages returned this often while
                                                              training; 0: never; see free_pages_returned)
   (the BLAS and huge-page variables: see mlxrl.cpu.blas)
 """
@@ -166,7 +166,7 @@ def _keeps_freed_memory_here() -> bool:
         and os.environ.get("MLXRL_KEEP_FREED", "1") != "0"
 
 
-TRIM_SECONDS = 0.5  # how often `free_pages_returned` hands the heap's free pages back while training
+TRIM_SECONDS = 0.1  # how often `free_pages_returned` hands the heap's free pages back while training
 
 
 @contextmanager
