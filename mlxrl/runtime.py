@@ -197,16 +197,14 @@ def free_pages_returned(seconds: float | None = None):
     stop = threading.Event()
 
     def loop():
-        while not stop.wait(seconds):
+        while not stop.wait(seconds) and not sys.is_finalizing():
             trim(0)
 
-    thread = threading.Thread(target=loop, name="mlxrl-malloc-trim", daemon=True)
-    thread.start()
+    threading.Thread(target=loop, name="mlxrl-malloc-trim", daemon=True).start()
     try:
         yield
     finally:
-        stop.set()
-        thread.join()
+        stop.set()  # the thread ends at its next wake; no join, which a Ctrl-C held down could interrupt
 
 
 def set_memory_limits(memory_limit=None, wired_limit=None, cache_limit=None) -> dict:
