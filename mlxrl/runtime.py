@@ -2,7 +2,7 @@
 
 Importing mlxrl changes nothing but what must come before MLX's first use: the BLAS MLX loads on Linux
 (`mlxrl.cpu.blas`, before ``mlx.core``) and, on the CPU, depth-first evaluation (`mlxrl.cpu.depth_first_eval`,
-before MLX's first evaluation) and one malloc arena (`mlxrl.cpu.one_malloc_arena`). `setup()` is called by
+before MLX's first evaluation). `setup()` is called by
 every trainer (at construction) and every CLI (`setup(cli=True)`, first thing): it has glibc's malloc keep
 freed memory for reuse (`keep_freed_memory`), sets MLX's CPU buffer cache (`default_cache_limit`: none where
 malloc keeps it), and for a CLI re-executes `python -m mlxrl.<cli>` once with malloc's huge pages
