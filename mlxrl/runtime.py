@@ -2,12 +2,12 @@
 
 Importing mlxrl changes nothing but what must come before MLX's first use: the BLAS MLX loads on Linux
 (`mlxrl.cpu.blas`, before ``mlx.core``) and, on the CPU, depth-first evaluation (`mlxrl.cpu.depth_first_eval`,
-before MLX's first evaluation). `setup()` is called by
-every trainer (at construction) and every CLI (`setup(cli=True)`, first thing): it has glibc's malloc keep
-freed memory for reuse (`keep_freed_memory`), sets MLX's CPU buffer cache (`default_cache_limit`: none where
-malloc keeps it), and for a CLI re-executes `python -m mlxrl.<cli>` once with malloc's huge pages
-(`cpu.blas.reexec_with_huge_pages`). With MLXRL_TRIM_SECONDS set, the kept heap's free pages go back to the
-OS that often while a trainer trains (`free_pages_returned`).
+before MLX's first evaluation). `setup()` is called by every trainer (at construction) and every CLI
+(`setup(cli=True)`, first thing): it has glibc's malloc keep freed memory for reuse (`keep_freed_memory`),
+sets MLX's CPU buffer cache (`default_cache_limit`: none where malloc keeps it), and for a CLI re-executes
+`python -m mlxrl.<cli>` once with malloc's huge pages (`cpu.blas.reexec_with_huge_pages`). With
+MLXRL_TRIM_SECONDS set, the kept heap's free pages go back to the OS that often while a trainer trains
+(`free_pages_returned`).
 
 Environment:
   MLXRL_DTYPE=float32|bfloat16|float16                      (default: float32 on CPU, bf16 on GPU)
@@ -149,14 +149,22 @@ def keep_freed_memory() -> bool:
     instead of falling back between steps: the peak is what it was (measured in docs/platforms.md, "Runtime")."""
     if not _keeps_freed_memory_here():
         return False
-    import ctypes
-
+    libc = _glibc()
     try:
-        libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                     and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
+
+
+def _glibc():
+    """The C library as ctypes sees it (its glibc-only functions are missing elsewhere); None if not loadable."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def _keeps_freed_memory_here() -> bool:
@@ -186,12 +194,10 @@ def free_pages_returned(seconds: float | None = None):
     if seconds <= 0 or not _keeps_freed_memory_here():
         yield
         return
-    import ctypes
     import threading
 
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    trim = getattr(_glibc(), "malloc_trim", None)
+    if trim is None:  # not glibc
         yield
         return
     stop = threading.Event()
