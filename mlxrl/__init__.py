@@ -1,7 +1,8 @@
 """mlxrl: MLX-native SFT / DPO / GRPO for Qwen and Qwen-VL models.
 
-Importing mlxrl loads a fast BLAS before ``mlx.core`` on Linux and asks MLX for depth-first evaluation
-on the CPU (`mlxrl.cpu`: both must precede MLX's first use) and nothing else: the trainers and loaders
+Importing mlxrl loads a fast BLAS before ``mlx.core`` on Linux, asks MLX for depth-first evaluation
+on the CPU and glibc's malloc for one arena (`mlxrl.cpu`: each must precede MLX's first use or the first
+worker thread's allocation) and nothing else: the trainers and loaders
 below are imported when first used, and process-wide settings (MLX's CPU buffer cache, the CLIs'
 huge-page re-exec) are made by `mlxrl.runtime.setup()`, which the CLIs and the trainers call.
 """

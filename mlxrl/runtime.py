@@ -2,12 +2,12 @@
 
 Importing mlxrl changes nothing but what must come before MLX's first use: the BLAS MLX loads on Linux
 (`mlxrl.cpu.blas`, before ``mlx.core``) and, on the CPU, depth-first evaluation (`mlxrl.cpu.depth_first_eval`,
-before MLX's first evaluation). `setup()` is called by every trainer (at construction) and every CLI
-(`setup(cli=True)`, first thing): it has glibc's malloc keep freed memory for reuse (`keep_freed_memory`),
-sets MLX's CPU buffer cache (`default_cache_limit`: none where malloc keeps it), and for a CLI re-executes
-`python -m mlxrl.<cli>` once with malloc's huge pages (`cpu.blas.reexec_with_huge_pages`). With
-MLXRL_TRIM_SECONDS set, the kept heap's free pages go back to the OS that often while a trainer trains
-(`free_pages_returned`).
+before MLX's first evaluation) and one malloc arena (`mlxrl.cpu.one_malloc_arena`). `setup()` is called by
+every trainer (at construction) and every CLI (`setup(cli=True)`, first thing): it has glibc's malloc keep
+freed memory for reuse (`keep_freed_memory`), sets MLX's CPU buffer cache (`default_cache_limit`: none where
+malloc keeps it), and for a CLI re-executes `python -m mlxrl.<cli>` once with malloc's huge pages
+(`cpu.blas.reexec_with_huge_pages`). While a trainer trains, the kept heap's free pages go back to the OS
+every MLXRL_TRIM_SECONDS (`free_pages_returned`).
 
 Environment:
   MLXRL_DTYPE=float32|bfloat16|float16                      (default: float32 on CPU, bf16 on GPU)
@@ -15,7 +15,7 @@ Environment:
                                                              MLXRL_KEEP_FREED=0; see default_cache_limit)
   MLXRL_KEEP_FREED=0                                        (malloc unmaps large blocks; see keep_freed_memory)
   MLXRL_TRIM_SECONDS=0.1                                    (the kept heap's free pages returned this often while
-                                                             training; default 0: never; see free_pages_returned)
+                                                             training; 0: never; see free_pages_returned)
   (the BLAS and huge-page variables: see mlxrl.cpu.blas)
 """
 
@@ -174,7 +174,7 @@ def _keeps_freed_memory_here() -> bool:
         and os.environ.get("MLXRL_KEEP_FREED", "1") != "0"
 
 
-TRIM_SECONDS = 0.0  # how often `free_pages_returned` hands the heap's free pages back while training (0: never)
+TRIM_SECONDS = 0.1  # how often `free_pages_returned` hands the heap's free pages back while training (0: never)
 
 
 @contextmanager

@@ -240,6 +240,45 @@ def test_setup_keeps_freed_memory_in_mallocs_heap(keep):
         assert mapped1 >= 64 << 20 and heap1 < 64 << 20
 
 
+ARENAS_CHILD = """
+import ctypes, re, tempfile, threading
+import mlxrl
+
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+
+def grow():  # a 1 MB block from a new thread: below the mmap threshold, so from an arena's heap
+    block = bytearray(1 << 20)
+    done.wait()
+
+done = threading.Event()
+threads = [threading.Thread(target=grow) for _ in range(4)]
+for t in threads:
+    t.start()
+with tempfile.NamedTemporaryFile() as f:
+    fp = libc.fopen(f.name.encode(), b"w")
+    libc.malloc_info(0, ctypes.c_void_p(fp))
+    libc.fclose(ctypes.c_void_p(fp))
+    print(len(re.findall(r'<heap nr=', open(f.name).read())))
+done.set()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or runtime.default_device_kind() != "cpu",
+                    reason="glibc's malloc on the CPU path")
+@pytest.mark.parametrize("arena_max", [None, "4"])
+def test_import_leaves_threads_one_malloc_arena(arena_max):
+    """Threads started after `import mlxrl` allocate from malloc's main heap (one arena in malloc_info);
+    a MALLOC_ARENA_MAX the user set is left alone (the threads get arenas of their own)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    if arena_max:
+        env["MALLOC_ARENA_MAX"] = arena_max
+    out = subprocess.run([sys.executable, "-c", ARENAS_CHILD], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    heaps = int(out.stdout.split()[-1])
+    assert heaps == 1 if arena_max is None else heaps > 1, heaps
+
+
 TRIM_CHILD = """
 import time
 import mlxrl, mlx.core as mx

@@ -5,14 +5,17 @@ included, takes MLX's own ops).
 The rest of mlxrl calls `fastmath` (elementwise math, attention, the optimizer's and the head's
 kernel choice) and `native_kernels()`; nothing outside this package imports `native`. Importing this
 package loads the BLAS first (before ``mlx.core``): ``mlxrl/__init__`` imports it before anything else,
-then asks MLX for depth-first evaluation on the CPU (`depth_first_eval`, before MLX's first evaluation).
+then asks MLX for depth-first evaluation on the CPU (`depth_first_eval`, before MLX's first evaluation)
+and glibc's malloc for one arena (`one_malloc_arena`, before other threads allocate).
 
 Environment:
   MLX_BFS_MAX_WIDTH=20                                      (MLX's own order; default here: 1 on the CPU)
+  MALLOC_ARENA_MAX=N                                        (glibc's own; default here: 1 on the CPU)
   MLXRL_DRAIN_BYTES=0                                       (native kernels never drain MLX's queue; see drain_bytes)
 """
 
 import os
+import sys
 
 from . import blas
 
@@ -52,6 +55,35 @@ def evaluates_depth_first() -> bool:
 
 
 depth_first_eval()
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+
+
+def one_malloc_arena() -> bool:
+    """On the CPU under glibc, have every thread allocate from malloc's main heap (mallopt M_ARENA_MAX 1)
+    unless MALLOC_ARENA_MAX or the glibc.malloc.arena_max tunable is set. True when set.
+
+    glibc gives threads other than the main one arenas of their own, up to 8 per core: separate heaps,
+    each reusing only its own freed memory. Loading a checkpoint and its tokenizer runs worker threads,
+    and a training step's worker threads then allocate in their arenas, each keeping its own high-water
+    mark beside the main heap's; with one arena a range freed by any thread serves the next block of any
+    thread. The limit binds only arenas made after it, so it is set at import, before the first worker
+    thread allocates. Measured in docs/platforms.md ("Runtime")."""
+    import mlx.core as mx
+
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if not sys.platform.startswith("linux") or mx.default_device() != mx.cpu \
+            or "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in tunables:
+        return False
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+
+
+one_malloc_arena()
 
 
 def native_kernels() -> bool:
