@@ -343,6 +343,34 @@ def test_frozen_bf16_head_is_as_lean_as_float32(head_path):
         np.testing.assert_allclose(np.array(g16), np.array(g32), rtol=1e-2, atol=2e-2 * np.abs(np.array(g32)).max())
 
 
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_frozen_head_matches_naive_across_vocab_blocks(loss_type, head_path):
+    """A frozen head (no weight gradient: LoRA's), which the native kernel runs in one pass over vocabulary
+    blocks of 2048 rows with an online softmax: V 5000 is two full blocks and a partial one, and the rows
+    whose logits rise by far more than the rescale margin from one block to the next (and those whose
+    logits fall) must give the naive head's loss, d_hidden, log-probs, entropy and argmax, over several row
+    chunks and with the temperature."""
+    n, d, v, temp = 37, 16, 5000, 0.7
+    h, w, t, *_ = make(n, d, v, "some", seed=11)
+    rows, cols = mx.arange(n), mx.arange(v)
+    lift = mx.where(cols >= 4096, 6.0, mx.where(cols >= 2048, 3.0, 0.0))  # later blocks' logits rise...
+    w = mx.concatenate([(lift + 0.1 * w[:, 0])[:, None], w[:, 1:]], axis=1)
+    sign = mx.where(rows % 3 == 0, 10.0, mx.where(rows % 3 == 1, -10.0, 0.0))  # ...by 30-60 for a third of rows
+    h = mx.concatenate([sign[:, None], h[:, 1:]], axis=1)
+    t = mx.where(rows % 5 == 2, 100, mx.where(rows % 5 == 3, 4500, t))  # targets in the first and last blocks
+    ref_v, ref_gh = mx.value_and_grad(lambda x: _naive_loss(loss_type, t, None, temp, ())(x, w))(h)
+    ref_lp, ref_ent, ref_am = naive(h, w, t, temp)
+    for chunk_rows in (3, None):  # 3: seven rows per chunk of the one-pass kernel
+        kw = dict(loss_type=loss_type, weight_grad=False, temperature=temp, chunk_rows=chunk_rows)
+        (loss, (lp, ent, am)), gh = mx.value_and_grad(
+            lambda x: (lambda r: (r[0], r[1:]))(fused_head_loss(x, w, t, **kw)))(h)  # noqa: B023
+        close(loss, ref_v)
+        close(gh, ref_gh)
+        close(lp, ref_lp)
+        close(ent, ref_ent)
+        np.testing.assert_array_equal(np.array(am), np.array(ref_am))
+
+
 def test_kept_bf16_head_under_float32_compute(head_path, monkeypatch):
     """A frozen head kept in bfloat16 under float32 compute (`models.widened`): the native kernel widens it a
     block of rows at a time (`kWidenRows` 2048; V 5000 is two full blocks and a partial one) and the graph

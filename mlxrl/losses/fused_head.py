@@ -14,10 +14,12 @@ with 3 matmuls per chunk and a single exp over the tile:
 
 On float32 CPU arrays with nll / dft, both run the whole chunk loop as ONE native kernel
 (`mlxrl.cpu.native`'s fused head: one tile buffer reused for every chunk, d_weight accumulated in place
-by the BLAS). The MLX graph cannot do that: the `mx.depends` that orders its chunks keeps each old
-d_weight alive, so every chunk allocated a new one. The graph path therefore returns each row's logsumexp and
-d loss / d logp from its row pass and builds d_weight one vocab tile at a time in the VJP (one more
-matmul for a trained head; docs/platforms.md, has the figures). Callable token losses
+by the BLAS; a frozen head, LoRA's, in one pass over vocabulary blocks with an online softmax, each
+block of the weight read, and widened when bfloat16, once for both of its products). The MLX graph
+cannot do that: the `mx.depends` that orders its chunks keeps each old d_weight alive, so every chunk
+allocated a new one. The graph path therefore returns each row's logsumexp and d loss / d logp from
+its row pass and builds d_weight one vocab tile at a time in the VJP (one more matmul for a trained
+head; docs/platforms.md, has the figures). Callable token losses
 (GRPO's) keep the graph.
 """
 
@@ -41,11 +43,20 @@ def default_chunk_rows(vocab_size: int, tile_bytes: int = ROW_TILE_BYTES) -> int
     return int(max(8, tile_bytes // (4 * max(vocab_size, 1)) // 8 * 8))
 
 
+NATIVE_VOCAB_BLOCK = 2048  # vocab rows per block of the native frozen head's pass (`kWidenRows`)
+
+
 def native_peak_bytes(rows: int, vocab: int, width: int, weight_grad: bool) -> float:
-    """Memory model of the native fused head (the planner's): the [V, D] float32 weight gradient when
-    the head is trained, one reused [chunk rows, V] tile, the chunk's scaled rows and d_hidden."""
+    """Memory model of the native fused head (the planner's). A trained head: the [V, D] float32 weight
+    gradient, one reused [chunk rows, V] tile and the chunk's scaled rows; a frozen one: its [rows, block]
+    tile, as many rows as the [chunk rows, V] budget holds, and one widened [block, D] block of the weight;
+    both: d_hidden and the rows' own arrays."""
     chunk_rows = min(rows, default_chunk_rows(vocab))
-    return (4 * vocab * width if weight_grad else 0) + 4 * chunk_rows * (vocab + width) + 8 * rows * width
+    if weight_grad:
+        return 4 * vocab * width + 4 * chunk_rows * (vocab + width) + 8 * rows * width
+    block = min(vocab, NATIVE_VOCAB_BLOCK)
+    tile_rows = min(rows, max(1, default_chunk_rows(vocab) * vocab // block))
+    return 4 * block * (tile_rows + width) + 8 * rows * width
 
 
 def graph_peak_bytes(rows: int, vocab: int, width: int, elem: int, weight_grad: bool, tied: bool) -> float:

@@ -856,6 +856,132 @@ inline void widen_rows(const uint16_t* src, float* dst, size_t n) {
   });
 }
 
+// A frozen head (no weight gradient) in one pass over vocabulary blocks: each block of W (widened once, when
+// bfloat16) serves both of its products, z_b = h W_b^T / T and d_hidden's accumulator U += ez_b W_b, with an
+// online softmax as FlashAttention's: ez is taken against a per-row reference max, and when a block's max rises
+// past it by more than kRescale the row's U and sums are scaled down to the new one (exp(kRescale) keeps them
+// finite, and rows rarely rescale after the first blocks). The target's own term stays out of U, so that
+//     dh = (a / T) (U - s_other W_t),  s_other = sum of ez over j != t,
+// has no cancellation when p_t nears 1 (the same d_hidden as the tile pass's (a / T) (ez' W)); the entropy's
+// sum of ez z is taken with z less the reference, for the same reason. The tile is
+// [rows, block] rather than [rows, V], so a chunk takes all the rows the [rows, V] budget would, and W is read
+// (and widened) once per chunk instead of twice per chunk.
+constexpr float kRescale = 16.0f;
+
+struct FrozenHeadArgs {
+  const float* h;
+  const float* W;
+  const uint16_t* Wb;
+  const int32_t* t;
+  const float* w;
+  float *loss, *logp, *ent, *dh;
+  int32_t* arg;
+  int n, d, v;
+  float inv_t;
+  int mode;
+  size_t tile_floats;  // the budget the tile pass would take: chunk rows x V
+  bool with_ent;
+};
+
+inline void frozen_head_pass(const FrozenHeadArgs& a) {
+  const int n = a.n, d = a.d, v = a.v;
+  const int vb = std::min(v, kWidenRows);
+  const int rows_max = int(std::max<size_t>(1, std::min<size_t>(size_t(std::max(n, 1)), a.tile_floats / vb)));
+  auto tile_buf = mx::allocator::malloc(sizeof(float) * size_t(rows_max) * vb);
+  float* tile = static_cast<float*>(tile_buf.buffer().raw_ptr());
+  auto wide_buf = mx::allocator::malloc(sizeof(float) * size_t(a.Wb != nullptr ? vb : 1) * d);
+  float* wide = static_cast<float*>(wide_buf.buffer().raw_ptr());
+  std::vector<float> ref(rows_max), s_other(rows_max), ez_t(rows_max), z_t(rows_max), sz(rows_max),
+      best(rows_max);
+  std::vector<int32_t> top(rows_max);
+  std::vector<float> w_t(d);
+  std::vector<double> row_loss(n, 0.0);
+  for (int r0 = 0; r0 < n; r0 += rows_max) {
+    const int nc = std::min(rows_max, n - r0);
+    const float* hc = a.h + size_t(r0) * d;
+    float* U = a.dh + size_t(r0) * d;
+    for (int b0 = 0; b0 < v; b0 += vb) {
+      const int nb = std::min(vb, v - b0);
+      const float* Wblk = a.W + size_t(b0) * d;
+      if (a.Wb != nullptr) {
+        widen_rows(a.Wb + size_t(b0) * d, wide, size_t(nb) * d);
+        Wblk = wide;
+      }
+      cblas_sgemm(101, 111, 112, nc, nb, d, a.inv_t, hc, d, Wblk, d, 0.0f, tile, nb);  // z_b
+      const bool first = b0 == 0;
+      parallel_for(nc, 1, [&](size_t, size_t b, size_t e) {
+        for (size_t i = b; i < e; ++i) {
+          float* z = tile + i * size_t(nb);
+          const float bm = row_max(z, nb);
+          if (first || bm > best[i]) {
+            int j = 0;
+            while (j < nb - 1 && !(z[j] == bm)) ++j;
+            best[i] = bm;
+            top[i] = b0 + j;
+          }
+          if (first) {
+            ref[i] = bm;
+            s_other[i] = ez_t[i] = sz[i] = 0.0f;
+          } else if (bm > ref[i] + kRescale) {  // the row's sums and U move to the new reference
+            const float f = std::exp(ref[i] - bm);
+            sz[i] = f * (sz[i] + (ref[i] - bm) * (s_other[i] + ez_t[i]));
+            s_other[i] *= f;
+            ez_t[i] *= f;
+            float* u = U + i * size_t(d);
+#pragma omp simd
+            for (int k = 0; k < d; ++k) u[k] *= f;
+            ref[i] = bm;
+          }
+          const float m = ref[i];
+          const int tj = a.t[r0 + i] - b0;
+          const bool has_t = tj >= 0 && tj < nb;
+          if (has_t) z_t[i] = z[tj];
+          float s = 0.0f, s_z = 0.0f;
+#pragma omp simd reduction(+ : s, s_z)
+          for (int j = 0; j < nb; ++j) {
+            const float e_ = fast_exp(z[j] - m);
+            if (a.with_ent) s_z += e_ * (z[j] - m);
+            z[j] = e_;
+            s += e_;
+          }
+          if (has_t) {  // the target's term: kept aside, out of U
+            ez_t[i] = z[tj];
+            s -= z[tj];
+            z[tj] = 0.0f;
+          }
+          s_other[i] += s;
+          sz[i] += s_z;
+        }
+      });
+      cblas_sgemm(101, 111, 111, nc, d, nb, 1.0f, tile, nb, Wblk, d, first ? 0.0f : 1.0f, U, d);  // U += ez_b W_b
+    }
+    for (int i = 0; i < nc; ++i) {
+      const int r = r0 + i, ti = a.t[r];
+      if (a.Wb != nullptr) {
+        widen_rows(a.Wb + size_t(ti) * d, w_t.data(), size_t(d));
+      } else {
+        std::memcpy(w_t.data(), a.W + size_t(ti) * d, sizeof(float) * d);
+      }
+      const float s = s_other[i] + ez_t[i];
+      const float lse = ref[i] + std::log(s);
+      const float lp = z_t[i] - lse;
+      float g = -a.w[r];
+      if (a.mode == 1) g *= std::exp(lp);
+      row_loss[r] = double(g) * double(lp);
+      a.logp[r] = lp;
+      a.ent[r] = a.with_ent ? std::log(s) - sz[i] / s : 0.0f;  // lse - sum(p z), with z taken from the reference
+      a.arg[r] = top[i];
+      const float ha = -g / s * a.inv_t, so = s_other[i];
+      float* u = U + i * size_t(d);
+#pragma omp simd
+      for (int k = 0; k < d; ++k) u[k] = ha * (u[k] - so * w_t[k]);
+    }
+  }
+  double total = 0.0;
+  for (double x : row_loss) total += x;
+  *a.loss = static_cast<float>(total);
+}
+
 class FusedHead : public CpuPrimitive {
  public:
   FusedHead(mx::Stream s, float inv_t, int mode, int chunk_rows, bool with_entropy, bool weight_grad)
@@ -883,6 +1009,11 @@ class FusedHead : public CpuPrimitive {
                       ent = outputs[2].data<float>(), arg = outputs[3].data<int32_t>(),
                       dh = outputs[4].data<float>(), dw = dw_ ? outputs[5].data<float>() : nullptr, n, d, v,
                       inv_t = inv_t_, mode = mode_, chunk = std::max(1, chunk_), with_ent = ent_]() {
+      if (dw == nullptr) {
+        frozen_head_pass({h, W, Wb, t, w, loss, logp, ent, dh, arg, n, d, v, inv_t, mode,
+                          size_t(chunk) * size_t(v), with_ent});
+        return;
+      }
       const int rows_max = std::min(chunk, std::max(n, 1));
       // scratch from MLX's allocator (its buffer cache: the next step reuses the pages), freed on return
       auto tile_buf = mx::allocator::malloc(sizeof(float) * size_t(rows_max) * v);
