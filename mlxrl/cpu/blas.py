@@ -1,7 +1,7 @@
 """The BLAS MLX's Linux CPU wheel runs, and malloc's huge pages: set up before ``mlx.core`` loads.
 
-MLX's Linux CPU wheel bundles a reference BLAS (~6 GFLOP/s fp32); loading OpenBLAS or MKL with
-``RTLD_GLOBAL`` before ``mlx.core`` makes MLX's ``sgemm`` resolve to it (~30x faster). Loading it
+MLX's Linux CPU wheel bundles a reference BLAS; loading OpenBLAS or MKL with ``RTLD_GLOBAL`` before
+``mlx.core`` makes MLX's ``sgemm`` resolve to it (`scripts/bench_blas.py` measures both). Loading it
 after ``mlx.core`` does not rebind MLX's symbols, so this is the one thing mlxrl does when it is
 imported: ``mlxrl/__init__`` imports ``mlxrl.cpu`` first, which calls `setup_blas()` before any
 module imports ``mlx.core`` (a program that imported ``mlx.core`` first gets a warning).
@@ -9,11 +9,10 @@ module imports ``mlx.core`` (a program that imported ``mlx.core`` first gets a w
 OpenBLAS picks its kernels from the CPU model and falls back to its slowest generic x86-64 kernel
 ("Prescott") on CPUs newer than the build knows: unless ``OPENBLAS_CORETYPE`` is already set, it is
 set from the CPU's flags (``/proc/cpuinfo``) before OpenBLAS loads. Its idle threads spin (``sched_yield``
-in a loop) for 2^28 cycles (~0.1 s) after each call before they sleep, on the cores that mlxrl's native
+in a loop) for 2^28 cycles after each call before they sleep, on the cores that mlxrl's native
 kernels need between two matmuls: unless ``OPENBLAS_THREAD_TIMEOUT`` is already set, it is set to 4
-(2^4 cycles: they sleep at once, and the next call wakes them). Measured on one 0.6B decoder layer's
-checkpointed LoRA step at 4096 tokens (`/tmp` probe, alternating processes): ~2.5 s -> ~2.35 s; decoding
-unchanged.
+(2^4 cycles: they sleep at once, and the next call wakes them; docs/benchmarks.md, "Figures behind the
+code's choices").
 
 Large buffers: glibc's malloc serves every block over 32 MB with a fresh mmap, faulted in 4 KB page
 by page; with transparent huge pages in "madvise" mode `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` makes
@@ -158,7 +157,7 @@ def setup_blas() -> str:
     if "mlx.core" in sys.modules:
         BLAS_IN_USE = "unchanged (mlx.core was imported before mlxrl)"
         if choice not in REFERENCE_CHOICES and _bundled_reference_blas():
-            # measured: loading OpenBLAS after mlx.core does not rebind MLX's sgemm (4.7 GFLOP/s)
+            # loading OpenBLAS after mlx.core does not rebind MLX's sgemm: the reference BLAS stays
             import warnings
 
             warnings.warn("mlx.core was imported before mlxrl, so MLX keeps the reference BLAS its Linux wheel "

@@ -8,7 +8,7 @@ Affine quantization (`mx.quantize`, what mlx-lm and mlx-vlm write): each row of 
 groups of `group_size` input columns; a group keeps `bits`-bit integers q (packed into uint32 words)
 and a scale s and offset b, and w ~= s * q + b. Storage per parameter: bits + 2 * 16 / group_size
 bits with 16-bit (bfloat16) scales (4-bit, group 64: 4.5 bits, 7.1x less than float32); the error is at
-most s / 2 per element (about 9% relative Frobenius error at 4 bits for Gaussian weights, 0.6% at 8).
+most s / 2 per element.
 
 What is quantized by default (`quantize_model`), and why:
 
@@ -22,11 +22,10 @@ What is quantized by default (`quantize_model`), and why:
   `group_size` (`mx.quantize` cannot group it);
 - NOT the vision tower (`vision=True` quantizes it too): LoRA's default targets are the language
   model's, so an error made in the tower reaches every image token with no adapter to correct it.
-  It costs memory: Qwen3-VL-2B's weights are 2.23 GB with the default, 1.65 GB with the tower
-  quantized too, 4.26 GB in bfloat16 (`python scripts/bench_quant.py memory`).
+  It costs the tower's float weights (`python scripts/bench_quant.py memory`).
 
-On the CPU, MLX's quantized matmul is a scalar loop (~1.5 GFLOP/s against ~60 for a float32 BLAS
-matmul on this machine: `python scripts/bench_quant.py`), so `QuantizedLinear` here dequantizes the
+On the CPU, MLX's quantized matmul is a scalar loop, far slower than a float32 BLAS matmul
+(`python scripts/bench_quant.py`), so `QuantizedLinear` here dequantizes the
 weight and calls the BLAS matmul when a call has more than a few rows (training, prefill), and
 recomputes that float weight in the backward pass instead of keeping it (a `mx.custom_function`
 VJP): the float copy lives for one layer at a time. One-row calls (decoding) and Metal / CUDA use
@@ -141,9 +140,9 @@ def quantizable(path: str, module, group_size: int, *, vision: bool = False) -> 
 
 def _scale_dtype(model) -> mx.Dtype:
     """16-bit scales and offsets (mlx-lm's layout for a bf16 model, 4.5 bits per parameter at 4-bit /
-    group 64): bfloat16. Measured on the embedded default's logits (relative error against the float
-    model): 4-bit 8.70% with float32 scales, 8.74% bfloat16, 8.70% float16; 8-bit 0.50%, 0.75%, 0.51%.
-    float16 would be the slightly better 16-bit type, and the engine now accepts frozen float16 scales
+    group 64): bfloat16. On the embedded default's logits float16 scales are slightly closer to the
+    float model than bfloat16 ones (docs/benchmarks.md, "Figures behind the code's choices"): float16
+    would be the slightly better 16-bit type, and the engine now accepts frozen float16 scales
     (a checkpoint's); bfloat16 stays the default that the tests and documented figures were measured with."""
     return mx.bfloat16
 

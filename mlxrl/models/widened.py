@@ -1,17 +1,17 @@
 """A frozen base's linear weights kept in the checkpoint's bfloat16 under float32 compute.
 
 The Hub's Qwen checkpoints are bfloat16. Trained in float32 (the CPU), every weight used to be read as
-float32: for LoRA that doubled the frozen base, the largest thing in memory at short rows (1.7B: 5.6 of its
-6.9 GB are the decoder's linear weights). Widening bfloat16 to float32 is exact, so a linear layer may keep
-its bfloat16 weight and widen it per call: the same float32 product, bit for bit, from half the bytes.
+float32: for LoRA that doubled the frozen base, the largest thing in memory at short rows (most of it the
+decoder's linear weights). Widening bfloat16 to float32 is exact, so a linear layer may keep its bfloat16
+weight and widen it per call: the same float32 product, bit for bit, from half the bytes.
 
 `WidenedLinear` does that widening inside its call, tied to the call's input with `mx.depends`, and its
 backward widens again (a custom VJP) rather than keeping the forward's copy. Untied, the widening depends on
 the weight alone: `mx.compile` merges the forward's and the checkpoint recomputation's identical widenings
-into one array kept from the forward to the backward, for every layer (measured: four 0.6B layers at 2048
-tokens, LoRA, compiled, MLX's peak 1.26 GB against 1.14 GB with float32 weights). Tied, with the forward's
-copy kept for the backward: 1.107 against 1.127 GB (four 0.6B layers of a bfloat16 checkpoint, 2048 tokens,
-the trainer's step); widened again in the backward: 1.051 GB, 76 of the 126 MB those layers' linears save.
+into one array kept from the forward to the backward, for every layer, and the peak rises above the float32
+weights' own. Tied, the forward's copy would still live until the backward; widened again there, the layers
+keep most of what their bfloat16 linears save (the figures: docs/benchmarks.md, "Figures behind the code's
+choices").
 
 The embedding matrix and the LM head (the same matrix when tied) are kept too: `WidenedEmbedding` widens
 the rows it looks up and, as a tied head, multiplies like `WidenedLinear`; the trainers' heads take the
