@@ -136,7 +136,7 @@ def _top_p_weights(w: mx.array, top_p: float, candidates: int = TOP_P_CANDIDATES
     """transformers' top_p on unnormalised weights w [B, V]: keep a token while the mass strictly above
     it is < top_p of the row's total (so the smallest set reaching top_p; ties with its last token
     kept), 0 elsewhere. Sorts only the top `candidates` of each row when the nucleus lies inside them
-    (MLX's CPU sort of a [B, 151936] block is ~10x slower than `topk`); the whole row otherwise."""
+    (MLX's CPU sort of a whole vocabulary row is much slower than `topk`); the whole row otherwise."""
     V = w.shape[-1]
     k = min(candidates, V)
     top = mx.sort(mx.topk(w, k, axis=-1), axis=-1) if k < V else mx.sort(w, axis=-1)  # [B, k] ascending

@@ -270,7 +270,7 @@ class AdamW8bit(FusedAdamW):
         b1, b2, c1, c2 = self._corrections()
         # The parameters are updated one after another (the clip scale, which every kernel reads, waits for
         # the previous one's outputs): MLX would otherwise run each stage for all of them at once, with every
-        # parameter's float32 moments (graph path) or gradient copy (native) alive together, ~3.5x the
+        # parameter's float32 moments (graph path) or gradient copy (native) alive together, several times the
         # trainable bytes on the graph path.
         scale = self.grad_scale if self._after is None else mx.depends(self.grad_scale, self._after)
         kernels = fastmath.kernels_for(parameter)

@@ -12,8 +12,8 @@ Where the native module is not available (no compiler, not Linux, MLXRL_NATIVE=0
 (Metal, CUDA), or for other dtypes, MLX's own ops are used, except `exp_shift` / `logsumexp` (the
 sampler's, not differentiated): there the fallback is the same exp algorithm written as MLX ops in
 two compiled kernels (round-to-nearest by adding 1.5 * 2^23, the degree-6 Cephes polynomial for 2^f
-on [-0.5, 0.5] in plain multiplies and adds, 2^n by an integer shift and a bit view): ~2x `mx.exp`,
-not differentiable, saturating at exp(88) above (the sampler's z - max is <= 0). Every exp here is
+on [-0.5, 0.5] in plain multiplies and adds, 2^n by an integer shift and a bit view): faster than
+`mx.exp`, not differentiable, saturating at exp(88) above (the sampler's z - max is <= 0). Every exp here is
 ~4e-6 relative from a float64 reference, as `mx.exp` is (the same polynomial); inputs below -88.03
 give exactly 0, above 88.72 +inf, NaN stays NaN.
 """

@@ -39,7 +39,7 @@ DRAINED_BACKWARD_LAYERS = 0.5   # the same with the native kernels draining MLX'
 CKPT_LAYERS = {"breadth": (2.75, 2.25), "depth": (2.0, 1.75), "drained": (0.85, 1.5)}
 LORA_SAVED = 0.85           # LoRA keeps less per layer (frozen base weights need no input for a weight grad)
 TILED_LORA_BONUS = 0.4      # under LoRA + checkpointing the tiled MLP saves 1.4x its modelled share (measured:
-                            # 1.43x on the small config at 2048 tokens, 1.69x on two 0.6B-shaped layers at 4096)
+                            # docs/benchmarks.md, "Figures behind the code's choices")
 KV_STEP = 256               # mlx-lm KVCache allocation step (positions)
 GEN_LOGIT_COPIES = 4.0      # [G, V] float32 arrays alive while a decoding step samples
 GEN_FILTER_COPIES = 2.25    # more of them with top_k / top_p / min_p (a mask and the filtered weights)
