@@ -841,10 +841,17 @@ std::vector<mx::array> adamw8_step_op(const mx::array& g, const mx::array& w, co
 //     entropy = lse - sum(ez z) / s,  g = d loss / d logp,  a = -g / s,  ez' = ez - s onehot(t)
 //     dh = (a / T) (ez' W),  dW += ez'^T (a h / T)
 // loss modes: 0 nll (l = -w logp, g = -w), 1 dft (l = -w p logp, g = -w p, p = exp(logp) detached).
-// A bfloat16 W (a frozen head kept in the checkpoint's dtype: mlxrl.models.widened) is widened to float32 one
-// block of kWidenRows rows at a time into a small scratch before each product (exact: widening only appends
-// zero bits), so the float32 [V, D] copy never exists; it has no weight gradient.
+// A bfloat16 W (a frozen head kept in the checkpoint's dtype: mlxrl.models.widened) has no weight gradient, so
+// it takes the frozen pass below, which widens it to float32 one block of kWidenRows rows at a time into a small
+// scratch (exact: widening only appends zero bits): the float32 [V, D] copy never exists.
 constexpr int kWidenRows = 2048;
+
+// The first j with z[j] == m (an argmax's index once m is the row's max; n - 1 if none is).
+inline int first_index_of(const float* z, int n, float m) {
+  int j = 0;
+  while (j < n - 1 && !(z[j] == m)) ++j;
+  return j;
+}
 
 inline void widen_rows(const uint16_t* src, float* dst, size_t n) {
   parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
@@ -914,10 +921,8 @@ inline void frozen_head_pass(const FrozenHeadArgs& a) {
           float* z = tile + i * size_t(nb);
           const float bm = row_max(z, nb);
           if (first || bm > best[i]) {
-            int j = 0;
-            while (j < nb - 1 && !(z[j] == bm)) ++j;
             best[i] = bm;
-            top[i] = b0 + j;
+            top[i] = b0 + first_index_of(z, nb, bm);
           }
           if (first) {
             ref[i] = bm;
@@ -1020,39 +1025,17 @@ class FusedHead : public CpuPrimitive {
       auto scaled_buf = mx::allocator::malloc(sizeof(float) * size_t(rows_max) * d);
       float* tile = static_cast<float*>(tile_buf.buffer().raw_ptr());
       float* scaled = static_cast<float*>(scaled_buf.buffer().raw_ptr());
-      const int vb = Wb != nullptr ? std::min(v, kWidenRows) : 0;
-      auto wide_buf = mx::allocator::malloc(sizeof(float) * size_t(std::max(vb, 1)) * d);
-      float* wide = static_cast<float*>(wide_buf.buffer().raw_ptr());
-      // out (+)= op(a) x W^T (z: [nc, V], ldc v) or a x W (dh: [nc, D], a's lda v), W a block at a time if narrow
-      auto times_w = [&](bool transposed_w, int nc, float alpha, const float* a, float* out) {
-        if (Wb == nullptr) {
-          if (transposed_w)
-            cblas_sgemm(101, 111, 112, nc, v, d, alpha, a, d, W, d, 0.0f, out, v);
-          else
-            cblas_sgemm(101, 111, 111, nc, d, v, alpha, a, v, W, d, 0.0f, out, d);
-          return;
-        }
-        for (int b0 = 0; b0 < v; b0 += vb) {
-          const int nb_ = std::min(vb, v - b0);
-          widen_rows(Wb + size_t(b0) * d, wide, size_t(nb_) * d);
-          if (transposed_w)
-            cblas_sgemm(101, 111, 112, nc, nb_, d, alpha, a, d, wide, d, 0.0f, out + b0, v);
-          else
-            cblas_sgemm(101, 111, 111, nc, d, nb_, alpha, a + b0, v, wide, d, b0 == 0 ? 0.0f : 1.0f, out, d);
-        }
-      };
       std::vector<double> row_loss(n, 0.0);
       std::vector<float> row_a(rows_max);
       for (int r0 = 0; r0 < n; r0 += chunk) {
         const int nc = std::min(chunk, n - r0);
-        times_w(true, nc, inv_t, h + size_t(r0) * d, tile);  // z
+        cblas_sgemm(101, 111, 112, nc, v, d, inv_t, h + size_t(r0) * d, d, W, d, 0.0f, tile, v);  // z
         parallel_for(nc, 1, [&](size_t, size_t b, size_t e) {
           for (size_t i = b; i < e; ++i) {
             const size_t r = r0 + i;
             float* z = tile + i * size_t(v);
             const float m = row_max(z, v);
-            int top = 0;
-            while (top < v - 1 && !(z[top] == m)) ++top;
+            const int top = first_index_of(z, v, m);
             const int ti = t[r];
             const float zt = z[ti];
             float s = 0.0f, sz = 0.0f;
@@ -1078,7 +1061,7 @@ class FusedHead : public CpuPrimitive {
             for (int k = 0; k < d; ++k) scaled[i * size_t(d) + k] = ha * h[r * size_t(d) + k];
           }
         });
-        times_w(false, nc, 1.0f, tile, dh + size_t(r0) * d);  // ez' W
+        cblas_sgemm(101, 111, 111, nc, d, v, 1.0f, tile, v, W, d, 0.0f, dh + size_t(r0) * d, d);  // ez' W
         for (int i = 0; i < nc; ++i) {
           const float ha = row_a[i] * inv_t;
           float* row = dh + size_t(r0 + i) * d;
