@@ -1,23 +1,37 @@
 """mlxrl's native CPU kernels, compiled on first use on this machine (as MLX compiles its own CPU kernels).
 
 MLX's Linux CPU wheel is built for baseline x86-64: `mx.exp`, `mx.sigmoid` and `mx.softmax` are
-scalar loops whose fma calls go through libm, ~0.05 G elements/s against ~1.3 for a multiply. A
-training step spends most of its non-matmul time there (the attention softmax, SiLU, the LM head's
-exp). `cpu_math.cpp` holds vectorised, multi-threaded exp / sigmoid / softmax (last axis) as MLX
-primitives with VJPs and JVPs; `mlxrl.fastmath` routes float32 CPU arrays to them. It also holds the
-AdamW step (updating in place: no second copy of weights and moments) and the fused LM head
-(`mlxrl.losses.fused_head`: one reused tile, the weight gradient accumulated in place by the BLAS),
-counter-hash dropout, and the decoder's RMSNorm, rotary embedding and SwiGLU product with their VJPs
-(one multi-threaded pass each, where MLX runs several single-core ops), FlashAttention, the gated delta
-rule of Qwen3.5's linear attention and its causal convolution (`gated_delta.cpp`, `causal_conv.cpp`), and a
-mixture-of-experts layer's gathered matmuls (`experts.cpp`), which cpu_math.cpp #includes: the one
-translation unit.
+scalar loops whose fma calls go through libm, far slower than a multiply (the figures: docs/benchmarks.md,
+"Figures behind the code's choices"). A training step spends most of its non-matmul time there (the
+attention softmax, SiLU, the LM head's exp). The kernels here are MLX primitives, float32, vectorised and
+multi-threaded, one C++ source per family:
+
+  common.h         what the families share: the includes, the vectorised exp (the Cephes algorithm MLX uses)
+                   and its row max / exp-sum loops, the threading helpers, the primitives' output buffers (the
+                   queue drained before a large one, see drain_bytes) and base classes
+  microkernel.h    the register-tiled micro-kernel of the small products (FlashAttention's blocks, the gated
+                   delta rule's chunks)
+  elementwise.cpp  exp / sigmoid / softmax (last axis) with VJPs and JVPs; `mlxrl.cpu.fastmath` routes
+                   float32 CPU arrays to them
+  optimizers.cpp   the gradient norm's sum of squares, the AdamW step (updating in place: no second copy of
+                   weights and moments) and 8-bit blockwise AdamW
+  fused_head.cpp   the fused LM head (`mlxrl.losses.fused_head`: one reused tile, the weight gradient
+                   accumulated in place by the BLAS; a frozen head in one pass over vocabulary blocks)
+  dropout.cpp      counter-hash dropout, and LoRA's dropout + down-projection without the dropout copy
+  layers.cpp       RMSNorm, LayerNorm, rotary embedding, the SwiGLU product and GELU's tanh form with their
+                   VJPs (one multi-threaded pass each, where MLX runs several single-core ops)
+  attention.cpp    FlashAttention, forward and backward
+  gated_delta.cpp  the gated delta rule of Qwen3.5's linear attention, forward and backward
+  causal_conv.cpp  its causal convolution with the SiLU, and the VJP
+  experts.cpp      a mixture-of-experts layer's gathered matmuls, one GEMM per expert
+  bindings.cpp     the module `_cpu_math` (every binding), and the one translation unit the build compiles:
+                   it #includes each family's source
 
 The module is built with the system's `g++` against the installed MLX's headers and library and
 nanobind (in MLX's nanobind domain, so `mx.array` crosses unchanged), with `-O3 -march=native`,
-into a cache folder keyed by everything the binary depends on (the sources, MLX and nanobind versions,
-Python ABI, compiler, CPU flags). The first build takes ~10 s; a file lock keeps concurrent
-processes (pytest workers, `mlx.launch` ranks) from building twice, and the library is moved into
+into a cache folder keyed by everything the binary depends on (the sources and headers, MLX and nanobind
+versions, Python ABI, compiler, CPU flags). The first build takes a while (once per key); a file lock keeps
+concurrent processes (pytest workers, `mlx.launch` ranks) from building twice, and the library is moved into
 place atomically. Where anything is missing (no compiler, no nanobind, a failed build or a module
 that cannot exchange arrays with MLX) `load()` returns None once, with one warning saying why, and
 mlxrl uses MLX's own ops.
@@ -44,10 +58,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-SOURCE = Path(__file__).with_name("cpu_math.cpp")
-# every source the build reads (the build key hashes them): cpu_math.cpp, the one translation unit, and the
-# kernels it #includes from this folder (gated_delta.cpp, causal_conv.cpp, experts.cpp)
-SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+SOURCE = Path(__file__).with_name("bindings.cpp")
+# every file the build reads (the build key hashes them): bindings.cpp, the one translation unit, and the
+# family sources and headers it #includes from this folder
+SOURCES = sorted([*Path(__file__).parent.glob("*.cpp"), *Path(__file__).parent.glob("*.h")])
 MODULE = "_cpu_math"
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-O3", "-march=native", "-std=gnu++20", "-fopenmp-simd", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
@@ -102,7 +116,7 @@ def _run(cmd: list[str]) -> None:
 
 
 def build(target: Path) -> None:
-    """Compile cpu_math.cpp and nanobind's library into the extension at `target`."""
+    """Compile bindings.cpp (with the sources it includes) and nanobind's library into the extension at `target`."""
     mlx_dir, nb_dir, includes, _ = _paths()
     inc = [f"-I{p}" for p in includes]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

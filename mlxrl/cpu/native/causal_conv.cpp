@@ -1,7 +1,7 @@
 // Qwen3.5's Gated DeltaNet convolution: the depthwise causal convolution over time with its SiLU, split into the
-// q / k / v parts, and its VJP, float32, as two MLX primitives. Not a translation unit of its own: cpu_math.cpp
-// #includes it inside its anonymous namespace (it uses that file's fast_exp, parallel_items, worker_count and
-// primitive helpers). The arithmetic is `mlxrl.models.qwen3_5.text`'s `_conv_qkv`:
+// q / k / v parts, and its VJP, float32, as two MLX primitives. Not a translation unit of its own: bindings.cpp
+// #includes it (it uses common.h's fast_exp, parallel_items, worker_count and primitive helpers). The arithmetic
+// is `mlxrl.models.qwen3_5.text`'s `_conv_qkv`:
 //
 //   c[t] = sum_j w[:, j] in[t - K + 1 + j]   (in: the K - 1 state rows, then x; with documents, a tap counts
 //                                              only when its row is in t's document, and the state never does)
@@ -13,6 +13,10 @@
 // so that a position's input gradient is complete as soon as its own dc is known. Nothing [L, C] is made but the
 // outputs: MLX's graph of the same (`_conv_qkv` on the graph path) materialises the padded input, c, the
 // concatenated cotangent, dc and its padded copy.
+
+#include "common.h"
+
+namespace {
 
 constexpr int kConvBlock = 256;  // channels per item: a ring of K such rows stays in L1
 
@@ -269,3 +273,5 @@ std::vector<mx::array> causal_conv_silu_op(const mx::array& x, const mx::array& 
   auto shapes = prim->output_shapes(in);
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(shapes.size(), mx::float32), prim, in);
 }
+
+}  // namespace

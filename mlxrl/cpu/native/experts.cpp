@@ -1,11 +1,15 @@
 // Gathered matmuls of a mixture-of-experts layer over rows sorted by expert (mlxrl.models.moe), as MLX primitives.
-// Included by cpu_math.cpp inside its anonymous namespace (the one translation unit): it uses its helpers.
+// Included by bindings.cpp (the one translation unit); it uses common.h's helpers.
 //
 // y[m] = x[m] @ w[e(m)]^T for x [M, in], w [E, out, in] and e [M] uint32, non-decreasing. MLX's CPU gather_mm runs
 // one [1, in] x [in, out] product per row; here the rows of each expert are one contiguous segment, so each expert
 // is one BLAS GEMM over its rows (the layer's work as E GEMMs instead of M GEMVs). The VJP:
 //   dx[m] = dy[m] @ w[e(m)]            (one GEMM per segment, ExpertMatmulT)
 //   dw[e] = dy[seg e]^T @ x[seg e]     (one GEMM per expert with rows; zero for the others, ExpertMatmulW)
+
+#include "common.h"
+
+namespace {
 
 // seg[e] .. seg[e + 1]: the rows of expert e; experts out of order or out of range are an error.
 std::vector<int64_t> expert_segments(const uint32_t* experts, int64_t rows, int64_t n_experts) {
@@ -142,3 +146,5 @@ mx::array expert_matmul_w_op(const mx::array& dy, const mx::array& x, const mx::
   auto prim = std::make_shared<ExpertMatmulW>(s, n_experts);
   return mx::array(prim->output_shapes(in)[0], mx::float32, prim, in);
 }
+
+}  // namespace

@@ -1,7 +1,7 @@
 // The gated delta rule (Gated DeltaNet, Qwen3.5's linear attention): forward and backward over the whole
-// sequence, float32, as two MLX primitives. Not a translation unit of its own: cpu_math.cpp #includes it inside
-// its anonymous namespace (it uses that file's round_up, parallel_items, Scratch, fast_exp and primitive
-// helpers), and mlxrl.cpu.native's build compiles cpu_math.cpp alone. The math is the chunked
+// sequence, float32, as two MLX primitives. Not a translation unit of its own: bindings.cpp #includes it (it uses
+// common.h's round_up, parallel_items, Scratch, fast_exp and primitive helpers and microkernel.h's mk_mm), and
+// mlxrl.cpu.native's build compiles bindings.cpp alone. The math is the chunked
 // WY form of `mlxrl.models.gated_delta` (its module docstring), chunk by chunk, the same formulas:
 //
 //   per chunk of c tokens from the chunk-start state S [dk, dv]: gamma (segment-aware cumulative log decay),
@@ -21,6 +21,11 @@
 // ([c, c], [c, dk], [dk, dv] sized) run in a register-tiled micro-kernel (mk_mm) with every width padded to
 // a multiple of 16 (zeros), skipping the zero triangles of the [c, c] factors: a BLAS call's packing and
 // threading cost about as much as the work at these sizes, and the workers call it concurrently.
+
+#include "common.h"
+#include "microkernel.h"
+
+namespace {
 
 constexpr float kGdL2Eps = 1e-6f;  // transformers' (and flash-linear-attention's) l2norm eps
 
@@ -485,3 +490,5 @@ std::vector<mx::array> gated_delta_backward_op(const mx::array& q, const mx::arr
                               mx::broadcast_to(mx::astype(d_final, mx::float32, s), fin, s)},
                              gd_config(chunk, scale, l2norm), s);
 }
+
+}  // namespace
