@@ -11,7 +11,8 @@ step, no evaluation), then `Trainer(...).train()`. Chat rows go through mlx-vlm'
 template, its processor's image resizing and placeholder expansion); a text checkpoint's rows are plain text, which
 that dataset cannot take (it wants messages), so they are tokenized by mlx-vlm's processor and handed over prepared.
 What differs from the other sides is listed in bench_scale.py's module docstring. Nothing here is imported at module
-level beyond the standard library: bench_scale.py loads this file in its parent process too.
+level beyond the standard library: bench_scale's package (scripts/scale/, `scale.common`) loads this file in its
+parent process too.
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ def run(s: dict, *, make_rows, targets, rss_gb, ids_hash, stamps) -> dict:
     """Child: train s's rows with mlx-vlm's trainer; returns bench_scale's result dict (stamps, tokens, loss,
     peaks, trainable, row_hash, trained_per_step, and grids / image_tokens for an image row).
 
-    `targets`: the LoRA target suffixes the other sides adapt (bench_scale.lora_keys); `stamps`: a list that
-    takes the step-end times (bench_scale.Stamps)."""
+    `targets`: the LoRA target suffixes the other sides adapt (scale.checkpoints.lora_keys); `stamps`: a list that
+    takes the step-end times (scale.data.Stamps)."""
     sys.path.insert(0, str(ROOT))
     # mlx-vlm as it runs for its users: MLX's own evaluation order (importing mlxrl.cpu would set depth-first)
     os.environ.setdefault("MLX_BFS_MAX_WIDTH", "20")
-    import mlxrl.cpu.blas as blas  # noqa: I001  (mlxrl's BLAS, loaded BEFORE mlx.core: else a reference BLAS, ~30x slower)
+    import mlxrl.cpu.blas as blas  # noqa: I001  (mlxrl's BLAS, loaded BEFORE mlx.core: else a reference BLAS, far slower)
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
