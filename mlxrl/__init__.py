@@ -11,10 +11,10 @@ from . import cpu  # noqa: F401  (the BLAS before mlx.core)
 
 __version__ = "0.1.0"
 
-_LAZY = {"MlxrlError": "hub", "load": "loading", "load_default": "loading", "save": "loading",
-         "SFTConfig": "trainers.config", "SFTTrainer": "trainers.sft", "DPOConfig": "trainers.dpo",
-         "DPOTrainer": "trainers.dpo", "GRPOConfig": "trainers.grpo", "GRPOTrainer": "trainers.grpo",
-         "runtime": None}
+_LAZY = {"MlxrlError": "errors", "load": "loading", "load_default": "loading", "save": "loading",
+         "SFTConfig": "trainers.sft.config", "SFTTrainer": "trainers.sft.trainer", "DPOConfig": "trainers.dpo.config",
+         "DPOTrainer": "trainers.dpo.trainer", "GRPOConfig": "trainers.grpo.config",
+         "GRPOTrainer": "trainers.grpo.trainer", "runtime": None}
 
 __all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "MlxrlError",
            "SFTConfig", "SFTTrainer", "load", "load_default", "save",

@@ -45,7 +45,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .hub import MlxrlError
+from .errors import MlxrlError
 
 MARKER = "mlxrl_save.json"
 

@@ -1,5 +1,5 @@
-"""Model id -> local folder (a local path, the Hugging Face cache offline, or the Hub), and the
-errors a user will hit on the way, each as one clear line (`MlxrlError`)."""
+"""Model id -> local folder (a local path, the Hugging Face cache offline, or the Hub); what goes wrong on
+the way is one clear line (`mlxrl.errors.MlxrlError`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import difflib
 import os
 import re
 from pathlib import Path
+
+from .errors import MlxrlError
 
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
@@ -18,19 +20,6 @@ KNOWN_REPOS = {
     "Qwen3": ["0.6B", "1.7B", "4B", "8B", "14B", "32B"],
     "Qwen2.5": ["0.5B", "1.5B", "3B", "7B", "14B", "32B", "72B"],
 }
-
-
-class MlxrlError(Exception):
-    """A user-facing error: its message is one line that says what is wrong and how to fix it.
-    The CLIs print it without a traceback and exit with status 2."""
-
-
-class ConfigError(MlxrlError, ValueError):
-    """A bad config value or file: one line naming the field (or the file and line)."""
-
-
-class DataError(MlxrlError, ValueError):
-    """A bad dataset, file, row or image: one line naming the file and line, or the row."""
 
 
 def _looks_like_path(name: str) -> bool:

@@ -21,7 +21,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import runtime
 from .atomic import check_complete, check_save_target, replace_dir_atomically, write_atomically  # noqa: F401
-from .hub import ConfigError, MlxrlError, resolve_model_path, weight_files
+from .errors import ConfigError, MlxrlError
+from .hub import resolve_model_path, weight_files
 from .models import UnsupportedModelError, build_model, moe
 from .models.quantize import prepare_quantized, quantization_config, quantized_layers
 from .models.widened import keep_linears
@@ -199,7 +200,7 @@ def load_processor(folder: Path, config: dict):
     preprocessor_config.json) are checked first; tokenizer.json (megabytes) only when transformers fails on
     the folder, to name the file and field its own errors do not (a KeyError 'added_tokens', a bare
     JSONDecodeError), so a good folder is parsed once."""
-    from .processing import Processor
+    from .processing.processor import Processor
 
     check_tokenizer_config(folder)
     check_preprocessor_config(folder, config)
@@ -294,7 +295,7 @@ def check_preprocessor_config(folder: Path, config: dict | None = None) -> None:
     fails only at the first image, as a ZeroDivisionError or a reshape error), three finite means and
     non-zero stds, min_pixels <= max_pixels, and sizes equal to the vision tower's in `config` (a
     preprocessor of another model gives patches the tower cannot embed)."""
-    from .processing import ImageProcessor
+    from .processing.processor import ImageProcessor
 
     path = Path(folder) / "preprocessor_config.json"
     if not path.is_file():
@@ -355,7 +356,7 @@ def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None, arch: str =
     without DeepStack) with Qwen3.5's tokenizer and its small checkpoints' chat template (no thinking). Needs
     no network and no downloaded model. Returns (model, processor)."""
     from .models import build_model
-    from .processing import (
+    from .processing.processor import (
         QWEN3_5_NOTHINK_CHAT_TEMPLATE,
         QWEN3_VL_CHAT_TEMPLATE,
         ImageProcessor,

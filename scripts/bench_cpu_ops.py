@@ -11,7 +11,7 @@ in one process (MLX CPU, float32).
    + backward (q [1, 16, 1024, 128], k / v 8 heads, causal), `mx.fast.scaled_dot_product_attention`
    vs `fastmath.scaled_dot_product_attention`.
 3. 128 sampling steps over [8, 151936] logits: Gumbel-max `mx.random.categorical` on `mx.exp`
-   log-probs (what generation did) vs `mlxrl.generation.sample_tokens` (inverse CDF on fastmath.exp).
+   log-probs (what generation did) vs `mlxrl.generation.engine.sample_tokens` (inverse CDF on fastmath.exp).
 4. Clip (max norm 1) + AdamW over 285M parameters shaped like the bench_sft "small" model:
    `optim.clip_grad_norm` + `optim.AdamW(bias_correction=True)` vs the trainer's norm + `FusedAdamW`.
 Each figure is the best of a few repeats after one warm-up.
@@ -25,8 +25,8 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from mlxrl.cpu import fastmath
-from mlxrl.generation import sample_tokens
-from mlxrl.optim import FusedAdamW
+from mlxrl.generation.engine import sample_tokens
+from mlxrl.optim.optimizers import FusedAdamW
 
 
 def best(fn, reps=3):

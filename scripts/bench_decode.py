@@ -11,7 +11,7 @@ built with mlxrl and saved once under --dir. Both run in float32 (bf16 matmuls a
 Each (model, implementation) runs in its own processes (--rounds of them, the two implementations
 alternating): load, one warm-up generation, then --repeats measured ones of the same prompt, greedy,
 exactly --new_tokens tokens (no stop token: mlx-lm's `generate_step`, which `mlx_lm.generate` drives,
-and `mlxrl.generate.Context.stream` with no stop ids). Prefill = the prompt's tokens over the time to
+and `mlxrl.generation.context.Context.stream` with no stop ids). Prefill = the prompt's tokens over the time to
 the first token; decode = the tokens after the first over the time after it (each needs one forward);
 peak = `mx.get_peak_memory()` (weights included). The best over rounds and repeats is reported (the
 machine may be shared with other jobs). Both sides queue the next forward before reading a token
@@ -52,7 +52,7 @@ def build(name: str, root: Path) -> Path:
     else:
         from mlxrl.loading import init_weights
         from mlxrl.models import build_model
-        from mlxrl.processing import QWEN_CHAT_TEMPLATE, Processor, build_qwen_tokenizer
+        from mlxrl.processing.processor import QWEN_CHAT_TEMPLATE, Processor, build_qwen_tokenizer
 
         mx.random.seed(0)
         model = build_model(dict(QWEN3_06B))
@@ -82,7 +82,9 @@ def worker(impl: str, folder: str, ids: list[int], new_tokens: int, repeats: int
     runtime.setup()
     t0 = time.perf_counter()
     if impl == "mlxrl":
-        from mlxrl.generate import Context, Settings, load
+        from mlxrl.generation.api import load
+        from mlxrl.generation.context import Context
+        from mlxrl.generation.settings import Settings
 
         gen = load(folder, dtype="float32")
         settings = Settings(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=())

@@ -47,8 +47,8 @@ def text_rows(n: int, seed: int = 0) -> list[dict]:
 
 def vision_rows(n: int, seed: int = 0) -> list[dict]:
     sys.path.insert(0, str(ROOT))
+    from mlxrl.cli.dpo import preference_pairs
     from mlxrl.data.synthetic import make_vqa
-    from mlxrl.dpo import preference_pairs
 
     return preference_pairs(make_vqa(n, seed=seed), seed=seed)
 
@@ -56,7 +56,8 @@ def vision_rows(n: int, seed: int = 0) -> list[dict]:
 def run_ours(ckpt: str, arch: str, steps: int, batch: int, out: str, rows: list[dict]) -> dict:
     sys.path.insert(0, str(ROOT))
     import mlxrl
-    from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
+    from mlxrl.trainers.dpo.config import DPOConfig
+    from mlxrl.trainers.dpo.trainer import DPOTrainer
 
     base = rss_gb()
     model, processor = mlxrl.load(ckpt)

@@ -35,8 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from PIL import Image
-from mlxrl.generation import generate
-from mlxrl.shared_prompt import repeated_logprobs, shared_prompt_logprobs
+from mlxrl.generation.engine import generate
+from mlxrl.generation.shared_prompt import repeated_logprobs, shared_prompt_logprobs
 from mlxrl.loading import load_default, init_weights
 from mlxrl.models import build_model
 
@@ -74,7 +74,7 @@ imgs = dict(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid
 
 if method == "gen_repeated_cache":  # the prompt prefilled once, its cache then repeated G times along the batch
     from mlx_lm.models.cache import KVCache
-    import mlxrl.generation as generation
+    import mlxrl.generation.engine as generation
 
     def repeated_cache(keys, values, group):
         c = KVCache()

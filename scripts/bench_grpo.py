@@ -85,7 +85,7 @@ def run_ours(a, rows: list[dict], shared: bool) -> dict:
     sys.path.insert(0, str(ROOT))
     import mlxrl  # noqa: I001  (first: it loads the fast BLAS before mlx.core)
     import mlx.core as mx
-    from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
+    from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
     base = rss_gb()
     model, processor = mlxrl.load(a.ckpt)

@@ -126,7 +126,7 @@ def main():
     def scores_kept(q, k, v, *, scale, mask=None):  # the scores path: a boolean mask, [H, L, L] scores
         return flash(q, k, v, scale=scale, mask=causal_mask if isinstance(mask, str) else mask)
 
-    tile = tile_tokens_for(None, cfg.hidden_size, checkpointing=True)  # the trainers' default (`--tiled_mlp`)
+    tile = tile_tokens_for(cfg.hidden_size, checkpointing=True)  # the trainers' default (`--tiled_mlp`)
     variants = {"native decoder kernels": (native_ops, ours_lora, fused, flash, False, tile),
                 "MLX ops for them": (mlx_ops(), ours_lora, fused, flash, False, tile),
                 "dropped copy of x": (native_ops, ours_lora, copied, flash, False, tile),

@@ -32,9 +32,9 @@ from mlx.utils import tree_flatten
 
 from mlxrl.cpu import native
 from mlxrl.data.synthetic import make_vqa
-from mlxrl import optim as optim_lib
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.optim import optimizers as optim_lib
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 BF16 = mx.bfloat16
 

@@ -186,12 +186,13 @@ def bench_accuracy(args):
     import numpy as np
 
     from mlxrl import load_default
-    from mlxrl.cli import apply_overrides, demo_rows
+    from mlxrl.cli.common import apply_overrides
+    from mlxrl.cli.sft import DEMO_OVERRIDES, DEMO_TEST, DEMO_TRAIN
+    from mlxrl.data.synthetic import demo_rows
     from mlxrl.evaluate import _encode, exact_match
     from mlxrl.models.quantize import dequantize, quantize_model, weight_stats
-    from mlxrl.sft import DEMO_OVERRIDES, DEMO_TEST, DEMO_TRAIN
     from mlxrl.trainers.flags import parse_config
-    from mlxrl.trainers.sft import SFTConfig, SFTTrainer
+    from mlxrl.trainers.sft.trainer import SFTConfig, SFTTrainer
 
     def head_rounded(model, bits=4, group=64):
         emb = model.language_model.embed_tokens

@@ -35,7 +35,7 @@ mapped file pages and converts a bfloat16 one into its own memory):
                0.25, rope_theta 1e7, mrope_section [11, 11, 10] interleaved, as the Hub's config), the others
                "linear_attention" (Gated DeltaNet: 16 key / 16 value heads of 128, conv kernel 4); hidden 1024,
                MLP 3584, tied 248320 vocab (752M); Qwen3.5's tokenizer, special ids (tiny_checkpoints'
-               QWEN3_5_TOKEN_IDS) and chat template (mlxrl.processing.QWEN3_5_CHAT_TEMPLATE)
+               QWEN3_5_TOKEN_IDS) and chat template (mlxrl.processing.tokenizer.QWEN3_5_CHAT_TEMPLATE)
   qwen3.5-2b   Qwen3.5 (Qwen3_5Config / Qwen3_5ForConditionalGeneration): text as qwen3.5-0.8b at hidden 2048, MLP
                6144 (tied); vision Qwen3-VL's tower without DeepStack: depth 24, hidden 1024, MLP 4096, 16 heads,
                patch 16, merge 2, temporal patch 2, out 2048, 2304 position embeddings, gelu_pytorch_tanh (2213M);

@@ -138,8 +138,8 @@ def run_ours(a) -> dict:
     sys.path.insert(0, str(ROOT))
     import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
     import mlx.core as mx
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     total = a.steps + a.warmup
     rows = text_rows(total * a.batch, a.max_length)

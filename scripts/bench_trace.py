@@ -48,7 +48,7 @@ def trunk_step(config: dict, length: int, tiles: bool = True, keep: bool = False
         model.set_dtype(dtype)
     lm = model.language_model
     lm.gradient_checkpointing, lm.keep_attention = True, keep
-    lm.tile_mlp(tile_tokens_for(None, lm.config.hidden_size, checkpointing=True) if tiles else 0)
+    lm.tile_mlp(tile_tokens_for(lm.config.hidden_size, checkpointing=True) if tiles else 0)
     lora.apply_lora(model, r=16, alpha=32, dropout=0.05)
     model.train()
     x = mx.random.normal((1, length, lm.config.hidden_size)).astype(dtype)
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     if a.keep_attention:
         variants["tiled + keep_attention"] = (True, True)
     config = {**BASE, **SHAPES[a.shape]}
-    layers, tile = config["num_hidden_layers"], tile_tokens_for(None, config["hidden_size"], checkpointing=True)
+    layers, tile = config["num_hidden_layers"], tile_tokens_for(config["hidden_size"], checkpointing=True)
     print(f"{a.shape} ({layers} layers), LoRA r16, gradient checkpointing: trace + compile of the step, seconds")
     print(f"{'tokens':>7} {'tiles':>6} " + " ".join(f"{k:>22}" for k in variants) + "   tiled / untiled")
     for length in a.lengths:

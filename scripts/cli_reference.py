@@ -27,9 +27,9 @@ CLIS = [
     ("sft", "python -m mlxrl.sft", "mlxrl.sft", ["--help"]),
     ("dpo", "python -m mlxrl.dpo", "mlxrl.dpo", ["--help"]),
     ("grpo", "python -m mlxrl.grpo", "mlxrl.grpo", ["--help"]),
-    ("generate", "python -m mlxrl.generate", "mlxrl.generate.cli", ["--help"]),
+    ("generate", "python -m mlxrl.generate", "mlxrl.cli.generate", ["--help"]),
     ("chat", "python -m mlxrl.chat", "mlxrl.chat", ["--help"]),
-    ("plan", "python -m mlxrl.plan", "mlxrl.plan.cli", ["--help"]),
+    ("plan", "python -m mlxrl.plan", "mlxrl.cli.plan", ["--help"]),
     ("mlxrl", "python -m mlxrl", "mlxrl.__main__", ["--help"]),
 ]
 INTRO = {
@@ -74,7 +74,7 @@ def capture(module: str, argv: list) -> argparse.ArgumentParser:
 
 
 def _mlx_lm_defaults() -> dict:
-    from mlxrl.mlx_lm_args.spec import DEFAULTS
+    from mlxrl.cli.mlx_lm_args.spec import DEFAULTS
 
     return DEFAULTS
 
@@ -83,9 +83,9 @@ MLX_LM_DEFAULTS: dict = {}
 
 
 def config_classes():
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.dpo import DPOConfig
-    from mlxrl.trainers.grpo_config import GRPOConfig
+    from mlxrl.trainers.dpo.config import DPOConfig
+    from mlxrl.trainers.grpo.config import GRPOConfig
+    from mlxrl.trainers.sft.config import SFTConfig
 
     return {c.__name__: c for c in (SFTConfig, DPOConfig, GRPOConfig)}
 

@@ -307,7 +307,7 @@ def text_stages(model, examples, b) -> None:
 
 
 def decode(_a) -> None:
-    from mlxrl.generation import generate
+    from mlxrl.generation.engine import generate
 
     print(f"device {mx.default_device()}; cached decoding against the uncached forward (float32)", flush=True)
     rng = np.random.default_rng(1)

@@ -174,7 +174,7 @@ def build(arch: str, out_dir, seed: int = SEED, size: str = "tiny") -> Path:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import mlxrl  # noqa: F401  (loads the fast BLAS before mlx.core)
-    from mlxrl.processing import (
+    from mlxrl.processing.processor import (
         QWEN3_5_CHAT_TEMPLATE,
         QWEN3_VL_CHAT_TEMPLATE,
         QWEN_CHAT_TEMPLATE,

@@ -89,7 +89,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The offline Qwen2/3(-VL) tokenizer (a transformers Qwen2Tokenizer); shared, do not mutate."""
-    from mlxrl.processing import build_qwen_tokenizer
+    from mlxrl.processing.processor import build_qwen_tokenizer
 
     return build_qwen_tokenizer()
 

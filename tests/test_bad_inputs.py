@@ -27,23 +27,23 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import mlxrl
+from mlxrl.cli.dpo import main as dpo_main
+from mlxrl.cli.grpo import main as grpo_main
+from mlxrl.cli.sft import main as sft_main
 from mlxrl.data import load_rows, tokenize_example
 from mlxrl.data.formats import ROLES, DataError, check_prompt_rows
 from mlxrl.data.preference import tokenize_preference
-from mlxrl.dpo import main as dpo_main
-from mlxrl.grpo import main as grpo_main
-from mlxrl.hub import MlxrlError
-from mlxrl.processing import (
+from mlxrl.errors import MlxrlError
+from mlxrl.processing.processor import (
     QWEN3_VL_CHAT_TEMPLATE,
     QWEN_CHAT_TEMPLATE,
     ImageProcessor,
     Processor,
     build_qwen_tokenizer,
 )
-from mlxrl.sft import main as sft_main
-from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.flags import build_parser, config_from_args
-from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer, RewardError
+from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer, RewardError
+from mlxrl.trainers.sft.config import SFTConfig
 
 MAINS = {"sft": sft_main, "dpo": dpo_main, "grpo": grpo_main}
 
@@ -693,7 +693,7 @@ def test_every_cli_prints_its_help(name, capsys):
     `--help` a traceback."""
     import importlib
 
-    module = importlib.import_module(f"mlxrl.{name}" if name != "plan" else "mlxrl.plan.cli")
+    module = importlib.import_module(f"mlxrl.{name}" if name != "plan" else "mlxrl.cli.plan")
     with pytest.raises(SystemExit) as e:
         module.main(["--help"])
     assert e.value.code == 0 and "--" in capsys.readouterr().out

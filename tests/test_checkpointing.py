@@ -15,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrl
-from mlxrl.hub import ConfigError
+from mlxrl.errors import ConfigError
 from mlxrl.models import build_model
 from mlxrl.models.checkpointing import best_segments, kept_inputs, recomputed_layers, segment_size
 from mlxrl.models.lora import apply_lora
@@ -139,7 +139,7 @@ def test_segments_vl_deepstack_and_shared_prompt(tiny_checkpoint):
     tower's included."""
     from test_generation import completions, grads_of, prompts
 
-    from mlxrl.shared_prompt import shared_prompt_logprobs
+    from mlxrl.generation.shared_prompt import shared_prompt_logprobs
 
     folder = tiny_checkpoint("qwen3_vl")
     _, processor = mlxrl.load(folder, dtype="float32")
@@ -169,7 +169,8 @@ def test_segments_vl_deepstack_and_shared_prompt(tiny_checkpoint):
 def test_refusals():
     """One-line errors: one segment (saves nothing), as many segments as layers, no gradient checkpointing,
     keep_attention alongside; the config refuses the first before any model loads."""
-    from mlxrl.trainers.config import SFTConfig, check_config
+    from mlxrl.trainers.config import check_config
+    from mlxrl.trainers.sft.config import SFTConfig
 
     with pytest.raises(ConfigError, match="checkpoint_segments 1: must be 0"):
         check_config(SFTConfig(output_dir="out", checkpoint_segments=1), flags=True)
@@ -186,8 +187,8 @@ def test_refusals():
 def test_trainer_segments(tiny_checkpoint, tmp_path):
     """SFT with checkpoint_segments trains the default run's steps (LoRA dropout 0.3): the same losses and
     adapters."""
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     folder = tiny_checkpoint("qwen3")
     _, processor = mlxrl.load(folder, dtype="float32")

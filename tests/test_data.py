@@ -30,7 +30,7 @@ from mlxrl.data import (
     tokenize_example,
     truncate_example,
 )
-from mlxrl.processing import (
+from mlxrl.processing.processor import (
     QWEN3_VL_CHAT_TEMPLATE,
     QWEN_CHAT_TEMPLATE,
     QWEN_VL_CHAT_TEMPLATE,

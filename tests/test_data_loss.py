@@ -25,14 +25,13 @@ from PIL import Image
 
 import mlxrl
 from mlxrl import atomic
-from mlxrl.__main__ import main as mlxrl_main
+from mlxrl.cli.main import main as mlxrl_main
 from mlxrl.data.synthetic import make_vqa
-from mlxrl.hub import MlxrlError
+from mlxrl.errors import MlxrlError
 from mlxrl.models import lora as lora_lib
-from mlxrl.optim import make_optimizer
 from mlxrl.trainers import engine as engine_lib
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 ROWS = [{"messages": [{"role": "user", "content": f"Say {i} words"},
@@ -189,7 +188,7 @@ def test_a_failed_final_save_keeps_the_weights_as_a_checkpoint(tiny_checkpoint, 
 
 def _checkpoint_of(trainer) -> Path:
     """A checkpoint of `trainer`'s run at step 0 (no training needed to test what it belongs to)."""
-    trainer.optimizer = make_optimizer(trainer.args, 1)
+    trainer.optimizer = trainer.args.make_optimizer(1)
     trainer.optimizer.init(trainer.model.trainable_parameters())
     return trainer.save_checkpoint()
 
@@ -228,7 +227,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(tiny_checkpoint, tmp_path):
 
 
 def test_resume_refuses_broken_and_foreign_checkpoints_in_one_line(tiny_checkpoint, tmp_path, capsys):
-    from mlxrl.sft import main as sft_main
+    from mlxrl.cli.sft import main as sft_main
 
     folder = tiny_checkpoint("qwen3")
     data = tmp_path / "rows.jsonl"
@@ -293,7 +292,7 @@ def test_a_second_run_in_one_output_dir(tiny_checkpoint, tmp_path):
 
 
 def test_cli_second_run_refused_then_overwritten(tiny_checkpoint, tmp_path, capsys):
-    from mlxrl.sft import main as sft_main
+    from mlxrl.cli.sft import main as sft_main
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
@@ -334,7 +333,7 @@ def test_resume_cuts_metrics_back_and_last_picks_this_run(tiny_checkpoint, tmp_p
 
 
 def test_output_dir_and_flags_errors_are_one_line(tiny_checkpoint, tmp_path, capsys):
-    from mlxrl.sft import main as sft_main
+    from mlxrl.cli.sft import main as sft_main
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
@@ -538,7 +537,7 @@ def test_grpo_sigterm_mid_generation_cycle_resumes_exactly(tiny_checkpoint, tmp_
     """GRPO runs its own loop (generation rounds) over the engine's step: SIGTERM during an update stops
     after it with a checkpoint, and the resumed run (regenerating the round it was in) ends with the
     uninterrupted run's weights."""
-    from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
+    from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
     folder = tiny_checkpoint("qwen3")
     prompts = [{"prompt": p} for p in ("The sky is", "One plus one is", "Paris is the capital of", "Water boils at")]

@@ -129,8 +129,8 @@ def test_a_broken_anchor_fails_the_build(tmp_path):
     assert done.returncode != 0 and "no-such-heading" in done.stdout + done.stderr
 
 
-HELP_MODULES = {"sft": "mlxrl.sft", "dpo": "mlxrl.dpo", "grpo": "mlxrl.grpo", "generate": "mlxrl.generate.cli",
-                "chat": "mlxrl.chat", "plan": "mlxrl.plan.cli"}
+HELP_MODULES = {"sft": "mlxrl.sft", "dpo": "mlxrl.dpo", "grpo": "mlxrl.grpo", "generate": "mlxrl.cli.generate",
+                "chat": "mlxrl.chat", "plan": "mlxrl.cli.plan"}
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -18,11 +18,12 @@ from conftest import tiny_checkpoints_module
 from mlx.utils import tree_flatten
 
 import mlxrl
+from mlxrl.cli.dpo import main as dpo_main
+from mlxrl.cli.dpo import preference_pairs, run_demo
 from mlxrl.data.preference import extract_prompt
-from mlxrl.dpo import main as dpo_main
-from mlxrl.dpo import preference_pairs, run_demo
 from mlxrl.models.lora import lora_layers
-from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
+from mlxrl.trainers.dpo.config import DPOConfig
+from mlxrl.trainers.dpo.trainer import DPOTrainer
 
 hf_processor = tiny_checkpoints_module().hf_processor
 

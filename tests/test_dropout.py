@@ -105,8 +105,8 @@ def test_trainer_keep_attention(tiny_checkpoint, tmp_path, kernel_path):
 
     import mlxrl
     from mlxrl.cpu import fastmath
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     rows = [{"prompt": f"Count the words of sentence {i}, one by one, slowly and carefully:",
              "completion": " one two three four five six seven eight nine ten"} for i in range(4)]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mlxrl.__main__ import main
+from mlxrl.cli.main import main
 from mlxrl.hub import suggest_repo
 
 

@@ -20,8 +20,8 @@ from PIL import Image
 import mlxrl
 from mlxrl import SFTConfig, SFTTrainer
 from mlxrl.atomic import MARKER
-from mlxrl.hub import MlxrlError
-from mlxrl.sft import main as sft_main
+from mlxrl.cli.sft import main as sft_main
+from mlxrl.errors import MlxrlError
 from mlxrl.trainers import plot
 from mlxrl.trainers.progress import SteadyEta, eta_text
 
@@ -65,7 +65,7 @@ def test_the_final_model_is_in_output_dir_and_transformers_loads_it(sft, tiny_ch
     before = dict(tree_flatten(mlxrl.load(tiny_checkpoint("qwen3"))[0].parameters()))
     assert any(not np.array_equal(np.array(v), np.array(before[k])) for k, v in tree_flatten(ours.parameters()))
     # generate finds the result from the run's folder
-    from mlxrl.generate.refs import resolve
+    from mlxrl.generation.refs import resolve
     assert resolve(out) == ("model", out)
 
 

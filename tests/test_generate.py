@@ -6,7 +6,7 @@
   `generate(do_sample=False)` on the same base and adapter, token for token (20 tokens, all five
   architectures, text and image prompts; the CLI's printed reply too), also with a repetition penalty;
 - the chat keeps its cache: the second turn forwards only the new turn's tokens (counted at the
-  model's forward) and its reply equals a fresh, uncached generation (`mlxrl.generation.generate`)
+  model's forward) and its reply equals a fresh, uncached generation (`mlxrl.generation.engine.generate`)
   over the whole conversation; a prefix that would split an image is cut back to the image's start;
 - checkpoints (LoRA and full) and a run's output_dir load to the same model as the final save;
 - batched replies equal one-by-one replies; seeded sampling equals the batch engine's draw;
@@ -29,8 +29,8 @@ from PIL import Image
 
 import mlxrl
 from mlxrl import generate as G
-from mlxrl.cli import text_colour_rows
-from mlxrl.generation import generate as engine_generate
+from mlxrl.data.synthetic import text_colour_rows
+from mlxrl.generation.engine import generate as engine_generate
 from mlxrl.models import lora
 
 HF_CLASS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -260,7 +260,7 @@ def test_context_after_a_stop_token(tiny_checkpoint):
 def test_chat_cli(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     folder = tiny_checkpoint("qwen3")
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n/image x.png\n/reset\n/nonsense\nHello\n"))
-    from mlxrl import chat
+    from mlxrl.cli import chat
 
     rc = chat.main(["--model", str(folder), "--max_new_tokens", "3", "--temperature", "0"])
     out = capsys.readouterr()

@@ -20,9 +20,9 @@ from pictures import picture
 
 import mlxrl
 from mlxrl.cpu import fastmath
-from mlxrl.generation import filter_logprobs, generate, sample_tokens
+from mlxrl.generation.engine import filter_logprobs, generate, sample_tokens
+from mlxrl.generation.shared_prompt import repeated_logprobs, shared_prompt_logprobs
 from mlxrl.models.lora import apply_lora
-from mlxrl.shared_prompt import repeated_logprobs, shared_prompt_logprobs
 
 TOL = 1e-4
 

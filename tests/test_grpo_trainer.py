@@ -16,9 +16,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxrl
-from mlxrl.grpo import main as grpo_main
+from mlxrl.cli.grpo import main as grpo_main
 from mlxrl.losses.grpo import LOSS_TYPES
-from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
+from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 TEXT_ROWS = [{"prompt": "The sky is", "topic": "sky"}, {"prompt": "One plus one is", "topic": "maths"},
              {"prompt": "Paris is the capital of", "topic": "geo"}, {"prompt": "Water boils at", "topic": "physics"}]
@@ -346,8 +346,8 @@ def test_save_strategy_epoch_saves_each_epoch(tiny_checkpoint, tmp_path):
 
 
 def test_trained_parameters_change_vision_lora(tiny_checkpoint, tmp_path):
+    from mlxrl.cli.grpo import colour_reward, prompt_rows
     from mlxrl.data.synthetic import make_vqa
-    from mlxrl.grpo import colour_reward, prompt_rows
 
     model, processor = mlxrl.load(tiny_checkpoint("qwen2_vl"))
     rows = prompt_rows(make_vqa(4, seed=3))
@@ -380,9 +380,9 @@ def test_demo_reward_rises(tmp_path, demo):
     (what the SFT-trained model answers). The colour reward of the full demo is in the README. On the Qwen3.5
     default too: its rollouts decode with the recurrent cache, its prompt-shared forward hands each prompt's
     state to its completions."""
+    from mlxrl.cli.grpo import run_demo
     from mlxrl.data.synthetic import make_vqa
     from mlxrl.evaluate import answer_correct
-    from mlxrl.grpo import run_demo
 
     args = GRPOConfig(output_dir=str(tmp_path / "demo"))
     out = run_demo(args, {"output_dir"}, n_test=8, overrides={"max_steps": 6}, reward_funcs=[say_red], demo=demo)

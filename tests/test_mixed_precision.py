@@ -13,15 +13,16 @@ import torch
 from mlx.utils import tree_flatten
 
 import mlxrl
-from mlxrl import optim as optim_lib
 from mlxrl.cpu import native
 from mlxrl.data.synthetic import make_vqa
-from mlxrl.hub import MlxrlError
+from mlxrl.errors import MlxrlError
 from mlxrl.losses.head import head_logprobs
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
-from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.optim import optimizers as optim_lib
+from mlxrl.trainers.dpo.config import DPOConfig
+from mlxrl.trainers.dpo.trainer import DPOTrainer
+from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 BF16 = mx.bfloat16
 
@@ -110,7 +111,7 @@ def test_qwen3_5_bf16_keeps_the_decay_in_float32_and_tracks_fp32(graph_path, tin
     """Qwen3.5 in bfloat16 (the Gated DeltaNet's delta rule on the graph path): A_log stays float32 (its exp is
     the decay; mlx-lm keeps it so too), every other parameter bfloat16, before and after training; the loss
     curve of 6 full fine-tuning steps follows float32's."""
-    from mlxrl.cli import text_colour_rows
+    from mlxrl.data.synthetic import text_colour_rows
 
     rows = text_colour_rows(24, seed=0, split="train")
     curves = {}
@@ -179,7 +180,7 @@ def test_gradient_accumulation_sums_in_float32(graph_path, tmp_path):
     model, processor = mlxrl.load_default(seed=0, dtype=BF16)
     one = SFTTrainer(model, processor, sft_args(tmp_path, "one"), train_dataset=rows)
     batches = one._batches_of(one.train_examples, 0, False, 2)
-    step = one._grad_fn()
+    step = one.step_function()
     n = mx.array(sum(b["trained_tokens"] for b in batches[:2]), dtype=mx.float32)
     grads = [dict(tree_flatten(step(one.to_device(b), n)[2])) for b in batches[:2]]
     from mlxrl.trainers.engine import accumulate
@@ -213,7 +214,7 @@ def test_vocab_tiled_head_statistics_in_float32():
 def _grads_keep_dtypes(trainer, batch):
     arrays = trainer.to_device(batch)
     n = mx.array(batch["trained_tokens"], dtype=mx.float32)
-    _, _, grads = trainer._grad_fn()(arrays, n)
+    _, _, grads = trainer.step_function()(arrays, n)
     params = dict(tree_flatten(trainer.model.trainable_parameters()))
     for k, g in tree_flatten(grads):
         assert g.dtype == params[k].dtype, (k, g.dtype, params[k].dtype)

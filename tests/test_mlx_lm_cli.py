@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from mlxrl import cli as cli_lib
-from mlxrl import mlx_lm_args
+from mlxrl.cli import common as cli_lib
+from mlxrl.cli import mlx_lm_args
+from mlxrl.cli.sft import configure, main, make_parser
 from mlxrl.data import load_rows
 from mlxrl.data.files import folder_splits
-from mlxrl.sft import configure, main, make_parser
-from mlxrl.trainers import sft as sft_trainer
+from mlxrl.trainers.sft import trainer as sft_trainer
 
 FAST = ["--max-seq-length", "64", "--compile", "false", "--disable_tqdm", "true"]
 
@@ -299,12 +299,11 @@ def test_lr_schedule_follows_mlx(schedule, tmp_path):
     import mlx.core as mx
     from mlx_lm.tuner.utils import build_schedule
 
-    from mlxrl.schedules import make_schedule
 
     cfg = tmp_path / "s.yaml"
     cfg.write_text(json.dumps({"iters": 20, "lr_schedule": schedule}))  # JSON is YAML
     _, args, _ = configured("-c", cfg, "--data", tmp_path)
-    ours, theirs = make_schedule(args, 20), build_schedule(schedule)
+    ours, theirs = args.lr_schedule(20), build_schedule(schedule)
     warmup = schedule.get("warmup", 0)
     for step in range(20):
         at = step - 1 if warmup and step > warmup else step

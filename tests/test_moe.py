@@ -257,8 +257,8 @@ def test_sft_with_lora_trains_the_experts_and_peft_loads_the_run_s_adapter(tiny_
 
     import mlxrl
     from mlxrl.models.lora_experts import LoRAExperts
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     folder = tiny_checkpoint("qwen3_moe")
     model, processor = mlxrl.load(str(folder))
@@ -290,9 +290,9 @@ def test_sft_with_lora_trains_the_experts_and_peft_loads_the_run_s_adapter(tiny_
 
 def test_router_loss_and_expert_flags_are_refused_where_they_cannot_apply(tiny_checkpoint, tmp_path):
     import mlxrl
-    from mlxrl.hub import ConfigError
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.errors import ConfigError
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
     model, processor = mlxrl.load(str(tiny_checkpoint("qwen3")))
@@ -309,9 +309,9 @@ def test_full_fine_tuning_past_the_planner_s_limit_is_refused_in_one_line(tiny_c
     """An MoE model trained whole over its memory limit stops before the first step, naming the fix; LoRA under
     the same limit is not refused, nor full fine-tuning under a limit it fits."""
     import mlxrl
-    from mlxrl.hub import MlxrlError
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.errors import MlxrlError
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
     model, processor = mlxrl.load(str(tiny_checkpoint("qwen3_moe")))

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import mlxrl
-from mlxrl import optim as optim_lib
-from mlxrl import optim_8bit as q8
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.optim import eight_bit as q8
+from mlxrl.optim import optimizers as optim_lib
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 bnb = pytest.importorskip("bitsandbytes")
 F = pytest.importorskip("bitsandbytes.functional")
@@ -73,8 +73,8 @@ def test_step_follows_the_reference_and_bitsandbytes(kernel_path):
     w0 = {"w": rng.normal(size=(40, 130)).astype(np.float32), "b": rng.normal(size=(300,)).astype(np.float32)}
     tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in w0.items()}
     theirs = bnb.optim.AdamW8bit(list(tp.values()), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-    ours = optim_lib.make_optimizer(SFTConfig(optim="adamw_8bit", learning_rate=lr, adam_beta1=b1, adam_beta2=b2,
-                                               adam_epsilon=eps, weight_decay=wd, lr_scheduler_type="constant"), 10)
+    ours = SFTConfig(optim="adamw_8bit", learning_rate=lr, adam_beta1=b1, adam_beta2=b2, adam_epsilon=eps,
+                     weight_decay=wd, lr_scheduler_type="constant").make_optimizer(10)
     assert isinstance(ours, optim_lib.AdamW8bit)
     params = {k: mx.array(v) for k, v in w0.items()}
     for t in range(1, 6):

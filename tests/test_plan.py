@@ -10,12 +10,12 @@ import pytest
 
 import mlxrl  # noqa: F401  (fast BLAS first)
 from mlxrl import plan
-from mlxrl.plan.cli import main as plan_main
+from mlxrl.cli.plan import main as plan_main
 from mlxrl.plan.measure import measure
 from mlxrl.plan.suggest import _candidates
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.dpo import DPOConfig
-from mlxrl.trainers.grpo import GRPOConfig
+from mlxrl.trainers.dpo.config import DPOConfig
+from mlxrl.trainers.grpo.trainer import GRPOConfig
+from mlxrl.trainers.sft.config import SFTConfig
 
 # a small random text model whose activations matter next to its weights (vocab 1024 keeps it fast)
 SMALL = {"model_type": "qwen3", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,

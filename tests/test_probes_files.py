@@ -25,10 +25,10 @@ from transformers import tokenization_utils_tokenizers
 
 import mlxrl
 from mlxrl import generate as G
-from mlxrl.__main__ import main as mlxrl_main
-from mlxrl.hub import ConfigError, MlxrlError
+from mlxrl.cli.main import main as mlxrl_main
+from mlxrl.cli.sft import main as sft_main
+from mlxrl.errors import ConfigError, MlxrlError
 from mlxrl.models import lora
-from mlxrl.sft import main as sft_main
 
 
 def error_line(rc, err: str) -> str:

@@ -14,7 +14,7 @@
   naming the template's file and the template's own message, in generate, chat and `python -m mlxrl`;
 - `--image` of a folder says it is a folder; generation_config.json / adapter_config.json /
   trainer_state.json fields of the wrong type are one line naming the file and the field;
-- `python -m mlxrl` answers through the CLIs' shared boundary (`mlxrl.cli.run`).
+- `python -m mlxrl` answers through the CLIs' shared boundary (`mlxrl.cli.common.run`).
 """
 
 import io
@@ -26,14 +26,14 @@ import pytest
 from pictures import picture
 from PIL import Image, ImageOps
 
-from mlxrl import chat as C
 from mlxrl import generate as G
-from mlxrl.__main__ import main as mlxrl_main
+from mlxrl.cli import chat as C
+from mlxrl.cli.generate import read_images
+from mlxrl.cli.main import main as mlxrl_main
 from mlxrl.data import tokenize_example
 from mlxrl.data.images import decode_images, image_sizes
-from mlxrl.generate.cli import read_images
-from mlxrl.hub import MlxrlError
-from mlxrl.processing import Processor, to_rgb
+from mlxrl.errors import MlxrlError
+from mlxrl.processing.processor import Processor, to_rgb
 
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
             {"role": "assistant", "content": "A picture."}]
@@ -305,7 +305,7 @@ def test_bad_adapter_and_checkpoint_fields_name_the_file(tiny_checkpoint, tmp_pa
 
 # ----------------------------------------------------------------------------------- python -m mlxrl
 def test_python_m_mlxrl_answers_through_the_shared_boundary(tiny_checkpoint, tmp_path, monkeypatch, capsys):
-    """What `mlxrl.cli.run` turns into one line (here a NotImplementedError: a processor that does not
+    """What `mlxrl.cli.common.run` turns into one line (here a NotImplementedError: a processor that does not
     convert to RGB) is one line, exit 2; Ctrl-C is 130."""
     vl = tiny_checkpoint("qwen3_vl")
     config = json.loads((vl / "preprocessor_config.json").read_text())

@@ -14,9 +14,9 @@ import pytest
 
 import mlxrl  # noqa: F401  (fast BLAS first)
 from mlxrl import plan
-from mlxrl.hub import MlxrlError
+from mlxrl.cli.plan import main as plan_main
+from mlxrl.errors import MlxrlError
 from mlxrl.loading import DEFAULT_CONFIG
-from mlxrl.plan.cli import main as plan_main
 
 # a small text model (the planner reads config.json only: no weights)
 SMALL = {"model_type": "qwen3", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 768,
@@ -170,7 +170,7 @@ def test_a_config_json_that_is_a_folder_is_one_line(tmp_path, capsys):
 
 def test_predict_refuses_a_damaged_config_json_by_name(tmp_path):
     """The API (`plan.predict(folder, ...)`, `plan.load_config`) names the file too, not a ZeroDivisionError."""
-    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft.config import SFTConfig
 
     (tmp_path / "config.json").write_text(json.dumps(_with(SMALL, "num_attention_heads", 0)))
     with pytest.raises(MlxrlError, match=r"config\.json: num_attention_heads must be a positive integer"):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxrl.cli.sft import main as sft_main
 from mlxrl.data import load_rows
-from mlxrl.sft import main as sft_main
 from mlxrl.trainers.run_dir import RECORD, resolve_checkpoint
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -121,10 +121,10 @@ def test_a_second_run_into_a_locked_output_dir_is_refused(sft, tmp_path, capsys)
 
 def test_two_trainers_in_one_process_cannot_write_one_folder(tiny_checkpoint, tmp_path):
     import mlxrl
-    from mlxrl.hub import MlxrlError
-    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.errors import MlxrlError
     from mlxrl.trainers.run_dir import RunLock
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     out = tmp_path / "o"
     out.mkdir()
@@ -337,9 +337,9 @@ def test_a_bad_row_found_in_training_or_evaluation_is_named_by_its_own_file(tiny
     from PIL import Image
 
     import mlxrl
-    from mlxrl.hub import DataError
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.errors import DataError
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     for name in ("ok", "gone"):
         Image.new("RGB", (32, 32), "red").save(tmp_path / f"{name}.png")

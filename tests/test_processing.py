@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, Qwen2VLProcessor, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
-from mlxrl.processing import (
+from mlxrl.processing.processor import (
     QWEN3_VL_CHAT_TEMPLATE,
     QWEN_CHAT_TEMPLATE,
     QWEN_SPECIAL_TOKENS,

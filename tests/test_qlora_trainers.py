@@ -11,8 +11,9 @@ from mlx.utils import tree_flatten
 
 import mlxrl
 from mlxrl.models import quantize as quantize_lib
-from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
-from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
+from mlxrl.trainers.dpo.config import DPOConfig
+from mlxrl.trainers.dpo.trainer import DPOTrainer
+from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 COMMON = dict(use_peft=True, load_in_4bit=True, lora_r=8, lora_alpha=16, compile=False, disable_tqdm=True,
               logging_steps=1, save_steps=0, gradient_checkpointing=False, seed=0)

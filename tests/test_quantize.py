@@ -357,8 +357,9 @@ def test_adapter_trained_over_4bit_base_loads_in_peft(tiny_checkpoint, tmp_path)
 
 
 def test_flags_and_their_one_line_errors(qwen3_mlx_lm):
-    from mlxrl.trainers.config import ConfigError, SFTConfig, check_config
+    from mlxrl.trainers.config import ConfigError, check_config
     from mlxrl.trainers.flags import build_parser, config_from_args
+    from mlxrl.trainers.sft.config import SFTConfig
 
     def parse(*argv):
         return config_from_args(SFTConfig, build_parser(SFTConfig, "sft", "").parse_args(list(argv)))
@@ -377,8 +378,8 @@ def test_flags_and_their_one_line_errors(qwen3_mlx_lm):
     # an MLX-quantized checkpoint cannot be fully fine-tuned either
     model, _ = mlxrl.load(qwen3_mlx_lm)
     with pytest.raises(MlxrlError, match="MLX-quantized: it trains LoRA adapters"):
-        Q.quantize_for(model, SFTConfig())
-    assert Q.quantize_for(model, SFTConfig(use_peft=True)) is None
+        SFTConfig().quantize(model)
+    assert SFTConfig(use_peft=True).quantize(model) is None
 
 
 def test_sft_cli_learns_over_a_4bit_base(tmp_path, capsys):
@@ -387,7 +388,7 @@ def test_sft_cli_learns_over_a_4bit_base(tmp_path, capsys):
     the merged model is float (dequantized)."""
     import re
 
-    from mlxrl.sft import main
+    from mlxrl.cli.sft import main
 
     assert main(["--load_in_4bit", "--max_steps", "60", "--output_dir", str(tmp_path / "run"),
                  "--disable_tqdm", "--logging_steps", "30", "--merge"]) == 0
@@ -411,7 +412,7 @@ def test_merge_quantized_saves_what_mlx_lm_loads(tiny_checkpoint, tmp_path):
     still carries the adapter exactly (the quantized merge put the adapters back)."""
     from mlx_lm import load as mlx_lm_load
 
-    from mlxrl.trainers.sft import SFTConfig, SFTTrainer
+    from mlxrl.trainers.sft.trainer import SFTConfig, SFTTrainer
 
     folder = tiny_checkpoint("qwen3")
     model, processor = mlxrl.load(folder, dtype="float32")

@@ -128,7 +128,7 @@ def test_greedy_decoding_with_the_recurrent_cache_equals_the_full_forward(pair):
 def test_batched_greedy_generation_equals_transformers_generate(pair):
     """Left-padded prompts of different lengths, each prompt's state shared by its samples: the tokens
     transformers' `generate` picks (its recurrent cache and its own padding handling)."""
-    from mlxrl.generation import generate
+    from mlxrl.generation.engine import generate
 
     hf, ours = pair
     rng = np.random.default_rng(5)

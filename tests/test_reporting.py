@@ -8,9 +8,9 @@ import types
 import pytest
 
 import mlxrl
-from mlxrl.trainers.config import SFTConfig
 from mlxrl.trainers.reporting import Reporter
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 ROWS = [{"messages": [{"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": w}]}
         for w in ("hi", "yes", "no", "ok")]

@@ -361,8 +361,8 @@ def test_tf32_follows_torch_unless_asked(monkeypatch, tmp_path):
     monkeypatch.setenv("MLX_ENABLE_TF32", "1")  # the user's environment decides when the flag is not given
     assert runtime.apply_tf32(None) is True and os.environ["MLX_ENABLE_TF32"] == "1"
     assert runtime.apply_tf32(False) is False and os.environ["MLX_ENABLE_TF32"] == "0"
-    from mlxrl.trainers.config import SFTConfig
     from mlxrl.trainers.flags import build_parser, config_from_args
+    from mlxrl.trainers.sft.config import SFTConfig
 
     parser = build_parser(SFTConfig, "sft", "")
     for argv, want in [(["--tf32", "true"], "1"), (["--tf32", "false"], "0"), ([], "0")]:

@@ -6,7 +6,7 @@ import torch
 from transformers.optimization import get_scheduler
 
 from mlxrl import SFTConfig
-from mlxrl.schedules import SCHEDULES, make_schedule, warmup_steps
+from mlxrl.optim.schedules import SCHEDULES
 from mlxrl.trainers.config import ConfigError, check_config
 
 CASES = [("linear", {}), ("cosine", {}), ("cosine", {"num_cycles": 1.5}), ("cosine_with_restarts", {}),
@@ -34,9 +34,9 @@ def test_schedule_equals_transformers(kind, kw, warmup):
     lr, total = 1e-3, 40
     args = SFTConfig(learning_rate=lr, lr_scheduler_type=kind, lr_scheduler_kwargs=kw or None, warmup_steps=warmup)
     check_config(args)
-    w = warmup_steps(args, total)
+    w = args.warmup_for(total)
     assert w == (warmup if warmup >= 1 else -(-int(warmup * 100) * total // 100))
-    ours = make_schedule(args, total)
+    ours = args.lr_schedule(total)
     theirs = torch_lrs(kind, kw, lr, w, total, total + 3)  # past the end too
     for step, want in enumerate(theirs):
         got = ours(step).item()
@@ -45,7 +45,7 @@ def test_schedule_equals_transformers(kind, kw, warmup):
 
 def test_warmup_ratio_and_bad_options():
     args = SFTConfig(warmup_ratio=0.1, lr_scheduler_type="linear")
-    assert warmup_steps(args, 95) == 10
+    assert args.warmup_for(95) == 10
     assert set(SCHEDULES) >= {"linear", "cosine", "constant", "constant_with_warmup", "cosine_with_min_lr"}
     with pytest.raises(ConfigError, match="'min_lr_rate' not an option of the cosine schedule"):
         check_config(SFTConfig(lr_scheduler_type="cosine", lr_scheduler_kwargs='{"min_lr_rate": 0.1}'), flags=True)

@@ -15,14 +15,14 @@ from conftest import skip_native_on_gpu
 from mlx.utils import tree_flatten
 
 import mlxrl
-from mlxrl import optim as optim_lib
+from mlxrl.cli.sft import main as sft_main
 from mlxrl.data.batches import patch_bucket
 from mlxrl.data.synthetic import make_vqa
 from mlxrl.models.lora import lora_layers
-from mlxrl.sft import main as sft_main
+from mlxrl.optim import optimizers as optim_lib
 from mlxrl.trainers import engine as engine_lib
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 TEXT_ROWS = [
     {"messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "Four."}]},
@@ -193,14 +193,14 @@ def test_adafactor_matches_transformers():
     w0 = {"w": rng.normal(size=(6, 5)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
     tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in w0.items()}
     theirs = Adafactor(list(tp.values()), lr=1e-2, scale_parameter=False, relative_step=False, weight_decay=0.1)
-    ours = optim_lib.make_optimizer(SFTConfig(optim="adafactor", learning_rate=1e-2, weight_decay=0.1,
-                                               lr_scheduler_type="constant"), 10)
+    ours = SFTConfig(optim="adafactor", learning_rate=1e-2, weight_decay=0.1,
+                     lr_scheduler_type="constant").make_optimizer(10)
     params = step_both(ours, theirs, tp, w0, rng, 4)
     for k in tp:
         np.testing.assert_allclose(np.array(params[k]), tp[k].detach().numpy(), atol=1e-6, err_msg=k)
     assert "exp_avg_sq_row" in ours.state["w"] and "exp_avg" not in ours.state["w"]  # factored, no m
     with pytest.raises(ValueError, match="optim 'paged_adamw_8bit' is not supported"):
-        optim_lib.check_optim(SFTConfig(optim="paged_adamw_8bit"))
+        optim_lib.check_optim("paged_adamw_8bit")
 
 
 @pytest.mark.parametrize("kernel", ["native", "compiled"])
@@ -220,8 +220,8 @@ def test_adamw_matches_torch(kernel, monkeypatch):
     w0 = {"w": rng.normal(size=(64, 300)).astype(np.float32), "b": rng.normal(size=(7,)).astype(np.float32)}
     tp = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in w0.items()}
     theirs = torch.optim.AdamW(list(tp.values()), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    ours = optim_lib.make_optimizer(SFTConfig(learning_rate=1e-2, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
-                                               weight_decay=0.1, lr_scheduler_type="constant"), 10)
+    ours = SFTConfig(learning_rate=1e-2, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
+                     weight_decay=0.1, lr_scheduler_type="constant").make_optimizer(10)
     params = step_both(ours, theirs, tp, w0, rng, 5)
     for k in tp:
         np.testing.assert_allclose(np.array(params[k]), tp[k].detach().numpy(), atol=2e-6, err_msg=k)
@@ -337,8 +337,8 @@ def test_head_modes_give_the_same_step(mode, loss_type, tiny_checkpoint, tmp_pat
     b = SFTTrainer(model, processor, config(tmp_path, head_mode=mode, loss_type=loss_type), train_dataset=TEXT_ROWS)
     batch = a._batches_of(a.train_examples, 0, False, 4)[0]
     n = mx.array(batch["trained_tokens"], dtype=mx.float32)
-    loss_a, metrics_a, grads_a = a._grad_fn()(a.to_device(batch), n)
-    loss_b, metrics_b, grads_b = b._grad_fn()(b.to_device(batch), n)
+    loss_a, metrics_a, grads_a = a.step_function()(a.to_device(batch), n)
+    loss_b, metrics_b, grads_b = b.step_function()(b.to_device(batch), n)
     assert abs(loss_a.item() - loss_b.item()) <= 1e-5 * max(1, abs(loss_a.item()))
     assert abs(metrics_a["mean_token_accuracy"].item() - metrics_b["mean_token_accuracy"].item()) < 1e-6
     assert abs(metrics_a["entropy"].item() - metrics_b["entropy"].item()) <= 1e-5 * max(1, metrics_a["entropy"].item())
@@ -352,7 +352,7 @@ def test_head_modes_give_the_same_step(mode, loss_type, tiny_checkpoint, tmp_pat
 def test_demo_learns_through_compiled_steps(tmp_path):
     """`python -m mlxrl.sft` (the embedded default, the whole run): >= 90% held-out exact match through
     compiled steps on few batch shapes (it used to turn compile off: 30 shapes, 0 compiled)."""
-    from mlxrl.sft import run_demo
+    from mlxrl.cli.sft import run_demo
 
     out = run_demo(SFTConfig(output_dir=str(tmp_path / "demo"), disable_tqdm=True), {"output_dir", "disable_tqdm"})
     assert out["after"] >= 0.9 and out["compiled_steps"] >= 1 and out["batch_shapes"] <= 5, out

@@ -7,8 +7,8 @@ import transformers
 
 import mlxrl
 from mlxrl.data.synthetic import make_vqa
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 trl = pytest.importorskip("trl")
 

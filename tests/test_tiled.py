@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten
 from mlxrl.models import build_model, dropout
 from mlxrl.models.language import MLP, TextConfig
 from mlxrl.models.lora import apply_lora
-from mlxrl.models.tiled import tile_bounds, tile_tokens_for, tiled
+from mlxrl.models.tiled import tile_bounds, tiled
+from mlxrl.trainers.sft.config import SFTConfig
 
 CONFIG = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -182,16 +183,13 @@ def test_tiles_hold_less_than_the_whole_sequence(kernel_path):
 
 
 def test_the_flags_choose_the_tiles():
-    class Args:
-        gradient_checkpointing, tiled_mlp, tiled_mlp_tokens = True, None, None
-
-    a = Args()
-    assert tile_tokens_for(a, 1024) == 1024  # default: on with checkpointing, hidden-size tiles
+    a = SFTConfig(gradient_checkpointing=True)
+    assert a.mlp_tile_tokens(1024) == 1024  # default: on with checkpointing, hidden-size tiles
     a.tiled_mlp_tokens = 256
-    assert tile_tokens_for(a, 1024) == 256
+    assert a.mlp_tile_tokens(1024) == 256
     a.gradient_checkpointing = False
-    assert tile_tokens_for(a, 1024) == 0
+    assert a.mlp_tile_tokens(1024) == 0
     a.tiled_mlp = True
-    assert tile_tokens_for(a, 1024) == 256
+    assert a.mlp_tile_tokens(1024) == 256
     a.gradient_checkpointing, a.tiled_mlp = True, False
-    assert tile_tokens_for(a, 1024) == 0
+    assert a.mlp_tile_tokens(1024) == 0

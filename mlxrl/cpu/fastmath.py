@@ -262,7 +262,7 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
 
     On float32 CPU arrays with the native kernels: without a mask or with "causal" (L <= S), at least
     FLASH_MIN_QUERIES queries, the native FlashAttention kernel (`flash_attention` in
-    `native/cpu_math.cpp`): per block of queries of a kv-head group, the scores stay in a per-core
+    `native/attention.cpp`): per block of queries of a kv-head group, the scores stay in a per-core
     buffer, the softmax runs over them in place and only the output and each row's log-sum-exp are
     kept; its VJP recomputes each block's probabilities. No [L, S] array exists, forward or backward,
     and the matmuls run in a register-tiled micro-kernel (`python scripts/bench_attention.py`: time and

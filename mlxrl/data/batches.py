@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tokens import IGNORE_INDEX
+from ..processing.tokens import IGNORE_INDEX
 from .formats import Example, select_window, truncate_example
 from .packing import pack_bfd, pack_wrapped
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ..hub import DataError, MlxrlError  # noqa: F401  (data.files.DataError)
+from ..errors import DataError, MlxrlError  # noqa: F401  (data.files.DataError)
 
 __all__ = ["DataError", "Rows", "Splits", "folder_splits", "hub_split_names", "load_rows", "locate", "naming_rows",
            "origins_of", "rows_fingerprint", "split_named"]

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..hub import MlxrlError
-from ..tokens import IGNORE_INDEX
+from ..errors import MlxrlError
+from ..processing.tokens import IGNORE_INDEX
 from .files import DataError, load_rows
 from .images import decode_images, fill_images, image_sizes, is_image_block, row_images
 
@@ -312,7 +312,7 @@ def tokenize_example(row: dict, processor, *, index: int, max_length: int | None
                      assistant_only_loss: bool = False, dataset_text_field: str = "text") -> Example:
     """Tokenise one row as TRL's SFTTrainer would, expand its images and truncate it.
 
-    processor: ``mlxrl.processing.Processor`` (tokenizer, chat template, image processor for VL).
+    processor: ``mlxrl.processing.processor.Processor`` (tokenizer, chat template, image processor for VL).
     completion_only_loss: None = True for prompt-completion rows. assistant_only_loss: conversational
     rows only. truncation_mode: "keep_start" or "keep_end" (both refuse to cut through an image).
     """

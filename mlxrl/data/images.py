@@ -1,7 +1,7 @@
 """A row's images: opened from PIL images, paths, bytes or Hugging Face ``Image`` dicts, and filled
 into the image blocks of its messages (TRL's rule); every problem one line naming the row.
 
-Pictures are opened by `mlxrl.pictures.open_image` (re-exported here), as transformers opens them."""
+Pictures are opened by `mlxrl.processing.pictures.open_image` (re-exported here), as transformers opens them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 from PIL import Image
 
-from ..pictures import open_image, upright_size
+from ..processing.pictures import open_image, upright_size
 from .files import DataError
 
 __all__ = ["decode_images", "fill_images", "image_sizes", "is_image_block", "open_image", "row_images",

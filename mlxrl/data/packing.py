@@ -13,7 +13,7 @@ import bisect
 from collections import defaultdict, deque
 from collections.abc import Sequence
 
-from ..hub import DataError
+from ..errors import DataError
 
 __all__ = ["pack_bfd", "pack_wrapped"]
 

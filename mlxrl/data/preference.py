@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..tokens import IGNORE_INDEX
+from ..processing.tokens import IGNORE_INDEX
 from .batches import default_buckets, fit_bucket, padded_buckets, right_padded
 from .formats import (
     DataError,

@@ -201,3 +201,34 @@ def make_vqa(n: int, seed: int = 0, split: str = "train", types=DEFAULT_TYPES,
             "type": qtype,
         })
     return rows
+
+
+# Objects and colours of the text variant of the synthetic task (for text-only models).
+_TEXT_SHAPES = ("circle", "square", "triangle", "star")
+
+
+def text_colour_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """The synthetic colour task in words, for text-only models: two coloured shapes are described and the
+    question asks the colour of one ("A red circle and a blue square. What color is the square?" -> blue);
+    one-word answers, rows shaped like `make_vqa`'s without images. Deterministic in (n, seed, split)."""
+    colours = list(COLORS)
+    rng = np.random.default_rng([int(seed), {"train": 0, "test": 1}[split], 7])
+    rows = []
+    for _ in range(n):
+        shapes = rng.choice(len(_TEXT_SHAPES), 2, replace=False)
+        cols = rng.choice(len(colours), 2, replace=False)
+        a, b = (_TEXT_SHAPES[k] for k in shapes)
+        ca, cb = (colours[k] for k in cols)
+        asked = int(rng.integers(2))
+        question = f"A {ca} {a} and a {cb} {b}. What color is the {(a, b)[asked]}? Answer with one word."
+        rows.append({"messages": [{"role": "user", "content": [{"type": "text", "text": question}]},
+                                  {"role": "assistant", "content": [{"type": "text", "text": (ca, cb)[asked]}]}],
+                     "type": "color"})
+    return rows
+
+
+def demo_rows(processor, n: int, seed: int, split: str) -> list[dict]:
+    """The embedded task's rows: synthetic VQA for a vision-language model, its text variant otherwise."""
+    if processor.image_processor is None:
+        return text_colour_rows(n, seed=seed, split=split)
+    return make_vqa(n, seed=seed, split=split)

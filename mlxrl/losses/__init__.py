@@ -5,7 +5,7 @@ functions of the per-token log-probs it returns. `fused_head_loss` does the head
 token-separable loss (SFT nll / dft, token-level GRPO) with its gradients in one row-chunked pass.
 """
 
-from ..tokens import IGNORE_INDEX
+from ..processing.tokens import IGNORE_INDEX
 from .dpo import DPO_LOSSES, dpo_loss
 from .fused_head import fused_head_grads, fused_head_loss, fused_value_and_grad
 from .grpo import compute_advantages, group_advantages, grpo_loss

@@ -28,7 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cpu import fastmath
-from ..tokens import IGNORE_INDEX
+from ..processing.tokens import IGNORE_INDEX
 from .head import head_logprobs
 from .tiles import default_chunk_size, exp_shift, row_bounds, scored_rows, two_phase, weight_tile
 

@@ -314,8 +314,8 @@ def grpo_token_weights(
                                         normalizer=normalizer))(mx.zeros_like(mask))
 
 
-def uses_fused_head(args) -> bool:
+def uses_fused_head(head_mode: str, importance_sampling_level: str) -> bool:
     """Whether GRPO trains through the fused row-chunked head: head_mode "fused", or "auto" with
     token-level importance sampling (a sequence-level ratio couples a sequence's tokens, which the
     row-chunked head cannot see together). Shared by the trainer and the memory planner."""
-    return args.head_mode == "fused" or (args.head_mode == "auto" and args.importance_sampling_level == "token")
+    return head_mode == "fused" or (head_mode == "auto" and importance_sampling_level == "token")

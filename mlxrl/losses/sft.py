@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..tokens import IGNORE_INDEX
+from ..processing.tokens import IGNORE_INDEX
 
 
 class NoTrainableTokensError(ValueError):

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cpu import fastmath
-from ..tokens import IGNORE_INDEX
+from ..processing.tokens import IGNORE_INDEX
 
 TILE_BYTES = 16 << 20  # default budget for one float32 [rows, vocab_chunk] tile
 

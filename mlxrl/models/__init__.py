@@ -7,7 +7,7 @@ import re
 
 import mlx.core as mx
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 
 # model_type -> module under mlxrl.models defining `Model`
 ARCHITECTURES = {

@@ -24,7 +24,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..hub import ConfigError
+from ..errors import ConfigError
 from . import dropout
 
 

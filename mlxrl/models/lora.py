@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from ..loading import field_error, is_int, is_number, read_json, read_safetensors
 from .dropout import Dropout
 from .lora_experts import (  # noqa: F401  (none_means_empty: lora.none_means_empty)

@@ -13,7 +13,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from .dropout import Dropout
 from .moe import Experts, gathered
 from .quantized_experts import QuantizedExperts

@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from .quantized_experts import (  # noqa: F401  (DEQUANTIZE_MIN_ROWS, dequantize: also quantize's names)
     DEQUANTIZE_MIN_ROWS,
     QuantizedExperts,
@@ -169,25 +169,19 @@ def quantize_model(model, bits: int = 4, group_size: int = 64, *, vision: bool =
     return paths + experts
 
 
-def requested_quantization(args) -> tuple[int, int] | None:
-    """(bits, group size) that a config's `load_in_4bit` / `load_in_8bit` (`q_group_size`) ask for; None without."""
-    bits = 4 if getattr(args, "load_in_4bit", False) else 8 if getattr(args, "load_in_8bit", False) else None
-    return None if bits is None else (bits, int(getattr(args, "q_group_size", 64) or 64))
+def requested_quantization(load_in_4bit: bool, load_in_8bit: bool,
+                           group_size: int | None = 64) -> tuple[int, int] | None:
+    """(bits, group size) that `load_in_4bit` / `load_in_8bit` ask for; None without."""
+    bits = 4 if load_in_4bit else 8 if load_in_8bit else None
+    return None if bits is None else (bits, int(group_size or 64))
 
 
-def load_quantization(args) -> tuple[int, int] | None:
-    """(bits, group size) to quantize a LoRA run's base with as it loads (`loading.load`'s `quantize`), for
-    `load_in_4bit` / `load_in_8bit`; None otherwise (full fine-tuning with them is `quantize_for`'s error)."""
-    return requested_quantization(args) if getattr(args, "use_peft", False) else None
-
-
-def quantize_for(model, args) -> list[str] | None:
-    """What a trainer does with its config before adding LoRA: quantize the base with `load_in_4bit` /
-    `load_in_8bit` (group `q_group_size`; idempotent), and refuse full fine-tuning (`use_peft` false) of
-    a quantized base (flags or an MLX-quantized checkpoint) in one line. Returns the paths quantized
-    now, or None without the flags."""
-    q = requested_quantization(args)
-    if not getattr(args, "use_peft", False) and (q is not None or is_quantized(model)):
+def quantize_for(model, quantization: tuple[int, int] | None, *, lora: bool) -> list[str] | None:
+    """What a run does to its base before adding LoRA: quantize it to `quantization` (bits, group size;
+    idempotent), and refuse full fine-tuning (`lora` false) of a quantized base (asked for, or an
+    MLX-quantized checkpoint) in one line. Returns the paths quantized now, or None without quantization."""
+    q = quantization
+    if not lora and (q is not None or is_quantized(model)):
         what = f"load_in_{q[0]}bit" if q else f"{getattr(model, 'name_or_path', 'the model')} is MLX-quantized: it"
         raise MlxrlError(f"{what} trains LoRA adapters over a frozen quantized base; full fine-tuning cannot "
                          "update quantized weights: add --use_peft (use_peft=True)")

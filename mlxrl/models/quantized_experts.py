@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cpu import fastmath
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from .moe import Experts, gathered
 
 DEQUANTIZE_MIN_ROWS = 8  # CPU: from this many rows, dequantize + BLAS beats MLX's quantized matmuls

@@ -103,11 +103,10 @@ def tiled(module: nn.Module, call, x: mx.array, tokens: int) -> mx.array:
     return out.reshape(*lead, out.shape[-1])
 
 
-def tile_tokens_for(args, hidden_size: int, checkpointing: bool | None = None) -> int:
-    """Positions per MLP tile for a run's flags, 0 for none: `tiled_mlp` (default: follows
-    `gradient_checkpointing`, or `checkpointing` when given), `tiled_mlp_tokens` (default: the hidden size,
-    DeepSpeed ALST's rule: a tile's [tokens, intermediate] arrays are about the size of one MLP weight matrix)."""
-    on = getattr(args, "tiled_mlp", None)
-    if on is None:
-        on = getattr(args, "gradient_checkpointing", False) if checkpointing is None else checkpointing
-    return int(getattr(args, "tiled_mlp_tokens", None) or hidden_size) if on else 0
+def tile_tokens_for(hidden_size: int, *, tiled: bool | None = None, tokens: int | None = None,
+                    checkpointing: bool = False) -> int:
+    """Positions per MLP tile, 0 for none: `tiled` (None: follows `checkpointing`, as the trainers' tiled_mlp
+    follows gradient_checkpointing), `tokens` per tile (None: the hidden size, DeepSpeed ALST's rule: a tile's
+    [tokens, intermediate] arrays are about the size of one MLP weight matrix)."""
+    on = checkpointing if tiled is None else tiled
+    return int(tokens or hidden_size) if on else 0

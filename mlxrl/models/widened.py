@@ -31,8 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .. import runtime
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 
 KEPT = mx.bfloat16  # the checkpoint dtype kept (float16 cannot train: `check_trainable_dtypes`)
 
@@ -98,15 +97,12 @@ def keep_linears(model: nn.Module, weights: dict[str, mx.array]) -> set[str]:
     return kept
 
 
-def keeps_checkpoint_dtype(args, compute_dtype: mx.Dtype | None = None) -> bool:
-    """The rule: a LoRA run (`use_peft`, not DoRA, whose layer reads its base's weight outside the widened
-    call) over a float base (no load_in_4bit / 8bit) in float32 compute (default: `args.dtype` as the
-    runtime resolves it) with `keep_frozen_dtype` on keeps its checkpoint's bfloat16 linear weights."""
-    flags = ("load_in_4bit", "load_in_8bit", "use_dora")
-    if compute_dtype is None:
-        compute_dtype = runtime.compute_dtype(getattr(args, "dtype", None))
-    return (bool(getattr(args, "use_peft", False)) and bool(getattr(args, "keep_frozen_dtype", False))
-            and not any(getattr(args, f, False) for f in flags) and compute_dtype == mx.float32)
+def keeps_checkpoint_dtype(compute_dtype: mx.Dtype, *, lora: bool, keep_frozen_dtype: bool = True,
+                           quantized: bool = False, dora: bool = False) -> bool:
+    """The rule: a LoRA run (not DoRA, whose layer reads its base's weight outside the widened call) over a
+    float base (not quantized on load) in float32 compute with `keep_frozen_dtype` on keeps its checkpoint's
+    bfloat16 linear weights."""
+    return bool(lora and keep_frozen_dtype and not quantized and not dora and compute_dtype == mx.float32)
 
 
 def checkpoint_dtype(cfg: dict) -> str | None:
@@ -124,12 +120,12 @@ def planned_config(model: nn.Module) -> dict:
     return {**cfg, "dtype": "bfloat16" if kept else "float32"}
 
 
-def kept_saving(model: nn.Module, cfg: dict, args, element_bytes: int) -> int:
+def kept_saving(model: nn.Module, cfg: dict, keeps: bool, element_bytes: int) -> int:
     """What keeping bfloat16 weights takes off the planner's weights (`plan.model`): 2 bytes a kept weight,
     less one layer's widened float32 copy (a checkpointed layer's recomputation and backward hold it; the
     embedding and the head are widened a block of rows at a time). Counted on the lazily built model, before
-    LoRA wraps it; 0 where the rule does not keep them."""
-    if element_bytes != 4 or checkpoint_dtype(cfg) != "bfloat16" or not keeps_checkpoint_dtype(args, mx.float32):
+    LoRA wraps it; 0 where the rule does not keep them (`keeps`: `keeps_checkpoint_dtype` of the run)."""
+    if element_bytes != 4 or checkpoint_dtype(cfg) != "bfloat16" or not keeps:
         return 0
     layers: dict[str, int] = {}
     total = 0

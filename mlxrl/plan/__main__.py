@@ -4,6 +4,6 @@ from .. import runtime
 
 runtime.setup(cli=True)  # this file runs only as `python -m mlxrl.plan`
 
-from .cli import main  # noqa: E402
+from ..cli.plan import main  # noqa: E402
 
 sys.exit(main())

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 
 # the language model's sizes: every supported model_type needs these (TextConfig's required fields)
 TEXT_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -160,9 +160,7 @@ def _json_kind(value) -> str:
 def quantization_of(cfg: dict, args) -> tuple[int, int] | None:
     """(bits, group size) of the frozen base: `load_in_4bit` / `load_in_8bit` (`q_group_size`), or an
     MLX-quantized checkpoint's `quantization` entry; None for a float base."""
-    from ..models.quantize import requested_quantization
-
-    if (asked := requested_quantization(args)) is not None:
+    if (asked := args.quantization) is not None:
         return asked
     q = cfg.get("quantization") or cfg.get("quantization_config")
     if isinstance(q, dict) and q.get("bits"):

@@ -91,7 +91,7 @@ def _reward_length(prompts, completions, completion_ids, **_):
 def _image_processor(cfg: dict, image_size: int):
     """A Qwen-VL image processor for `cfg`'s vision tower that keeps `image_size`-pixel squares as they are."""
     from ..loading import DEFAULT_CONFIG
-    from ..processing import ImageProcessor
+    from ..processing.processor import ImageProcessor
 
     pre = dict(json.loads(Path(DEFAULT_CONFIG).read_text())["preprocessor_config"])
     vc = cfg["vision_config"]
@@ -147,7 +147,7 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
     import io
     import tempfile
 
-    from ..processing import Processor
+    from ..processing.processor import Processor
 
     cfg = config if isinstance(config, dict) else load_config(config)
     gc.collect()
@@ -159,7 +159,7 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
     images = images if images and image_size and "vision_config" in cfg else 0
     text_args = args  # the rows' text follows the given max_length; the run's max_length adds the images
     if images:
-        from ..processing import QWEN3_VL_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE, build_qwen_tokenizer
+        from ..processing.processor import QWEN3_VL_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE, build_qwen_tokenizer
 
         template = QWEN3_VL_CHAT_TEMPLATE if cfg.get("model_type") == "qwen3_vl" else QWEN_VL_CHAT_TEMPLATE
         processor = Processor(build_qwen_tokenizer(template), _image_processor(cfg, image_size), template)
@@ -189,11 +189,11 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
 
 def _trainer_class(trainer: str):
     if trainer == "dpo":
-        from ..trainers.dpo import DPOTrainer as base
+        from ..trainers.dpo.trainer import DPOTrainer as base
     elif trainer == "grpo":
-        from ..trainers.grpo import GRPOTrainer as base
+        from ..trainers.grpo.trainer import GRPOTrainer as base
     else:
-        from ..trainers.sft import SFTTrainer as base
+        from ..trainers.sft.trainer import SFTTrainer as base
 
     class Measured(base):
         def save_final(self):  # nothing to keep
@@ -204,14 +204,14 @@ def _trainer_class(trainer: str):
 
 def config_class(trainer: str):
     if trainer == "dpo":
-        from ..trainers.dpo import DPOConfig
+        from ..trainers.dpo.config import DPOConfig
 
         return DPOConfig
     if trainer == "grpo":
-        from ..trainers.grpo import GRPOConfig
+        from ..trainers.grpo.trainer import GRPOConfig
 
         return GRPOConfig
-    from ..trainers.config import SFTConfig
+    from ..trainers.sft.config import SFTConfig
 
     return SFTConfig
 
@@ -220,11 +220,11 @@ def check_trainer_config(trainer: str, args) -> None:
     """The trainer's own checks beyond `check_config` (DPO's loss types and beta, GRPO's group size and
     batching), which its CLI runs before any model loads: a plan of a run the trainer refuses is refused."""
     if trainer == "dpo":
-        from ..trainers.dpo import check_dpo_config
+        from ..trainers.dpo.config import check_dpo_config
 
         check_dpo_config(args)
     elif trainer == "grpo":
-        from ..trainers.grpo import check_grpo_config
+        from ..trainers.grpo.trainer import check_grpo_config
 
         check_grpo_config(args)
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import optim as optim_lib
 from .. import runtime
 from ..cpu import drain_bytes, evaluates_depth_first, fastmath
 from ..losses import fused_head, head
@@ -14,8 +13,8 @@ from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
-from ..models.tiled import tile_tokens_for
 from ..models.widened import kept_saving
+from ..optim import optimizers as optim_lib
 from .config_json import load_config, quantization_of
 from .layers import (
     SCORE_COPIES,
@@ -116,7 +115,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
 
     s = element_bytes or dtype_bytes(args)
     model = build_model(cfg)
-    kept = kept_saving(model, cfg, args, s)
+    kept = kept_saving(model, cfg, args.keeps_checkpoint_dtype(mx.float32), s)
     saved = quantized_saving(model, cfg, args, s) + kept  # both before LoRA wraps the linears
     lm = model.language_model.config
     # an output gate: q_proj emits each head's query and its gate (Qwen3.5)
@@ -226,7 +225,7 @@ def activations(a: Arch, args, sh: Shape, s: int, checkpointing: bool, trainer: 
         return layer * LORA_SAVED if peft else layer
 
     # measured on the native CPU path only; elsewhere (the graph path, bf16) the untiled figure, an upper bound
-    tile = tile_tokens_for(args, a.D, checkpointing) if native_cpu(args) else 0
+    tile = args.mlp_tile_tokens(a.D, checkpointing) if native_cpu(args) else 0
     kinds = a.kinds()
     layers = {kind: per_layer(tile, kind) for kind in kinds}
     edges = 3 * s * sh.tokens * a.D  # embeddings, final norm, gathered rows
@@ -291,7 +290,7 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     GRPO's sequence-level losses, a frozen bf16 head under the fused mode)."""
     mode = getattr(args, "head_mode", "differentiable")
     if mode == "auto":  # GRPO's: the trainer's own rule
-        mode = "fused" if uses_fused_head(args) else "differentiable"
+        mode = "fused" if uses_fused_head(args.head_mode, args.importance_sampling_level) else "differentiable"
     fused = mode in ("fused", "two_phase")
     if native_sft_head(args, trainer):
         return fused_head.native_peak_bytes(rows, a.V, a.D, a.head_trainable)

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..atomic import write_file_atomically
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "trainer_state.json", "batch_source.safetensors")

@@ -20,10 +20,16 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from ..hub import ConfigError, MlxrlError  # noqa: F401  (ConfigError: config's name for it)
+import mlx.core as mx
+
+from .. import runtime
+from ..errors import ConfigError, MlxrlError  # noqa: F401  (ConfigError: config's name for it)
 from ..models.checkpointing import check_segments
-from ..optim import check_optim
-from ..schedules import SCHEDULES, check_options
+from ..models.quantize import quantize_for, requested_quantization
+from ..models.tiled import tile_tokens_for
+from ..models.widened import keeps_checkpoint_dtype
+from ..optim.optimizers import check_optim, make_optimizer
+from ..optim.schedules import SCHEDULES, check_options, make_schedule, warmup_steps
 from .trl_fields import (  # noqa: F401  (check_model_dtype: the engine's door, as check_config)
     ElsewhereArguments,
     check_best_model,
@@ -204,42 +210,53 @@ class TrainConfig(ElsewhereArguments):
                 raise ConfigError(f"bf16={self.bf16} contradicts dtype={self.dtype!r}: set one of them")
             self.dtype = want
 
+    # ------------------------------------------------- what the layers below take, read off the config here
+    @property
+    def quantization(self) -> tuple[int, int] | None:
+        """(bits, group size) that load_in_4bit / load_in_8bit (q_group_size) ask for; None without."""
+        return requested_quantization(self.load_in_4bit, self.load_in_8bit, self.q_group_size)
+
+    def keeps_checkpoint_dtype(self, compute_dtype: mx.Dtype | None = None) -> bool:
+        """Whether this run keeps a bfloat16 checkpoint's frozen linears (`models.widened`) in `compute_dtype`
+        (default: `dtype` as the runtime resolves it)."""
+        compute = runtime.compute_dtype(self.dtype) if compute_dtype is None else compute_dtype
+        return keeps_checkpoint_dtype(compute, lora=self.use_peft, keep_frozen_dtype=self.keep_frozen_dtype,
+                                      quantized=self.quantization is not None, dora=self.use_dora)
+
+    def load_options(self) -> dict:
+        """`mlxrl.load`'s keywords for this run: the dtype, whether to keep the checkpoint's linear dtype, and a
+        LoRA run's quantization on load (full fine-tuning with it is `quantize_for`'s error)."""
+        return {"dtype": self.dtype, "keep_linear_dtype": self.keeps_checkpoint_dtype(),
+                "quantize": self.quantization if self.use_peft else None}
+
+    def quantize(self, model) -> list[str] | None:
+        """The base quantized as load_in_4bit / load_in_8bit ask (idempotent), full fine-tuning of a quantized
+        base refused (`models.quantize.quantize_for`)."""
+        return quantize_for(model, self.quantization, lora=self.use_peft)
+
+    def mlp_tile_tokens(self, hidden_size: int, checkpointing: bool | None = None) -> int:
+        """Positions per MLP tile (`models.tiled`): tiled_mlp (default: as gradient_checkpointing, or
+        `checkpointing` when given), tiled_mlp_tokens."""
+        on = self.gradient_checkpointing if checkpointing is None else checkpointing
+        return tile_tokens_for(hidden_size, tiled=self.tiled_mlp, tokens=self.tiled_mlp_tokens, checkpointing=on)
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup steps of a run of `total_steps` (warmup_steps, else warmup_ratio)."""
+        return warmup_steps(total_steps, self.warmup_steps, self.warmup_ratio)
+
+    def lr_schedule(self, total_steps: int):
+        """step -> learning rate for a run of `total_steps` (`optim.schedules`)."""
+        return make_schedule(self.lr_scheduler_type, self.learning_rate, total_steps, self.warmup_for(total_steps),
+                             self.lr_scheduler_kwargs)
+
+    def make_optimizer(self, total_steps: int, no_decay=frozenset()):
+        """The optimizer `optim` names on this run's learning-rate schedule; `no_decay`: parameter names
+        updated without weight decay."""
+        return make_optimizer(self.optim, self.lr_schedule(total_steps), betas=(self.adam_beta1, self.adam_beta2),
+                              eps=self.adam_epsilon, weight_decay=self.weight_decay,
+                              master_weights=self.master_weights, no_decay=no_decay)
 
 
-
-@dataclass
-class SFTConfig(TrainConfig):
-    """TRL's SFTConfig fields (1.16 names and defaults)."""
-
-    max_length: int | None = _f(1024, "truncate examples (or pack rows) to this many tokens")
-    truncation_mode: str = _f("keep_start", "keep_start | keep_end")
-    packing: bool = _f(False, "pack several examples per row (attention cannot cross them)")
-    packing_strategy: str = _f("bfd", "bfd (best-fit decreasing) | wrapped")
-    padding_free: bool = _f(False, "concatenate each batch into one row without padding")
-    completion_only_loss: bool | None = _f(None, "train only on completions (default: on for prompt-completion data)")
-    assistant_only_loss: bool = _f(False, "train only on assistant turns of conversations")
-    loss_type: str = _f("nll", "nll | dft")
-    head_mode: str = _f("fused", "(mlxrl) fused | two_phase | differentiable: how the streamed LM head runs "
-                                 "(see docs/architecture.md, Losses)", choices=("fused", "two_phase", "differentiable"))
-    dataset_text_field: str = _f("text", "column of language-modelling datasets")
-    eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
-    eval_packing: bool | None = _f(None, "pack the evaluation set (default: as packing)")
-    shuffle_dataset: bool = _f(False, "shuffle the training examples once (seed) before packing them; the batches' "
-                                      "order is shuffled every epoch either way")
-    pad_to_multiple_of: str | None = _f("auto", "pad every row's length up to a multiple of this (on top of "
-                                                "seq_buckets); 'auto' (TRL: a multiple of 128 on AWS Neuron only) "
-                                                "or unset: no extra padding")
-    eos_token: str | None = _f(None, "the end-of-sequence token appended to texts and completions and saved with "
-                                     "the tokenizer (default: the tokenizer's)")
-    chat_template_path: str | None = _f(None, "a .jinja / .j2 chat template file, or a local tokenizer folder whose "
-                                              "chat template and eos token to use")
-    pad_token: str | None = refused(None, "deprecated in TRL; the processor's pad token is used")
-    dataset_num_proc: int | None = refused(None, "tokenisation runs in-process")
-    dataset_kwargs: str | None = refused(None, "mlxrl always prepares the rows itself (no skip_prepare_dataset)")
-    activation_offloading: bool = refused(False, "MLX has unified memory; use gradient_checkpointing")
-    neftune_noise_alpha: float | None = _f(None, "NEFTune: uniform noise in +-alpha / sqrt(L x hidden) added to the "
-                                                 "input embeddings in training (L: the batch's longest row); TRL's "
-                                                 "typical 5-15")
 
 
 def field_kind(tp) -> tuple[str, bool, type | None]:
@@ -405,7 +422,7 @@ def check_config(args, flags: bool = False) -> None:
     check_quantization_flags(args, flags)
     if getattr(args, "packing", False) and getattr(args, "max_length", 1) is None:  # TRL refuses it too
         raise ConfigError(f"{'--' if flags else ''}packing fills rows of max_length tokens: set max_length")
-    check_optim(args)
+    check_optim(args.optim)
     checkpointing_kwargs(args)
     multiple_of(args, flags)
     check_best_model(args, "--" if flags else "")

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 
 
 class PeerLostError(MlxrlError):

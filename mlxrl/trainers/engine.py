@@ -35,12 +35,11 @@ from .. import runtime
 from ..cpu import fastmath
 from ..data.batches import pad_image_patches
 from ..data.files import naming_rows
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
-from ..models.tiled import tile_tokens_for
 from ..models.widened import check_trainable_dtypes
-from ..optim import make_optimizer, no_decay_names
+from ..optim.optimizers import no_decay_names
 from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_model_dtype
@@ -110,12 +109,12 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
     # ------------------------------------------------------------------ parameters
     def _setup_trainable(self):
         a, m = self.args, self.model
-        quantize_lib.quantize_for(m, a)  # load_in_4bit / 8bit (a no-op when the CLI has quantized already)
+        a.quantize(m)  # load_in_4bit / 8bit (a no-op when the CLI has quantized already)
         if getattr(a, "merge_quantized", False) and not quantize_lib.is_quantized(m):
             raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
                              "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
         lm = m.language_model
-        lm.tile_mlp(tile_tokens_for(a, lm.config.hidden_size))
+        lm.tile_mlp(a.mlp_tile_tokens(lm.config.hidden_size))
         if a.keep_attention and (not a.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
             warnings.warn("keep_attention has no effect in this run: it needs gradient_checkpointing and the native "
                           "CPU FlashAttention kernel (float32 on the CPU)", stacklevel=2)
@@ -138,7 +137,9 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         return any(v is weight for _, v in tree_flatten(self.model.trainable_parameters()))
 
     # ------------------------------------------------------------------ the step
-    def _grad_fn(self):
+    def step_function(self):
+        """(batch, normalizer) -> (loss, metrics, grads): the step the engine compiles per batch shape. A hook:
+        by default `nn.value_and_grad` of `loss`; SFT's two-phase head differentiates its own way."""
         loss_and_grad = nn.value_and_grad(self.model, self.loss)
 
         def step(batch, normalizer):
@@ -156,7 +157,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         """A compiled step per batch shape (up to max_compiled_shapes, then eager)."""
         key = tuple(sorted((k, v.shape, v.dtype) for k, v in batch.items() if isinstance(v, mx.array)))
         if key not in self._compiled:
-            fn = self._grad_fn()
+            fn = self.step_function()
             if self.args.compile and self.compilable and self._n_compiled < self.args.max_compiled_shapes:
                 state = [self.model.state, mx.random.state]
                 fn = mx.compile(fn, inputs=state, outputs=state)
@@ -284,7 +285,7 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         # (log, evaluate, save) every so many steps; TrainingArguments' fractions of the total resolved
         self._every = tuple(every_steps(v, total) for v in (args.logging_steps, args.eval_steps or args.logging_steps,
                                                             args.save_steps))
-        self.optimizer = make_optimizer(args, total, no_decay_names(self.model))  # transformers' decay groups
+        self.optimizer = args.make_optimizer(total, no_decay_names(self.model))  # transformers' decay groups
         if args.resume_from_checkpoint:
             self.load_checkpoint(args.resume_from_checkpoint)
         if self.is_main:  # this run now owns the folder: `last` continues it, its metrics.jsonl is ours

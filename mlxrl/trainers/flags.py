@@ -1,7 +1,7 @@
 """Config from the command line and YAML: every field a flag (`build_parser`), a YAML file of fields
 (`--config`, values coerced by each field's type), defaults < YAML < explicit flags, every value
 checked (`config.check_config`) before any model loads. Another tool's spelling of the same settings
-(mlx-lm's, `mlxrl.mlx_lm_args`) arrives as `Spelled` fields, one set per level, and is checked too."""
+(mlx-lm's, `mlxrl.cli.mlx_lm_args`) arrives as `Spelled` fields, one set per level, and is checked too."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..hub import ConfigError
+from ..errors import ConfigError
 
 
 def hidden_states(model, batch: dict, aux: list | None = None) -> mx.array:

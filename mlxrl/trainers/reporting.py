@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 
 TRACKERS = ("wandb", "tensorboard")
 
@@ -162,7 +162,7 @@ class Logging:
         from ..plan import predict
 
         try:
-            kw, shape = self._plan_shape()
+            kw, shape = self.plan_shape()
             plan = predict(planned_config(self.model), self.args, self.planner_kind, suggest=False, **kw)
         except (ValueError, KeyError, NotImplementedError) as e:
             self.print(f"memory plan: not available for this run ({e})")
@@ -177,7 +177,7 @@ class Logging:
                              "or raise --memory_limit")
         return plan
 
-    def _plan_shape(self) -> tuple[dict, str]:
+    def plan_shape(self) -> tuple[dict, str]:
         """(extra planner arguments, the shape the prediction assumes, in words)."""
         return {}, "every row at max_length"
 

@@ -39,7 +39,7 @@ from ..atomic import (
     write_error_reason,
     write_file_atomically,
 )
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from .checkpoint import FINAL_FILES, MODEL_FILES, is_our_checkpoint, list_checkpoints, read_state
 
 try:

@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..atomic import write_atomically
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
 from . import plot, run_dir

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..hub import MlxrlError
+from ..errors import MlxrlError
 from . import run_dir
 
 # TRL trainer arguments mlxrl does not take, and why (a value other than None is refused)
@@ -93,16 +93,13 @@ def apply_peft_config(args, peft_config):
 
 def _load(model, args):
     from ..loading import load
-    from ..models.quantize import load_quantization
-    from ..models.widened import keeps_checkpoint_dtype
 
-    return load(str(model), dtype=args.dtype, keep_linear_dtype=keeps_checkpoint_dtype(args),
-                quantize=load_quantization(args))
+    return load(str(model), **args.load_options())
 
 
 def _processor_of(model, processing_class, loaded):
     """mlxrl's processor from TRL's `processing_class` (or the model's folder when it is None)."""
-    from ..processing import Processor
+    from ..processing.processor import Processor
 
     if isinstance(processing_class, Processor):
         return processing_class

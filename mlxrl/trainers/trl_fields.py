@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..hub import ConfigError
+from ..errors import ConfigError
 
 DISTRIBUTED = "mlxrl runs one process per device on mx.distributed (mlx.launch; docs/distributed.md)"
 DATA = "batches are prepared on one background thread of the trainer's process"

@@ -97,7 +97,7 @@ def build_checkpoint(s: dict) -> dict:
 
     tiny = _script("tiny_checkpoints")
     sys.path.insert(0, str(ROOT))
-    from mlxrl.processing import (
+    from mlxrl.processing.processor import (
         QWEN3_5_CHAT_TEMPLATE,
         QWEN3_VL_CHAT_TEMPLATE,
         QWEN_CHAT_TEMPLATE,

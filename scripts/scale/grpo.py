@@ -26,7 +26,7 @@ def run_grpo_ours(s: dict, shared: bool) -> dict:
     import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlxrl.trainers.grpo import GRPOConfig, GRPOTrainer
+    from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
     rows = json.loads(Path(s["rows"]).read_text())
     base = rss_gb()

@@ -16,18 +16,16 @@ def run_ours(s: dict) -> dict:
     import mlxrl  # noqa: I001  (before mlx.core: it loads the fast BLAS)
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlxrl.models.quantize import load_quantization
-    from mlxrl.models.widened import keeps_checkpoint_dtype
-    from mlxrl.trainers.config import SFTConfig
-    from mlxrl.trainers.sft import SFTTrainer
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
 
     rows = make_rows(s)
     base = rss_gb()
     args = _sft_args(s, SFTConfig, s["max_length"])
     # loaded as `python -m mlxrl.sft` loads it: a LoRA run keeps a bfloat16 checkpoint's linears (`models.widened`),
     # QLoRA quantizes them as they load
-    model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=keeps_checkpoint_dtype(args),
-                                  quantize=load_quantization(args))
+    opts = args.load_options()
+    model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=opts["keep_linear_dtype"], quantize=opts["quantize"])
     stamps = Stamps("ours")
     trainer = stamps.traced(SFT._timed_trainer(SFTTrainer, stamps))(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
@@ -87,7 +85,7 @@ def run_plan(s: dict) -> dict:
     this process's RSS with mlxrl imported (run_ours' size before the model loads, which the planner leaves out)."""
     sys.path.insert(0, str(ROOT))
     from mlxrl.plan.model import predict
-    from mlxrl.trainers.config import SFTConfig
+    from mlxrl.trainers.sft.config import SFTConfig
 
     images = s["images"] if s["vl"] else 0
     size = s["image_px"] if images else None

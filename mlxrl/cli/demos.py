@@ -1,0 +1,49 @@
+"""The embedded demos: `--demo` (which embedded default's architecture runs without --model and
+--dataset) and the DPO / GRPO demos' starting point, a brief SFT of the embedded default."""
+
+from __future__ import annotations
+
+import os
+
+from ..data.synthetic import make_vqa
+from ..errors import MlxrlError
+from ..loading import DEMO_NAMES
+from .common import prepare_base
+
+
+def add_demo_flag(parser) -> None:
+    from ..loading import DEMO_NAMES
+
+    parser.add_argument("--demo", default="qwen3_vl", choices=sorted(DEMO_NAMES),
+                        help="the embedded default's architecture (without --model and --dataset)")
+
+
+def check_demo_flag(ns) -> str:
+    """The embedded default's architecture; --demo with --model or --dataset is refused in one line."""
+    if ns.demo != "qwen3_vl" and (ns.model is not None or ns.dataset is not None):
+        raise MlxrlError(f"--demo {ns.demo} picks the embedded default: leave out --model and --dataset")
+    return ns.demo
+
+
+def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: str | None, demo: str = "qwen3_vl"):
+    """The DPO / GRPO demos' starting point: `model_path`, or the embedded default (`demo`: its architecture)
+    after `sft_steps` of SFT on synthetic colour questions (so the policy is partly trained)."""
+    import mlxrl
+
+    from ..trainers.sft.config import SFTConfig
+    from ..trainers.sft.trainer import SFTTrainer
+
+    if model_path is not None:
+        model, processor = mlxrl.load(model_path, dtype=args.dtype)
+        return prepare_base(model, args), processor
+    model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype, arch=demo)
+    if sft_steps > 0:
+        print(f"embedded default: {DEMO_NAMES[demo]}, brief SFT ({sft_steps} steps) on synthetic colour questions",
+              flush=True)
+        sft_args = SFTConfig(**{**sft_settings, "max_steps": sft_steps, "seed": args.seed,
+                                "logging_steps": max(1, sft_steps // 2),
+                                "output_dir": os.path.join(args.output_dir, "sft"), "overwrite_output_dir": True})
+        SFTTrainer(model, processor, sft_args,
+                   train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
+        model.unfreeze()  # the next trainer sets up its own trainable parameters
+    return prepare_base(model, args), processor

@@ -1,0 +1,1 @@
+"""DPO: `DPOTrainer` (`trainer`) and `DPOConfig` (`config`)."""

@@ -1,0 +1,1 @@
+"""GRPO: `GRPOTrainer` (`trainer`), `GRPOConfig` (`config`), reward functions (`rewards`)."""

@@ -1,0 +1,182 @@
+"""GRPOConfig: TRL 1.16's GRPO fields (names and defaults), and the checks of a GRPO run's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from ..config import TrainConfig, _f, check_config, refused
+
+__all__ = ["GRPOConfig", "check_grpo_config", "resolve_batching"]
+
+NO_VLLM = "vLLM is not used (mlxrl generates with its own shared-prefill engine)"
+OWN_ENGINE = "mlxrl generates with its own shared-prefill engine"
+
+
+@dataclass
+class GRPOConfig(TrainConfig):
+    """TRL 1.16's GRPOConfig fields (names and defaults). Fields TRL has that mlxrl does not support raise a
+    ValueError when set to anything but their default (`refused`, checked by `config.check_config`)."""
+
+    learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's GRPO default)")
+    head_mode: str = _f("auto", "(mlxrl) auto | fused | differentiable: how the streamed LM head runs in training. "
+                                "fused: row chunks, loss and gradients in one pass (3 matmuls and one exp per logit; "
+                                "token-level importance sampling only); differentiable: vocab tiles with a streamed "
+                                "VJP (4 matmuls, two exps; any loss); auto: fused at token level, else differentiable",
+                        choices=("auto", "fused", "differentiable"))
+    per_device_train_batch_size: int = _f(8, "completions per micro-batch (TRL counts completions, not prompts)")
+    # model
+    keep_frozen_dtype: bool = _f(False, "(mlxrl) as SFT's, off by default here: generation would widen every "
+                                        "kept weight once per decoded token")
+    disable_dropout: bool = _f(False, "disable dropout (LoRA dropout included) in the model")
+    cast_lm_head_to_fp32: bool = _f(False, "accepted; the streamed head always accumulates in float32")
+    ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model (beta > 0)")
+    # data and generation
+    remove_unused_columns: bool = refused(False, "every dataset column is passed to the reward functions")
+    dataloader_drop_last: bool = refused(False, "a generation round always takes whole groups of prompts")
+    num_generations: int = _f(8, "completions sampled per prompt (G)")
+    num_generations_eval: int | None = refused(None, "GRPO has no evaluation loop in mlxrl yet")
+    max_completion_length: int = _f(512, "maximum tokens per completion")
+    ds3_gather_for_generation: bool = _f(True, "DeepSpeed only: ignored")
+    shuffle_dataset: bool = _f(True, "shuffle the prompts every epoch")
+    pad_to_multiple_of: str | None = _f("auto", "not supported beyond 'auto' (completions are padded to "
+                                                "powers of two)")
+    generation_batch_size: int | None = _f(None, "completions per generation round (default: "
+                                                 "per_device_train_batch_size * steps_per_generation)")
+    steps_per_generation: int | None = _f(None, "micro-batches per generation round (default: "
+                                                "gradient_accumulation_steps)")
+    temperature: float = _f(1.0, "sampling temperature (the training log-probs use it too)")
+    top_p: float = _f(1.0, "nucleus sampling")
+    top_k: int = _f(0, "top-k sampling (0: off)")
+    min_p: float | None = _f(None, "min-p sampling")
+    generation_kwargs: str | None = refused(None, "use temperature / top_p / top_k / min_p")
+    chat_template_kwargs: str | None = refused(None, "put chat_template_kwargs in a dataset column")
+    repetition_penalty: float = refused(1.0, "mlxrl's sampler has no repetition penalty")
+    cache_implementation: str | None = refused(None, "generation uses mlx-lm KV caches")
+    use_vllm: bool = refused(False, OWN_ENGINE)
+    vllm_mode: str = refused("colocate", NO_VLLM)
+    vllm_model_impl: str = refused("vllm", NO_VLLM)
+    vllm_enable_sleep_mode: bool = refused(False, NO_VLLM)
+    vllm_structured_outputs_regex: str | None = refused(None, NO_VLLM)
+    vllm_server_base_url: str | None = refused(None, NO_VLLM)
+    vllm_server_host: str = refused("0.0.0.0", NO_VLLM)
+    vllm_server_port: int = refused(8000, NO_VLLM)
+    vllm_server_timeout: float = refused(240.0, NO_VLLM)
+    vllm_group_port: int = refused(51216, NO_VLLM)
+    vllm_gpu_memory_utilization: float = refused(0.3, NO_VLLM)
+    vllm_max_model_length: int | None = refused(None, NO_VLLM)
+    vllm_tensor_parallel_size: int = refused(1, NO_VLLM)
+    vllm_importance_sampling_correction: bool = _f(True, "vLLM only: no effect without use_vllm")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "vLLM only: no effect without use_vllm")
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "vLLM only: no effect without use_vllm")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "vLLM only: no effect without use_vllm")
+    vllm_importance_sampling_cap: float | None = refused(None, "vLLM is not supported")
+    use_transformers_continuous_batching: bool = refused(False, OWN_ENGINE)
+    transformers_continuous_batching_config: str | None = refused(None, OWN_ENGINE)
+    use_transformers_paged: bool = refused(False, OWN_ENGINE)
+    # loss
+    beta: float = _f(0.0, "KL coefficient (0: no reference model is kept or run)")
+    num_iterations: int = _f(1, "optimisation passes over each generation round (mu)")
+    epsilon: float = _f(0.2, "lower clip range of the ratio (and upper, unless epsilon_high)")
+    delta: float | None = _f(None, "two-sided clipping: cap the unclipped ratio at delta")
+    epsilon_high: float | None = _f(None, "upper clip range (DAPO recommends 0.28; cispo: the absolute cap, 5.0)")
+    sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for negative advantages")
+    sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages")
+    vespo_k_pos: float = refused(2.0, "loss_type vespo is not implemented")
+    vespo_lambda_pos: float = refused(3.0, "loss_type vespo is not implemented")
+    vespo_k_neg: float = refused(3.0, "loss_type vespo is not implemented")
+    vespo_lambda_neg: float = refused(2.0, "loss_type vespo is not implemented")
+    importance_sampling_level: str = _f("token", "token | sequence (GSPO)")
+    reward_weights: list[float] | None = _f(None, "one weight per reward function (default 1 each)")
+    multi_objective_aggregation: str = _f("sum_then_normalize", "sum_then_normalize | normalize_then_sum (GDPO)")
+    scale_rewards: str = _f("group", "group | batch | none: what the advantages are divided by")
+    loss_type: str = _f("dapo", f"one of {' | '.join(LOSS_TYPES)}")
+    mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
+    sync_ref_model: bool = refused(False, "reference syncing is not implemented (use a fixed reference)")
+    ref_model_mixup_alpha: float = refused(0.6, "it only applies with sync_ref_model, which is not implemented")
+    ref_model_sync_steps: int = refused(512, "it only applies with sync_ref_model, which is not implemented")
+    top_entropy_quantile: float = refused(1.0, "high-entropy token masking is not implemented")
+    entropy_coef: float = refused(0.0, "the entropy bonus is not implemented")
+    use_adaptive_entropy: bool = refused(False, "adaptive entropy control is not implemented")
+    entropy_coef_min: float = refused(0.0, "it only applies with use_adaptive_entropy, which is not implemented")
+    entropy_coef_max: float = refused(1.0, "it only applies with use_adaptive_entropy, which is not implemented")
+    entropy_coef_delta: float = refused(0.005, "it only applies with use_adaptive_entropy, which is not implemented")
+    entropy_target: float = refused(0.2, "it only applies with use_adaptive_entropy, which is not implemented")
+    max_tool_calling_iterations: int | None = refused(None, "tool calling is not implemented")
+    off_policy_mask_threshold: float | None = refused(None, "off-policy sequence masking is not implemented")
+    use_bias_correction_kl: bool = _f(True, "multiply the k3 KL by the importance ratio (TRL's default)")
+    # logging
+    log_completions: bool = refused(False, "completions are not logged yet")
+    log_multimodal: bool = _f(True, "only with log_completions: ignored")
+    num_completions_to_print: int | None = refused(None, "completions are not logged yet")
+    log_unique_prompts: bool = refused(False, "completions are not logged yet")
+    log_completions_hub_repo: str | None = refused(None, "completions are not logged yet")
+    # mlxrl
+    shared_prompt: bool = _f(True, "(mlxrl) training forward with each prompt once per group (False: every "
+                                   "prompt+completion row separately, the baseline)")
+    shared_prefill: bool = _f(True, "(mlxrl) generation with each prompt prefilled once and its KV cache shared")
+
+    def __post_init__(self):
+        super().__post_init__()
+        # TRL maps the old boolean scale_rewards onto the strings
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+
+
+def resolve_batching(args: GRPOConfig) -> tuple[int, int]:
+    """(steps_per_generation, generation_batch_size) resolved as TRL's GRPOConfig.__post_init__ (one process)."""
+    b = args.per_device_train_batch_size
+    spg, gbs = args.steps_per_generation, args.generation_batch_size
+    if spg is not None and gbs is not None:
+        raise ValueError("set generation_batch_size or steps_per_generation, not both")
+    if gbs is not None:
+        if gbs % b:
+            raise ValueError(f"generation_batch_size ({gbs}) must be divisible by per_device_train_batch_size ({b})")
+        spg = gbs // b
+    spg = spg or args.gradient_accumulation_steps
+    return spg, b * spg
+
+
+def check_grpo_config(args: GRPOConfig) -> None:
+    """One-line ValueErrors for unsupported or inconsistent settings (TRL's checks plus ours)."""
+    check_config(args)  # types, ranges, choices and the refused TRL fields
+    if args.pad_to_multiple_of not in ("auto", None, "none", "None"):
+        raise ValueError(f"pad_to_multiple_of={args.pad_to_multiple_of!r} is not supported: completions are padded "
+                         "to powers of two")
+    if args.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type {args.loss_type!r} is not supported; valid: {', '.join(LOSS_TYPES)}")
+    if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be token or sequence, got {args.importance_sampling_level!r}")
+    if args.scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be group, batch or none, got {args.scale_rewards!r}")
+    if args.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+        raise ValueError("multi_objective_aggregation must be sum_then_normalize or normalize_then_sum, got "
+                         f"{args.multi_objective_aggregation!r}")
+    g = args.num_generations
+    if g is None or g < 2:
+        raise ValueError(f"num_generations must be >= 2 (group-relative advantages need a group), got {g}")
+    if args.max_completion_length is None or args.max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be >= 1, got {args.max_completion_length}")
+    if args.num_iterations < 1:
+        raise ValueError(f"num_iterations must be >= 1, got {args.num_iterations}")
+    if args.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for GRPO (it divides the logits), got {args.temperature}")
+    _, gbs = resolve_batching(args)
+    if gbs % g:
+        raise ValueError(f"generation_batch_size ({gbs}) must be divisible by num_generations ({g})")
+    b = args.per_device_train_batch_size
+    if b % g and g % b:
+        raise ValueError(f"per_device_train_batch_size ({b}) must be a multiple or a divisor of num_generations ({g}): "
+                         "mlxrl keeps each prompt's completions together so the training forward can share the "
+                         "prompt")
+    if args.beta < 0:
+        raise ValueError(f"beta must be >= 0, got {args.beta}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {args.top_p}")
+    if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {args.min_p}")
+    if args.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: off), got {args.top_k}")
+    if args.head_mode == "fused" and args.importance_sampling_level != "token":
+        raise ValueError("head_mode=fused needs importance_sampling_level='token' (a sequence-level ratio couples "
+                         "the tokens of a sequence): use head_mode auto or differentiable")

@@ -1,0 +1,1 @@
+"""SFT: `SFTTrainer` (`trainer`) and `SFTConfig` (`config`)."""
