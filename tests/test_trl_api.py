@@ -117,7 +117,7 @@ def test_one_console_command(command):
 
     want = subprocess.run([sys.executable, "-m", f"mlxrl.{command}", "--help"], capture_output=True, text=True)
     console = subprocess.run([sys.executable, "-c", "import sys; sys.argv = ['mlxrl', *sys.argv[1:]]; "
-                              "from mlxrl.__main__ import console; console()", command, "--help"],
+                              "from mlxrl.cli.main import console; console()", command, "--help"],
                              capture_output=True, text=True)
     module = subprocess.run([sys.executable, "-m", "mlxrl", command, "--help"], capture_output=True, text=True)
     assert want.returncode == console.returncode == module.returncode == 0, (console.stderr, module.stderr)
