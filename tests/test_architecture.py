@@ -107,7 +107,7 @@ def test_the_engine_is_the_only_loop():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
-                assert not methods & {"_loop", "_plan", "_train_loop", "_optimizer_step", "train"}, \
+                assert not methods & {"_train", "_run", "_plan", "_accumulate", "_update_and_count", "train"}, \
                     (path.name, node.name)
 
 
@@ -223,6 +223,26 @@ def test_no_trainer_overrides_a_private_method_of_the_engine():
                 engine |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
     found = [hit for path in (ROOT / "trainers").rglob("trainer.py")
              for hit in private_overrides(engine, path.read_text())]
+    assert not found, found
+
+
+def test_a_trainer_overrides_only_the_hooks():
+    """What a trainer defines that the engine also has is one of `TrainerHooks` (or its constructor)."""
+    from mlxrl.trainers.hooks import TrainerHooks
+
+    hooks = {n for n in dir(TrainerHooks) if not n.startswith("_")} | {"__init__"}
+    engine = set()
+    for path in (ROOT / "trainers").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                engine |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+    found = {}
+    for path in (ROOT / "trainers").rglob("trainer.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                extra = {f.name for f in node.body if isinstance(f, ast.FunctionDef)} & engine - hooks
+                if extra:
+                    found[node.name] = sorted(extra)
     assert not found, found
 
 

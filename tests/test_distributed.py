@@ -129,12 +129,12 @@ def test_moe_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
 KILL = """
 import os, sys
 from mlxrl.trainers import engine
-step = engine.Trainer._optimizer_step
+step = engine.Trainer._accumulate
 def dying(self, *a, **k):
     if self.rank == 1 and self.global_step == 3:
         os._exit(3)
     return step(self, *a, **k)
-engine.Trainer._optimizer_step = dying
+engine.Trainer._accumulate = dying
 from mlxrl.sft import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -224,14 +224,10 @@ def test_grpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
 
 WATCHDOG = """
 import os, signal, sys, time
-from mlxrl.trainers.engine import Trainer
-
-class Rank:
-    def _peer_lost(self, why):
-        return "lost another rank (" + why + ")"
+from mlxrl.trainers.distributed import DataParallel
 
 signal.signal(signal.SIGTERM, lambda *a: None)  # the main thread's handler ran: it is not stuck
-stop = Trainer._start_term_watchdog(Rank(), grace=0.5)
+stop = DataParallel(None, lambda why: "lost another rank (" + why + ")").term_watchdog(grace=0.5)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.1)
 if sys.argv[1] == "left-the-loop":

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -24,7 +25,13 @@ class PeerLostError(MlxrlError):
 
 
 class DataParallel:
-    """Mixin of the engine's `Trainer` (which sets `world`, `rank`, `world_size`)."""
+    """The ranks of a data-parallel run (`mx.distributed.init()`: launched by `mlx.launch` over ring / MPI /
+    NCCL / JACCL, else a group of one). `peer_lost(why)`: the one-line error a rank prints when another
+    rank is lost (the trainer's, which knows its step and its last checkpoint)."""
+
+    def __init__(self, world, peer_lost: Callable[[str], str]):
+        self.world, self.peer_lost = world, peer_lost
+        self.rank, self.world_size = (world.rank(), world.size()) if world is not None else (0, 1)
 
     def all_sum(self, values: np.ndarray) -> np.ndarray:
         """Sum a small float vector over the ranks (identity with one process)."""
@@ -32,6 +39,10 @@ class DataParallel:
             return values
         out = mx.distributed.all_sum(mx.array(values.astype(np.float32)), group=self.world)
         return np.asarray(out, dtype=np.float64)
+
+    def all_gather(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's float vector, concatenated in rank order (float32 on the wire)."""
+        return np.array(mx.distributed.all_gather(mx.array(values.astype(np.float32)), group=self.world))
 
     def all_sum_tree(self, grads, bucket_bytes: int = 64 << 20):
         """Sum a gradient tree over the ranks in float32, packed into few large buckets (one
@@ -60,13 +71,7 @@ class DataParallel:
         flush()
         return tree_unflatten(out)
 
-    def _peer_lost(self, why: str) -> str:
-        found = self._checkpoints()
-        last = f"the last checkpoint {found[-1]} is intact" if found else "no checkpoint was saved yet"
-        return (f"rank {self.rank} of {self.world_size}: lost another rank at step {self.global_step} ({why}); "
-                f"{last}: resume with --resume_from_checkpoint last, on any number of ranks")
-
-    def _start_term_watchdog(self, grace: float = 10.0):
+    def term_watchdog(self, grace: float = 10.0):
         """Python runs the SIGTERM handler only between bytecodes: a rank blocked inside a collective
         whose peer died never would. The signal also lands on a wakeup pipe; a thread reading it
         gives the main thread `grace` seconds to leave the training loop (with PeerLostError), and if
@@ -82,7 +87,7 @@ class DataParallel:
                 while data := pipe.read(64):  # b"" once stop() has closed the write end
                     if signal.SIGTERM in data and not stopped.wait(grace):
                         why = "terminated by the launcher after another rank exited; stuck in a collective"
-                        print(f"error: {self._peer_lost(why)}", file=sys.stderr, flush=True)
+                        print(f"error: {self.peer_lost(why)}", file=sys.stderr, flush=True)
                         os._exit(2)
 
         def stop():
@@ -93,8 +98,9 @@ class DataParallel:
         threading.Thread(target=watch, daemon=True, name="mlxrl-term-watchdog").start()
         return stop
 
-    def _terminated(self, signum, frame):
-        raise PeerLostError(self._peer_lost("terminated by the launcher after another rank exited"))
+    def terminated(self, signum, frame):
+        """The SIGTERM handler of a rank in the loop: `mlx.launch` terminates the ranks when one dies."""
+        raise PeerLostError(self.peer_lost("terminated by the launcher after another rank exited"))
 
 
 def accumulate(total, grads):

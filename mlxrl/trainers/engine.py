@@ -18,6 +18,7 @@ one of the finished steps before it is raised; Ctrl-C during the final save lets
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import secrets
@@ -48,24 +49,26 @@ from .forward import hidden_rows, hidden_states, router_aux_coef  # noqa: F401  
 from .progress import Progress
 from .reporting import Logging, Reporter
 from .saving import Saving
-from .signals import Signals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
+from .signals import StopSignals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
 from .sources import DatasetSource, step_seed  # noqa: F401  (engine.step_seed)
 from .trl_api import TRLSurface
 from .trl_fields import every_steps
 
 
-class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
-    """Subclasses implement `loss(model, batch, normalizer)` and either `make_batches(epoch)` (a
-    dataset) or `make_source()` (another batch source, see `sources`); they may override
-    `evaluate()` and `save_final()`."""
+class Trainer(TRLSurface, Saving, Logging):
+    """Subclasses implement the hooks of `hooks.TrainerHooks`: `loss(model, batch, normalizer)` and either
+    `make_batches(epoch)` (a dataset) or `make_source()` (another batch source, see `sources`), and may
+    replace the others' defaults below. Everything else is the engine's: the loop (`_train`, read top to
+    bottom), checkpoints (`saving.Saving`), stop signals (`signals.StopSignals`, `self.signals`), the
+    data-parallel ranks (`distributed.DataParallel`, `self.parallel`) and reporting (`reporting`)."""
 
     metric_names: tuple[str, ...] = ()
 
     def __init__(self, model, processor, args):
         self.model, self.processor, self.args = model, processor, args
         # data parallel: launched by `mlx.launch` (ring / MPI / NCCL / JACCL), else a group of one
-        self.world = mx.distributed.init()
-        self.rank, self.world_size = self.world.rank(), self.world.size()
+        self.parallel = DataParallel(mx.distributed.init(), self._peer_lost)
+        self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
         self.is_main = self.rank == 0
         self.output_dir = Path(args.output_dir)
         check_config(args)  # types, ranges, choices, refused TRL fields, the optimizer: one line each, no folder yet
@@ -103,8 +106,16 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         self._consistent = True  # False while an update is half applied (no checkpoint then)
         self._saved_step = None  # the step of the last checkpoint written by this run
         self._save_failed = False
+        self.signals = StopSignals()  # Ctrl-C / SIGTERM held inside updates and saves
         # W&B / TensorBoard when report_to asks (rank 0 only)
         self.reporter = Reporter(args if self.is_main else None, self.output_dir)
+
+    def _peer_lost(self, why: str) -> str:
+        """The one line a rank prints when another rank is lost: its step, and what resuming starts from."""
+        found = self._checkpoints()
+        last = f"the last checkpoint {found[-1]} is intact" if found else "no checkpoint was saved yet"
+        return (f"rank {self.rank} of {self.world_size}: lost another rank at step {self.global_step} ({why}); "
+                f"{last}: resume with --resume_from_checkpoint last, on any number of ranks")
 
     # ------------------------------------------------------------------ parameters
     def _setup_trainable(self):
@@ -275,6 +286,10 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
                 lock.release()
 
     def _train(self):
+        """The run, top to bottom: the folder, the plan and the optimizer (a resumed run's state read back), then
+        the loop (accumulate a group of micro-batches, one update, then logging / evaluation / checkpoints at
+        their cadence; epochs end when the source's do), then the final save. A stop anywhere in the loop
+        (Ctrl-C, SIGTERM, an error) leaves a resumable checkpoint of the finished steps (`_saved_when_stopped`)."""
         args = self.args
         if self.is_main:
             run_dir.start_run(self.output_dir, resume=args.resume_from_checkpoint,
@@ -290,6 +305,44 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
             self.load_checkpoint(args.resume_from_checkpoint)
         if self.is_main:  # this run now owns the folder: `last` continues it, its metrics.jsonl is ours
             run_dir.write_record(self.output_dir, self.run_id)
+        self._announce(steps_per_epoch, total)
+        if args.eval_on_start:
+            self._log_eval()
+        restore_signals = self.signals.catch(self.world_size)
+        self._event("on_train_begin")
+        try:
+            with runtime.free_pages_returned(), self._saved_when_stopped(total) as bar:
+                source, window = self.source, self._new_window()
+                mx.reset_peak_memory()
+                while self.global_step < total and not self.stop_requested:
+                    if not self._epoch_done():
+                        with source.open(self.epoch, self.batch_in_epoch, self._epoch_usable(),
+                                         args.gradient_accumulation_steps) as items:
+                            while self.global_step < total and not self.stop_requested:
+                                group = [next(items) for _ in range(self._group_size())]
+                                window["metrics"].extend(source.pop_metrics())
+                                shapes = self.step_shapes
+                                loss, metrics, grads, tokens = self._accumulate(group)
+                                with self.signals.critical():  # a signal waits for the update and its counters
+                                    self._update_and_count(grads, loss, metrics, tokens, len(group), window)
+                                    bar.step(loss, fresh=self.step_shapes > shapes)
+                                    if self.signals.pending is not None and (self.global_step % self._every[0] == 0
+                                                                             or self.global_step == total):
+                                        self._log(window)  # the step's entry goes into the checkpoint it saves
+                                window = self._after_step(window, total)
+                                if self._epoch_done():
+                                    break
+                    if self._epoch_done():
+                        self._end_epoch()
+            self._final_save()
+        finally:
+            restore_signals()
+        self._event("on_train_end")
+        self.reporter.close()
+
+    def _announce(self, steps_per_epoch: int, total: int) -> None:
+        """The run's first lines (precision, compilation, trainable parameters, steps) and its memory plan."""
+        args = self.args
         trainable, total_params = lora_lib.trainable_count(self.model)
         ranks = f"; {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
         self.print(runtime.startup_line(*self._precision()))
@@ -298,32 +351,23 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
                    f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
         self.memory_plan = self._memory_plan()
-        if args.eval_on_start:
-            self._log_eval()
-        restore_signals = self._catch_signals()
-        self._event("on_train_begin")
-        try:
-            with runtime.free_pages_returned():
-                self._train_loop(total)
-            self._final_save()
-        finally:
-            restore_signals()
-        self._event("on_train_end")
-        self.reporter.close()
 
-    def _train_loop(self, total):
-        """The loop, with a resumable checkpoint saved when it stops early (Ctrl-C, SIGTERM, an error)."""
+    @contextlib.contextmanager
+    def _saved_when_stopped(self, total):
+        """Around the loop: its progress bar (yielded), the data-parallel SIGTERM handler and watchdog, and a
+        resumable checkpoint of the finished steps when the loop stops early (Ctrl-C, SIGTERM, an error), which is
+        then raised again. A lost peer is raised as it is (its checkpoint would not be consistent across ranks)."""
         args = self.args
         bar = Progress(total, self.global_step, bar=not args.disable_tqdm and self.is_main, print_fn=self.print,
                        compiled=bool(args.compile and self.compilable))
         previous_term = signal.getsignal(signal.SIGTERM)
         stop_watchdog = None
         if self.world_size > 1:  # mlx.launch terminates the other ranks when one dies
-            signal.signal(signal.SIGTERM, self._terminated)
-            stop_watchdog = self._start_term_watchdog()
+            signal.signal(signal.SIGTERM, self.parallel.terminated)
+            stop_watchdog = self.parallel.term_watchdog()
         failure = None
         try:
-            self._loop(total, bar)
+            yield bar
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM in one process
             failure = e
         except PeerLostError:
@@ -345,24 +389,61 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
 
     planner_kind = "sft"
 
-    def _loop(self, total, bar):
-        """The one training loop: accumulation groups from the batch source, an optimizer step each,
-        logging / evaluation / checkpoints at their cadence, the epoch-end hooks."""
-        source, accum = self.source, self.args.gradient_accumulation_steps
-        window = self._new_window()
-        mx.reset_peak_memory()
-        while self.global_step < total and not self.stop_requested:
-            if not self._epoch_done():
-                with source.open(self.epoch, self.batch_in_epoch, self._epoch_usable(), accum) as items:
-                    while self.global_step < total and not self.stop_requested:
-                        group = [next(items) for _ in range(self._group_size())]
-                        window["metrics"].extend(source.pop_metrics())
-                        self._optimizer_step(group, window, bar, total)
-                        window = self._after_step(window, total)
-                        if self._epoch_done():
-                            break
-            if self._epoch_done():
-                self._end_epoch()
+    def _accumulate(self, group: list[dict]) -> tuple[float, list[dict], dict, int]:
+        """One optimizer step's forward and backward: each micro-batch of `group` through its compiled step, the
+        gradients summed in float32 (and over the ranks). Returns (loss, per-micro-batch metrics, gradients,
+        real tokens), each summed over the global batch."""
+        args = self.args
+        # dropout noise is a function of (seed, step, rank): a resumed run draws what the uninterrupted one did
+        mx.random.seed(step_seed(args.seed, self.global_step, self.rank))
+        # the loss is normalised by the trained tokens of the whole global batch (every rank's), as TRL
+        normalizer = self.parallel.all_sum(np.array([sum(self.batch_tokens(b)[1] for b in group)], np.float64))[0]
+        grads_sum, loss_sum, metric_sums, tokens = None, 0.0, [], 0
+        for b in group:
+            arrays = self.gradient_free_inputs(self.to_device(self.bucket_images(b)))
+            if self.router_aux_coef:  # TRL's weighted aux loss: a mean per micro-batch, averaged over them and ranks
+                arrays["router_aux_scale"] = mx.array(self.router_aux_coef / (len(group) * self.world_size),
+                                                      mx.float32)
+            step = self._step_for(arrays)
+            loss, metrics, grads = step(arrays, mx.array(normalizer, dtype=mx.float32))
+            grads_sum = grads if len(group) == 1 else accumulate(grads_sum, grads)
+            mx.eval(loss, metrics, grads_sum)
+            loss_sum += loss.item()
+            metric_sums.append({k: v.item() for k, v in metrics.items()})
+            tokens += self.batch_tokens(b)[0]
+        if self.world_size > 1:
+            grads_sum = self.parallel.all_sum_tree(grads_sum)
+            keys = sorted({k for m in metric_sums for k in m})
+            local = [loss_sum, tokens] + [float(np.mean([m[k] for m in metric_sums if k in m])) for k in keys]
+            total_ = self.parallel.all_sum(np.array(local, np.float64))
+            loss_sum, tokens = float(total_[0]), int(total_[1])
+            metric_sums = [{k: float(v) / self.world_size for k, v in zip(keys, total_[2:], strict=True)}]
+        return loss_sum, metric_sums, grads_sum, tokens
+
+    def _update_and_count(self, grads, loss: float, metrics: list[dict], tokens: int, micro_batches: int,
+                          window: dict) -> None:
+        """The update and the counters, which change together (the loop holds signals around them): an exception
+        here marks the state inconsistent (no checkpoint of it is saved). The first update is checked to keep
+        every trainable parameter's dtype."""
+        self._consistent = False
+        first = not self._dtypes_checked
+        dtypes = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())} if first else {}
+        norm = self._update(grads)
+        mx.eval(self.model.parameters(), self.optimizer.state, norm)
+        if first:  # the optimizer re-casts from its float32 state: a change here is a bug, not a user error
+            changed = [k for k, v in tree_flatten(self.model.trainable_parameters()) if v.dtype != dtypes[k]]
+            if changed:
+                raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
+            self._dtypes_checked = True
+        window["tokens"] += tokens
+        self.num_tokens += tokens
+        self.batch_in_epoch += micro_batches
+        self.global_step += 1
+        self._consistent = True
+        window["losses"].append(loss)
+        self._step_losses.append(loss)
+        window["metrics"].extend(metrics)
+        window["grad_norm"] = norm.item()
 
     def _after_step(self, window: dict, total: int) -> dict:
         """Logging, evaluation and checkpoints at their step cadence; returns the log window."""
@@ -408,57 +489,3 @@ class Trainer(TRLSurface, Signals, Saving, DataParallel, Logging):
             self._log_eval()
         if self.args.save_strategy == "epoch":
             self.save_checkpoint()
-
-    def _optimizer_step(self, group, window, bar, total):
-        args = self.args
-        # dropout noise is a function of (seed, step, rank): a resumed run draws what the uninterrupted one did
-        mx.random.seed(step_seed(args.seed, self.global_step, self.rank))
-        # the loss is normalised by the trained tokens of the whole global batch (every rank's), as TRL
-        normalizer = self.all_sum(np.array([sum(self.batch_tokens(b)[1] for b in group)], np.float64))[0]
-        grads_sum, loss_sum, metric_sums, tokens = None, 0.0, [], 0
-        shapes = self.step_shapes
-        for b in group:
-            arrays = self.gradient_free_inputs(self.to_device(self.bucket_images(b)))
-            if self.router_aux_coef:  # TRL's weighted aux loss: a mean per micro-batch, averaged over them and ranks
-                arrays["router_aux_scale"] = mx.array(self.router_aux_coef / (len(group) * self.world_size),
-                                                      mx.float32)
-            step = self._step_for(arrays)
-            loss, metrics, grads = step(arrays, mx.array(normalizer, dtype=mx.float32))
-            grads_sum = grads if len(group) == 1 else accumulate(grads_sum, grads)
-            mx.eval(loss, metrics, grads_sum)
-            loss_sum += loss.item()
-            metric_sums.append({k: v.item() for k, v in metrics.items()})
-            tokens += self.batch_tokens(b)[0]
-        if self.world_size > 1:
-            grads_sum = self.all_sum_tree(grads_sum)
-            keys = sorted({k for m in metric_sums for k in m})
-            local = [loss_sum, tokens] + [float(np.mean([m[k] for m in metric_sums if k in m])) for k in keys]
-            total_ = self.all_sum(np.array(local, np.float64))
-            loss_sum, tokens = float(total_[0]), int(total_[1])
-            metric_sums = [{k: float(v) / self.world_size for k, v in zip(keys, total_[2:], strict=True)}]
-        # the update and the counters change together: a signal here waits, an exception marks the state
-        # inconsistent (no checkpoint of it is saved)
-        with self._critical():
-            self._consistent = False
-            first = not self._dtypes_checked
-            dtypes = {k: v.dtype for k, v in tree_flatten(self.model.trainable_parameters())} if first else {}
-            norm = self._update(grads_sum)
-            mx.eval(self.model.parameters(), self.optimizer.state, norm)
-            if first:  # the optimizer re-casts from its float32 state: a change here is a bug, not a user error
-                changed = [k for k, v in tree_flatten(self.model.trainable_parameters()) if v.dtype != dtypes[k]]
-                if changed:
-                    raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
-                self._dtypes_checked = True
-            window["tokens"] += tokens
-            self.num_tokens += tokens
-            self.batch_in_epoch += len(group)
-            self.global_step += 1
-            self._consistent = True
-            window["losses"].append(loss_sum)
-            self._step_losses.append(loss_sum)
-            window["metrics"].extend(metric_sums)
-            window["grad_norm"] = norm.item()
-            bar.step(loss_sum, fresh=self.step_shapes > shapes)
-            if self._pending_signal is not None and (self.global_step % self._every[0] == 0 or
-                                                     self.global_step == total):
-                self._log(window)  # the step's log entry goes into the checkpoint the signal is about to save

@@ -23,7 +23,7 @@ from ..models import lora as lora_lib
 from . import checkpoint as checkpoint_lib
 from . import plot, run_dir
 from .checkpoint import CHECKPOINT_PREFIX
-from .signals import TrainingInterrupted
+from .signals import TrainingInterrupted, stop_words
 from .trl_fields import best_metric_key
 
 
@@ -32,14 +32,14 @@ class Saving:
 
     def _save_on_failure(self, failure) -> None:
         """A resumable checkpoint of the finished steps (rank 0), unless an update was half applied."""
-        words = self._stop_words(failure).format(step=self.global_step + 1)
+        words = stop_words(failure).format(step=self.global_step + 1)
         if not self.is_main or not self._consistent or self._save_failed:
             return
         if self.global_step == 0:
             self.print(f"{words} before the first optimizer step: nothing to save")
             return
         try:
-            with self._critical(raise_pending=False):
+            with self.signals.critical(raise_pending=False):
                 path = self._last_checkpoint() or self.save_checkpoint()
         except MlxrlError as e:
             if isinstance(failure, KeyboardInterrupt):
@@ -58,13 +58,13 @@ class Saving:
         trained weights are kept as a resumable checkpoint before the error is raised. With
         load_best_model_at_end the best checkpoint's weights are loaded first."""
         try:
-            with self._critical(raise_pending=False):
+            with self.signals.critical(raise_pending=False):
                 self._load_best()
                 self.save_final()
         except Exception:
             if self.is_main and self.global_step > 0 and not self._save_failed:
                 try:
-                    with self._critical(raise_pending=False):
+                    with self.signals.critical(raise_pending=False):
                         path = self._last_checkpoint() or self.save_checkpoint()
                     self.print(f"the final save failed: the trained weights are in the resumable checkpoint {path} "
                                f"(resume with --resume_from_checkpoint {path} to save them)")
@@ -72,8 +72,8 @@ class Saving:
                     self.print(f"the final save failed and so did a checkpoint ({e})")
             raise
         self._draw_run()
-        if self._pending_signal is not None:
-            signum, self._pending_signal = self._pending_signal, None
+        if self.signals.pending is not None:
+            signum, self.signals.pending = self.signals.pending, None
             self.print(f"{signal.Signals(signum).name} during the final save: the save completed "
                        f"({self.output_dir}); stopping")
             self.reporter.close()
@@ -109,7 +109,7 @@ class Saving:
                 mx.save_safetensors(str(tmp / "batch_source.safetensors"), source)
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
-        with self._critical():  # Ctrl-C waits for the checkpoint (then stops with it)
+        with self.signals.critical():  # Ctrl-C waits for the checkpoint (then stops with it)
             try:
                 write_atomically(final, write, what=f"checkpoint {final.name}")
             except BaseException:

@@ -1,8 +1,8 @@
 """Stopping safely: Ctrl-C and SIGTERM wait for the end of an update or a save.
 
-The engine's loop runs inside `_catch_signals()`; every update and every save runs inside
-`_critical()`. A signal that arrives there is held and raised as `TrainingInterrupted` when the
-block ends, so a checkpoint never holds a half-applied update and a save is never cut short.
+The engine's loop runs inside `StopSignals.catch()`; every update and every save runs inside
+`StopSignals.critical()`. A signal that arrives there is held and raised as `TrainingInterrupted` when
+the block ends, so a checkpoint never holds a half-applied update and a save is never cut short.
 """
 
 from __future__ import annotations
@@ -21,19 +21,21 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-class Signals:
-    """Mixin of the engine's `Trainer`: the signal handlers and the critical sections."""
+class StopSignals:
+    """The engine's signal handlers and critical sections (one per trainer). `pending`: a signal held
+    inside a critical section, not yet raised."""
 
-    _critical_depth = 0  # > 0 inside an update or a save: Ctrl-C / SIGTERM wait for its end
-    _pending_signal = None
+    def __init__(self):
+        self.depth = 0  # > 0 inside an update or a save: Ctrl-C / SIGTERM wait for its end
+        self.pending = None
 
-    def _catch_signals(self):
+    def catch(self, world_size: int = 1):
         """Ctrl-C (and SIGTERM in a single process: what schedulers and `timeout` send) raise
         TrainingInterrupted, but not inside an update or a save: there the signal is held until it ends.
         Returns the function that restores the previous handlers (main thread only; a no-op elsewhere)."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        wanted = [signal.SIGINT] + ([signal.SIGTERM] if self.world_size == 1 else [])
+        wanted = [signal.SIGINT] + ([signal.SIGTERM] if world_size == 1 else [])
         saved = {}
         for sig in wanted:
             previous = signal.getsignal(sig)
@@ -49,27 +51,28 @@ class Signals:
         return restore
 
     def _on_signal(self, signum, frame):
-        if self._critical_depth > 0:
-            self._pending_signal = signum
+        if self.depth > 0:
+            self.pending = signum
             return
         raise TrainingInterrupted(signum)
 
     @contextlib.contextmanager
-    def _critical(self, raise_pending: bool = True):
+    def critical(self, raise_pending: bool = True):
         """Hold Ctrl-C / SIGTERM until the block ends; then (raise_pending) raise TrainingInterrupted."""
-        self._critical_depth += 1
+        self.depth += 1
         try:
             yield
         finally:
-            self._critical_depth -= 1
-        if raise_pending and self._critical_depth == 0 and self._pending_signal is not None:
-            signum, self._pending_signal = self._pending_signal, None
+            self.depth -= 1
+        if raise_pending and self.depth == 0 and self.pending is not None:
+            signum, self.pending = self.pending, None
             raise TrainingInterrupted(signum)
 
-    @staticmethod
-    def _stop_words(failure) -> str:
-        if isinstance(failure, TrainingInterrupted) and failure.signum == signal.SIGTERM:
-            return "terminated (SIGTERM)"
-        if isinstance(failure, KeyboardInterrupt):
-            return "interrupted"
-        return f"stopped by an error at step {{step}} ({type(failure).__name__})"
+
+def stop_words(failure) -> str:
+    """How a run stopped, for its last line ({step}: the step it stopped in)."""
+    if isinstance(failure, TrainingInterrupted) and failure.signum == signal.SIGTERM:
+        return "terminated (SIGTERM)"
+    if isinstance(failure, KeyboardInterrupt):
+        return "interrupted"
+    return f"stopped by an error at step {{step}} ({type(failure).__name__})"

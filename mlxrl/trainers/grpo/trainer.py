@@ -196,7 +196,7 @@ class GRPOTrainer(Trainer):
         """Concatenate an [N, ...] float array over the ranks in rank order (identity with one)."""
         if self.world_size == 1:
             return x
-        return np.array(mx.distributed.all_gather(mx.array(x.astype(np.float32)), group=self.world))
+        return self.parallel.all_gather(x)
 
     # ------------------------------------------------------------------ rewards
     def _log_metric(self, name, value):
