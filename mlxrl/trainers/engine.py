@@ -329,6 +329,7 @@ class Trainer(TRLSurface, Saving, Logging):
                                     if self.signals.pending is not None and (self.global_step % self._every[0] == 0
                                                                              or self.global_step == total):
                                         self._log(window)  # the step's entry goes into the checkpoint it saves
+                                del grads  # applied: the next step's forward and backward must not hold them
                                 window = self._after_step(window, total)
                                 if self._epoch_done():
                                     break
