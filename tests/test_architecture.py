@@ -9,6 +9,7 @@ planted violation.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,24 @@ def test_importing_mlxrl_imports_no_trainer_and_sets_nothing():
     cpu = ["mlxrl.cpu", "mlxrl.cpu.blas", "mlxrl.cpu.fastmath", "mlxrl.cpu.native"]
     assert first == str(cpu), out.stderr
     assert second == "mlxrl.trainers.sft.trainer"
+
+
+def drawn_rooms(page: str) -> set[str]:
+    """The root entries the Architecture page's drawing lists: the first text block after its "## Rooms",
+    one room per line indented by two spaces (several names on a line are separated by single spaces)."""
+    block = page.split("## Rooms", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    names = set()
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            names.update(n.rstrip("/") for n in re.split(r"\s{2,}", line.strip())[0].split())
+    return names
+
+
+def test_the_architecture_page_draws_the_tree():
+    """docs/architecture.md's drawing lists exactly the files and folders at the package's root."""
+    planted = "## Rooms\n```text\nmlxrl/\n  a.py b.py\n                 what they are\n  cli/     commands\n```\n"
+    assert drawn_rooms(planted) == {"a.py", "b.py", "cli"}
+    drawn = drawn_rooms((ROOT.parent / "docs" / "architecture.md").read_text())
+    tree = {p.name for p in ROOT.iterdir() if p.name != "__pycache__" and not p.name.startswith(".")}
+    assert drawn == tree, {"drawn, not in the tree": sorted(drawn - tree),
+                           "in the tree, not drawn": sorted(tree - drawn)}

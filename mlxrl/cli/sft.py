@@ -18,7 +18,7 @@ mlx-lm's --test; no split is merged into another. A folder without split names i
 
 mlx-lm's command line (`mlx_lm.lora`'s flags, or a -c/--config YAML with its keys) runs mlx-lm's run:
 its defaults, its reading of rows, adapters in --adapter-path (PEFT's layout: adapter_model.safetensors +
-adapter_config.json); what mlxrl cannot do is refused in one line. See mlxrl/mlx_lm_args/.
+adapter_config.json); what mlxrl cannot do is refused in one line. See mlxrl/cli/mlx_lm_args/.
 
 With --model and no --dataset, that model is fine-tuned (LoRA, a short run) on the embedded task:
 synthetic VQA for a vision-language model, its text variant (two coloured shapes described in words)

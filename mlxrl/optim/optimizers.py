@@ -62,7 +62,7 @@ def update_peak_bytes(optim_name: str, trainable_bytes: int, largest_trainable: 
     """Memory model (the planner's): what the update holds above the weights and the persistent state. AdamW (the
     native CPU step, or the graph path's three single-output kernels) writes the new weights, master and moments
     into the old ones' buffers, the clip scale and a bf16 gradient's cast folded in: the gradients only. 8-bit
-    AdamW: also the largest array's new weights and codes and a few chunks' temporaries (`optim_8bit`).
+    AdamW: also the largest array's new weights and codes and a few chunks' temporaries (`optim.eight_bit`).
     Adafactor: the gradients, the clipped gradients and about two float32 copies of the largest trained array (a
     bf16 parameter's update runs in float32)."""
     largest = largest_trainable * (4 // elem if mixed_precision else 1)

@@ -85,7 +85,7 @@ def dest(key: str) -> str:
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's flags, each stored under its own name (`dest`), absent unless given."""
     group = parser.add_argument_group("mlx-lm's flags (mlx_lm.lora; using one makes this mlx-lm's run, see "
-                                      "mlxrl/mlx_lm_args/)")
+                                      "mlxrl/cli/mlx_lm_args/)")
     for key, spec in FLAGS.items():
         kw = {"dest": dest(key), "default": argparse.SUPPRESS, "help": spec.help}
         if spec.kind == "bool":

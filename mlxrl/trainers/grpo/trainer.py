@@ -64,9 +64,9 @@ from ...processing.tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
 from .. import trl_api
 from ..engine import Trainer, step_seed
 from ..forward import with_router_aux
-from ..sources import GenerationRounds
 from .config import GRPOConfig, check_grpo_config, resolve_batching
 from .rewards import RewardError, check_reward_signature, first_line, load_reward_func, reward_values
+from .rounds import GenerationRounds
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
 
@@ -250,16 +250,34 @@ class GRPOTrainer(Trainer):
         return np.array(out)
 
     def generate_round(self, round_index: int) -> tuple[list[dict], dict]:
-        """Generate, score and cut one round into steps_per_generation micro-batches (numpy dicts)."""
+        """One round: generate G completions per prompt, score them (rewards, advantages over the whole
+        round and every rank), cut the round into steps_per_generation micro-batches (numpy dicts), and add
+        the gradient-free old / reference log-probs with the weights that generated it."""
+        t0 = time.perf_counter()
+        rows, rendered, chunks = self._generate(round_index)
+        t_gen = time.perf_counter() - t0
+        advantages, lengths, prompt_lens, metrics = self._score(rows, rendered, chunks)
+        micro = self._cut(chunks, advantages, lengths, prompt_lens)
+        self._add_logps(micro)
+        self.generation_time += t_gen
+        metrics["generation_seconds"] = t_gen
+        metrics["scoring_seconds"] = time.perf_counter() - t0 - t_gen
+        return micro, metrics
+
+    @property
+    def _prompts_per_micro_batch(self) -> int:
+        return max(1, self.args.per_device_train_batch_size // self.G)
+
+    def _generate(self, round_index: int) -> tuple[list[dict], list, list]:
+        """The round's prompts (this rank's share), rendered, and their completions: (rows, rendered,
+        [(the encoded prompts, the generation)] per micro-batch of prompts)."""
         from ...generation.engine import generate
 
         a, G = self.args, self.G
-        t0 = time.perf_counter()
         indices, self._round_epoch, offset = self._round_indices(round_index)
         rows = [self.rows[i] for i in indices]
         rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
-        b = a.per_device_train_batch_size
-        prompts_per_mb = max(1, b // G)
+        prompts_per_mb = self._prompts_per_micro_batch
         self.model.eval()
         chunks = []
         try:
@@ -281,9 +299,14 @@ class GRPOTrainer(Trainer):
                 chunks.append((enc, gen))
         finally:
             self.model.train()
-        t_gen = time.perf_counter() - t0
+        return rows, rendered, chunks
 
-        # decode and score the whole round (advantages need every group; "batch" scaling the whole round)
+    def _score(self, rows: list[dict], rendered: list, chunks: list):
+        """Decode and score the whole round (advantages need every group; "batch" scaling the whole round, over
+        every rank's groups): (this rank's advantages, completion lengths, prompt lengths, the round's
+        metrics)."""
+        a, G = self.args, self.G
+        prompts_per_mb = self._prompts_per_micro_batch
         prompts, completions, completion_ids, columns = [], [], [], {}
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
         lengths, truncated, prompt_lens = [], [], []
@@ -315,7 +338,7 @@ class GRPOTrainer(Trainer):
         advantages = np.array(advantages)[self.rank * n_local:(self.rank + 1) * n_local]
         all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
         all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
-        lengths, truncated = np.array(lengths, dtype=np.float64), np.array(truncated, dtype=bool)
+        lengths = np.array(lengths, dtype=np.float64)
         term = all_lengths[~all_truncated] if (~all_truncated).any() else np.zeros(1)
         metrics.update({"completions/mean_length": all_lengths.mean(), "completions/min_length": all_lengths.min(),
                         "completions/max_length": all_lengths.max(), "completions/clipped_ratio": all_truncated.mean(),
@@ -325,8 +348,14 @@ class GRPOTrainer(Trainer):
         for name, values in self._pending_metrics.items():
             metrics[name] = float(np.mean(values))
         self._pending_metrics.clear()
+        return advantages, lengths, prompt_lens, metrics
 
-        # micro-batches: whole groups (b >= G: one chunk) or b-row slices of one prompt's group (b < G)
+    def _cut(self, chunks: list, advantages: np.ndarray, lengths: np.ndarray, prompt_lens: list) -> list[dict]:
+        """The round's micro-batches: whole groups (b >= G: one chunk) or b-row slices of one prompt's group
+        (b < G), completions padded to a bucket and prompts left-padded to a multiple (fewer compiled shapes),
+        each with its share of the loss normaliser."""
+        a, G, b = self.args, self.G, self.args.per_device_train_batch_size
+        prompts_per_mb = self._prompts_per_micro_batch
         total_tokens, micro, pad = 0, [], self.processor.pad_token_id
         for c, (enc, gen) in enumerate(chunks):
             ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
@@ -355,7 +384,11 @@ class GRPOTrainer(Trainer):
         for mb in micro:  # TRL: the round's tokens x grad_accum / steps_per_generation, over one window
             mb["normalizer"] = (max(total_tokens, 1) / self.steps_per_generation if a.loss_type in TOKEN_SUM_LOSS_TYPES
                                else 1.0)
-        # reference and old log-probs: gradient-free, right after generation, with the weights that generated
+        return micro
+
+    def _add_logps(self, micro: list[dict]) -> None:
+        """Reference and old log-probs: gradient-free, right after generation, with the weights that generated."""
+        a = self.args
         if self.needs_old_logps or a.beta != 0:
             for mb in micro:
                 arrays = self.to_device(mb)
@@ -363,10 +396,6 @@ class GRPOTrainer(Trainer):
                     mb["old_logps"] = self._logps_no_grad(self.model, arrays)
                 if a.beta != 0:
                     mb["ref_logps"] = self.reference_logps(arrays)
-        self.generation_time += t_gen
-        metrics["generation_seconds"] = t_gen
-        metrics["scoring_seconds"] = time.perf_counter() - t0 - t_gen
-        return micro, metrics
 
     def reference_logps(self, arrays) -> np.ndarray:
         if self.ref_model is not None:
