@@ -569,7 +569,7 @@ def test_grpo_sigterm_mid_generation_cycle_resumes_exactly(tiny_checkpoint, tmp_
     monkeypatch.setattr(trainer, "_update", update_then_term)
     with pytest.raises(engine_lib.TrainingInterrupted):
         train()
-    assert signal.getsignal(signal.SIGTERM) is not trainer._on_signal  # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is not trainer.signals._on_signal  # handlers restored
     trainer, train = run("run", resume_from_checkpoint="last")
     train()
     assert trainer.log_history[2]["step"] == 3  # the interrupted step's log entry came back with the checkpoint

@@ -51,8 +51,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in COMMANDS:  # python -m mlxrl sft ...
         import importlib
 
-        name = {"plan": "plan.cli", "generate": "generate.cli"}.get(argv[0], argv[0])
-        return importlib.import_module(f"mlxrl.{name}").main(argv[1:])
+        return importlib.import_module(f"{__package__}.{argv[0]}").main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m mlxrl", description=__doc__.splitlines()[0],
                                  epilog=f"commands: mlxrl {{{','.join(COMMANDS)}}} ... (python -m mlxrl.CMD ...)")
     ap.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded tiny Qwen3-VL)")

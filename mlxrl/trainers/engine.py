@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import secrets
 import signal
 import time
 import warnings
@@ -51,6 +50,7 @@ from .reporting import Logging, Reporter
 from .saving import Saving
 from .signals import StopSignals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
 from .sources import DatasetSource, step_seed  # noqa: F401  (engine.step_seed)
+from .state import TrainState, state_field
 from .trl_api import TRLSurface
 from .trl_fields import every_steps
 
@@ -63,6 +63,12 @@ class Trainer(TRLSurface, Saving, Logging):
     data-parallel ranks (`distributed.DataParallel`, `self.parallel`) and reporting (`reporting`)."""
 
     metric_names: tuple[str, ...] = ()
+    global_step = state_field("global_step", "optimizer steps taken (`train_state`)")
+    epoch = state_field("epoch", "epochs finished (`train_state`)")
+    batch_in_epoch = state_field("batch_in_epoch", "micro-batches of the current epoch consumed (`train_state`)")
+    num_tokens = state_field("num_tokens", "real tokens trained on, every rank's (`train_state`)")
+    log_history = state_field("log_history", "every log entry (`train_state`)")
+    run_id = state_field("run_id", "this run's id, in every checkpoint (`train_state`)")
 
     def __init__(self, model, processor, args):
         self.model, self.processor, self.args = model, processor, args
@@ -89,17 +95,11 @@ class Trainer(TRLSurface, Saving, Logging):
         self._setup_trainable()
         check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
         self.optimizer = None
-        self.global_step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed
-        self.num_tokens = 0
-        self.log_history: list[dict] = []
-        self._step_losses: list[float] = []  # each optimizer step's loss (train_loss, TRL's summary)
+        self.train_state = TrainState()  # step, epoch, data position, tokens, log history, run id
         self._compiled: dict = {}  # batch shape -> step function (compiled or eager)
         self._n_compiled = 0
         self._shapes_seen: set = set()
         self._dtypes_checked = False  # whether an update has been checked to keep every parameter's dtype
-        self.run_id = secrets.token_hex(8)  # in every checkpoint: pruning touches this run's only
         self.rows_fingerprint = None  # the training rows' digest (set by the trainers): a resume checks it
         self.row_origins = None  # the training rows' files and lines (data.files.origins_of; set by the trainers)
         self.source = None  # the batch source (`make_source`), made when training starts
@@ -437,12 +437,9 @@ class Trainer(TRLSurface, Saving, Logging):
                 raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
             self._dtypes_checked = True
         window["tokens"] += tokens
-        self.num_tokens += tokens
-        self.batch_in_epoch += micro_batches
-        self.global_step += 1
+        self.train_state.step_done(loss, tokens, micro_batches)
         self._consistent = True
         window["losses"].append(loss)
-        self._step_losses.append(loss)
         window["metrics"].extend(metrics)
         window["grad_norm"] = norm.item()
 
@@ -482,9 +479,7 @@ class Trainer(TRLSurface, Saving, Logging):
 
     def _end_epoch(self):
         # a step may take micro-batches of two epochs (GRPO's rounds): the rest belong to the next one
-        usable = self._epoch_usable()
-        self.batch_in_epoch = self.batch_in_epoch - usable if not self.source.epoch_bound else 0
-        self.epoch += 1
+        self.train_state.epoch_done(self._epoch_usable(), self.source.epoch_bound)
         self._event("on_epoch_end")
         if self.args.eval_strategy == "epoch":
             self._log_eval()

@@ -91,9 +91,8 @@ class Saving:
             return final
         trainable = self.trainable_state()
         opt = dict(tree_flatten(self.optimizer.state))
-        state = {"global_step": self.global_step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+        state = {**self.train_state.as_record(),
                  "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
-                 "num_tokens": self.num_tokens, "log_history": self.log_history, "run_id": self.run_id,
                  "data": {"rows": self.rows_fingerprint, "data_seed": self.data_seed if self.shuffles else None},
                  "mlxrl": checkpoint_lib.run_record(self)}
         best = self._rank_checkpoint(final.name)
@@ -200,9 +199,7 @@ class Saving:
         checkpoint_lib.check_optimizer_state(opt, dict(tree_flatten(self.optimizer.state)), path)
         self.model.load_weights(list(weights.items()), strict=False)
         self.optimizer.state = tree_unflatten(list(opt.items()))
-        self.global_step, self.epoch, self.batch_in_epoch = state["global_step"], epoch, batch_in_epoch
-        self.num_tokens = state.get("num_tokens", 0)
-        self.log_history = list(state.get("log_history", []))
+        self.train_state.restore(state, epoch, batch_in_epoch)
         if (path / "batch_source.safetensors").exists():
             source = checkpoint_lib.load_file(path, "batch_source.safetensors", "the batch source's state")
             self.source.load_state_dict({k: np.array(v) for k, v in source.items()})

@@ -272,7 +272,7 @@ class TRLSurface:
         TrainOutput = _trainer_class("trainer_utils", "TrainOutput")  # noqa: N806 (a class)
         steps = self.global_step - first_step
         batch = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.world_size
-        losses = self._step_losses[-steps:] if steps else []
+        losses = self.train_state.step_losses[-steps:] if steps else []
         metrics = {"train_runtime": round(seconds, 4),
                    "train_samples_per_second": round(steps * batch / max(seconds, 1e-9), 3),
                    "train_steps_per_second": round(steps / max(seconds, 1e-9), 3),
