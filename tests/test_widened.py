@@ -20,6 +20,7 @@ import mlxrl
 from mlxrl.errors import MlxrlError
 from mlxrl.models import build_model, widened
 from mlxrl.models.lora import apply_lora, merged
+from mlxrl.plan.layers import kept_saving
 from mlxrl.trainers.sft.config import SFTConfig
 from mlxrl.trainers.sft.trainer import SFTTrainer
 
@@ -156,11 +157,11 @@ def test_a_kept_base_lowers_the_compiled_checkpointed_peak():
     assert plain_peak > kept_peak + 2 * linears / 6, (plain_peak, kept_peak)  # untied: copies kept to backward
     # the planner's term for it, against the measured difference
     args = SFTConfig(use_peft=True, dtype="float32")
-    planned = widened.kept_saving(build_model(WIDE), {"dtype": "bfloat16"}, args.keeps_checkpoint_dtype(mx.float32), 4)
+    planned = kept_saving(build_model(WIDE), {"dtype": "bfloat16"}, args.keeps_checkpoint_dtype(mx.float32), 4)
     assert planned == pytest.approx(wide_peak - kept_peak, rel=0.25)
-    assert widened.kept_saving(build_model(WIDE), {"dtype": "float32"}, args.keeps_checkpoint_dtype(mx.float32), 4) == 0
-    assert widened.kept_saving(build_model(WIDE), {"dtype": "bfloat16"},
-                               SFTConfig(dtype="float32").keeps_checkpoint_dtype(mx.float32), 4) == 0
+    assert kept_saving(build_model(WIDE), {"dtype": "float32"}, args.keeps_checkpoint_dtype(mx.float32), 4) == 0
+    assert kept_saving(build_model(WIDE), {"dtype": "bfloat16"},
+                       SFTConfig(dtype="float32").keeps_checkpoint_dtype(mx.float32), 4) == 0
 
 
 def test_the_cli_keeps_a_lora_runs_base_only(bf16_checkpoint, tmp_path, monkeypatch):

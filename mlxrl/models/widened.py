@@ -25,8 +25,6 @@ LoRA runs over a float base only, and the engine refuses a widened weight that w
 
 from __future__ import annotations
 
-import re
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -74,13 +72,13 @@ class WidenedEmbedding(nn.Embedding):
         return x @ w.T if w.dtype == x.dtype else widened_product(x, w)
 
 
-def _head(path: str) -> bool:
+def is_head(path: str) -> bool:
     return path.split(".")[-1] in ("lm_head", "embed_tokens")
 
 
-def _keepable(path: str, module) -> bool:
+def keepable(path: str, module) -> bool:
     """A plain linear layer or the embedding matrix: what the load may keep and the planner counts."""
-    return type(module) is nn.Linear or (type(module) is nn.Embedding and _head(path))
+    return type(module) is nn.Linear or (type(module) is nn.Embedding and is_head(path))
 
 
 def keep_linears(model: nn.Module, weights: dict[str, mx.array]) -> set[str]:
@@ -89,7 +87,7 @@ def keep_linears(model: nn.Module, weights: dict[str, mx.array]) -> set[str]:
     the load leaves bfloat16."""
     kept = set()
     for path, m in model.named_modules():
-        w = weights.get(f"{path}.weight") if _keepable(path, m) else None
+        w = weights.get(f"{path}.weight") if keepable(path, m) else None
         if w is not None and w.dtype == KEPT:
             # the same module and arrays; only the call differs
             m.__class__ = WidenedEmbedding if isinstance(m, nn.Embedding) else WidenedLinear
@@ -118,27 +116,6 @@ def planned_config(model: nn.Module) -> dict:
                for _, m in model.named_modules())
     cfg = {k: v for k, v in dict(model.config).items() if k not in ("dtype", "torch_dtype")}
     return {**cfg, "dtype": "bfloat16" if kept else "float32"}
-
-
-def kept_saving(model: nn.Module, cfg: dict, keeps: bool, element_bytes: int) -> int:
-    """What keeping bfloat16 weights takes off the planner's weights (`plan.model`): 2 bytes a kept weight,
-    less one layer's widened float32 copy (a checkpointed layer's recomputation and backward hold it; the
-    embedding and the head are widened a block of rows at a time). Counted on the lazily built model, before
-    LoRA wraps it; 0 where the rule does not keep them (`keeps`: `keeps_checkpoint_dtype` of the run)."""
-    if element_bytes != 4 or checkpoint_dtype(cfg) != "bfloat16" or not keeps:
-        return 0
-    layers: dict[str, int] = {}
-    total = 0
-    for path, m in model.named_modules():
-        if not _keepable(path, m):
-            continue
-        total += m.weight.size
-        if _head(path):
-            continue
-        layer = re.match(r"(.*?\.(?:layers|blocks)\.\d+)\.", path)
-        key = layer.group(1) if layer else path
-        layers[key] = layers.get(key, 0) + m.weight.size
-    return 2 * total - 4 * max(layers.values(), default=0)
 
 
 def check_trainable_dtypes(model: nn.Module) -> None:

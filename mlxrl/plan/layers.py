@@ -21,7 +21,12 @@ over its depth: `plan.measure` at two depths of one layer kind).
 
 from __future__ import annotations
 
+import re
+
+import mlx.nn as nn
+
 from ..models.gated_delta import CHUNK, GROUP  # the rule's chunk (one saved state each) and its graph path's group
+from ..models.widened import checkpoint_dtype, is_head, keepable
 
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
 # The native CPU path's SwiGLU product is one primitive whose VJP recomputes the sigmoid: it keeps g and u
@@ -117,3 +122,24 @@ def delta_rule_work_bytes(tokens: int, linear: dict) -> float:
     group = min(tokens, GROUP * CHUNK)
     d = (linear["dk"] + linear["dv"]) / 2
     return 4 * group * linear["heads"] * (DELTA_WORK["C"] * CHUNK + DELTA_WORK["D"] * d)
+
+
+def kept_saving(model: nn.Module, cfg: dict, keeps: bool, element_bytes: int) -> int:
+    """What keeping bfloat16 weights takes off the planner's weights (`plan.model`): 2 bytes a kept weight,
+    less one layer's widened float32 copy (a checkpointed layer's recomputation and backward hold it; the
+    embedding and the head are widened a block of rows at a time). Counted on the lazily built model, before
+    LoRA wraps it; 0 where the rule does not keep them (`keeps`: `keeps_checkpoint_dtype` of the run)."""
+    if element_bytes != 4 or checkpoint_dtype(cfg) != "bfloat16" or not keeps:
+        return 0
+    layers: dict[str, int] = {}
+    total = 0
+    for path, m in model.named_modules():
+        if not keepable(path, m):
+            continue
+        total += m.weight.size
+        if is_head(path):
+            continue
+        layer = re.match(r"(.*?\.(?:layers|blocks)\.\d+)\.", path)
+        key = layer.group(1) if layer else path
+        layers[key] = layers.get(key, 0) + m.weight.size
+    return 2 * total - 4 * max(layers.values(), default=0)

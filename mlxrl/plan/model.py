@@ -13,7 +13,6 @@ from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
-from ..models.widened import kept_saving
 from ..optim import optimizers as optim_lib
 from .config_json import load_config, quantization_of
 from .layers import (
@@ -21,6 +20,7 @@ from .layers import (
     delta_rule_work_bytes,
     expert_lora_bytes,
     expert_saved_bytes,
+    kept_saving,
     layer_saved_bytes,
     linear_layer_saved_bytes,
     lora_saved_bytes,
