@@ -91,8 +91,8 @@ run)
   grep -cE " PASSED " "$OUT/pytest.log"; grep -E " (FAILED|ERROR) " "$OUT/pytest.log" | head -40
   ;;
 compile)  # there, after `run` or `install` on the same machine: the 2-layer step compiled on the kernel cache
-  # as it is (empty on a fresh machine: the first two runs' first call did not end in 40 s, the third's, beside
-  # the suite, not in 100 s; on the cache it left, 0.91 s then 0.02 s), again, and eager
+  # as it is (empty on a fresh machine, where the first call compiles every kernel: docs/platforms.md has the
+  # times), again, and eager
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   for c in 1 1 0; do timeout -k 10 -s INT "${2:-150}" python3 scripts/gpu_probe.py step --layers 2 --calls 3 \
     --compile $c; done 2>&1 | tee "$OUT/compile.log"
