@@ -1,7 +1,7 @@
 """The package's rooms, checked on its source: no import cycles between mlxrl's modules (imports inside
 functions included); the layers below the trainers (models, data, losses, optim) import no trainer and no
 command and take no trainer config; only the commands and their `python -m` entries import `mlxrl.cli`,
-and an entry imports nothing else; the memory model imports no trainer; the engine is the only training
+an entry imports nothing else, and a command imports no underscored name of the library; the memory model imports no trainer; the engine is the only training
 loop and no trainer overrides one of its private methods. Each rule's checker is shown failing on a
 planted violation.
 
@@ -198,6 +198,29 @@ def test_the_rule_checkers_find_planted_violations():
                                                                               "g reads learning_rate"]
     assert private_overrides({"_grad_fn", "loss"}, "class T(Trainer):\n    def _grad_fn(self): ...\n"
                                                  "    def loss(self): ...\n") == ["T._grad_fn"]
+
+
+def private_imports(module: str, package: bool, source: str) -> list[str]:
+    """Underscored names a module of `mlxrl.cli` imports from outside `mlxrl.cli`: a command uses the
+    library's public names only."""
+    here = module.split(".") if package else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = (".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level else node.module or "")
+            if base.split(".")[0] == "mlxrl" and not _in(base, ("mlxrl.cli",)):
+                out += [f"{module} imports {base}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return out
+
+
+def test_the_commands_use_public_names_only():
+    assert private_imports("mlxrl.cli.sft", False, "from ..trainers.flags import _parse, build_parser\n"
+                                                   "from .common import _one_line\n") == \
+        ["mlxrl.cli.sft imports mlxrl.trainers.flags._parse"]
+    found = [hit for name, (path, package) in _modules().items() if _in(name, ("mlxrl.cli",))
+             for hit in private_imports(name, package, path.read_text())]
+    assert not found, found
 
 
 def test_the_layers_below_the_trainers_import_no_trainer_and_no_command():
