@@ -1,9 +1,10 @@
 """The package's rooms, checked on its source: no import cycles between mlxrl's modules (imports inside
 functions included); the layers below the trainers (models, data, losses, optim) import no trainer and no
 command and take no trainer config; only the commands and their `python -m` entries import `mlxrl.cli`,
-an entry imports nothing else, and a command imports no underscored name of the library; the memory model imports no trainer; the engine is the only training
-loop and no trainer overrides one of its private methods. Each rule's checker is shown failing on a
-planted violation.
+an entry imports nothing else, and a command imports no underscored name of the library; the memory
+model imports no trainer; the engine is the only training loop and a trainer overrides only its hooks,
+never a private method; the Architecture page draws the package's root as it is. Each rule's checker is
+shown failing on a planted violation.
 
     python -m pytest -q tests/test_architecture.py
 """
