@@ -101,16 +101,22 @@ def test_the_memory_model_imports_no_trainer(module):
     assert not {t for t in graph[module] if t.startswith("mlxrl.trainers")}
 
 
+def class_methods(paths) -> list[tuple[str, set[str]]]:
+    """(class name, the methods it defines) for every class of `paths`."""
+    return [(node.name, {f.name for f in node.body if isinstance(f, ast.FunctionDef)})
+            for path in paths for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
+
+
+def engine_methods() -> set[str]:
+    """Every method the engine's rooms define (trainers/*.py: the engine, its mixins and objects, the hooks)."""
+    return set().union(*(methods for _, methods in class_methods((ROOT / "trainers").glob("*.py"))))
+
+
 def test_the_engine_is_the_only_loop():
     """No trainer overrides the engine's loop or its planning of the run (GRPO's rounds are a batch source)."""
-    for path in (ROOT / "trainers").glob("*.py"):
-        if path.name == "engine.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
-                assert not methods & {"_train", "_run", "_plan", "_accumulate", "_update_and_count", "train"}, \
-                    (path.name, node.name)
+    paths = [p for p in (ROOT / "trainers").rglob("*.py") if p.name != "engine.py"]
+    for name, methods in class_methods(paths):
+        assert not methods & {"_train", "_run", "_plan", "_step", "_accumulate", "_update_and_count", "train"}, name
 
 
 LOWER = ("mlxrl.models", "mlxrl.data", "mlxrl.losses", "mlxrl.optim")
@@ -241,11 +247,7 @@ def test_the_layers_below_the_trainers_take_no_trainer_config():
 def test_no_trainer_overrides_a_private_method_of_the_engine():
     """The hooks a trainer implements are public (`trainers.hooks.TrainerHooks`); the engine's private
     methods are its own."""
-    engine = set()
-    for path in (ROOT / "trainers").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                engine |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+    engine = engine_methods()
     found = [hit for path in (ROOT / "trainers").rglob("trainer.py")
              for hit in private_overrides(engine, path.read_text())]
     assert not found, found
@@ -256,18 +258,9 @@ def test_a_trainer_overrides_only_the_hooks():
     from mlxrl.trainers.hooks import TrainerHooks
 
     hooks = {n for n in dir(TrainerHooks) if not n.startswith("_")} | {"__init__"}
-    engine = set()
-    for path in (ROOT / "trainers").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                engine |= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
-    found = {}
-    for path in (ROOT / "trainers").rglob("trainer.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                extra = {f.name for f in node.body if isinstance(f, ast.FunctionDef)} & engine - hooks
-                if extra:
-                    found[node.name] = sorted(extra)
+    engine = engine_methods()
+    found = {name: sorted(extra) for name, methods in class_methods((ROOT / "trainers").rglob("trainer.py"))
+             if (extra := methods & engine - hooks)}
     assert not found, found
 
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import os
 
-from ..data.synthetic import make_vqa
 from ..errors import MlxrlError
 from ..loading import DEMO_NAMES
 from .common import prepare_base
 
 
 def add_demo_flag(parser) -> None:
-    from ..loading import DEMO_NAMES
-
     parser.add_argument("--demo", default="qwen3_vl", choices=sorted(DEMO_NAMES),
                         help="the embedded default's architecture (without --model and --dataset)")
 
@@ -30,6 +27,7 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
     after `sft_steps` of SFT on synthetic colour questions (so the policy is partly trained)."""
     import mlxrl
 
+    from ..data.synthetic import make_vqa
     from ..trainers.sft.config import SFTConfig
     from ..trainers.sft.trainer import SFTTrainer
 

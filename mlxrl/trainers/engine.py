@@ -287,8 +287,8 @@ class Trainer(TRLSurface, Saving, Logging):
 
     def _train(self):
         """The run, top to bottom: the folder, the plan and the optimizer (a resumed run's state read back), then
-        the loop (accumulate a group of micro-batches, one update, then logging / evaluation / checkpoints at
-        their cadence; epochs end when the source's do), then the final save. A stop anywhere in the loop
+        the loop (a group of micro-batches, one optimizer step on it (`_step`), then logging / evaluation /
+        checkpoints at their cadence; epochs end when the source's do), then the final save. A stop anywhere in the loop
         (Ctrl-C, SIGTERM, an error) leaves a resumable checkpoint of the finished steps (`_saved_when_stopped`)."""
         args = self.args
         if self.is_main:
@@ -321,15 +321,7 @@ class Trainer(TRLSurface, Saving, Logging):
                             while self.global_step < total and not self.stop_requested:
                                 group = [next(items) for _ in range(self._group_size())]
                                 window["metrics"].extend(source.pop_metrics())
-                                shapes = self.step_shapes
-                                loss, metrics, grads, tokens = self._accumulate(group)
-                                with self.signals.critical():  # a signal waits for the update and its counters
-                                    self._update_and_count(grads, loss, metrics, tokens, len(group), window)
-                                    bar.step(loss, fresh=self.step_shapes > shapes)
-                                    if self.signals.pending is not None and (self.global_step % self._every[0] == 0
-                                                                             or self.global_step == total):
-                                        self._log(window)  # the step's entry goes into the checkpoint it saves
-                                del grads  # applied: the next step's forward and backward must not hold them
+                                self._step(group, window, bar, total)
                                 window = self._after_step(window, total)
                                 if self._epoch_done():
                                     break
@@ -390,6 +382,19 @@ class Trainer(TRLSurface, Saving, Logging):
 
     planner_kind = "sft"
 
+    def _step(self, group: list[dict], window: dict, bar, total: int) -> None:
+        """One optimizer step: the group's forward and backward (`_accumulate`), then the update and its counters
+        with Ctrl-C / SIGTERM held until they are done (a signal's checkpoint then holds this step's log entry).
+        The gradients die with this call, before the next step's backward."""
+        shapes = self.step_shapes
+        loss, metrics, grads, tokens = self._accumulate(group)
+        with self.signals.critical():
+            self._update_and_count(grads, loss, metrics, tokens, len(group), window)
+            bar.step(loss, fresh=self.step_shapes > shapes)
+            if self.signals.pending is not None and (self.global_step % self._every[0] == 0
+                                                     or self.global_step == total):
+                self._log(window)  # the step's entry goes into the checkpoint the signal is about to save
+
     def _accumulate(self, group: list[dict]) -> tuple[float, list[dict], dict, int]:
         """One optimizer step's forward and backward: each micro-batch of `group` through its compiled step, the
         gradients summed in float32 (and over the ranks). Returns (loss, per-micro-batch metrics, gradients,
@@ -423,7 +428,7 @@ class Trainer(TRLSurface, Saving, Logging):
 
     def _update_and_count(self, grads, loss: float, metrics: list[dict], tokens: int, micro_batches: int,
                           window: dict) -> None:
-        """The update and the counters, which change together (the loop holds signals around them): an exception
+        """The update and the counters, which change together (`_step` holds signals around them): an exception
         here marks the state inconsistent (no checkpoint of it is saved). The first update is checked to keep
         every trainable parameter's dtype."""
         self._consistent = False
