@@ -122,16 +122,23 @@ def _peaks(n: int) -> dict:
             **_child(["--side", "peak", "--lib", "torch", "--peak_n", str(n)])}
 
 
-def _timed_trainer(base_cls, stamps):
-    class Timed(base_cls):
-        def _record(self, entry):
-            stamps.append(time.perf_counter())
-            super()._record(entry)
-
+def _untimed_final_save(base_cls):
+    class Bench(base_cls):
         def save_final(self):  # TRL runs with save_strategy="no": no final save on either side
             pass
 
-    return Timed
+    return Bench
+
+
+def _stamp(stamps):
+    """A callback stamping the time of each log entry (logging_steps=1: each step's end)."""
+    from transformers import TrainerCallback
+
+    class Stamp(TrainerCallback):
+        def on_log(self, *args, **kw):
+            stamps.append(time.perf_counter())
+
+    return Stamp()
 
 
 def run_ours(a) -> dict:
@@ -153,18 +160,19 @@ def run_ours(a) -> dict:
     if a.head == "fused":  # experiment: the row-tiled fused head in place of the trainer's head_logprobs
         from mlxrl.losses.fused_head import fused_head_loss
         from mlxrl.losses.sft import sft_loss
+        from mlxrl.trainers.forward import hidden_rows
 
         class FusedHead(SFTTrainer):
             def loss(self, model, batch, num_items):
-                h = self.hidden_rows(model, batch)
+                h = hidden_rows(model, batch)
                 loss, logp, ent, top = fused_head_loss(h, model.lm_head_weight(), batch["targets"],
                                                        num_items=num_items, skip_ignored=False,
-                                                       weight_grad=self._head_trainable)
+                                                       weight_grad=self.head_trainable)
                 _, metrics = sft_loss(logp, batch["targets"], num_items=num_items, entropy=ent, argmax=top)
                 return loss, metrics
 
         cls = FusedHead
-    trainer = _timed_trainer(cls, stamps)(model, processor, args, train_dataset=rows)
+    trainer = _untimed_final_save(cls)(model, processor, args, train_dataset=rows, callbacks=[_stamp(stamps)])
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     trainer.train()

@@ -253,6 +253,20 @@ def test_no_trainer_overrides_a_private_method_of_the_engine():
     assert not found, found
 
 
+def mixins(source: str, allowed=("TRLSurface",)) -> list[str]:
+    """Base classes of the engine's `Trainer` beyond its public TRL surface: what the engine holds (state,
+    checkpoints, signals, ranks, the log) is an object it composes, not a class it inherits."""
+    return [ast.unparse(b) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)
+            and node.name == "Trainer" for b in node.bases if ast.unparse(b) not in allowed]
+
+
+def test_the_engine_composes_its_parts():
+    assert mixins("class Trainer(TRLSurface, Saving, reporting.Logging):\n    pass\n") == [
+        "Saving", "reporting.Logging"]
+    found = mixins((ROOT / "trainers" / "engine.py").read_text())
+    assert not found, found
+
+
 def test_a_trainer_overrides_only_the_hooks():
     """What a trainer defines that the engine also has is one of `TrainerHooks` (or its constructor)."""
     from mlxrl.trainers.hooks import TrainerHooks

@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import runtime
 from ..cpu import fastmath
@@ -40,27 +40,30 @@ from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
 from ..models.widened import check_trainable_dtypes
 from ..optim.optimizers import no_decay_names
+from . import checkpoint as checkpoint_lib
 from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
 from .config import check_config, check_model_dtype
 from .distributed import DataParallel, PeerLostError, accumulate
 from .forward import hidden_rows, hidden_states, router_aux_coef  # noqa: F401  (engine.hidden_*)
 from .progress import Progress
-from .reporting import Logging, Reporter
-from .saving import Saving
-from .signals import StopSignals, TrainingInterrupted  # noqa: F401  (engine.TrainingInterrupted)
+from .reporting import LogWindow, RunLog, memory_plan, precision
+from .saving import Checkpoints, check_data, continued_run_id, data_position, save_final
+from .signals import StopSignals, TrainingInterrupted
 from .sources import DatasetSource, step_seed  # noqa: F401  (engine.step_seed)
 from .state import TrainState, state_field
 from .trl_api import TRLSurface
-from .trl_fields import every_steps
+from .trl_fields import best_metric_key, every_steps
 
 
-class Trainer(TRLSurface, Saving, Logging):
+class Trainer(TRLSurface):
     """Subclasses implement the hooks of `hooks.TrainerHooks`: `loss(model, batch, normalizer)` and either
     `make_batches(epoch)` (a dataset) or `make_source()` (another batch source, see `sources`), and may
     replace the others' defaults below. Everything else is the engine's: the loop (`_train`, read top to
-    bottom), checkpoints (`saving.Saving`), stop signals (`signals.StopSignals`, `self.signals`), the
-    data-parallel ranks (`distributed.DataParallel`, `self.parallel`) and reporting (`reporting`)."""
+    bottom) and the objects it holds: the counters (`state.TrainState`, `self.train_state`), the checkpoints
+    (`saving.Checkpoints`, `self.checkpoints`), stop signals (`signals.StopSignals`, `self.signals`), the
+    data-parallel ranks (`distributed.DataParallel`, `self.parallel`) and the log (`reporting.RunLog`,
+    `self.run_log`)."""
 
     metric_names: tuple[str, ...] = ()
     global_step = state_field("global_step", "optimizer steps taken (`train_state`)")
@@ -104,15 +107,15 @@ class Trainer(TRLSurface, Saving, Logging):
         self.row_origins = None  # the training rows' files and lines (data.files.origins_of; set by the trainers)
         self.source = None  # the batch source (`make_source`), made when training starts
         self._consistent = True  # False while an update is half applied (no checkpoint then)
-        self._saved_step = None  # the step of the last checkpoint written by this run
-        self._save_failed = False
         self.signals = StopSignals()  # Ctrl-C / SIGTERM held inside updates and saves
-        # W&B / TensorBoard when report_to asks (rank 0 only)
-        self.reporter = Reporter(args if self.is_main else None, self.output_dir)
+        self.checkpoints = Checkpoints(self.output_dir, args, is_main=self.is_main, signals=self.signals,
+                                       print_fn=self.print)
+        self.run_log = RunLog(args, self.output_dir, is_main=self.is_main)  # stdout, metrics.jsonl, trackers
+        self.memory_plan = None
 
     def _peer_lost(self, why: str) -> str:
         """The one line a rank prints when another rank is lost: its step, and what resuming starts from."""
-        found = self._checkpoints()
+        found = self.checkpoints.listed()
         last = f"the last checkpoint {found[-1]} is intact" if found else "no checkpoint was saved yet"
         return (f"rank {self.rank} of {self.world_size}: lost another rank at step {self.global_step} ({why}); "
                 f"{last}: resume with --resume_from_checkpoint last, on any number of ranks")
@@ -312,7 +315,7 @@ class Trainer(TRLSurface, Saving, Logging):
         self._event("on_train_begin")
         try:
             with runtime.free_pages_returned(), self._saved_when_stopped(total) as bar:
-                source, window = self.source, self._new_window()
+                source, window = self.source, LogWindow()
                 mx.reset_peak_memory()
                 while self.global_step < total and not self.stop_requested:
                     if not self._epoch_done():
@@ -320,7 +323,7 @@ class Trainer(TRLSurface, Saving, Logging):
                                          args.gradient_accumulation_steps) as items:
                             while self.global_step < total and not self.stop_requested:
                                 group = [next(items) for _ in range(self._group_size())]
-                                window["metrics"].extend(source.pop_metrics())
+                                window.metrics.extend(source.pop_metrics())
                                 self._step(group, window, bar, total)
                                 window = self._after_step(window, total)
                                 if self._epoch_done():
@@ -331,14 +334,14 @@ class Trainer(TRLSurface, Saving, Logging):
         finally:
             restore_signals()
         self._event("on_train_end")
-        self.reporter.close()
+        self.run_log.close()
 
     def _announce(self, steps_per_epoch: int, total: int) -> None:
         """The run's first lines (precision, compilation, trainable parameters, steps) and its memory plan."""
         args = self.args
         trainable, total_params = lora_lib.trainable_count(self.model)
         ranks = f"; {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
-        self.print(runtime.startup_line(*self._precision()))
+        self.print(runtime.startup_line(*precision(self.model, args.master_weights)))
         if note := runtime.compile_note(args.compile and self.compilable):
             self.print(note)
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
@@ -377,12 +380,13 @@ class Trainer(TRLSurface, Saving, Logging):
                 signal.signal(signal.SIGTERM, previous_term)
                 stop_watchdog()
         if failure is not None:
-            self._save_on_failure(failure)
+            self.checkpoints.keep_finished(failure, self.global_step, consistent=self._consistent,
+                                           save=self.save_checkpoint)
             raise failure
 
     planner_kind = "sft"
 
-    def _step(self, group: list[dict], window: dict, bar, total: int) -> None:
+    def _step(self, group: list[dict], window: LogWindow, bar, total: int) -> None:
         """One optimizer step: the group's forward and backward (`_accumulate`), then the update and its counters
         with Ctrl-C / SIGTERM held until they are done (a signal's checkpoint then holds this step's log entry).
         The gradients die with this call, before the next step's backward."""
@@ -427,7 +431,7 @@ class Trainer(TRLSurface, Saving, Logging):
         return loss_sum, metric_sums, grads_sum, tokens
 
     def _update_and_count(self, grads, loss: float, metrics: list[dict], tokens: int, micro_batches: int,
-                          window: dict) -> None:
+                          window: LogWindow) -> None:
         """The update and the counters, which change together (`_step` holds signals around them): an exception
         here marks the state inconsistent (no checkpoint of it is saved). The first update is checked to keep
         every trainable parameter's dtype."""
@@ -441,14 +445,11 @@ class Trainer(TRLSurface, Saving, Logging):
             if changed:
                 raise RuntimeError(f"parameter {changed[0]} changed dtype in the update ({dtypes[changed[0]]})")
             self._dtypes_checked = True
-        window["tokens"] += tokens
         self.train_state.step_done(loss, tokens, micro_batches)
         self._consistent = True
-        window["losses"].append(loss)
-        window["metrics"].extend(metrics)
-        window["grad_norm"] = norm.item()
+        window.step_done(loss, metrics, tokens, norm.item())
 
-    def _after_step(self, window: dict, total: int) -> dict:
+    def _after_step(self, window: LogWindow, total: int) -> LogWindow:
         """Logging, evaluation and checkpoints at their step cadence; returns the log window."""
         args, step = self.args, self.global_step
         log_every, eval_every, save_every = self._every
@@ -456,7 +457,7 @@ class Trainer(TRLSurface, Saving, Logging):
         if (self._asked("should_log") or step % log_every == 0 or step == total
                 or (step == 1 and args.logging_first_step)):
             self._log(window)
-            window = self._new_window()
+            window = LogWindow()
         if self._asked("should_evaluate") or args.eval_strategy == "steps" and step % eval_every == 0:
             self._log_eval()
         if self._asked("should_save") or args.save_strategy == "steps" and save_every and step % save_every == 0:
@@ -490,3 +491,119 @@ class Trainer(TRLSurface, Saving, Logging):
             self._log_eval()
         if self.args.save_strategy == "epoch":
             self.save_checkpoint()
+
+    # ------------------------------------------------------------------ the log
+    def print(self, *args):
+        if self.is_main:
+            print(*args, flush=True)
+
+    def _log(self, window: LogWindow) -> None:
+        plan = self.memory_plan
+        self._record(window.entry(step=self.global_step, epoch=self._epoch_float(),
+                                  learning_rate=float(self.optimizer.learning_rate.item()), num_tokens=self.num_tokens,
+                                  predicted_peak=plan.total if plan is not None else None))
+
+    def _log_eval(self) -> None:
+        if self.is_main:  # the weights are the same on every rank: rank 0 evaluates
+            self.evaluate()
+
+    def _record(self, entry: dict) -> None:
+        """A log entry: into log_history, to the callbacks' on_log, and out through the run's log (rank 0)."""
+        self.log_history.append(entry)
+        self._event("on_log", logs=entry)
+        self.run_log.write(entry)
+
+    def _memory_plan(self):
+        kw, shape = self.plan_shape()
+        return memory_plan(self.model, self.args, self.planner_kind, kw, shape, self.print)
+
+    def plan_shape(self) -> tuple[dict, str]:
+        """(extra planner arguments, the shape the prediction assumes, in words)."""
+        return {}, "every row at max_length"
+
+    @property
+    def compiled_shapes(self) -> int:
+        """Distinct batch shapes a compiled step was built for (at most max_compiled_shapes)."""
+        return self._n_compiled
+
+    @property
+    def step_shapes(self) -> int:
+        """Distinct batch shapes seen (compiled or run eagerly)."""
+        return len(self._compiled)
+
+    # ------------------------------------------------------------------ checkpoints and the final save
+    def trainable_state(self) -> dict:
+        return dict(tree_flatten(self.model.trainable_parameters()))
+
+    def save_checkpoint(self) -> Path:
+        """checkpoint-<step> of this run (`saving.Checkpoints.write`): the trainable weights, the optimizer state,
+        the batch source's state and trainer_state.json with the counters and what the checkpoint belongs to
+        (`checkpoint.run_record`)."""
+        if not self.is_main:  # the ranks hold the same weights: rank 0 writes
+            return self.checkpoints.path(self.global_step)
+        record = {**self.train_state.as_record(),
+                  "world_size": self.world_size, "per_device_batch": self.args.per_device_train_batch_size,
+                  "data": {"rows": self.rows_fingerprint, "data_seed": self.data_seed if self.shuffles else None},
+                  "mlxrl": checkpoint_lib.run_record(self)}
+        files = {"trainable.safetensors": self.trainable_state(),
+                 "optimizer.safetensors": dict(tree_flatten(self.optimizer.state))}
+        source = {k: mx.array(v) for k, v in (self.source.state_dict() if self.source else {}).items()}
+        if source:
+            files["batch_source.safetensors"] = source
+        path = self.checkpoints.write(self.global_step, record, files, run_id=self.run_id,
+                                      log_history=self.log_history)
+        self._draw_run()
+        self._event("on_save")
+        return path
+
+    def load_checkpoint(self, path) -> None:
+        """Resume: the checkpoint is checked against this run and its data (one line naming the first difference)
+        before anything is loaded; metrics.jsonl is cut back to the checkpoint's history."""
+        path, state, weights, opt, source = self.checkpoints.read(path, checkpoint_lib.run_record(self))
+        check_data(state, path, self.args, rows_fingerprint=self.rows_fingerprint, data_seed=self.data_seed)
+        epoch, batch_in_epoch = data_position(state, path, self.args, world_size=self.world_size,
+                                              epoch_length=self.source.epoch_length)
+        self.optimizer.init(self.model.trainable_parameters())
+        checkpoint_lib.check_optimizer_state(opt, dict(tree_flatten(self.optimizer.state)), path)
+        self.model.load_weights(list(weights.items()), strict=False)
+        self.optimizer.state = tree_unflatten(list(opt.items()))
+        self.train_state.restore(state, epoch, batch_in_epoch)
+        if source is not None:
+            self.source.load_state_dict(source)
+        self.run_id = continued_run_id(state, path, self.output_dir, self.run_id, self.print)
+        self.checkpoints.resumed(path, state)
+        if self.is_main:  # the steps after the checkpoint are trained again: do not repeat them
+            checkpoint_lib.rewrite_metrics(self.output_dir, self.log_history)
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.print(f"resumed from {path} at step {self.global_step}")
+
+    def save_final(self) -> None:
+        """The trained model into output_dir (`saving.save_final`), on rank 0."""
+        if self.is_main:
+            save_final(self.model, self.processor, self.output_dir, self.args)
+
+    def _final_save(self) -> None:
+        """save_final with Ctrl-C / SIGTERM held until it completes (then raised); if the save fails, the trained
+        weights are kept as a resumable checkpoint before the error is raised. With load_best_model_at_end the
+        best checkpoint's weights are loaded first."""
+        try:
+            with self.signals.critical(raise_pending=False):
+                if (best := self.checkpoints.best_weights()) is not None:
+                    self.model.load_weights(list(best[1].items()), strict=False)
+                    mx.eval(self.model.parameters())
+                    self.print(f"loaded the best checkpoint {best[0]} ({best_metric_key(self.args)[0]} "
+                               f"{self.checkpoints.best[1]:.6g})")
+                self.save_final()
+        except Exception:
+            self.checkpoints.keep_after_failed_save(self.global_step, self.save_checkpoint)
+            raise
+        self._draw_run()
+        if self.signals.pending is not None:
+            signum, self.signals.pending = self.signals.pending, None
+            self.print(f"{signal.Signals(signum).name} during the final save: the save completed "
+                       f"({self.output_dir}); stopping")
+            self.run_log.close()
+            raise TrainingInterrupted(signum)
+
+    def _draw_run(self) -> None:
+        self.run_log.draw(self.log_history, self.run_id, f"{type(self).__name__}: {self.output_dir.name}")

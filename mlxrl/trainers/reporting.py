@@ -1,4 +1,7 @@
-"""Optional experiment trackers (`report_to`, transformers' names): Weights & Biases and TensorBoard.
+"""Where a run's log entries go (`RunLog`: stdout, metrics.jsonl, run.png and the trackers), the log window of the
+steps since the last entry (`LogWindow`), and the start-up lines' precision and memory plan.
+
+The optional experiment trackers (`report_to`, transformers' names) are Weights & Biases and TensorBoard:
 
     --report_to none                # default: metrics.jsonl and stdout only
     --report_to wandb               # needs `pip install wandb` (project: $WANDB_PROJECT, default "mlxrl")
@@ -23,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import MlxrlError
+from . import plot, run_dir
 
 TRACKERS = ("wandb", "tensorboard")
 
@@ -109,88 +113,104 @@ class Reporter:
             self.wandb_run = None
 
 
-class Logging:
-    """Mixin of the engine's `Trainer`: the log window of the steps since the last entry, and the
-    entries (stdout, metrics.jsonl, the trackers; rank 0 writes)."""
+@dataclasses.dataclass
+class LogWindow:
+    """The optimizer steps since the last log entry: their losses, metrics, tokens and time."""
 
-    @staticmethod
-    def _new_window() -> dict:
-        return {"t0": time.perf_counter(), "tokens": 0, "metrics": [], "losses": []}
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    tokens: int = 0
+    losses: list = dataclasses.field(default_factory=list)
+    metrics: list = dataclasses.field(default_factory=list)
+    grad_norm: float | None = None
 
-    def _log(self, window):
-        dt = max(time.perf_counter() - window["t0"], 1e-9)
-        epoch = self._epoch_float()
-        entry = {"step": self.global_step, "epoch": round(epoch, 4),
-                 "loss": float(np.mean(window["losses"])), "grad_norm": window.get("grad_norm"),
-                 "learning_rate": float(self.optimizer.learning_rate.item()), "num_tokens": self.num_tokens}
-        keys = {k for m in window["metrics"] for k in m}
-        entry.update({k: float(np.mean([m[k] for m in window["metrics"] if k in m])) for k in sorted(keys)})
-        entry["tokens_per_second"] = window["tokens"] / dt
+    def step_done(self, loss: float, metrics: list[dict], tokens: int, grad_norm: float) -> None:
+        self.losses.append(loss)
+        self.metrics.extend(metrics)
+        self.tokens += tokens
+        self.grad_norm = grad_norm
+
+    def entry(self, *, step: int, epoch: float, learning_rate: float, num_tokens: int,
+              predicted_peak: float | None) -> dict:
+        """The log entry of these steps, with TRL's names: the mean loss and metrics, the last grad norm, plus
+        tokens/s, MLX's peak memory and the planner's prediction (bytes; None: no prediction)."""
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        entry = {"step": step, "epoch": round(epoch, 4), "loss": float(np.mean(self.losses)),
+                 "grad_norm": self.grad_norm, "learning_rate": learning_rate, "num_tokens": num_tokens}
+        keys = {k for m in self.metrics for k in m}
+        entry.update({k: float(np.mean([m[k] for m in self.metrics if k in m])) for k in sorted(keys)})
+        entry["tokens_per_second"] = self.tokens / dt
         entry["peak_memory_gb"] = mx.get_peak_memory() / 1e9
-        if getattr(self, "memory_plan", None) is not None:
-            entry["predicted_peak_memory_gb"] = self.memory_plan.total / 1e9
-        self._record(entry)
+        if predicted_peak is not None:
+            entry["predicted_peak_memory_gb"] = predicted_peak / 1e9
+        return entry
 
-    def _log_eval(self):
-        if not self.is_main:  # the weights are the same on every rank: rank 0 evaluates
-            return
-        self.evaluate()
 
-    def _record(self, entry):
-        self.log_history.append(entry)
-        self._event("on_log", logs=entry)
+class RunLog:
+    """Where a run's log entries go on the writing rank (`is_main`): stdout, output_dir/metrics.jsonl, the trackers
+    `report_to` asks for (`Reporter`), and output_dir/run.png drawn from the history (`plot`). A run.png that no
+    mlxrl run drew is left alone; a failure to draw is a note, never a stop."""
+
+    def __init__(self, args, output_dir: Path, *, is_main: bool):
+        self.output_dir, self.is_main = Path(output_dir), is_main
+        self.trackers = Reporter(args if is_main else None, self.output_dir)  # W&B / TensorBoard, rank 0 only
+        self.plot_refused = False
+
+    def write(self, entry: dict) -> None:
         if not self.is_main:
             return
-        self.reporter.log(entry)
+        self.trackers.log(entry)
         with open(self.output_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(entry) + "\n")
         shown = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items() if v is not None}
         print(json.dumps(shown), flush=True)
 
-    def _precision(self) -> tuple[mx.Dtype, str]:
-        """The model's compute dtype and how its trainable weights are updated, for the start-up line."""
-        dtype = self.model.compute_dtype()
-        if any(v.dtype != mx.float32 for _, v in tree_flatten(self.model.trainable_parameters())):
-            how = "fp32 master weights" if self.args.master_weights else "bf16 weights, stochastic rounding"
-            return dtype, f" ({how}, fp32 optimizer state)"
-        return dtype, ""
-
-    def _memory_plan(self):
-        """The planner's prediction for this run (printed at start-up, logged next to the measured
-        peak); None where it cannot model the run."""
-        from ..models.widened import planned_config
-        from ..plan import predict
-
+    def draw(self, history: list[dict], run_id: str, title: str) -> None:
+        """output_dir/run.png from `history`, recorded as the run `run_id`'s file."""
+        path = self.output_dir / plot.PLOT
+        if not self.is_main or self.plot_refused:
+            return
         try:
-            kw, shape = self.plan_shape()
-            plan = predict(planned_config(self.model), self.args, self.planner_kind, suggest=False, **kw)
-        except (ValueError, KeyError, NotImplementedError) as e:
-            self.print(f"memory plan: not available for this run ({e})")
-            return None
-        self.print(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with {shape} "
-                   "(python -m mlxrl.plan for the breakdown)")
-        if not plan.fits and not self.args.use_peft and getattr(self.model, "moe_config", None) is not None:
-            # a mixture of experts trained whole past the memory it has would page all its experts
-            raise MlxrlError(f"full fine-tuning of this mixture of experts is predicted to need "
-                             f"{plan.total / 1e9:.1f} GB, over its limit of {plan.limit / 1e9:.1f} GB "
-                             f"({plan.limit_source}): train LoRA (--use_peft; --load_in_4bit quantizes the experts), "
-                             "or raise --memory_limit")
-        return plan
+            if plot.PLOT not in (run_dir.read_record(self.output_dir) or {"files": []})["files"]:
+                if path.exists():
+                    self.plot_refused = True
+                    print(f"note: {path} is not mlxrl's: the run's picture is not drawn (nothing was changed)",
+                          flush=True)
+                    return
+                run_dir.write_record(self.output_dir, run_id, files=(plot.PLOT,))
+            plot.draw(history, path, title=title)
+        except Exception as e:  # matplotlib, a full disk: the weights matter, the picture does not
+            self.plot_refused = True
+            print(f"note: the run's picture {path} was not drawn ({type(e).__name__}: {e})", flush=True)
 
-    def plan_shape(self) -> tuple[dict, str]:
-        """(extra planner arguments, the shape the prediction assumes, in words)."""
-        return {}, "every row at max_length"
+    def close(self) -> None:
+        self.trackers.close()
 
-    def print(self, *args):
-        if self.is_main:
-            print(*args, flush=True)
 
-    @property
-    def compiled_shapes(self) -> int:
-        """Distinct batch shapes a compiled step was built for (at most max_compiled_shapes)."""
-        return self._n_compiled
+def memory_plan(model, args, kind: str, plan_kw: dict, shape: str, print_fn):
+    """The planner's prediction for a run of `model` (printed at start-up, logged next to the measured peak);
+    None where it cannot model the run. A mixture of experts trained whole past its memory limit is refused."""
+    from ..models.widened import planned_config
+    from ..plan import predict
 
-    @property
-    def step_shapes(self) -> int:
-        """Distinct batch shapes seen (compiled or run eagerly)."""
-        return len(self._compiled)
+    try:
+        plan = predict(planned_config(model), args, kind, suggest=False, **plan_kw)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        print_fn(f"memory plan: not available for this run ({e})")
+        return None
+    print_fn(f"memory plan: predicted peak {plan.total / 1e9:.2f} GB with {shape} "
+             "(python -m mlxrl.plan for the breakdown)")
+    if not plan.fits and not args.use_peft and getattr(model, "moe_config", None) is not None:
+        # a mixture of experts trained whole past the memory it has would page all its experts
+        raise MlxrlError(f"full fine-tuning of this mixture of experts is predicted to need "
+                         f"{plan.total / 1e9:.1f} GB, over its limit of {plan.limit / 1e9:.1f} GB "
+                         f"({plan.limit_source}): train LoRA (--use_peft; --load_in_4bit quantizes the experts), "
+                         "or raise --memory_limit")
+    return plan
+
+
+def precision(model, master_weights: bool) -> tuple[mx.Dtype, str]:
+    """The model's compute dtype and how its trainable weights are updated, for the start-up line."""
+    if any(v.dtype != mx.float32 for _, v in tree_flatten(model.trainable_parameters())):
+        how = "fp32 master weights" if master_weights else "bf16 weights, stochastic rounding"
+        return model.compute_dtype(), f" ({how}, fp32 optimizer state)"
+    return model.compute_dtype(), ""

@@ -287,7 +287,7 @@ class TRLSurface:
         log_history (the trainer's own list), best_metric / best_model_checkpoint."""
         TrainerState = _trainer_class("trainer_callback", "TrainerState")  # noqa: N806 (a class)
 
-        best = getattr(self, "_best", None)
+        best = self.checkpoints.best
         if self._trainer_state is None:  # one object, so that what a callback keeps on it stays
             self._trainer_state = TrainerState()
         fields = dict(epoch=self._epoch_float(), global_step=self.global_step,
