@@ -448,3 +448,44 @@ def test_merge_quantized_saves_what_mlx_lm_loads(tiny_checkpoint, tmp_path):
         plain, _ = mlxrl.load(folder, dtype="float32")
         SFTTrainer(plain, processor, SFTConfig(output_dir=str(tmp_path / "p"), use_peft=True, merge_quantized=True),
                    train_dataset=rows)
+
+
+def test_a_qlora_base_is_quantized_once_in_one_place(tiny_checkpoint, tmp_path, monkeypatch):
+    """`--load_in_4bit` through the command, the TRL-style API given a model id, and a float model handed to a
+    trainer: the base is quantized by one call (as it loads, or by the trainer for the float model), and the
+    trainer finds it quantized (`trainers.model_setup`)."""
+    from mlxrl.cli.sft import main
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
+
+    real, calls = Q.quantize_model, []
+
+    def counted(model, *args, **kwargs):
+        calls.append(args)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(Q, "quantize_model", counted)
+    folder = tiny_checkpoint("qwen3")
+    rows = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": "yes " * i}]}
+            for i in range(1, 9)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = dict(max_length=64, max_steps=1, per_device_train_batch_size=4, disable_tqdm=True, save_steps=0)
+
+    assert main(["--model", str(folder), "--dataset", str(data), "--load_in_4bit", "--max_steps", "1",
+                 "--max_length", "64", "--per_device_train_batch_size", "4", "--disable_tqdm", "true",
+                 "--output_dir", str(tmp_path / "cli")]) == 0
+    assert calls == [(4, 64)]
+
+    calls.clear()
+    args = SFTConfig(output_dir=str(tmp_path / "api"), load_in_4bit=True, use_peft=True, **common)
+    trainer = SFTTrainer(model=str(folder), args=args, train_dataset=rows)
+    assert calls == [(4, 64)] and Q.is_quantized(trainer.model)
+
+    calls.clear()
+    model, processor = mlxrl.load(folder)
+    assert not Q.is_quantized(model)
+    args = SFTConfig(output_dir=str(tmp_path / "float"), load_in_4bit=True, use_peft=True, **common)
+    SFTTrainer(model, processor, args, train_dataset=rows).train()
+    assert calls == [(4, 64)] and Q.is_quantized(model)
+

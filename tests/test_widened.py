@@ -206,3 +206,29 @@ def test_dpo_with_lora_over_a_kept_base_is_the_float32_run(bf16_checkpoint, tmp_
         history = trainer.log_history
         runs.append([(e["loss"], e["logps/chosen"]) for e in history if "loss" in e])
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+
+
+def test_every_way_into_a_run_loads_in_the_dtype_its_config_decides(bf16_checkpoint, tmp_path, monkeypatch):
+    """The run's dtype name is resolved once by its config (`TrainConfig.compute_dtype`) and the model loads in
+    it (`trainers.model_setup.load_for_training`): a LoRA run keeps the bfloat16 checkpoint's frozen linears,
+    full fine-tuning widens them, bf16=True loads in bfloat16; and `python -m mlxrl.sft --model` without a
+    dataset (the LoRA smoke run) loads as a LoRA run with a dataset does."""
+    from mlxrl.cli import sft as cli_sft
+    from mlxrl.trainers import model_setup
+
+    monkeypatch.delenv("MLXRL_DTYPE", raising=False)
+    folder = bf16_checkpoint("qwen3")
+    proj = "model.layers.0.self_attn.q_proj.weight"
+    for args, compute, linear in [(SFTConfig(use_peft=True), mx.float32, mx.bfloat16),
+                                  (SFTConfig(), mx.float32, mx.float32),
+                                  (SFTConfig(bf16=True), mx.bfloat16, mx.bfloat16)]:
+        assert args.compute_dtype() == compute
+        model, _ = model_setup.load_for_training(str(folder), args)
+        assert model.compute_dtype() == compute and dtypes(model)[proj] == linear
+
+    loaded, real = [], model_setup.load_for_training
+    monkeypatch.setattr(model_setup, "load_for_training", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    args = SFTConfig(output_dir=str(tmp_path / "smoke"), max_steps=1, disable_tqdm=True)
+    cli_sft.run_demo(args, {"output_dir", "max_steps", "disable_tqdm"}, model_path=str(folder))
+    base = [d for k, d in dtypes(loaded[0][0]).items() if "layers.0.self_attn.q_proj" in k and "lora" not in k]
+    assert args.use_peft and base == [mx.bfloat16]

@@ -1,6 +1,6 @@
 """What the trainer CLIs (`python -m mlxrl.sft | dpo | grpo`) share: one-line errors with exit
-codes, loading data then a model (the data is checked before the model loads; --load_in_4bit /
---load_in_8bit quantize it). The embedded demos' flag and warm start are `cli.demos`, their rows
+codes, loading data then a model (the data is checked before the model loads; the model loads as the
+run asks, `trainers.model_setup.load_for_training`). The embedded demos' flag and warm start are `cli.demos`, their rows
 `data.synthetic`.
 
 Data roles (`data_sources`): --dataset's `--dataset_split` trains. A folder of split files (mlx-lm's
@@ -153,17 +153,6 @@ def each_row(check):
     return check_rows
 
 
-def prepare_base(model, args):
-    """--load_in_4bit / --load_in_8bit: the loaded base quantized before the trainer adds LoRA, and its
-    weight bytes printed (`models.quantize.quantize_for`: full fine-tuning of a quantized base is refused)."""
-    from ..models.quantize import describe, is_quantized
-
-    args.quantize(model)
-    if is_quantized(model):
-        print(describe(model), flush=True)
-    return model
-
-
 @dataclass
 class Data:
     """The rows a run reads: training, evaluation (None: none) and test (None: not asked for)."""
@@ -250,13 +239,11 @@ def _locate(rows, message: str) -> str:
 
 
 def load_model(ns, args):
-    """(model, processor) of --model, quantized for --load_in_4bit / --load_in_8bit."""
-    import mlxrl
+    """(model, processor) of --model as the run asks: its dtype, a LoRA run's frozen base kept in the checkpoint's
+    bfloat16 (`models.widened`), or quantized as it loads (--load_in_4bit / --load_in_8bit)."""
+    from ..trainers.model_setup import load_for_training
 
-    # a LoRA run's frozen base stays in the checkpoint's bfloat16 (`models.widened`), or is quantized as it loads
-    model, processor = mlxrl.load(ns.model, **args.load_options())
-    prepare_base(model, args)
-    return model, processor
+    return load_for_training(ns.model, args)
 
 
 def load_model_and_rows(ns, args, *, with_eval: bool = True, check_rows=None):

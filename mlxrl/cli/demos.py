@@ -7,7 +7,6 @@ import os
 
 from ..errors import MlxrlError
 from ..loading import DEMO_NAMES
-from .common import prepare_base
 
 
 def add_demo_flag(parser) -> None:
@@ -28,13 +27,14 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
     import mlxrl
 
     from ..data.synthetic import make_vqa
+    from ..trainers.model_setup import load_for_training
     from ..trainers.sft.config import SFTConfig
     from ..trainers.sft.trainer import SFTTrainer
 
     if model_path is not None:
-        model, processor = mlxrl.load(model_path, dtype=args.dtype)
-        return prepare_base(model, args), processor
-    model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype, arch=demo)
+        return load_for_training(model_path, args)
+    # float, whatever `args` quantizes: the brief SFT trains it whole (the trainer made next quantizes it)
+    model, processor = mlxrl.load_default(seed=args.seed, dtype=args.compute_dtype(), arch=demo)
     if sft_steps > 0:
         print(f"embedded default: {DEMO_NAMES[demo]}, brief SFT ({sft_steps} steps) on synthetic colour questions",
               flush=True)
@@ -44,4 +44,4 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
         SFTTrainer(model, processor, sft_args,
                    train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
         model.unfreeze()  # the next trainer sets up its own trainable parameters
-    return prepare_base(model, args), processor
+    return model, processor

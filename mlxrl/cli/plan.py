@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 
-from .. import runtime
 from ..errors import MlxrlError
 from ..plan.measure import check_trainer_config, config_class, measure, sweep
 from ..plan.model import load_config, predict
@@ -152,7 +151,7 @@ def _predict(cfg: dict, args, trainer: str, ns):
 
 
 def _measure(cfg: dict, args, trainer: str, ns, plan) -> None:
-    print(f"\nmeasuring {ns.steps} steps on random weights ({runtime.compute_dtype(args.dtype)}) ...", flush=True)
+    print(f"\nmeasuring {ns.steps} steps on random weights ({args.compute_dtype()}) ...", flush=True)
     got = measure(cfg, args, trainer, steps=ns.steps, prompt_length=ns.prompt_length, images=ns.images,
                   image_size=ns.image_size)
     print(f"predicted {fmt(plan.total)}  measured {fmt(got)}  error {(plan.total - got) / got:+.1%}")

@@ -31,7 +31,7 @@ import time
 
 from ..trainers.flags import build_parser, config_from_args
 from ..trainers.sft.config import SFTConfig
-from .common import apply_overrides, prepare_base, run
+from .common import apply_overrides, run
 
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over
@@ -72,25 +72,23 @@ CONFIG_HELP = ("YAML file of SFTConfig fields, or of mlx-lm's keys (data, iters,
 def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None, demo: str = "qwen3_vl") -> dict:
     """The embedded default (model_path None: the tiny Qwen3-VL, or the tiny Qwen3.5 with demo "qwen3_5"), or a
     short LoRA run of `model_path` on the same task (its text variant for a text-only model)."""
-    import mlxrl
     from mlxrl.evaluate import exact_match, text_only_baseline
 
     from ..data.synthetic import demo_rows
     from ..loading import DEMO_NAMES
+    from ..trainers.model_setup import load_for_training
     from ..trainers.sft.trainer import SFTTrainer
 
     t0 = time.perf_counter()
+    apply_overrides(args, explicit, DEMO_OVERRIDES if model_path is None else MODEL_OVERRIDES)
+    # as the run asks (a LoRA base kept in bfloat16, or quantized as it loads): the "before" accuracy is its
+    model, processor = load_for_training(model_path, args, seed=args.seed, demo=demo)
     if model_path is None:
-        apply_overrides(args, explicit, DEMO_OVERRIDES)
-        model, processor = mlxrl.load_default(seed=args.seed, dtype=args.dtype, arch=demo)
         n_train, n_test, name = DEMO_TRAIN, DEMO_TEST, f"embedded default: {DEMO_NAMES[demo]}"
     else:
-        model, processor = mlxrl.load(model_path, dtype=args.dtype)  # the model is checked first
-        apply_overrides(args, explicit, MODEL_OVERRIDES)
         n_train = MODEL_TRAIN if args.max_steps < 1 else max(
             8, args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps)
         n_test, name = MODEL_TEST, f"{model_path}"
-    prepare_base(model, args)  # --load_in_4bit / --load_in_8bit: before the "before" accuracy
     train = demo_rows(processor, n_train, seed=args.seed, split="train")
     test = demo_rows(processor, n_test, seed=args.seed + 1, split="test")
     if processor.image_processor is not None:

@@ -176,16 +176,25 @@ def requested_quantization(load_in_4bit: bool, load_in_8bit: bool,
     return None if bits is None else (bits, int(group_size or 64))
 
 
-def quantize_for(model, quantization: tuple[int, int] | None, *, lora: bool) -> list[str] | None:
-    """What a run does to its base before adding LoRA: quantize it to `quantization` (bits, group size;
-    idempotent), and refuse full fine-tuning (`lora` false) of a quantized base (asked for, or an
-    MLX-quantized checkpoint) in one line. Returns the paths quantized now, or None without quantization."""
+def refuse_full_fine_tuning(quantization: tuple[int, int] | None, *, lora: bool, model=None) -> None:
+    """Full fine-tuning (`lora` false) of a quantized base, asked for (`quantization`) or an MLX-quantized
+    checkpoint (`model`), refused in one line: quantized weights cannot be updated."""
     q = quantization
-    if not lora and (q is not None or is_quantized(model)):
+    if not lora and (q is not None or (model is not None and is_quantized(model))):
         what = f"load_in_{q[0]}bit" if q else f"{getattr(model, 'name_or_path', 'the model')} is MLX-quantized: it"
         raise MlxrlError(f"{what} trains LoRA adapters over a frozen quantized base; full fine-tuning cannot "
                          "update quantized weights: add --use_peft (use_peft=True)")
-    return None if q is None else quantize_model(model, *q)
+
+
+def quantize_for(model, quantization: tuple[int, int] | None, *, lora: bool) -> list[str] | None:
+    """What a run does to its base before adding LoRA: full fine-tuning of a quantized base refused
+    (`refuse_full_fine_tuning`), and a float base quantized to `quantization` (bits, group size). A base
+    already quantized (as it loaded, `loading.load(quantize=)`) is left as it is. Returns the paths quantized
+    now, or None when nothing was."""
+    refuse_full_fine_tuning(quantization, lora=lora, model=model)
+    if quantization is None or is_quantized(model):
+        return None
+    return quantize_model(model, *quantization)
 
 
 def use_fast_layers(model) -> None:

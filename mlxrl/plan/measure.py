@@ -14,7 +14,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import runtime
 from .model import arch_of, image_tokens, load_config, predict
 from .shapes import grpo_prompt_length
 
@@ -68,14 +67,14 @@ def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0, prompt
     return [{"text": _text(rng, L + 8, vocab)} for _ in range(n)]
 
 
-def random_model(cfg: dict, dtype=None, seed: int = 0):
+def random_model(cfg: dict, dtype: mx.Dtype, seed: int = 0):
     from ..loading import init_weights
     from ..models import build_model
 
     mx.random.seed(seed)
     model = build_model(cfg)
     init_weights(model, cfg.get("initializer_range", 0.02))
-    model.set_dtype(runtime.compute_dtype(dtype))
+    model.set_dtype(dtype)
     mx.eval(model.parameters())
     # no folder behind random weights: the trainers' output_dir check (`run_dir.check_target`) reads the
     # model's name_or_path, and without one would take the model object itself for a path
@@ -153,7 +152,7 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
     gc.collect()
     mx.clear_cache()
     base = mx.get_active_memory()
-    model = random_model(cfg, getattr(args, "dtype", None), getattr(args, "seed", 0))
+    model = random_model(cfg, args.compute_dtype(), getattr(args, "seed", 0))
     vocab = model.language_model.config.vocab_size
     processor = Processor(CharTokenizer(vocab))
     images = images if images and image_size and "vision_config" in cfg else 0

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import runtime
-
 GB = 1 << 30
 MB = 1 << 20
 
 
 def dtype_bytes(args) -> int:
-    return runtime.compute_dtype(getattr(args, "dtype", None)).size
+    """Bytes per element of the run's compute dtype (`TrainConfig.compute_dtype`)."""
+    return args.compute_dtype().size
 
 
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 from .. import runtime
 from ..errors import ConfigError, MlxrlError  # noqa: F401  (ConfigError: config's name for it)
 from ..models.checkpointing import check_segments
-from ..models.quantize import quantize_for, requested_quantization
+from ..models.quantize import quantize_for, refuse_full_fine_tuning, requested_quantization
 from ..models.tiled import tile_tokens_for
 from ..models.widened import keeps_checkpoint_dtype
 from ..optim.optimizers import check_optim, make_optimizer
@@ -216,22 +216,30 @@ class TrainConfig(ElsewhereArguments):
         """(bits, group size) that load_in_4bit / load_in_8bit (q_group_size) ask for; None without."""
         return requested_quantization(self.load_in_4bit, self.load_in_8bit, self.q_group_size)
 
+    def compute_dtype(self) -> mx.Dtype:
+        """The dtype this run computes in: `dtype` (bf16 folded into it) as the runtime resolves a name (float32
+        on the CPU, bfloat16 on a GPU; MLXRL_DTYPE). The one place a run's dtype name becomes a dtype: the model
+        loads in it (`load_options`), and from then on the model's weights say it (`model.compute_dtype()`)."""
+        return runtime.compute_dtype(self.dtype)
+
     def keeps_checkpoint_dtype(self, compute_dtype: mx.Dtype | None = None) -> bool:
         """Whether this run keeps a bfloat16 checkpoint's frozen linears (`models.widened`) in `compute_dtype`
-        (default: `dtype` as the runtime resolves it)."""
-        compute = runtime.compute_dtype(self.dtype) if compute_dtype is None else compute_dtype
+        (default: this run's, `compute_dtype()`)."""
+        compute = self.compute_dtype() if compute_dtype is None else compute_dtype
         return keeps_checkpoint_dtype(compute, lora=self.use_peft, keep_frozen_dtype=self.keep_frozen_dtype,
                                       quantized=self.quantization is not None, dora=self.use_dora)
 
     def load_options(self) -> dict:
-        """`mlxrl.load`'s keywords for this run: the dtype, whether to keep the checkpoint's linear dtype, and a
-        LoRA run's quantization on load (full fine-tuning with it is `quantize_for`'s error)."""
-        return {"dtype": self.dtype, "keep_linear_dtype": self.keeps_checkpoint_dtype(),
-                "quantize": self.quantization if self.use_peft else None}
+        """`mlxrl.load`'s keywords for this run: its compute dtype, whether to keep the checkpoint's linear dtype,
+        and the quantization load_in_4bit / load_in_8bit ask for, applied as the weights are read (full
+        fine-tuning of a quantized base is refused here, before anything loads)."""
+        refuse_full_fine_tuning(self.quantization, lora=self.use_peft)
+        return {"dtype": self.compute_dtype(), "keep_linear_dtype": self.keeps_checkpoint_dtype(),
+                "quantize": self.quantization}
 
     def quantize(self, model) -> list[str] | None:
-        """The base quantized as load_in_4bit / load_in_8bit ask (idempotent), full fine-tuning of a quantized
-        base refused (`models.quantize.quantize_for`)."""
+        """A float base quantized as load_in_4bit / load_in_8bit ask, when it did not load quantized
+        (`load_options`); full fine-tuning of a quantized base refused (`models.quantize.quantize_for`)."""
         return quantize_for(model, self.quantization, lora=self.use_peft)
 
     def mlp_tile_tokens(self, hidden_size: int, checkpointing: bool | None = None) -> int:

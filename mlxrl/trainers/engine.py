@@ -23,7 +23,6 @@ import dataclasses
 import math
 import signal
 import time
-import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,17 +34,16 @@ from .. import runtime
 from ..cpu import fastmath
 from ..data.batches import pad_image_patches
 from ..data.files import naming_rows
-from ..errors import MlxrlError
 from ..models import lora as lora_lib
 from ..models import quantize as quantize_lib
-from ..models.widened import check_trainable_dtypes
 from ..optim.optimizers import no_decay_names
 from . import checkpoint as checkpoint_lib
 from . import run_dir
 from .checkpoint import CHECKPOINT_PREFIX  # noqa: F401  (engine.CHECKPOINT_PREFIX)
-from .config import check_config, check_model_dtype
+from .config import check_config
 from .distributed import DataParallel, PeerLostError, accumulate
 from .forward import hidden_rows, hidden_states, router_aux_coef  # noqa: F401  (engine.hidden_*)
+from .model_setup import check_for_training, prepare_for_training
 from .progress import Progress
 from .reporting import LogWindow, RunLog, memory_plan, precision
 from .saving import Checkpoints, check_data, continued_run_id, data_position, save_final
@@ -81,9 +79,7 @@ class Trainer(TRLSurface):
         self.is_main = self.rank == 0
         self.output_dir = Path(args.output_dir)
         check_config(args)  # types, ranges, choices, refused TRL fields, the optimizer: one line each, no folder yet
-        check_model_dtype(args, model.compute_dtype())  # --bf16 against the model the user loaded
-        model.language_model.set_checkpointing(args.gradient_checkpointing, args.keep_attention,
-                                               args.checkpoint_segments)  # segments the model cannot have: refused
+        check_for_training(model, args)  # bf16 against the model, the checkpointing segments it can have
         run_dir.check_target(args.output_dir, model=model)  # empty, the current folder, the model's own folder
         run_dir.check_output_dir(self.output_dir)
         if self.is_main:  # before any work: a folder another run writes or holds, files the final save would replace
@@ -95,8 +91,7 @@ class Trainer(TRLSurface):
         runtime.set_memory_limits(args.memory_limit, args.wired_limit, args.cache_limit)
         mx.random.seed(args.seed)
         self.router_aux_coef = router_aux_coef(model, args.router_aux_loss_coef)
-        self._setup_trainable()
-        check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
+        prepare_for_training(model, args)  # quantized (unless it loaded so), checkpointing, tiling, LoRA / unfrozen
         self.optimizer = None
         self.train_state = TrainState()  # step, epoch, data position, tokens, log history, run id
         self._compiled: dict = {}  # batch shape -> step function (compiled or eager)
@@ -121,29 +116,6 @@ class Trainer(TRLSurface):
                 f"{last}: resume with --resume_from_checkpoint last, on any number of ranks")
 
     # ------------------------------------------------------------------ parameters
-    def _setup_trainable(self):
-        a, m = self.args, self.model
-        a.quantize(m)  # load_in_4bit / 8bit (a no-op when the CLI has quantized already)
-        if getattr(a, "merge_quantized", False) and not quantize_lib.is_quantized(m):
-            raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
-                             "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
-        lm = m.language_model
-        lm.tile_mlp(a.mlp_tile_tokens(lm.config.hidden_size))
-        if a.keep_attention and (not a.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
-            warnings.warn("keep_attention has no effect in this run: it needs gradient_checkpointing and the native "
-                          "CPU FlashAttention kernel (float32 on the CPU)", stacklevel=2)
-        if a.use_peft:
-            lora_lib.apply_lora(m, r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout,
-                                target_modules=a.lora_target_modules, use_dora=a.use_dora,
-                                target_parameters=lora_lib.none_means_empty(a.lora_target_parameters))
-        else:
-            m.unfreeze()
-            if a.freeze_vision_tower and hasattr(m, "vision_tower"):
-                m.vision_tower.freeze()
-            if a.freeze_embeddings:
-                m.language_model.embed_tokens.freeze()
-        m.train()
-
     @property
     def head_trainable(self) -> bool:
         """Whether the LM-head weight receives a gradient (not with LoRA or frozen tied embeddings)."""
@@ -337,11 +309,14 @@ class Trainer(TRLSurface):
         self.run_log.close()
 
     def _announce(self, steps_per_epoch: int, total: int) -> None:
-        """The run's first lines (precision, compilation, trainable parameters, steps) and its memory plan."""
+        """The run's first lines (precision, a quantized base's bytes, compilation, trainable parameters, steps) and
+        its memory plan."""
         args = self.args
         trainable, total_params = lora_lib.trainable_count(self.model)
         ranks = f"; {self.world_size} data-parallel ranks" if self.world_size > 1 else ""
         self.print(runtime.startup_line(*precision(self.model, args.master_weights)))
+        if quantize_lib.is_quantized(self.model):
+            self.print(quantize_lib.describe(self.model))
         if note := runtime.compile_note(args.compile and self.compilable):
             self.print(note)
         self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "

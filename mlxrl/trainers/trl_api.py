@@ -92,9 +92,9 @@ def apply_peft_config(args, peft_config):
 
 
 def _load(model, args):
-    from ..loading import load
+    from .model_setup import load_for_training
 
-    return load(str(model), **args.load_options())
+    return load_for_training(str(model), args)
 
 
 def _processor_of(model, processing_class, loaded):

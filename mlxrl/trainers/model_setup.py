@@ -1,0 +1,68 @@
+"""The model a training run trains, set up in one place for the commands, the TRL-style API and the engine.
+
+`load_for_training` loads it as the run's config asks: in the run's compute dtype (`TrainConfig.compute_dtype`,
+the one place the dtype name is resolved; from then on the model's weights say it), a LoRA run's bfloat16 frozen
+linears kept (`models.widened`), and a QLoRA base quantized as its weights are read (the float base is never
+whole in memory). The engine's part runs once when a trainer is made, in two steps: `check_for_training` first
+(the dtype against bf16, the checkpointing segments the model can have: refused before any folder is touched),
+then `prepare_for_training`: a float base handed in by the Python API is quantized there (one model is quantized
+in one of the two places, never both), MLP tiling, and the trainable parameters (LoRA, or the whole model less
+what is frozen).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..cpu import fastmath
+from ..errors import MlxrlError
+from ..models import lora as lora_lib
+from ..models import quantize as quantize_lib
+from ..models.widened import check_trainable_dtypes
+from .config import check_model_dtype
+
+
+def load_for_training(ref: str | None, args, *, seed: int = 0, demo: str = "qwen3_vl"):
+    """(model, processor) of `ref` (a Hub id or a folder; None: the embedded default of architecture `demo`,
+    random weights from `seed`) loaded as `args` asks (`TrainConfig.load_options`)."""
+    import mlxrl
+
+    if ref is None:
+        return mlxrl.load_default(seed=seed, arch=demo, **args.load_options())
+    return mlxrl.load(ref, **args.load_options())
+
+
+def check_for_training(model, args) -> None:
+    """What the run asks of `model` that it cannot do, refused in one line: bf16 against the model's dtype, and
+    checkpointing segments it cannot have (gradient checkpointing is set on it here)."""
+    check_model_dtype(args, model.compute_dtype())  # --bf16 against the model the user loaded
+    model.language_model.set_checkpointing(args.gradient_checkpointing, args.keep_attention,
+                                           args.checkpoint_segments)
+
+
+def prepare_for_training(model, args) -> None:
+    """`model` made ready for the run `args` (after `check_for_training`): a float base quantized when
+    load_in_4bit / load_in_8bit ask (full fine-tuning of a quantized base refused), MLP tiling set, LoRA applied
+    or the model unfrozen (less the vision tower / embeddings when frozen), and no trained weight left in a dtype
+    the update cannot keep."""
+    args.quantize(model)
+    if getattr(args, "merge_quantized", False) and not quantize_lib.is_quantized(model):
+        raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
+                         "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
+    lm = model.language_model
+    lm.tile_mlp(args.mlp_tile_tokens(lm.config.hidden_size))
+    if args.keep_attention and (not args.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
+        warnings.warn("keep_attention has no effect in this run: it needs gradient_checkpointing and the native "
+                      "CPU FlashAttention kernel (float32 on the CPU)", stacklevel=3)
+    if args.use_peft:
+        lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                            target_modules=args.lora_target_modules, use_dora=args.use_dora,
+                            target_parameters=lora_lib.none_means_empty(args.lora_target_parameters))
+    else:
+        model.unfreeze()
+        if args.freeze_vision_tower and hasattr(model, "vision_tower"):
+            model.vision_tower.freeze()
+        if args.freeze_embeddings:
+            lm.embed_tokens.freeze()
+    model.train()
+    check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
