@@ -148,6 +148,11 @@ def test_help_is_one_line_per_flag(command, capsys):
     assert len(flags) >= 15 and len(lines) <= len(flags) + 20, (len(lines), len(flags))
     wrapped = [ln for ln in lines if ln[:1].isspace() and not re.match(r"^\s+-", ln)]
     assert not wrapped, f"--help wraps a flag's help: {wrapped[:3]}"
+    # a flag's line: the invocation (single spaces inside, a metavar's "[VALUE ...]" included), two or more
+    # spaces, its summary; a summary cut at the limit ends in "word..." (`flags.one_line`), never in " ..."
+    summaries = {ln: re.match(r"\s+\S+(?: \S+)*(?: {2,}(.*))?$", ln)[1] or "" for ln in flags}
+    cut = [ln for ln, summary in summaries.items() if re.search(r"[^\s.]\.\.\.", summary)]
+    assert not cut, f"--help cuts a flag's summary (shorten the help's first sentence): {cut[:3]}"
 
 
 def quick_start() -> tuple[list[str], list[str]]:

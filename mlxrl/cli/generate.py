@@ -21,13 +21,15 @@ def build_parser(prog: str, description: str, chat: bool = False) -> argparse.Ar
     ap = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
                                  formatter_class=OneLineHelpFormatter, epilog=HELP_REFERENCE)
     ap.add_argument("--model", default=None, help="Hub id or folder; also a run's output_dir, an adapter or a "
-                    "checkpoint (default: the embedded default, random weights unless --adapter_path names a "
-                    "trained demo output)")
-    ap.add_argument("--adapter_path", "--adapter-path", default=None, help="a PEFT adapter (LoRA/DoRA), an mlxrl "
-                    "checkpoint-<step>, a merged or fully fine-tuned folder, or a training run's output_dir")
-    ap.add_argument("--prompt", "-p", default=None, help=("the first message; " if chat else "") + "'-' reads "
-                    "stdin" + ("" if chat else "; without --prompt and --image: a held-out question of the "
-                                                "embedded task (see --demo_example)"))
+                    "checkpoint. The embedded default has random weights unless --adapter_path names a trained demo "
+                    "output (default: the embedded default)")
+    ap.add_argument("--adapter_path", "--adapter-path", default=None, help="the trained result: an "
+                    "adapter, a checkpoint, a fine-tuned folder or a run's output_dir. Any of: a PEFT adapter "
+                    "(LoRA/DoRA), an mlxrl checkpoint-<step>, a merged or fully fine-tuned folder, or a training "
+                    "run's output_dir")
+    ap.add_argument("--prompt", "-p", default=None, help=("the first message; " if chat else "the prompt; ")
+                    + "'-' reads stdin" + ("" if chat else ". Without --prompt and --image: a held-out question "
+                                                          "of the embedded task (see --demo_example)"))
     ap.add_argument("--image", nargs="+", action="extend", default=[], metavar="FILE",
                     help="image file(s) for the " + ("first message" if chat else "prompt") + " (VL models)")
     ap.add_argument("--system", "--system-prompt", default=None, help="system prompt")
@@ -42,16 +44,17 @@ def build_parser(prog: str, description: str, chat: bool = False) -> argparse.Ar
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, bf16 on GPU)")
     ap.add_argument("--base_seed", type=int, default=DEFAULT_BASE_SEED,
-                    help="the embedded default's random weights are drawn from this seed: the training run's "
-                         f"--seed (default {DEFAULT_BASE_SEED}, the trainers' default)")
+                    help=f"the seed of the embedded default's random weights (default {DEFAULT_BASE_SEED}, the "
+                         "trainers' default). Set it to the training run's --seed")
     ap.add_argument("--load_in_4bit", action="store_true", help="quantize the base to 4 bits before the adapter "
-                    "goes on (an adapter trained with --load_in_4bit fits that base)")
+                    "goes on. An adapter trained with --load_in_4bit fits that base")
     ap.add_argument("--load_in_8bit", action="store_true", help="the same, 8 bits")
     ap.add_argument("--q_group_size", type=int, default=64, help="quantization group size (32, 64, 128)")
     if not chat:
         ap.add_argument("--demo_example", type=int, default=None, metavar="K",
-                        help="ask held-out question K of the embedded task (the test split `python -m mlxrl.sft` "
-                             "scores; its picture for a VL model); the default without --prompt")
+                        help="ask held-out question K of the embedded task, the default without --prompt. "
+                             "The question is from the test split `python -m mlxrl.sft` scores, with its picture "
+                             "for a VL model")
     return ap
 
 

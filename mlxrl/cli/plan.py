@@ -28,8 +28,8 @@ def _extra(parser):
     parser.add_argument("--image_size", type=int, default=None, help="image side in pixels after resizing "
                                                                      "(with --images)")
     parser.add_argument("--prompt_length", type=int, default=None,
-                        help=f"GRPO: prompt tokens (default {DEFAULT_PROMPT_LENGTH}); DPO: prompt tokens per pair, "
-                             "which the head does not score (default 0: every token scored, an upper bound)")
+                        help=f"GRPO's prompt length (default {DEFAULT_PROMPT_LENGTH}), or DPO's prompt tokens per pair "
+                             "(default 0). DPO's are not scored by the head (0: every token scored, an upper bound)")
     parser.add_argument("--measure", action="store_true", help="run a few real steps on random weights and "
                                                                "print predicted vs measured peak memory")
     parser.add_argument("--sweep", action="store_true", help="with --measure: also max_length and LoRA rank")

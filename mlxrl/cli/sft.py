@@ -55,8 +55,8 @@ def _extra(parser):
     from .mlx_lm_args import add_flags
 
     parser.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded demo)")
-    parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset "
-                                                        "(a folder of split files: its splits, never merged)")
+    parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset. "
+                                                        "A folder of split files: its splits, never merged")
     parser.add_argument("--dataset_split", default="train", help="the split that trains: of a Hub dataset, or of a "
                                                                  "folder of split files (train, validation, test)")
     parser.add_argument("--eval_dataset", default=None, help="evaluation data (same formats as --dataset; a folder "
@@ -65,8 +65,8 @@ def _extra(parser):
     add_flags(parser)
 
 
-CONFIG_HELP = ("YAML file of SFTConfig fields, or of mlx-lm's keys (data, iters, lora_parameters, ...: mlx-lm's run); "
-               "CLI flags override it")
+CONFIG_HELP = ("YAML file of SFTConfig fields, or of mlx-lm's keys; CLI flags override it. With mlx-lm's keys "
+               "(data, iters, lora_parameters, ...) it is mlx-lm's run")
 
 
 def run_demo(args: SFTConfig, explicit: set, model_path: str | None = None, demo: str = "qwen3_vl") -> dict:

@@ -66,7 +66,8 @@ class TrainConfig(ElsewhereArguments):
     per_device_train_batch_size: int = _f(8, "examples (or packed rows) per micro-batch")
     per_device_eval_batch_size: int = _f(8, "examples per evaluation batch")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
-    lr_scheduler_type: str = _f("linear", "transformers' schedules: " + " | ".join(SCHEDULES))
+    lr_scheduler_type: str = _f("linear", "the learning-rate schedule, by its transformers name. "
+                                          "Transformers' schedules: " + " | ".join(SCHEDULES))
     lr_scheduler_kwargs: str | None = _f(None, "the schedule's options as transformers names them, e.g. "
                                                "'{\"min_lr_rate\": 0.1}' (cosine_with_min_lr), num_cycles, lr_end, "
                                                "power, timescale")
@@ -78,52 +79,55 @@ class TrainConfig(ElsewhereArguments):
     adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
-    optim: str = _f("adamw_torch", "adamw_torch (AdamW; adamw_torch_fused is the same here) | adamw_8bit "
+    optim: str = _f("adamw_torch", "the optimizer: AdamW, bitsandbytes' 8-bit AdamW or transformers' Adafactor. "
+                                   "Values: adamw_torch (AdamW; adamw_torch_fused is the same here) | adamw_8bit "
                                    "(bitsandbytes' 8-bit AdamW: block-wise quantized moments, a quarter of AdamW's "
                                    "state; adamw_bnb_8bit is the same) | adafactor (transformers' Adafactor as the "
                                    "HF Trainer sets it up: factored second moments, no first moment)")
     logging_steps: float = _f(10, "log every N optimizer steps (below 1: a fraction of the total steps, as "
                                   "TrainingArguments reads it)")
     eval_strategy: str = _f("no", "no | steps | epoch")
-    eval_steps: float | None = _f(None, "evaluate every N steps (eval_strategy=steps; default logging_steps; below "
-                                        "1: a fraction of the total steps)")
+    eval_steps: float | None = _f(None, "evaluate every N steps with eval_strategy=steps (default: logging_steps). "
+                                        "Below 1: a fraction of the total steps")
     save_strategy: str = _f("steps", "no | steps | epoch")
     save_steps: float = _f(500, "save a resumable checkpoint every N steps (below 1: a fraction of the total steps; "
                                 "0: none)")
     save_total_limit: int | None = _f(None, "keep at most this many checkpoints (oldest deleted)")
-    resume_from_checkpoint: str | None = _f(None, "checkpoint folder to resume from, or 'last' (the newest checkpoint "
-                                                  "of the run that wrote output_dir last)")
-    ignore_data_skip: bool = _f(False, "when resuming, start the data at the first batch of epoch 0 instead of the "
-                                       "checkpoint's position (needed to resume on other rows or another data order, "
-                                       "which a resume refuses otherwise)")
+    resume_from_checkpoint: str | None = _f(None, "checkpoint folder to resume from, or 'last' (the newest "
+                                                  "checkpoint). 'last' means the newest checkpoint of the run that "
+                                                  "wrote output_dir last")
+    ignore_data_skip: bool = _f(False, "when resuming, start the data at epoch 0's first batch instead of the "
+                                       "checkpoint's position. Needed to resume on other rows or another data order, "
+                                       "which a resume refuses otherwise")
     seed: int = _f(42, "seed for data order, LoRA init and dropout")
     report_to: str = _f("none", "none | wandb | tensorboard | all, or a comma-separated list (metrics.jsonl always)")
     run_name: str | None = _f(None, "run name for W&B")
     logging_dir: str | None = _f(None, "TensorBoard log folder (default: output_dir/runs)")
     gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward (less memory, more compute)")
-    keep_attention: bool = _f(False, "(mlxrl) with gradient_checkpointing: keep each decoder layer's attention output "
-                                     "and log-sum-exp from the forward instead of recomputing the attention in the "
-                                     "backward (faster at long sequences; 4 x tokens x q heads x (head_dim + 1) bytes "
-                                     "more per layer; the native CPU kernel path, elsewhere the attention is "
-                                     "recomputed)")
-    checkpoint_segments: int = _f(0, "(mlxrl) with gradient_checkpointing: also checkpoint the L decoder layers in S "
-                                     "consecutive segments of ceil(L / S) layers (torch's checkpoint_sequential, "
-                                     "nested around each layer's checkpoint): about S + L / S - 1 layer inputs kept "
-                                     "instead of L, for one more forward of every layer but the last segment's (4 "
-                                     "keeps the fewest for 28 layers, 10, and recomputes 21); 0: off. For long rows "
-                                     "that do not fit otherwise (mlxrl.plan suggests the count)")
+    keep_attention: bool = _f(False, "(mlxrl) with gradient_checkpointing: keep the forward's attention instead of "
+                                     "recomputing it. Each decoder layer's attention output and log-sum-exp are kept "
+                                     "from the forward instead of recomputing the attention in the backward (faster "
+                                     "at long sequences; 4 x tokens x q heads x (head_dim + 1) bytes more per layer; "
+                                     "the native CPU kernel path, elsewhere the attention is recomputed)")
+    checkpoint_segments: int = _f(0, "(mlxrl) with gradient_checkpointing: also checkpoint the decoder layers in S "
+                                     "segments (0: off). The L decoder layers go in S consecutive segments of "
+                                     "ceil(L / S) layers (torch's checkpoint_sequential, nested around each layer's "
+                                     "checkpoint): about S + L / S - 1 layer inputs kept instead of L, for one more "
+                                     "forward of every layer but the last segment's (4 keeps the fewest for 28 "
+                                     "layers, 10, and recomputes 21). For long rows that do not fit otherwise "
+                                     "(mlxrl.plan suggests the count)")
     tiled_mlp: bool | None = _f(None, "(mlxrl) run each decoder layer's MLP over the sequence in tiles of "
-                                      "tiled_mlp_tokens positions, recomputed tile by tile in the backward, so no "
-                                      "[tokens, intermediate] array exists for the whole sequence (default: on with "
-                                      "gradient_checkpointing, where it costs no extra compute)")
+                                      "tiled_mlp_tokens positions. The MLP is recomputed tile by tile in the "
+                                      "backward, so no [tokens, intermediate] array exists for the whole sequence "
+                                      "(default: on with gradient_checkpointing, where it costs no extra compute)")
     tiled_mlp_tokens: int | None = _f(None, "(mlxrl) positions per MLP tile (default: the model's hidden size)")
-    dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU); float16 cannot train "
-                                 "(no loss scaling): use bfloat16")
-    tf32: bool | None = _f(None, "TF32 matmuls for float32 compute on a GPU (MLX's CUDA backend, Metal's neural "
-                                 "accelerators; no effect on CPU or bf16); default off, as torch's, or "
+    dtype: str | None = _f(None, "(mlxrl) float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU). Not float16, which "
+                                 "cannot train (no loss scaling): use bfloat16")
+    tf32: bool | None = _f(None, "TF32 matmuls for float32 compute on a GPU: MLX's CUDA backend, Metal's neural "
+                                 "accelerators. No effect on CPU or bf16; default off, as torch's, or "
                                  "MLX_ENABLE_TF32 when set")
     master_weights: bool = _f(True, "(mlxrl) with a bf16 model: keep a float32 master copy of the trainable weights "
-                                    "(as torch AMP); false: update the bf16 weights with stochastic rounding instead "
+                                    "(as torch AMP). False: update the bf16 weights with stochastic rounding instead "
                                     "(4 bytes per trainable parameter less; see docs/platforms.md)")
     # LoRA (TRL's ModelConfig names)
     use_peft: bool = _f(False, "train LoRA adapters instead of the full model")
@@ -132,33 +136,34 @@ class TrainConfig(ElsewhereArguments):
     lora_dropout: float = _f(0.05, "LoRA dropout")
     lora_target_modules: list[str] | None = _f(None, "module names to adapt (default: all linear layers of the LM)")
     lora_target_parameters: list[str] | None = _f(None, "Mixture-of-Experts models: the fused expert parameters to "
-                                                        "adapt, one adapter per expert, as PEFT's target_parameters "
+                                                        "adapt, one adapter per expert. As PEFT's target_parameters "
                                                         "(mlp.experts.gate_up_proj, mlp.experts.down_proj; default: "
                                                         "both; none: the experts stay frozen)")
     use_dora: bool = _f(False, "DoRA instead of LoRA")
     # a quantized frozen base (QLoRA; TRL's ModelConfig names, MLX's affine quantization)
-    load_in_4bit: bool = _f(False, "quantize the frozen base's decoder linears to 4 bits on load (QLoRA: LoRA adapters "
-                                   "in float32 over it; implies --use_peft)")
+    load_in_4bit: bool = _f(False, "quantize the frozen base's decoder linears to 4 bits on load; implies --use_peft. "
+                                   "QLoRA: LoRA adapters in float32 over it")
     load_in_8bit: bool = _f(False, "the same with 8 bits")
     q_group_size: int = _f(64, "(mlxrl; mlx-lm's name) with load_in_4bit / load_in_8bit: weights per scale and "
                                "offset: 32 | 64 | 128")
-    keep_frozen_dtype: bool = _f(True, "(mlxrl) with use_peft and float32 compute (the CPU): the frozen base's linear "
-                                       "weights, embedding and LM head stay in the checkpoint's bfloat16 (the "
-                                       "Hub's) and widen to float32 "
-                                       "per use: the same products (the widening is exact), half those weights' "
-                                       "memory; false: read them as float32")
+    keep_frozen_dtype: bool = _f(True, "(mlxrl) with use_peft and float32 compute (the CPU): keep the frozen base's "
+                                       "bfloat16 weights. The frozen base's linear weights, embedding and LM head stay "
+                                       "in the checkpoint's bfloat16 (the Hub's) and widen to float32 per use: the "
+                                       "same products (the widening is exact), half those weights' memory. False: "
+                                       "read them as float32")
     freeze_vision_tower: bool = _f(False, "(mlxrl) keep the vision tower frozen in full fine-tuning")
     freeze_embeddings: bool = _f(False, "(mlxrl) keep the token embeddings (and a tied LM head) frozen")
     merge: bool = _f(False, "(mlxrl) with use_peft: also save a merged HF-layout model in output_dir/merged")
-    merge_quantized: bool = _f(False, "(mlxrl; mlx-lm's fuse) with use_peft over a quantized base: also save the "
-                                      "merged model re-quantized (MLX layout, mlx-lm loads it) in "
-                                      "output_dir/merged-quantized")
+    merge_quantized: bool = _f(False, "(mlxrl; mlx-lm's fuse) with use_peft on a quantized base: also save it "
+                                      "merged and re-quantized. It goes in output_dir/merged-quantized (MLX layout, "
+                                      "mlx-lm loads it)")
     # memory and speed (mlxrl)
     chunk_size: int | None = _f(None, "(mlxrl) vocab columns per streamed LM-head tile (default: 16 MB tiles)")
     seq_buckets: list[int] | None = _f(None, "(mlxrl) padded lengths (default: powers of two up to max_length)")
     compile: bool = _f(True, "(mlxrl) mx.compile the step per shape bucket")
-    patch_buckets: bool = _f(True, "(mlxrl) with compile: pad each batch's image patches to one of four sizes per "
-                                   "doubling (a dummy image, discarded) so compiled steps are reused")
+    patch_buckets: bool = _f(True, "(mlxrl) with compile: pad each batch's image patches so compiled steps are "
+                                   "reused. The patches are padded to one of four sizes per doubling (a dummy image, "
+                                   "discarded)")
     max_compiled_shapes: int = _f(16, "(mlxrl) past this many distinct shapes, new shapes run uncompiled")
     memory_limit: str | None = _f(None, "(mlxrl) mx.set_memory_limit: bytes, '12GB' or a fraction of memory")
     cache_limit: str | None = _f(None, "(mlxrl) mx.set_cache_limit: bytes, '2GB' or a fraction of memory")
@@ -171,32 +176,33 @@ class TrainConfig(ElsewhereArguments):
     activation_checkpointing: bool | None = _f(None, "transformers 5's name for gradient_checkpointing: when set, "
                                                      "it decides")
     activation_checkpointing_kwargs: str | None = _f(None, "torch's checkpoint options: only {\"use_reentrant\": "
-                                                           "true | false} is accepted (MLX's checkpointing has one "
-                                                           "variant, the same gradients either way)")
+                                                           "true | false} is accepted. MLX's checkpointing has one "
+                                                           "variant, the same gradients either way")
     gradient_checkpointing_kwargs: str | None = _f(None, "the old name of activation_checkpointing_kwargs")
     use_cpu: bool = _f(False, "train on the CPU even where MLX has a GPU")
     data_seed: int | None = _f(None, "seed of the data order (default: seed)")
-    train_sampling_strategy: str = _f("random", "random: the training batches in a new order every epoch (seed, "
-                                                "data_seed) | sequential: in the dataset's order")
+    train_sampling_strategy: str = _f("random", "random: the training batches in a new order every epoch | "
+                                                "sequential: in the dataset's order. The random order follows seed "
+                                                "and data_seed")
     dataloader_drop_last: bool = _f(False, "drop each epoch's last batch when it holds fewer examples (or packed "
                                            "rows) than the batch size")
     logging_first_step: bool = _f(False, "also log the first optimizer step")
     eval_on_start: bool = _f(False, "evaluate once before the first step")
-    load_best_model_at_end: bool = _f(False, "end with the weights of the checkpoint whose evaluation was best "
-                                             "(needs save_strategy = eval_strategy; that checkpoint is never "
-                                             "rotated out)")
+    load_best_model_at_end: bool = _f(False, "end with the weights of the checkpoint whose evaluation was best. "
+                                             "Needs save_strategy = eval_strategy; that checkpoint is never "
+                                             "rotated out")
     metric_for_best_model: str | None = _f(None, "the evaluation metric that ranks checkpoints (default: loss)")
     greater_is_better: bool | None = _f(None, "whether a larger metric_for_best_model is better (default: false "
                                               "for a loss, true otherwise)")
     remove_unused_columns: bool = _f(True, "either value: mlxrl reads the columns it needs from each row and passes "
-                                           "the model nothing else (TRL's vision recipes set it false)")
+                                           "the model nothing else. TRL's vision recipes set it false")
     # TRL's model fields (every trainer's config has them)
     model_init_kwargs: str | None = refused(None, "load the model with mlxrl.load (dtype: --dtype)")
     trust_remote_code: bool = refused(False, "mlxrl never runs model code from the Hub")
     router_aux_loss_coef: float | None = _f(None, "Mixture-of-Experts models: the weight of the router's "
-                                                  "load-balancing loss added to the training loss (default: the "
-                                                  "model config's router_aux_loss_coef; 0 turns it off); refused for "
-                                                  "a model without experts")
+                                                  "load-balancing loss in training. It is added to the training loss "
+                                                  "(default: the model config's router_aux_loss_coef; 0 turns it "
+                                                  "off); refused for a model without experts")
 
     def __post_init__(self):
         """TRL's aliases resolved into the fields the trainers read: activation_checkpointing into

@@ -35,12 +35,14 @@ class Flag:
 # mlx-lm's flags (mlx_lm.lora.build_parser; --model, --seed and -c/--config are shared with ours)
 FLAGS = {
     "train": Flag("--train", "bool", "accepted: training is what python -m mlxrl.sft does"),
-    "data": Flag("--data", "str", "mlx-lm's --dataset: a folder of train.jsonl (trained), valid.jsonl (evaluated) "
-                                  "and test.jsonl (read only with --test), a file, or a Hub dataset"),
+    "data": Flag("--data", "str", "mlx-lm's --dataset: a folder of train/valid/test.jsonl, a file, or a Hub "
+                                  "dataset. In a folder: train.jsonl (trained), valid.jsonl (evaluated) and "
+                                  "test.jsonl (read only with --test)"),
     "fine_tune_type": Flag("--fine-tune-type", "str", "lora: --use_peft; dora: --use_peft --use_dora; full: the "
                                                       "whole model but the token embeddings", ("lora", "dora", "full")),
-    "optimizer": Flag("--optimizer", "str", "adam: --optim adamw_torch --weight_decay 0 (torch's AdamW, with bias "
-                                            "correction); adamw: weight decay 0.01; muon, sgd, adafactor: refused",
+    "optimizer": Flag("--optimizer", "str", "mlx-lm's optimizer as --optim: adam or adamw; muon, sgd, "
+                                            "adafactor: refused. With adam: --optim adamw_torch --weight_decay 0 "
+                                            "(torch's AdamW, with bias correction); adamw: weight decay 0.01",
                       ("adam", "adamw", "muon", "sgd", "adafactor")),
     "mask_prompt": Flag("--mask-prompt", "bool", "train only the completion, or a conversation's last message "
                                                  "(--completion_only_loss)"),
@@ -55,8 +57,9 @@ FLAGS = {
                                                       "and --eval_on_start)"),
     "grad_accumulation_steps": Flag("--grad-accumulation-steps", "int", "only 1: use --gradient_accumulation_steps"),
     "resume_adapter_file": Flag("--resume-adapter-file", "str", "refused: resume with --resume_from_checkpoint"),
-    "adapter_path": Flag("--adapter-path", "str", "--output_dir: PEFT's adapter_model.safetensors + "
-                                                  "adapter_config.json (not mlx-lm's adapters.safetensors)"),
+    "adapter_path": Flag("--adapter-path", "str", "--output_dir, where the adapter goes in PEFT's layout. "
+                                                  "PEFT's adapter_model.safetensors + adapter_config.json (not "
+                                                  "mlx-lm's adapters.safetensors)"),
     "save_every": Flag("--save-every", "int", "--save_steps (resumable checkpoint-N/ folders)"),
     "test": Flag("--test", "bool", "after training, print the test split's loss and perplexity"),
     "test_batches": Flag("--test-batches", "int", "test the first N x batch-size test rows (-1: all)"),

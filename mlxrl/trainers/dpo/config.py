@@ -18,8 +18,8 @@ class DPOConfig(TrainConfig):
     raise a ValueError when set to anything but their default (`refused`, checked by `config.check_config`)."""
 
     learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's DPO default)")
-    head_mode: str = _f("differentiable", "(mlxrl) DPO drives the streamed head differentiably (its per-token "
-                                          "gradients depend on whole sequences)", choices=("differentiable",))
+    head_mode: str = _f("differentiable", "(mlxrl) DPO drives the streamed head differentiably. Its per-token "
+                                          "gradients depend on whole sequences", choices=("differentiable",))
     # model
     disable_dropout: bool = _f(True, "disable dropout (LoRA dropout included) in the model")
     ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model")
@@ -27,10 +27,10 @@ class DPOConfig(TrainConfig):
     dataset_num_proc: int | None = refused(None, "tokenisation runs in-process")
     max_length: int | None = _f(1024, "truncate each prompt+completion sequence to this many tokens")
     truncation_mode: str = _f("keep_start", "keep_start | keep_end (deprecated in TRL; text only)")
-    padding_free: bool = _f(False, "concatenate the 2B sequences of a batch into one row without padding "
-                                   "(TRL 1.16 falls back to padding; mlxrl does it)")
+    padding_free: bool = _f(False, "concatenate the 2B sequences of a batch into one row without padding. "
+                                   "TRL 1.16 falls back to padding; mlxrl does it")
     pad_to_multiple_of: str | None = _f("auto", "pad every row's length up to a multiple of this (on top of "
-                                                "seq_buckets); 'auto' or unset: no extra padding")
+                                                "seq_buckets). 'auto' or unset: no extra padding")
     precompute_ref_log_probs: bool = _f(False, "compute the reference log-probs of the whole dataset before "
                                                "training (no reference kept in memory)")
     precompute_ref_batch_size: int | None = _f(None, "pairs per batch when precomputing (default: the train / "
@@ -39,7 +39,8 @@ class DPOConfig(TrainConfig):
     # `| None` only so that flags.build_parser gives the flag nargs="+" (it reads lists through Optional)
     loss_type: list[str] | None = dataclasses.field(
         default_factory=lambda: ["sigmoid"],
-        metadata={"help": f"one or more of {', '.join(DPO_LOSSES)}, summed with loss_weights (default: sigmoid)"})
+        metadata={"help": "the DPO losses, summed with loss_weights. One or more of "
+                          f"{', '.join(DPO_LOSSES)} (default: sigmoid)"})
     loss_weights: list[float] | None = _f(None, "one weight per loss_type (default 1 each)")
     ld_alpha: float | None = _f(None, "LD-DPO: weight of completion tokens past the shorter answer's length")
     f_divergence_type: str = _f("reverse_kl", f"f-DPO regulariser: {' | '.join(F_DIVERGENCES)}")

@@ -20,13 +20,14 @@ class GRPOConfig(TrainConfig):
 
     learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's GRPO default)")
     head_mode: str = _f("auto", "(mlxrl) auto | fused | differentiable: how the streamed LM head runs in training. "
-                                "fused: row chunks, loss and gradients in one pass (3 matmuls and one exp per logit; "
-                                "token-level importance sampling only); differentiable: vocab tiles with a streamed "
-                                "VJP (4 matmuls, two exps; any loss); auto: fused at token level, else differentiable",
+                                "In fused mode: row chunks, loss and gradients in one pass (3 matmuls and one exp per "
+                                "logit; token-level importance sampling only); in differentiable mode: vocab tiles "
+                                "with a streamed VJP (4 matmuls, two exps; any loss); auto: fused at token level, else "
+                                "differentiable",
                         choices=("auto", "fused", "differentiable"))
     per_device_train_batch_size: int = _f(8, "completions per micro-batch (TRL counts completions, not prompts)")
     # model
-    keep_frozen_dtype: bool = _f(False, "(mlxrl) as SFT's, off by default here: generation would widen every "
+    keep_frozen_dtype: bool = _f(False, "(mlxrl) as SFT's, off by default here. Generation would widen every "
                                         "kept weight once per decoded token")
     disable_dropout: bool = _f(False, "disable dropout (LoRA dropout included) in the model")
     cast_lm_head_to_fp32: bool = _f(False, "accepted; the streamed head always accumulates in float32")
@@ -112,8 +113,8 @@ class GRPOConfig(TrainConfig):
     log_unique_prompts: bool = refused(False, "completions are not logged yet")
     log_completions_hub_repo: str | None = refused(None, "completions are not logged yet")
     # mlxrl
-    shared_prompt: bool = _f(True, "(mlxrl) training forward with each prompt once per group (False: every "
-                                   "prompt+completion row separately, the baseline)")
+    shared_prompt: bool = _f(True, "(mlxrl) training forward with each prompt once per group. False: every "
+                                   "prompt+completion row separately, the baseline")
     shared_prefill: bool = _f(True, "(mlxrl) generation with each prompt prefilled once and its KV cache shared")
 
     def __post_init__(self):
