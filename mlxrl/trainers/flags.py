@@ -59,9 +59,12 @@ HELP_REFERENCE = "every flag in full: docs/cli.md (python scripts/cli_reference.
 
 
 def one_line(text: str, limit: int) -> str:
-    """`text`'s first sentence on one line, cut at a word before `limit` characters ("..." marks the cut)."""
+    """`text`'s first sentence on one line, without its full stop (as the one-sentence helps read), cut at a word
+    before `limit` characters ("..." marks the cut)."""
     text = " ".join(text.split())
     text = re.split(r"(?<=[a-z0-9)][.!?])\s+(?=[A-Z(`'\"])", text, maxsplit=1)[0]
+    if text.endswith(".") and not text.endswith(".."):
+        text = text[:-1]
     if len(text) <= limit:
         return text
     cut = text[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(")
