@@ -34,11 +34,10 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a reru
                   "disable_tqdm": True}
 DEMO_SFT_STEPS, DEMO_TEST = 10, 96
 QWEN3_5_SFT_STEPS = 30  # the tiny Qwen3.5 after 10 steps answers almost nothing right: GRPO gets no reward to follow
-# Measured over seeds 0-3 (docs/grpo.md): 10 SFT steps teach the answer format (a colour word) but leave the colours
-# mostly unseen (held-out exact match 44-48% in 3 of 4 seeds; 30 steps left 93-98% and no room to rise);
-# top_k 8 samples among the plausible words instead of the untrained tail of the 151,936-token vocabulary
-# (at temperature 1.0 without it, 15% right); 8 prompts x 8 per step, LoRA lr 1e-3 (2e-3 oscillated; full
-# fine-tuning, vision tower included, fell at 5e-4: Adam scales the noisy RL gradient up).
+# Why these settings (each measured over seeds: docs/grpo.md, the paragraph on robustness): a brief SFT teaches the answer format
+# (a colour word) but leaves room for the reward to rise; top_k samples among the plausible words instead of the
+# untrained tail of the vocabulary; LoRA at this learning rate, as a larger one oscillated and full fine-tuning fell
+# (Adam scales the noisy RL gradient up).
 
 
 def colour_reward(prompts, completions, completion_ids, answer, **kwargs):
