@@ -63,18 +63,17 @@ def run_ours(ckpt: str, arch: str, steps: int, batch: int, out: str, rows: list[
     model, processor = mlxrl.load(ckpt)
     stamps = []
 
-    from transformers import TrainerCallback
-
-    class Stamp(TrainerCallback):  # each log entry's time (logging_steps=1: each step's end)
-        def on_log(self, *args, **kw):
+    class Timed(DPOTrainer):
+        def _record(self, entry):
             stamps.append(time.perf_counter())
+            super()._record(entry)
 
     args = DPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=1e-5,
                      logging_steps=1, save_steps=0, disable_tqdm=True, gradient_checkpointing=False,
                      compile=arch == "qwen3", max_length=512)
     import mlx.core as mx
 
-    trainer = DPOTrainer(model, processor, args, train_dataset=rows, callbacks=[Stamp()])
+    trainer = Timed(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     trainer.train()

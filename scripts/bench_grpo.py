@@ -98,14 +98,12 @@ def run_ours(a, rows: list[dict], shared: bool) -> dict:
             rounds.append((time.perf_counter() - t0, metrics["generation_seconds"]))
             return micro, metrics
 
-    from transformers import TrainerCallback
-
-    class Stamp(TrainerCallback):  # each log entry's time (logging_steps=1: each step's end)
-        def on_log(self, *args, **kw):
+        def _record(self, entry):
             stamps.append(time.perf_counter())
+            super()._record(entry)
 
     args = GRPOConfig(output_dir=a.out, save_steps=0, shared_prompt=shared, **_args_common(a))
-    trainer = Timed(model, processor, args, train_dataset=rows, reward_funcs=[reward_vowels], callbacks=[Stamp()])
+    trainer = Timed(model, processor, args, train_dataset=rows, reward_funcs=[reward_vowels])
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     trainer.train()

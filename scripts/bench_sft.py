@@ -122,23 +122,18 @@ def _peaks(n: int) -> dict:
             **_child(["--side", "peak", "--lib", "torch", "--peak_n", str(n)])}
 
 
-def _untimed_final_save(base_cls):
-    class Bench(base_cls):
+def _timed_trainer(base_cls, stamps):
+    """`base_cls` stamping the time of each log entry (logging_steps=1: each step's end). Not a TrainerCallback:
+    those import transformers, whose memory the peak RSS would count on our side."""
+    class Timed(base_cls):
+        def _record(self, entry):
+            stamps.append(time.perf_counter())
+            super()._record(entry)
+
         def save_final(self):  # TRL runs with save_strategy="no": no final save on either side
             pass
 
-    return Bench
-
-
-def _stamp(stamps):
-    """A callback stamping the time of each log entry (logging_steps=1: each step's end)."""
-    from transformers import TrainerCallback
-
-    class Stamp(TrainerCallback):
-        def on_log(self, *args, **kw):
-            stamps.append(time.perf_counter())
-
-    return Stamp()
+    return Timed
 
 
 def run_ours(a) -> dict:
@@ -172,7 +167,7 @@ def run_ours(a) -> dict:
                 return loss, metrics
 
         cls = FusedHead
-    trainer = _untimed_final_save(cls)(model, processor, args, train_dataset=rows, callbacks=[_stamp(stamps)])
+    trainer = _timed_trainer(cls, stamps)(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     trainer.train()

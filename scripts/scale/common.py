@@ -20,7 +20,7 @@ def _script(name: str):
 
 # our --optim -> TRL's (transformers') name for the same optimizer
 TRL_OPTIM = {"adamw_torch": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit"}
-SFT = _script("bench_sft")  # text_rows, model_flops, rss_gb, _peaks, _untimed_final_save, _stamp
+SFT = _script("bench_sft")  # text_rows, model_flops, rss_gb, _peaks, _timed_trainer
 GRPO = _script("bench_grpo")  # reward_vowels, make_prompts, summarise, _args_common
 MLXVLM = _script("bench_scale_mlxvlm")  # the mlxvlm side: available, run
 rss_gb = SFT.rss_gb

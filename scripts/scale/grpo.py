@@ -33,7 +33,7 @@ def run_grpo_ours(s: dict, shared: bool) -> dict:
     model, processor = mlxrl.load(s["ckpt"])
     stamps, rounds = [], []
 
-    class Timed(SFT._untimed_final_save(GRPOTrainer)):
+    class Timed(SFT._timed_trainer(GRPOTrainer, stamps)):
         def generate_round(self, round_index):
             t0 = time.perf_counter()
             micro, metrics = super().generate_round(round_index)
@@ -42,8 +42,7 @@ def run_grpo_ours(s: dict, shared: bool) -> dict:
 
     args = GRPOConfig(output_dir=s["out"], save_steps=0, save_strategy="no", shared_prompt=shared, use_peft=True,
                       lora_r=16, lora_alpha=32, lora_dropout=s["lora_dropout"], **_grpo_common(s))
-    trainer = Timed(model, processor, args, train_dataset=rows, reward_funcs=[GRPO.reward_vowels],
-                    callbacks=[SFT._stamp(stamps)])
+    trainer = Timed(model, processor, args, train_dataset=rows, reward_funcs=[GRPO.reward_vowels])
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     trainer.train()

@@ -27,8 +27,7 @@ def run_ours(s: dict) -> dict:
     opts = args.load_options()
     model, processor = mlxrl.load(s["ckpt"], keep_linear_dtype=opts["keep_linear_dtype"], quantize=opts["quantize"])
     stamps = Stamps("ours")
-    trainer = stamps.traced(SFT._untimed_final_save(SFTTrainer))(model, processor, args, train_dataset=rows,
-                                                                  callbacks=[SFT._stamp(stamps)])
+    trainer = stamps.traced(SFT._timed_trainer(SFTTrainer, stamps))(model, processor, args, train_dataset=rows)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     trainer.train()
