@@ -489,3 +489,46 @@ def test_a_qlora_base_is_quantized_once_in_one_place(tiny_checkpoint, tmp_path, 
     SFTTrainer(model, processor, args, train_dataset=rows).train()
     assert calls == [(4, 64)] and Q.is_quantized(model)
 
+
+
+def test_what_is_left_float_is_quantized_and_a_quantized_base_is_left_alone(tiny_checkpoint, tmp_path):
+    """`quantize_for` quantizes the float linears a partly quantized base still has (an MLX checkpoint's), leaves a
+    base with nothing left to quantize untouched, and refuses full fine-tuning before anything loads
+    (`load_options`, a ConfigError: a ValueError, as the API's other config errors); the demos' warm start hands
+    the next trainer its base quantized, so their "before" score is the quantized model's."""
+    from mlxrl.cli.demos import briefly_sft_default
+    from mlxrl.errors import ConfigError
+    from mlxrl.trainers.grpo.config import GRPOConfig
+    from mlxrl.trainers.sft.config import SFTConfig
+
+    model, _ = mlxrl.load(tiny_checkpoint("qwen3"))
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: p.endswith("layers.0.self_attn.q_proj"))
+    left = [p for p, m in model.named_modules() if Q.quantizable(p, m, 64)]
+    assert Q.is_quantized(model) and left
+    assert sorted(SFTConfig(load_in_4bit=True, use_peft=True).quantize(model)) == sorted(left)
+    assert not Q.left_to_quantize(model, 64)
+    assert SFTConfig(load_in_4bit=True, use_peft=True).quantize(model) is None
+
+    with pytest.raises(ConfigError, match="use_peft=True"):
+        SFTConfig(load_in_4bit=True).load_options()
+
+    args = GRPOConfig(load_in_4bit=True, use_peft=True, output_dir=str(tmp_path / "g"))
+    warm, _ = briefly_sft_default(args, 0, {}, None)
+    assert Q.is_quantized(warm) and not Q.left_to_quantize(warm, 64)
+
+
+def test_a_quantization_the_model_cannot_take_is_refused_before_the_output_folder(tiny_checkpoint, tmp_path):
+    """Full fine-tuning of an MLX-quantized model and --merge_quantized over a float base are refused in one line
+    before the trainer makes its output folder."""
+    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.trainers.sft.trainer import SFTTrainer
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 4
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"))
+    with pytest.raises(MlxrlError, match="merge_quantized saves the merged model re-quantized"):
+        SFTTrainer(model, processor, SFTConfig(output_dir=str(tmp_path / "a"), use_peft=True, merge_quantized=True),
+                   train_dataset=rows)
+    Q.quantize_model(model, 4, 64)
+    with pytest.raises(MlxrlError, match="MLX-quantized: it trains LoRA adapters"):
+        SFTTrainer(model, processor, SFTConfig(output_dir=str(tmp_path / "b")), train_dataset=rows)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

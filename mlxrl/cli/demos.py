@@ -33,7 +33,8 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
 
     if model_path is not None:
         return load_for_training(model_path, args)
-    # float, whatever `args` quantizes: the brief SFT trains it whole (the trainer made next quantizes it)
+    # float, whatever `args` quantizes: the brief SFT trains it whole; quantized after it, before the caller's
+    # "before" score (the trainer made next finds nothing left to quantize)
     model, processor = mlxrl.load_default(seed=args.seed, dtype=args.compute_dtype(), arch=demo)
     if sft_steps > 0:
         print(f"embedded default: {DEMO_NAMES[demo]}, brief SFT ({sft_steps} steps) on synthetic colour questions",
@@ -44,4 +45,5 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
         SFTTrainer(model, processor, sft_args,
                    train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
         model.unfreeze()  # the next trainer sets up its own trainable parameters
+    args.quantize(model)
     return model, processor

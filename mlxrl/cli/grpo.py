@@ -34,10 +34,10 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a reru
                   "disable_tqdm": True}
 DEMO_SFT_STEPS, DEMO_TEST = 10, 96
 QWEN3_5_SFT_STEPS = 30  # the tiny Qwen3.5 after 10 steps answers almost nothing right: GRPO gets no reward to follow
-# Why these settings (each measured over seeds: docs/grpo.md, the paragraph on robustness): a brief SFT teaches the answer format
-# (a colour word) but leaves room for the reward to rise; top_k samples among the plausible words instead of the
-# untrained tail of the vocabulary; LoRA at this learning rate, as a larger one oscillated and full fine-tuning fell
-# (Adam scales the noisy RL gradient up).
+# Why these settings (each measured over seeds: docs/grpo.md, the paragraph on robustness): a brief SFT teaches the
+# answer format (a colour word) but leaves room for the reward to rise; top_k samples among the plausible words
+# instead of the untrained tail of the vocabulary; LoRA at this learning rate, as a larger one oscillated and full
+# fine-tuning fell (Adam scales the noisy RL gradient up).
 
 
 def colour_reward(prompts, completions, completion_ids, answer, **kwargs):

@@ -46,6 +46,7 @@ from .quantized_experts import (  # noqa: F401  (DEQUANTIZE_MIN_ROWS, dequantize
     QuantizedExperts,
     QuantizedStack,
     dequantize,
+    quantizable_experts,
     quantize_experts,
     quantized_experts_in,
 )
@@ -188,13 +189,19 @@ def refuse_full_fine_tuning(quantization: tuple[int, int] | None, *, lora: bool,
 
 def quantize_for(model, quantization: tuple[int, int] | None, *, lora: bool) -> list[str] | None:
     """What a run does to its base before adding LoRA: full fine-tuning of a quantized base refused
-    (`refuse_full_fine_tuning`), and a float base quantized to `quantization` (bits, group size). A base
-    already quantized (as it loaded, `loading.load(quantize=)`) is left as it is. Returns the paths quantized
-    now, or None when nothing was."""
+    (`refuse_full_fine_tuning`), and what `quantize_model` would quantize to `quantization` (bits, group size)
+    quantized. A base that loaded quantized (`loading.load(quantize=)`) has nothing left to quantize and is not
+    touched; an MLX-quantized checkpoint's float linears are. Returns the paths quantized now, or None when none
+    were."""
     refuse_full_fine_tuning(quantization, lora=lora, model=model)
-    if quantization is None or is_quantized(model):
+    if quantization is None or not left_to_quantize(model, quantization[1]):
         return None
     return quantize_model(model, *quantization)
+
+
+def left_to_quantize(model, group_size: int) -> bool:
+    """Whether `quantize_model` at `group_size` would quantize a layer of `model` (a float linear or expert stack)."""
+    return any(quantizable(p, m, group_size) or quantizable_experts(m, group_size) for p, m in model.named_modules())
 
 
 def use_fast_layers(model) -> None:

@@ -25,7 +25,7 @@ import mlx.core as mx
 from .. import runtime
 from ..errors import ConfigError, MlxrlError  # noqa: F401  (ConfigError: config's name for it)
 from ..models.checkpointing import check_segments
-from ..models.quantize import quantize_for, refuse_full_fine_tuning, requested_quantization
+from ..models.quantize import quantize_for, requested_quantization
 from ..models.tiled import tile_tokens_for
 from ..models.widened import keeps_checkpoint_dtype
 from ..optim.optimizers import check_optim, make_optimizer
@@ -239,7 +239,7 @@ class TrainConfig(ElsewhereArguments):
         """`mlxrl.load`'s keywords for this run: its compute dtype, whether to keep the checkpoint's linear dtype,
         and the quantization load_in_4bit / load_in_8bit ask for, applied as the weights are read (full
         fine-tuning of a quantized base is refused here, before anything loads)."""
-        refuse_full_fine_tuning(self.quantization, lora=self.use_peft)
+        check_quantization_flags(self)
         return {"dtype": self.compute_dtype(), "keep_linear_dtype": self.keeps_checkpoint_dtype(),
                 "quantize": self.quantization}
 

@@ -33,9 +33,12 @@ def load_for_training(ref: str | None, args, *, seed: int = 0, demo: str = "qwen
 
 
 def check_for_training(model, args) -> None:
-    """What the run asks of `model` that it cannot do, refused in one line: bf16 against the model's dtype, and
+    """What the run asks of `model` that it cannot do, refused in one line before any folder is touched: bf16
+    against the model's dtype, full fine-tuning of a quantized base, merge_quantized over a float one, and
     checkpointing segments it cannot have (gradient checkpointing is set on it here)."""
     check_model_dtype(args, model.compute_dtype())  # --bf16 against the model the user loaded
+    quantize_lib.refuse_full_fine_tuning(args.quantization, lora=args.use_peft, model=model)
+    _check_merge_quantized(model, args, quantizing=args.quantization is not None)
     model.language_model.set_checkpointing(args.gradient_checkpointing, args.keep_attention,
                                            args.checkpoint_segments)
 
@@ -46,9 +49,7 @@ def prepare_for_training(model, args) -> None:
     or the model unfrozen (less the vision tower / embeddings when frozen), and no trained weight left in a dtype
     the update cannot keep."""
     args.quantize(model)
-    if getattr(args, "merge_quantized", False) and not quantize_lib.is_quantized(model):
-        raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
-                         "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
+    _check_merge_quantized(model, args, quantizing=False)  # a quantization that found no layer to quantize
     lm = model.language_model
     lm.tile_mlp(args.mlp_tile_tokens(lm.config.hidden_size))
     if args.keep_attention and (not args.gradient_checkpointing or fastmath.kernels_for(lm.norm.weight) is None):
@@ -66,3 +67,9 @@ def prepare_for_training(model, args) -> None:
             lm.embed_tokens.freeze()
     model.train()
     check_trainable_dtypes(model)  # no float16; no bfloat16-kept weight trained (`models.widened`)
+
+
+def _check_merge_quantized(model, args, *, quantizing: bool) -> None:
+    if getattr(args, "merge_quantized", False) and not quantizing and not quantize_lib.is_quantized(model):
+        raise MlxrlError("--merge_quantized saves the merged model re-quantized, but the base is not quantized: "
+                         "add --load_in_4bit or --load_in_8bit, or use --merge for a float merged model")
