@@ -105,10 +105,10 @@ class TrainConfig(ElsewhereArguments):
     logging_dir: str | None = _f(None, "TensorBoard log folder (default: output_dir/runs)")
     gradient_checkpointing: bool = _f(True, "recompute each decoder layer in backward (less memory, more compute)")
     keep_attention: bool = _f(False, "(mlxrl) with gradient_checkpointing: keep the forward's attention instead of "
-                                     "recomputing it. Each decoder layer's attention output and log-sum-exp are kept "
-                                     "from the forward instead of recomputing the attention in the backward (faster "
-                                     "at long sequences; 4 x tokens x q heads x (head_dim + 1) bytes more per layer; "
-                                     "the native CPU kernel path, elsewhere the attention is recomputed)")
+                                     "recomputing it. Each decoder layer keeps its attention output and "
+                                     "log-sum-exp for the backward (faster at long sequences; 4 x tokens x q heads x "
+                                     "(head_dim + 1) bytes more per layer; the native CPU kernel path, elsewhere the "
+                                     "attention is recomputed)")
     checkpoint_segments: int = _f(0, "(mlxrl) with gradient_checkpointing: also checkpoint the decoder layers in S "
                                      "segments (0: off). The L decoder layers go in S consecutive segments of "
                                      "ceil(L / S) layers (torch's checkpoint_sequential, nested around each layer's "
