@@ -350,13 +350,12 @@ def init_weights(model, std: float = 0.02, embed_std: float | None = None) -> No
 
 
 def load_default(seed: int = 0, dtype: mx.Dtype | str | None = None, arch: str = "qwen3_vl", *,
-                 keep_linear_dtype: bool = False, quantize: tuple[int, int] | None = None):
+                 quantize: tuple[int, int] | None = None):
     """The embedded default: a tiny Qwen3-VL-architecture model (config shipped in the package,
     random weights from `seed`) with the real Qwen tokenizer and a Qwen3-VL image processor; arch
     "qwen3_5": the same size in Qwen3.5's architecture (Gated DeltaNet and gated attention layers, the tower
     without DeepStack) with Qwen3.5's tokenizer and its small checkpoints' chat template (no thinking). Needs
-    no network and no downloaded model. `keep_linear_dtype` and `quantize` as `load`'s (its random weights are
-    made in `dtype`: there is no other dtype to keep). Returns (model, processor)."""
+    no network and no downloaded model. `quantize` as `load`'s. Returns (model, processor)."""
     from .models import build_model
     from .processing.processor import (
         QWEN3_5_NOTHINK_CHAT_TEMPLATE,

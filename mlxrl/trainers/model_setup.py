@@ -4,7 +4,8 @@
 the one place the dtype name is resolved; from then on the model's weights say it), a LoRA run's bfloat16 frozen
 linears kept (`models.widened`), and a QLoRA base quantized as its weights are read (the float base is never
 whole in memory). The engine's part runs once when a trainer is made, in two steps: `check_for_training` first
-(the dtype against bf16, the checkpointing segments the model can have: refused before any folder is touched),
+(what the model cannot do for this run, refused before any folder is touched: bf16 against its dtype, full
+fine-tuning of a quantized base, merge_quantized over a float one, checkpointing segments it cannot have),
 then `prepare_for_training`: a float base handed in by the Python API is quantized there (one model is quantized
 in one of the two places, never both), MLP tiling, and the trainable parameters (LoRA, or the whole model less
 what is frozen).
@@ -27,9 +28,10 @@ def load_for_training(ref: str | None, args, *, seed: int = 0, demo: str = "qwen
     random weights from `seed`) loaded as `args` asks (`TrainConfig.load_options`)."""
     import mlxrl
 
-    if ref is None:
-        return mlxrl.load_default(seed=seed, arch=demo, **args.load_options())
-    return mlxrl.load(ref, **args.load_options())
+    options = args.load_options()
+    if ref is None:  # random weights made in the compute dtype: no checkpoint dtype to keep
+        return mlxrl.load_default(seed=seed, arch=demo, dtype=options["dtype"], quantize=options["quantize"])
+    return mlxrl.load(ref, **options)
 
 
 def check_for_training(model, args) -> None:
