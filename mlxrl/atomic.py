@@ -16,7 +16,9 @@ destination (same filesystem, created with `os.mkdir`, so it has the umask's mod
 - `into=`: files into a folder that also holds other things (a run's output_dir holds checkpoints and
   metrics.jsonl next to the final model or adapter): each file is renamed into place on its own, the
   previous save's files that the new one does not write are deleted, and the folder's marker says
-  "partial" until the last rename (`check_complete` refuses to load such a folder).
+  "partial" until the last rename, naming the temp folder and the new files: a save killed between two
+  renames is rolled forward by the next write or load of the folder (`finish_interrupted`), so a kill at
+  any point leaves the previous save or the new one.
 
 A write that fails (a full disk, a read-only folder, an exception) deletes the temp folder and leaves
 the previous version as it was: no byte of the destination is touched before the new version is
@@ -285,9 +287,9 @@ def replace_dir_atomically(tmp: Path, final: Path) -> None:
 def _move_files_into(tmp: Path, folder: Path, kind: str) -> None:
     """Rename each file of `tmp` into `folder`, replacing the previous save there (the files its marker
     lists; those the new save does not write are deleted, so two saves never mix). The marker is
-    rewritten first, listing the old and the new files and `"partial": true`, and again at the end: a
-    kill between two renames leaves only files the marker claims, and a folder that says it is partial
-    (`check_complete` refuses to load it)."""
+    rewritten first, listing the old and the new files, `"partial": true`, the temp folder and the new
+    files, and again at the end: a kill between two renames leaves only files the marker claims, and a
+    folder that says it is partial, which `finish_interrupted` completes."""
     fsync_tree(tmp)
     names = sorted(os.listdir(tmp))
     marker = read_marker(folder)
@@ -297,21 +299,62 @@ def _move_files_into(tmp: Path, folder: Path, kind: str) -> None:
         raise MlxrlError(f"{folder / clash[0]} exists and mlxrl did not write it: move it out or choose another "
                          "folder; nothing was replaced")
 
-    def put_marker(files, partial: bool) -> None:
-        marker_tmp = tmp.parent / f".{MARKER}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        marker_tmp.write_text(_marker_text(kind, files, partial))
-        _fsync(marker_tmp)
-        os.replace(marker_tmp, folder / MARKER)
-
-    put_marker(ours | set(names), True)
+    _put_marker(folder, kind, ours | set(names), pending=(tmp.name, names))
     for n in names:
         os.replace(tmp / n, folder / n)
     os.rmdir(tmp)
-    for n in sorted(ours - set(names)):  # the previous save's files this one does not write (stale shards)
+    _finish_moves(folder, kind, ours, names)
+
+
+def _put_marker(folder: Path, kind: str, files, pending: tuple[str, list] | None = None) -> None:
+    """Replace `folder`'s marker by renaming; `pending` (the temp folder's name, the new save's files) makes it
+    the partial marker of a save between its renames."""
+    data = json.loads(_marker_text(kind, files, partial=pending is not None))
+    if pending is not None:
+        data["pending"], data["new"] = pending[0], sorted(pending[1])
+    marker_tmp = folder / f".{MARKER}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    marker_tmp.write_text(json.dumps(data, indent=1) + "\n")
+    _fsync(marker_tmp)
+    os.replace(marker_tmp, folder / MARKER)
+
+
+def _finish_moves(folder: Path, kind: str, ours, names) -> None:
+    """The end of a save into `folder` once all its files are in place: the previous save's files it does
+    not write (stale shards) deleted, then the marker listing only the new files."""
+    for n in sorted(set(ours) - set(names)):
         remove_entry(folder / n)
     _fsync(folder)
-    put_marker(names, False)
+    _put_marker(folder, kind, names)
     _fsync(folder)
+
+
+def finish_interrupted(folder: Path) -> bool:
+    """Complete a save into `folder` that was killed between its renames, and say whether it did.
+
+    Such a save's marker says partial, names its temp folder (`pending`, inside `folder`) and lists its files
+    (`new`): every one of them was complete on disk (flushed) before the first rename, so the save is rolled
+    forward: the files still in the temp folder are renamed into place, the previous save's others deleted,
+    the marker rewritten. Left alone (False): no such marker, a temp folder whose process still runs (a save
+    in progress), or a new file missing from both places (then the folder stays partial and is refused)."""
+    folder = Path(folder)
+    marker = read_marker(folder)
+    pending, new = (marker or {}).get("pending"), (marker or {}).get("new")
+    if not (marker and marker.get("partial") and isinstance(pending, str) and isinstance(new, list)):
+        return False
+    check_listed(folder / MARKER, [pending, *new])
+    m = re.match(r"^\..+\.tmp-(\d+)-[0-9a-f]{8}$", pending)
+    if not m or (int(m.group(1)) != os.getpid() and _pid_alive(int(m.group(1)))):
+        return False
+    src = folder / pending
+    if src.is_dir() and not src.is_symlink():
+        for n in os.listdir(src):
+            if n in new:
+                os.replace(src / n, folder / n)
+        shutil.rmtree(src, ignore_errors=True)
+    if not all((folder / n).exists() or (folder / n).is_symlink() for n in new):
+        return False
+    _finish_moves(folder, marker.get("kind", "files"), marker["files"], new)
+    return True
 
 
 def remove_entry(path: Path) -> None:
@@ -324,8 +367,15 @@ def remove_entry(path: Path) -> None:
 
 def check_complete(folder: Path, what: str = "") -> None:
     """Refuse, in one line, a folder whose save was interrupted between its renames (its marker says
-    partial): its files may come from two saves."""
+    partial) and cannot be rolled forward (`finish_interrupted`): its files may come from two saves."""
     marker = read_marker(folder)
+    if marker and marker.get("partial"):
+        try:
+            if finish_interrupted(folder):
+                return
+        except OSError:  # a folder we may not write: refused as it is
+            pass
+        marker = read_marker(folder)
     if marker and marker.get("partial"):
         raise MlxrlError(f"{what or folder}: the save into {folder} was interrupted (its {MARKER} says partial), so "
                          "its files may mix two saves: load its newest checkpoint-N instead, or save again")
@@ -346,6 +396,8 @@ def write_atomically(final: Path | str, write: Callable[[Path], None], *, what: 
     existed = (final / MARKER).exists() if into else final.exists()
     try:
         anchor.parent.mkdir(parents=True, exist_ok=True)
+        if into:  # a killed save's files are in its temp folder: put in place before stale temps go
+            finish_interrupted(final)
         clean_stale(anchor)
         if into:
             clean_stale(final / MARKER)

@@ -575,3 +575,96 @@ def test_grpo_sigterm_mid_generation_cycle_resumes_exactly(tiny_checkpoint, tmp_
     assert trainer.log_history[2]["step"] == 3  # the interrupted step's log entry came back with the checkpoint
     got = {k: np.array(v) for k, v in trainer.trainable_state().items()}
     assert_same(got, want)
+
+
+# ------------------------------------------------------------------- --overwrite_output_dir replaces, never loses
+
+KILL_PATCH = """
+import os, signal, sys
+import mlx.core as mx
+point = os.environ["KILL_AT"]
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if point == "start":  # the run has taken the folder over (its record names it) and cleared the old steps
+    from mlxrl.trainers import run_dir
+    write_record = run_dir.write_record
+    def record_then_die(*a, **k):
+        write_record(*a, **k)
+        die()
+    run_dir.write_record = record_then_die
+elif point == "mid-run":  # inside the second optimizer step
+    from mlxrl.trainers import engine
+    update = engine.Trainer._update
+    def update_then_die(self, grads):
+        if self.global_step == 1:
+            die()
+        return update(self, grads)
+    engine.Trainer._update = update_then_die
+elif point == "first-tensor":  # the final save has written its first tensor file (aside)
+    save = mx.save_safetensors
+    def save_then_die(*a, **k):
+        save(*a, **k)
+        die()
+    mx.save_safetensors = save_then_die
+elif point == "renames":  # the final save's first file renamed into the folder, the others not yet
+    replace = os.replace
+    def replace_then_die(src, dst, *a, **k):
+        replace(src, dst, *a, **k)
+        if os.path.basename(os.path.dirname(os.fspath(src))).startswith((".model.tmp-", ".adapter.tmp-")):
+            die()
+    os.replace = replace_then_die
+from mlxrl.sft import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _weights(folder: Path) -> dict:
+    model, _ = mlxrl.load(folder)  # loads only a complete save (a partial one is rolled forward or refused)
+    return params(model)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "adapter"])
+def test_overwrite_keeps_the_old_model_until_the_new_one_is_in_place(text_run, tmp_path, lora):
+    """A folder holding a finished run; a new run into it with --overwrite_output_dir, killed (kill -9) when it
+    has taken the folder over, mid-run, inside its final save (its first tensor written aside) and between the
+    final save's renames: each leaves the old model (or, from the renames on, the new one) loadable, the user's
+    file untouched; run again, it replaces the old model."""
+    folder, data, _, _ = text_run
+    peft = ["--use_peft", "true"] if lora else ["--use_peft", "false"]
+    old_dir = tmp_path / "old"
+    assert run_cli("mlxrl.sft", sft_cli(folder, data, old_dir, *peft, "--max_steps", "2")).returncode == 0
+    (old_dir / "notes.txt").write_text("mine")
+
+    def loaded(out):  # through the loaders, which roll a save killed between its renames forward
+        if not lora:
+            return _weights(out)
+        return {k: np.array(v) for k, v in lora_lib._read_adapter(out)[1].items()}
+
+    old = loaded(old_dir)
+    again = [*peft, "--max_steps", "3", "--learning_rate", "5e-3", "--overwrite_output_dir", "true"]
+    new_dir = tmp_path / "new"
+    shutil.copytree(old_dir, new_dir)
+    assert run_cli("mlxrl.sft", sft_cli(folder, data, new_dir, *again)).returncode == 0
+    new = loaded(new_dir)
+    assert any(not np.array_equal(old[k], new[k]) for k in old)
+    (patch := tmp_path / "kill.py").write_text(KILL_PATCH)
+    # the start and mid-run points are the same for an adapter (the run's start is the adapter's too)
+    points = [("first-tensor", old), ("renames", new)] if lora else [
+        ("start", old), ("mid-run", old), ("first-tensor", old), ("renames", new)]
+    for point, want in points:
+        out = tmp_path / point
+        shutil.copytree(old_dir, out)
+        os.environ["KILL_AT"] = point
+        try:
+            res = run_cli(str(patch), sft_cli(folder, data, out, *again))
+        finally:
+            del os.environ["KILL_AT"]
+        assert res.returncode == -signal.SIGKILL, (point, res.stdout[-1500:], res.stderr[-1500:])
+        assert (out / "notes.txt").read_text() == "mine"
+        assert_same(loaded(out), want)
+        if point in ("start", "mid-run"):
+            continue
+        res = run_cli("mlxrl.sft", sft_cli(folder, data, out, *again))  # run again: the new model replaces it
+        assert res.returncode == 0, (point, res.stderr[-1500:])
+        assert_same(loaded(out), new)
+        assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name], point

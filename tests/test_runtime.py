@@ -31,6 +31,55 @@ def test_blas_choice_is_applied_and_reported():
     assert blas.BLAS_IN_USE in runtime.startup_line()
 
 
+# a machine without Debian's OpenBLAS: blas.py loaded on its own (not through mlxrl, which would set the BLAS up
+# at import), its Debian paths emptied, then `setup_blas` as `import mlxrl` runs it, then MLX's matmul
+NO_DEBIAN_OPENBLAS = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("blas_alone", sys.argv[1])
+blas = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(blas)
+blas.OPENBLAS_PATHS = ()
+print(blas.setup_blas())
+import mlx.core as mx
+a = mx.random.normal((256, 256))
+mx.eval(a @ a)
+maps = open("/proc/self/maps").read()
+print("libmkl_core" in maps and "mkl_rt" in maps)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64" or not blas._bundled_reference_blas(),
+                    reason="the mkl dependency is for Linux x86-64, whose MLX wheel bundles a reference BLAS")
+def test_pip_alone_gives_mkl_where_debian_openblas_is_missing():
+    """The package's own dependencies (no apt package) give MLX a fast BLAS: the `mkl` wheel is installed with
+    mlxrl, `setup_blas` finds it without Debian's OpenBLAS, the start-up line names it, and MLX's matmul runs
+    in it (MKL's kernel library is loaded by its first sgemm call)."""
+    from importlib import metadata
+
+    metadata.distribution("mkl")  # a dependency of mlxrl on Linux x86-64
+    res = subprocess.run([sys.executable, "-c", NO_DEBIAN_OPENBLAS, blas.__file__], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "MLXRL_BLAS"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    line, in_mkl = res.stdout.split("\n")[:2]
+    assert line.startswith("MKL (") and "libmkl_rt" in line, line
+    assert in_mkl == "True", res.stdout
+
+
+def test_commands_work_from_the_folder_holding_the_clone(tmp_path):
+    """A clone keeps git's default folder name, the package's (`mlxrl/`): run from its parent folder, the current
+    directory's `mlxrl/` (no __init__.py there) must not shadow the installed package as a namespace package
+    (the editable install is a path entry, `pyproject.toml`'s package-dir)."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "mlxrl").symlink_to(root, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", "import mlxrl; print(mlxrl.__file__, mlxrl.load_default)"],
+                         cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.split()[0].endswith("__init__.py"), res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-m", "mlxrl.plan"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and "FITS" in res.stdout and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert res.stderr.count("reference BLAS") == 0, res.stderr
+
+
 def test_compute_dtype_policy(monkeypatch):
     monkeypatch.delenv("MLXRL_DTYPE", raising=False)  # tests/conftest.py pins float32 on a GPU
     expected = mx.bfloat16 if runtime.default_device_kind() == "gpu" else mx.float32

@@ -6,6 +6,12 @@ after ``mlx.core`` does not rebind MLX's symbols, so this is the one thing mlxrl
 imported: ``mlxrl/__init__`` imports ``mlxrl.cpu`` first, which calls `setup_blas()` before any
 module imports ``mlx.core`` (a program that imported ``mlx.core`` first gets a warning).
 
+Which one (`MLXRL_BLAS=auto`): Debian's OpenBLAS where it is installed (``libopenblas0-pthread``), else
+Intel's MKL from its PyPI wheel, which the package depends on for Linux x86-64, so that ``pip install``
+alone gives a fast BLAS (``libmkl_rt`` under the environment's ``lib/``: a venv's, the interpreter's,
+or the user base of ``pip install --user``); else the reference, and the start-up line says how to get a
+fast one. MKL has no aarch64 build: there Debian's OpenBLAS is the way, and the line says so.
+
 OpenBLAS picks its kernels from the CPU model and falls back to its slowest generic x86-64 kernel
 ("Prescott") on CPUs newer than the build knows: unless ``OPENBLAS_CORETYPE`` is already set, it is
 set from the CPU's flags (``/proc/cpuinfo``) before OpenBLAS loads. Its idle threads spin (``sched_yield``
@@ -105,9 +111,21 @@ def _bundled_reference_blas() -> bool:
 
 
 def _mkl_paths() -> list[str]:
-    prefix = Path(sys.prefix)
-    found = glob.glob(str(prefix / "lib" / "libmkl_rt.so*"))
-    return found + ["libmkl_rt.so.2", "libmkl_rt.so"]
+    """libmkl_rt where pip puts the `mkl` wheel's libraries (its data files: `<prefix>/lib`), newest
+    soname first, then the names the dynamic loader may find by itself."""
+    import site
+
+    prefixes = dict.fromkeys([sys.prefix, sys.base_prefix, getattr(site, "USER_BASE", None) or sys.prefix])
+    found = [p for prefix in prefixes for p in sorted(glob.glob(str(Path(prefix) / "lib" / "libmkl_rt.so*")),
+                                                        reverse=True)]
+    return found + ["libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"]
+
+
+def no_fast_blas_fix() -> str:
+    """What a Linux machine without a fast BLAS should install, in words for the start-up line."""
+    if os.uname().machine == "x86_64":
+        return "pip install mkl, or apt-get install libopenblas0-pthread"
+    return "apt-get install libopenblas0-pthread (MKL has no build for this CPU)"
 
 
 def _openblas_coretype(flags: set[str]) -> str | None:
@@ -184,7 +202,7 @@ def setup_blas() -> str:
             os.environ["OPENBLAS_CORETYPE"] = core
     loaded = _try_load(candidates)
     if loaded is None:
-        BLAS_IN_USE = "reference (no OpenBLAS/MKL found: apt-get install libopenblas0-pthread)"
+        BLAS_IN_USE = f"reference (no OpenBLAS/MKL found: {no_fast_blas_fix()})"
     else:
         name = "MKL" if "mkl" in loaded else "OpenBLAS"
         core = os.environ.get("OPENBLAS_CORETYPE") if name == "OpenBLAS" else None

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear as MlxLmLoRALinear
 
+from ..atomic import check_complete
 from ..errors import MlxrlError
 from ..loading import field_error, is_int, is_number, read_json, read_safetensors
 from .dropout import Dropout
@@ -325,8 +326,10 @@ def check_adapter_config(cfg: dict, path: Path) -> dict:
 
 
 def _read_adapter(adapter_dir: Path) -> tuple[dict, dict]:
-    """(the checked adapter_config.json settings, the adapter's tensors) of a PEFT adapter folder."""
+    """(the checked adapter_config.json settings, the adapter's tensors) of a PEFT adapter folder (a save of ours
+    interrupted between its renames rolled forward or refused, `atomic.check_complete`)."""
     path = adapter_dir / ADAPTER_CONFIG
+    check_complete(adapter_dir, f"the adapter {adapter_dir}")
     if not path.is_file():
         raise MlxrlError(f"{adapter_dir}: not a PEFT adapter folder (no {ADAPTER_CONFIG})")
     cfg = check_adapter_config(read_json(path, ADAPTER_FIX), path)

@@ -16,8 +16,13 @@ One record of ownership, three parts:
 - **Refused folders.** An empty `--output_dir`; the current folder or one above it (unless it already
   holds an mlxrl run); a folder that is or contains the model being trained or the dataset; a folder
   holding another run (unless resuming one of its checkpoints or overwriting it: then that run's
-  checkpoints, metrics.jsonl, picture and final save are deleted when training starts, so the folder
-  never mixes two runs; nothing else is touched).
+  checkpoints, metrics.jsonl and picture are deleted when training starts, so the folder never mixes two
+  runs' steps; nothing else is touched).
+- **The final save is replaced, never removed first.** Under `--overwrite_output_dir` the earlier run's
+  final model or adapter stays loadable while the new run trains; the new final save replaces it file by
+  file (`atomic.write_atomically(into=...)`, rolled forward if killed between its renames), and only then
+  do the earlier run's merged folders that the new save did not write go (`remove_replaced`). A kill at
+  any point leaves the earlier model or the new one.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ from ..atomic import (
     check_listed,
     check_save_target,
     clean_stale,
+    finish_interrupted,
     foreign_entries,
     read_marker,
-    remove_entry,
     write_error_reason,
     write_file_atomically,
 )
@@ -215,6 +220,9 @@ def leftovers(out: Path) -> list[Path]:
 
 
 def clean_leftovers(out: Path) -> list[Path]:
+    """A save killed between its renames rolled forward (its temp folder is one of the leftovers), then the
+    leftovers of killed processes deleted."""
+    finish_interrupted(out)
     removed = []
     for name in sorted({_LEFTOVER_RE.match(p.name).group(1) for p in leftovers(out)}):
         removed += clean_stale(out / name)
@@ -247,9 +255,8 @@ def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tup
         more = f" and {len(found) - 2} more" if len(found) > 2 else ""
         raise MlxrlError(f"--output_dir {out} holds another run ({', '.join(found[:2])}{more}): resume it with "
                          "--resume_from_checkpoint last, pass --overwrite_output_dir true to start over (its "
-                         "checkpoints, metrics.jsonl, run.png and final save are deleted when training starts; "
-                         "nothing else), or choose another "
-                         "--output_dir")
+                         "checkpoints, metrics.jsonl and run.png are deleted when training starts, its final save "
+                         "once the new one is in place; nothing else), or choose another --output_dir")
     marker = read_marker(out)
     ours = set(marker["files"]) if marker else set()
     names = FINAL_FILES + (() if lora else MODEL_FILES)
@@ -267,9 +274,9 @@ def check_run_dir(out: Path, *, resume, overwrite: bool, lora: bool, merged: tup
 
 def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[str, ...] = ()) -> None:
     """At the start of train() on the writing rank (the lock held): the checks of `check_run_dir`, our
-    leftovers from a killed process removed, and with overwrite_output_dir the other run's checkpoints,
-    loose files (metrics.jsonl, its picture) and final save deleted (checkpoint folders holding anything
-    but our files are left)."""
+    leftovers from a killed process removed, and with overwrite_output_dir the other run's checkpoints and
+    loose files (metrics.jsonl, its picture) deleted (checkpoint folders holding anything but our files are
+    left). Its final save stays until this run's replaces it (`remove_replaced`)."""
     out = Path(out)
     clean_leftovers(out)
     found = check_run_dir(out, resume=resume, overwrite=overwrite, lora=lora, merged=merged)
@@ -282,19 +289,18 @@ def start_run(out: Path, *, resume, overwrite: bool, lora: bool, merged: tuple[s
     for name in record["files"] if record else [METRICS] if METRICS in found else []:
         if not (out / name).is_dir() or (out / name).is_symlink():  # (the record lists files; a folder is not ours)
             (out / name).unlink(missing_ok=True)  # metrics.jsonl and the run's picture
-    remove_final_save(out)
 
 
-def remove_final_save(out: Path) -> None:
-    """Delete the earlier run's final save in `out`: the files its marker lists, then the marker (so a kill
-    midway leaves a marker listing what is left), and the model/, merged/ folders older runs wrote."""
-    marker = read_marker(out)
-    for name in (marker or {}).get("files", []):
-        remove_entry(out / name)
-    if marker is not None:
-        (out / MARKER).unlink(missing_ok=True)
-    for name in ("model", "merged", "merged-quantized"):
-        if (out / name).is_dir() and read_marker(out / name) is not None and not foreign_entries(out / name):
+SAVED_FOLDERS = ("model", "merged", "merged-quantized")  # the folders a final save of ours may hold
+
+
+def remove_replaced(out: Path, written: tuple[str, ...] = ()) -> None:
+    """After this run's final save is in place: the earlier saves' folders in `out` that it did not write
+    (`written`: its merged folders) deleted, when they are ours (a marker, nothing else in them): an
+    earlier run's --merge output, the model/ folder of older versions."""
+    for name in SAVED_FOLDERS:
+        if name not in written and (out / name).is_dir() and not (out / name).is_symlink() \
+                and read_marker(out / name) is not None and not foreign_entries(out / name):
             shutil.rmtree(out / name)
 
 

@@ -222,6 +222,7 @@ def save_final(model, processor, output_dir: Path, args) -> None:
 
     if not getattr(model, "lora_config", None):
         save(model, processor, output_dir, into=True)
+        run_dir.remove_replaced(output_dir)
         return
 
     # the adapter and processor files are written aside, then renamed into output_dir (which also holds the
@@ -238,3 +239,4 @@ def save_final(model, processor, output_dir: Path, args) -> None:
     if args.merge:
         lora_lib.merge_lora(model)
         save(model, processor, output_dir / "merged", overwrite=True)
+    run_dir.remove_replaced(output_dir, run_dir.merged_folders(args))
