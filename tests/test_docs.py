@@ -53,6 +53,30 @@ def anchors(text: str) -> set[str]:
     return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h.replace("`", "")).strip().lower()) for h in heads}
 
 
+NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+                "sixteen seventeen eighteen nineteen twenty").split()
+
+
+def test_the_supported_models_and_their_counts_follow_the_model_registry():
+    """docs/index.md's Supported models table lists exactly the model types mlxrl loads (`models.ARCHITECTURES`),
+    and a count of them anywhere in the pages ("the twelve Qwen model types", "all N architectures") is that
+    number: a count written once goes stale when a family is added."""
+    from mlxrl.models import ARCHITECTURES
+
+    table = (DOCS / "index.md").read_text().split("## Supported models", 1)[1].split("\n\n", 2)[1]
+    listed = re.findall(r"(?m)^\|[^|\n]*\|\s*`([a-z0-9_]+)`\s*\|", table)
+    assert sorted(listed) == sorted(ARCHITECTURES), (listed, sorted(ARCHITECTURES))
+    words = "|".join(NUMBER_WORDS)
+    count = rf"\b({words}|\d+)\s+(?:Qwen\s+)?(?:architectures|model types|model families)\b"
+    for page in pages():
+        if page.name in ARCHIVE:
+            continue
+        for word in re.findall(count, prose(page.read_text()), flags=re.IGNORECASE):
+            n = int(word) if word.isdigit() else NUMBER_WORDS.index(word.lower())
+            assert n == len(ARCHITECTURES), f"{page.relative_to(ROOT)} counts {word} model types, the registry " \
+                                            f"holds {len(ARCHITECTURES)}"
+
+
 def test_readme_is_short():
     lines = README.read_text().splitlines()
     assert len(lines) <= 210, f"README.md has {len(lines)} lines: move sections into docs/"

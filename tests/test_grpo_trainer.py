@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 import mlxrl
 from mlxrl.cli.grpo import main as grpo_main
 from mlxrl.losses.grpo import LOSS_TYPES
-from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer, check_grpo_config
 
 TEXT_ROWS = [{"prompt": "The sky is", "topic": "sky"}, {"prompt": "One plus one is", "topic": "maths"},
              {"prompt": "Paris is the capital of", "topic": "geo"}, {"prompt": "Water boils at", "topic": "physics"}]
@@ -417,3 +417,39 @@ def test_cli_one_line_errors(argv, message, capsys):
     assert grpo_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("fields", [{}, {"generation_batch_size": 16}, {"steps_per_generation": 3},
+                                    {"gradient_accumulation_steps": 2}])
+def test_generation_batch_counts_every_process_as_trl_does(world, fields, monkeypatch):
+    """generation_batch_size and steps_per_generation resolved as TRL's GRPOConfig resolves them under `world`
+    processes (its generation batch is global), and what each process generates is its share."""
+    import transformers
+    import trl
+
+    from mlxrl.trainers.grpo import config as grpo_config
+
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: world))
+    common = dict(per_device_train_batch_size=2, num_generations=2, **fields)
+    try:
+        theirs = trl.GRPOConfig(output_dir="unused", bf16=False, **common)
+    except ValueError as e:  # TRL refuses the setting: so does mlxrl, with the same reason
+        with pytest.raises(ValueError, match="global batch size"):
+            grpo_config.resolve_batching(GRPOConfig(output_dir="unused", **common), world)
+        assert "global batch size" in str(e)
+        return
+    ours = grpo_config.resolve_batching(GRPOConfig(output_dir="unused", **common), world)
+    assert ours == (theirs.steps_per_generation, theirs.generation_batch_size)
+    monkeypatch.setattr(grpo_config, "processes", lambda: world)
+    check_grpo_config(GRPOConfig(output_dir="unused", **common))
+
+
+def test_a_generation_batch_that_splits_a_group_over_processes_is_refused(monkeypatch):
+    """TRL spreads a prompt's completions over the processes; mlxrl keeps them on one, and says so in one line."""
+    from mlxrl.trainers.grpo import config as grpo_config
+
+    monkeypatch.setattr(grpo_config, "processes", lambda: 2)
+    args = GRPOConfig(output_dir="unused", per_device_train_batch_size=2, num_generations=4, generation_batch_size=4)
+    with pytest.raises(ValueError, match="each 2 completions a round, not a multiple of num_generations"):
+        check_grpo_config(args)

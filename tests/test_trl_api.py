@@ -123,3 +123,71 @@ def test_one_console_command(command):
     assert want.returncode == console.returncode == module.returncode == 0, (console.stderr, module.stderr)
     assert want.stdout.split("options:")[-1] == console.stdout.split("options:")[-1] == \
         module.stdout.split("options:")[-1]
+
+
+def _all_training(model) -> bool:
+    return all(m.training for _, m in model.named_modules())
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+def test_a_failed_evaluation_or_generation_leaves_the_model_training(tiny_checkpoint, tmp_path, kind):
+    """Dropout stays on for the run: an evaluate() (or GRPO's generation) that raises puts the model back in
+    training mode, and train() starts in training mode whatever a script left the model in."""
+    folder = str(tiny_checkpoint("qwen3"))
+    common = dict(output_dir=str(tmp_path / kind), use_peft=True, lora_r=4, lora_dropout=0.1, **QUICK)
+    if kind == "sft":
+        trainer = SFTTrainer(model=folder, train_dataset=Dataset.from_list(ROWS), eval_dataset=Dataset.from_list(ROWS),
+                             args=SFTConfig(max_length=64, **common))
+    elif kind == "dpo":
+        trainer = DPOTrainer(model=folder, train_dataset=Dataset.from_list(PAIRS),
+                             eval_dataset=Dataset.from_list(PAIRS), args=DPOConfig(max_length=64, **common))
+    else:
+        trainer = GRPOTrainer(model=folder, reward_funcs=lambda completions, **kw: [1.0] * len(completions),
+                              train_dataset=Dataset.from_list([{"prompt": f"Say {i}"} for i in range(8)]),
+                              args=GRPOConfig(num_generations=2, max_completion_length=4, **common))
+    assert _all_training(trainer.model)
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    if kind == "grpo":
+        trainer.processor = type("Broken", (), {"__call__": boom, "__getattr__": lambda s, n: boom})()
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer._generate(0)
+    else:
+        trainer.loss = boom
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.evaluate()
+    assert _all_training(trainer.model)
+    trainer.model.eval()
+    if kind != "grpo":
+        del trainer.loss  # the trainer's own loss again
+        trainer.train()
+        assert trainer.state.global_step == 2 and _all_training(trainer.model)
+
+
+def test_each_trainer_declares_its_identity_and_a_resume_by_another_is_refused(tiny_checkpoint, tmp_path):
+    """The engine has no default identity (a trainer that forgot it would resume SFT's checkpoints and get SFT's
+    memory plan); each trainer declares its own, its checkpoints record it, and another trainer refuses them."""
+    from mlxrl.trainers import engine
+
+    names = [cls.__dict__.get("trainer_name") for cls in (SFTTrainer, DPOTrainer, GRPOTrainer)]
+    assert names == ["sft", "dpo", "grpo"]
+    assert "trainer_name" not in vars(engine.Trainer)
+
+    class Nameless(engine.Trainer):
+        def loss(self, model, batch, normalizer): ...
+
+    with pytest.raises(TypeError, match="declares no trainer_name"):
+        Nameless(None, None, SFTConfig(output_dir=str(tmp_path / "x")))
+    folder = str(tiny_checkpoint("qwen3"))
+    out = tmp_path / "out"
+    quick = {**QUICK, "save_strategy": "steps", "save_steps": 1, "max_steps": 1}
+    SFTTrainer(model=folder, train_dataset=Dataset.from_list(ROWS),
+               args=SFTConfig(output_dir=str(out), max_length=64, use_peft=True, **quick)).train()
+    state = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["mlxrl"]["trainer"] == "sft"
+    dpo = DPOTrainer(model=folder, train_dataset=Dataset.from_list(PAIRS),
+                     args=DPOConfig(output_dir=str(out), max_length=64, use_peft=True, **quick))
+    with pytest.raises(MlxrlError, match="is a SFT checkpoint and this is a DPO run"):
+        dpo.train(resume_from_checkpoint=str(out / "checkpoint-1"))

@@ -26,6 +26,18 @@ from ..cpu import fastmath
 _KEYS: list[list[mx.array]] = []  # the keys of the checkpointed calls in progress (innermost last)
 
 
+@contextmanager
+def eval_mode(model: nn.Module):
+    """`model` in eval mode (dropout off) inside, and back in the mode it was in afterwards, however the block
+    ends: an evaluation or a generation that raises must not leave a run training without its dropout."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
+
+
 def fresh_key() -> mx.array:
     """A uint32[2] key drawn from MLX's global random state."""
     return mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.int32).astype(mx.uint32)

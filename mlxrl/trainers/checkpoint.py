@@ -138,7 +138,7 @@ def run_record(trainer) -> dict:
                                      "target_modules": sorted(lora["target_modules"]),
                                      "use_dora": bool(lora["use_dora"])}
     low_precision = any(v.dtype != mx.float32 for v in trainable.values())
-    return {"trainer": trainer.planner_kind, "model_type": model.config.get("model_type"),
+    return {"trainer": trainer.trainer_name, "model_type": model.config.get("model_type"),
             "model_config": json.loads(json.dumps(dict(model.config), default=str)),
             "adapter": adapter, "trainable": {k: list(v.shape) for k, v in sorted(trainable.items())},
             "dtype": DTYPE_NAMES.get(model.compute_dtype(), str(model.compute_dtype())),

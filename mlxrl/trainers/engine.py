@@ -72,6 +72,9 @@ class Trainer(TRLSurface):
     run_id = state_field("run_id", "this run's id, in every checkpoint (`train_state`)")
 
     def __init__(self, model, processor, args):
+        if not isinstance(getattr(type(self), "trainer_name", None), str):  # the engine has no default identity
+            raise TypeError(f"{type(self).__name__} declares no trainer_name (its command, what its checkpoints "
+                            "record and the memory planner's model): set it on the class, e.g. trainer_name = \"sft\"")
         self.model, self.processor, self.args = model, processor, args
         # data parallel: launched by `mlx.launch` (ring / MPI / NCCL / JACCL), else a group of one
         self.parallel = DataParallel(mx.distributed.init(), self._peer_lost)
@@ -266,6 +269,7 @@ class Trainer(TRLSurface):
         checkpoints at their cadence; epochs end when the source's do), then the final save. A stop anywhere in the loop
         (Ctrl-C, SIGTERM, an error) leaves a resumable checkpoint of the finished steps (`_saved_when_stopped`)."""
         args = self.args
+        self.model.train()  # as transformers' loop does: whatever mode a script or an evaluation left it in
         if self.is_main:
             run_dir.start_run(self.output_dir, resume=args.resume_from_checkpoint,
                               overwrite=bool(args.overwrite_output_dir), lora=bool(args.use_peft),
@@ -358,8 +362,6 @@ class Trainer(TRLSurface):
             self.checkpoints.keep_finished(failure, self.global_step, consistent=self._consistent,
                                            save=self.save_checkpoint)
             raise failure
-
-    planner_kind = "sft"
 
     def _step(self, group: list[dict], window: LogWindow, bar, total: int) -> None:
         """One optimizer step: the group's forward and backward (`_accumulate`), then the update and its counters
@@ -490,7 +492,7 @@ class Trainer(TRLSurface):
 
     def _memory_plan(self):
         kw, shape = self.plan_shape()
-        return memory_plan(self.model, self.args, self.planner_kind, kw, shape, self.print)
+        return memory_plan(self.model, self.args, self.trainer_name, kw, shape, self.print)
 
     def plan_shape(self) -> tuple[dict, str]:
         """(extra planner arguments, the shape the prediction assumes, in words)."""

@@ -13,7 +13,10 @@ import mlx.core as mx
 
 
 class TrainerHooks(Protocol):
-    planner_kind: str  # the memory planner's model of this trainer: "sft", "dpo" or "grpo"
+    # the trainer's identity, declared once by each trainer (the engine has none): its command (python -m
+    # mlxrl.NAME), the trainer a checkpoint records (a resume by another trainer is refused) and the memory
+    # planner's model of it ("sft", "dpo" or "grpo")
+    trainer_name: str
     metric_names: tuple[str, ...]  # the trainer's own metrics, logged as TRL names them
 
     def loss(self, model, batch: dict, normalizer: mx.array) -> tuple[mx.array, dict]:

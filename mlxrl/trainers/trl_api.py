@@ -335,7 +335,6 @@ class TRLSurface:
         out[f"{prefix}_runtime"] = round(time.perf_counter() - start, 4)
         self._record({"step": self.global_step, **out})
         self._event("on_evaluate", metrics=out)
-        self.model.train()
         return out
 
     def _epoch_float(self) -> float:

@@ -44,6 +44,7 @@ import numpy as np
 from ...data.files import naming_rows, origins_of, rows_fingerprint
 from ...losses.dpo import dpo_loss
 from ...losses.head import head_logprobs
+from ...models.dropout import eval_mode
 from ...models.reference import adapters_disabled, frozen_copy
 from .. import trl_api
 from ..engine import Trainer, hidden_rows
@@ -59,7 +60,7 @@ __all__ = ["DPOTrainer"]
 # --------------------------------------------------------------------------------------- trainer
 
 class DPOTrainer(Trainer):
-    planner_kind = "dpo"
+    trainer_name = "dpo"
     metric_names = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy",
                     "mean_token_accuracy", "num_tokens")
@@ -230,14 +231,13 @@ class DPOTrainer(Trainer):
         """The evaluation pairs' loss and DPO metrics (un-prefixed; `evaluate()` adds eval_)."""
         if not self.eval_examples:
             return {}
-        self.model.eval()
         sums, pairs = {}, 0
-        for batch in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size):
-            arrays = self.gradient_free_inputs(self.to_device(batch))
-            b = batch["num_pairs"]
-            loss, metrics = self.loss(self.model, arrays, mx.array(b, dtype=mx.float32))
-            for k, v in {"loss": loss, **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + v.item() * b
-            pairs += b
-        self.model.train()
+        with eval_mode(self.model):
+            for batch in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size):
+                arrays = self.gradient_free_inputs(self.to_device(batch))
+                b = batch["num_pairs"]
+                loss, metrics = self.loss(self.model, arrays, mx.array(b, dtype=mx.float32))
+                for k, v in {"loss": loss, **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + v.item() * b
+                pairs += b
         return {k: v / max(pairs, 1) for k, v in sums.items()}

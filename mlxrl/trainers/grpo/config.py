@@ -42,8 +42,9 @@ class GRPOConfig(TrainConfig):
     shuffle_dataset: bool = _f(True, "shuffle the prompts every epoch")
     pad_to_multiple_of: str | None = _f("auto", "not supported beyond 'auto' (completions are padded to "
                                                 "powers of two)")
-    generation_batch_size: int | None = _f(None, "completions per generation round (default: "
-                                                 "per_device_train_batch_size * steps_per_generation)")
+    generation_batch_size: int | None = _f(None, "completions per generation round, all processes together. As "
+                                                 "TRL counts them; default: per_device_train_batch_size x "
+                                                 "processes x steps_per_generation")
     steps_per_generation: int | None = _f(None, "micro-batches per generation round (default: "
                                                 "gradient_accumulation_steps)")
     temperature: float = _f(1.0, "sampling temperature (the training log-probs use it too)")
@@ -124,18 +125,28 @@ class GRPOConfig(TrainConfig):
             self.scale_rewards = "group" if self.scale_rewards else "none"
 
 
-def resolve_batching(args: GRPOConfig) -> tuple[int, int]:
-    """(steps_per_generation, generation_batch_size) resolved as TRL's GRPOConfig.__post_init__ (one process)."""
-    b = args.per_device_train_batch_size
+def processes() -> int:
+    """The data-parallel processes of this run (`mlx.launch`'s ranks; 1 without)."""
+    import mlx.core as mx
+
+    return mx.distributed.init().size()
+
+
+def resolve_batching(args: GRPOConfig, world_size: int | None = None) -> tuple[int, int]:
+    """(steps_per_generation, generation_batch_size) resolved as TRL's GRPOConfig.__post_init__: the generation
+    batch counts the completions of every process (`world_size`, default: this run's), so each process generates
+    generation_batch_size / world_size of them a round."""
+    b, w = args.per_device_train_batch_size, processes() if world_size is None else world_size
     spg, gbs = args.steps_per_generation, args.generation_batch_size
     if spg is not None and gbs is not None:
         raise ValueError("set generation_batch_size or steps_per_generation, not both")
     if gbs is not None:
-        if gbs % b:
-            raise ValueError(f"generation_batch_size ({gbs}) must be divisible by per_device_train_batch_size ({b})")
-        spg = gbs // b
+        if gbs % (b * w):
+            raise ValueError(f"generation_batch_size ({gbs}) must be divisible by the global batch size "
+                             f"(per_device_train_batch_size {b} x {w} process{'es' if w > 1 else ''} = {b * w})")
+        spg = gbs // (b * w)
     spg = spg or args.gradient_accumulation_steps
-    return spg, b * spg
+    return spg, b * w * spg
 
 
 def check_grpo_config(args: GRPOConfig) -> None:
@@ -162,9 +173,14 @@ def check_grpo_config(args: GRPOConfig) -> None:
         raise ValueError(f"num_iterations must be >= 1, got {args.num_iterations}")
     if args.temperature <= 0:
         raise ValueError(f"temperature must be > 0 for GRPO (it divides the logits), got {args.temperature}")
-    _, gbs = resolve_batching(args)
+    w = processes()
+    spg, gbs = resolve_batching(args, w)
     if gbs % g:
         raise ValueError(f"generation_batch_size ({gbs}) must be divisible by num_generations ({g})")
+    if (gbs // w) % g:  # TRL spreads a prompt's completions over the processes; mlxrl keeps them on one
+        raise ValueError(f"generation_batch_size ({gbs}) over {w} processes gives each {gbs // w} completions a "
+                         f"round, not a multiple of num_generations ({g}): mlxrl generates and scores a prompt's "
+                         f"completions on one process; make generation_batch_size a multiple of {g * w}")
     b = args.per_device_train_batch_size
     if b % g and g % b:
         raise ValueError(f"per_device_train_batch_size ({b}) must be a multiple or a divisor of num_generations ({g}): "

@@ -59,6 +59,7 @@ from ...losses.grpo import (
     grpo_token_weights,
     uses_fused_head,
 )
+from ...models.dropout import eval_mode
 from ...models.reference import adapters_disabled, frozen_copy
 from ...processing.tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
 from .. import trl_api
@@ -82,7 +83,7 @@ def _bucket(n: int, limit: int) -> int:
 # --------------------------------------------------------------------------------------- trainer
 
 class GRPOTrainer(Trainer):
-    planner_kind = "grpo"
+    trainer_name = "grpo"
     metric_names = ("loss", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                     "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl",
                     "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens")
@@ -129,11 +130,12 @@ class GRPOTrainer(Trainer):
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
         self.row_origins = origins_of(train_dataset)
         self.G = args.num_generations
-        self.steps_per_generation, self.generation_batch_size = resolve_batching(args)
-        self.prompts_per_round = self.generation_batch_size // self.G
+        # generation_batch_size counts every process's completions (TRL's); prompts_per_round is this rank's
+        self.steps_per_generation, self.generation_batch_size = resolve_batching(args, self.world_size)
+        self.prompts_per_round = self.generation_batch_size // self.world_size // self.G
         if self.prompts_per_round * self.world_size > len(self.rows):
             raise ValueError(f"a generation round needs {self.prompts_per_round * self.world_size} prompts "
-                             f"(generation_batch_size / num_generations x ranks) but the dataset has {len(self.rows)}")
+                             f"(generation_batch_size / num_generations) but the dataset has {len(self.rows)}")
         # TRL computes old log-probs only when generation is not aligned with the optimizer step
         generate_every = self.steps_per_generation * args.num_iterations
         self.needs_old_logps = args.gradient_accumulation_steps % generate_every != 0
@@ -278,9 +280,8 @@ class GRPOTrainer(Trainer):
         rows = [self.rows[i] for i in indices]
         rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
         prompts_per_mb = self._prompts_per_micro_batch
-        self.model.eval()
         chunks = []
-        try:
+        with eval_mode(self.model):
             for start in range(0, len(rows), prompts_per_mb):
                 part = rendered[start:start + prompts_per_mb]
                 images = [im for _, im, _ in part]
@@ -297,8 +298,6 @@ class GRPOTrainer(Trainer):
                                seed=step_seed(a.seed, offset + start, round_index),
                                shared_prefill=a.shared_prefill)
                 chunks.append((enc, gen))
-        finally:
-            self.model.train()
         return rows, rendered, chunks
 
     def _score(self, rows: list[dict], rendered: list, chunks: list):

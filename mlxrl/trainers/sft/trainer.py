@@ -19,6 +19,7 @@ from ...errors import ConfigError
 from ...losses.fused_head import fused_head_loss, fused_value_and_grad
 from ...losses.head import head_logprobs
 from ...losses.sft import check_has_labels, sft_loss, token_metrics
+from ...models.dropout import eval_mode
 from ...processing.tokens import IGNORE_INDEX
 from .. import eval_metrics, trl_api
 from ..engine import Trainer, hidden_rows
@@ -42,6 +43,7 @@ def shift_targets(labels: np.ndarray, segment_ids: np.ndarray | None) -> np.ndar
 
 
 class SFTTrainer(Trainer):
+    trainer_name = "sft"
     metric_names = ("loss", "mean_token_accuracy", "entropy", "num_tokens")
 
     def __init__(self, model, processor=None, args: SFTConfig | None = None, train_dataset=None, eval_dataset=None,
@@ -198,21 +200,21 @@ class SFTTrainer(Trainer):
         `compute_metrics` of its logits and labels when one was given (`eval_metrics`)."""
         if not self.eval_examples:
             return {}
-        self.model.eval()
         total, items, predictions, labels = 0.0, 0, [], []
-        for make in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size, lazy=True,
-                                     train=False):
-            b = make()
-            arrays = self.to_device(b)
-            loss, _ = self.loss(self.model, arrays, mx.array(b["trained_tokens"], dtype=mx.float32))
-            # transformers' evaluation loop: each batch's mean loss weighted by its rows (find_batch_size)
-            total += loss.item() * b["input_ids"].shape[0]
-            items += b["input_ids"].shape[0]
-            if self.compute_metrics is not None:
-                labels.append(eval_metrics.labels_of(b))
-                logits = eval_metrics.batch_logits(self.model, arrays)
-                predictions.append(eval_metrics.preprocess(self.preprocess_logits_for_metrics, logits, labels[-1]))
-        self.model.train()
+        with eval_mode(self.model):
+            for make in self._batches_of(self.eval_examples, 0, False, self.args.per_device_eval_batch_size,
+                                         lazy=True, train=False):
+                b = make()
+                arrays = self.to_device(b)
+                loss, _ = self.loss(self.model, arrays, mx.array(b["trained_tokens"], dtype=mx.float32))
+                # transformers' evaluation loop: each batch's mean loss weighted by its rows (find_batch_size)
+                total += loss.item() * b["input_ids"].shape[0]
+                items += b["input_ids"].shape[0]
+                if self.compute_metrics is not None:
+                    labels.append(eval_metrics.labels_of(b))
+                    logits = eval_metrics.batch_logits(self.model, arrays)
+                    predictions.append(eval_metrics.preprocess(self.preprocess_logits_for_metrics, logits,
+                                                               labels[-1]))
         out = {"loss": total / max(items, 1)}
         if self.compute_metrics is not None:
             out.update(eval_metrics.compute(self.compute_metrics, predictions, labels))
