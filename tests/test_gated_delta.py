@@ -271,6 +271,116 @@ def test_reset_after_strong_decay_keeps_the_small_decays(path):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# precision: against float64, next to transformers' float32
+
+
+def _qwen_data(seed, B, T, documents):
+    """float64 inputs with Qwen3.5's decays, g = -exp(A_log) softplus(a + dt_bias) with A_log = log U(0.01, 16)
+    per head and a varying per token (g from about -1e-3 to -50 within one head: strong decays next to weak
+    ones), key-head groups, an initial state; with documents, row 0 continues the state into two more documents
+    and row 1 starts one at position 0 and one mid-row (the starts cross chunk boundaries)."""
+    rng = np.random.default_rng(seed)
+    Hk, Hv, dk, dv = 1, 3, 16, 8
+    q, k = rng.standard_normal((B, T, Hk, dk)), rng.standard_normal((B, T, Hk, dk))
+    v = rng.standard_normal((B, T, Hv, dv))
+    A_log, dt_bias = np.log(rng.uniform(0.01, 16, Hv)), 1 + 0.5 * rng.standard_normal(Hv)
+    g = -np.exp(A_log) * np.logaddexp(0.0, 2 * rng.standard_normal((B, T, Hv)) + dt_bias)
+    beta = 1 / (1 + np.exp(-2 * rng.standard_normal((B, T, Hv))))
+    s0 = 0.5 * rng.standard_normal((B, Hv, dk, dv))
+    w_out, w_state = rng.standard_normal((B, T, Hv, dv)), rng.standard_normal((B, Hv, dk, dv))
+    starts = None
+    if documents:
+        starts = np.zeros((B, T), bool)
+        starts[0, [T // 3, T // 3 + 70]] = True
+        starts[1, [0, T // 2]] = True
+    return (q, k, v, g, beta, s0, w_out, w_state), starts
+
+
+def _float64_grads(q, k, v, g, beta, s0, w_out, w_state, starts):
+    """The gradients of `_mlx_grads`' loss (q, k L2-normalised in the op) in float64: torch autograd of the
+    recurrence token by token, the state zeroed before each document's first token."""
+    ts = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (q, k, v, g, beta, s0)]
+    Hk, dk = q.shape[-2:]
+    rep = v.shape[-2] // Hk
+    Q, K = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in ts[:2])
+    Q, K = (Q * dk ** -0.5).repeat_interleave(rep, 2), K.repeat_interleave(rep, 2)
+    S, outs = ts[5], []
+    for t in range(q.shape[1]):
+        if starts is not None:
+            S = S * torch.tensor(~starts[:, t], dtype=torch.float64)[:, None, None, None]
+        S = S * torch.exp(ts[3][:, t])[..., None, None]
+        delta = ts[4][:, t, :, None] * (ts[2][:, t] - torch.einsum("bhkv,bhk->bhv", S, K[:, t]))
+        S = S + K[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, Q[:, t]))
+    ((torch.stack(outs, 1) * torch.tensor(w_out)).sum() + (S * torch.tensor(w_state)).sum()).backward()
+    return [t.grad.numpy() for t in ts]
+
+
+def _transformers_float32_grads(q, k, v, g, beta, s0, w_out, w_state, starts):
+    """The same gradients from transformers' float32 training path (torch_chunk_gated_delta_rule under torch
+    autograd), one call per document (it knows no documents): what float32 achieves there."""
+    B, T = q.shape[:2]
+    grads = [np.zeros_like(x) for x in (q, k, v, g, beta, s0)]
+    for row in range(B):
+        cuts = [] if starts is None else [int(t) for t in np.flatnonzero(starts[row]) if t > 0]
+        bounds = [0, *cuts, T]
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            continues = s == 0 and (starts is None or not starts[row, 0])
+            ts = [torch.tensor(x[row:row + 1, s:e], dtype=torch.float32, requires_grad=True)
+                  for x in (q, k, v, g, beta)]
+            state = torch.tensor(s0[row:row + 1] * continues, dtype=torch.float32, requires_grad=True)
+            out, final = qwen3_5.torch_chunk_gated_delta_rule(*ts, initial_state=state, output_final_state=True,
+                                                               use_qk_l2norm_in_kernel=True)
+            loss = (out * torch.tensor(w_out[row:row + 1, s:e], dtype=torch.float32)).sum()
+            if e == T:
+                loss = loss + (final * torch.tensor(w_state[row:row + 1], dtype=torch.float32)).sum()
+            loss.backward()
+            for n in range(5):
+                grads[n][row, s:e] = ts[n].grad.numpy()[0]
+            if continues:
+                grads[5][row] = state.grad.numpy()[0]
+    return grads
+
+
+@functools.cache
+def _precision_case(T, documents):
+    data, starts = _qwen_data(200 + T, 2, T, documents)
+    return data, starts, _float64_grads(*data, starts), _transformers_float32_grads(*data, starts)
+
+
+def _norm_rel(a, b) -> float:
+    return float(np.linalg.norm(np.ravel(a - b)) / np.linalg.norm(np.ravel(b)))
+
+
+def _decay_errors(dg, want, g):
+    """The decay gradient's errors against float64 `want`: per value head (the worst head's relative error
+    over its tokens), and through A_log (each head's sum_t dg_t g_t: the chain rule of g = -exp(A_log) ...,
+    relative to the largest head's)."""
+    per_head = max(_norm_rel(dg[:, :, h], want[:, :, h]) for h in range(g.shape[-1]))
+    a_log, a_log_want = (dg * g).sum((0, 1)), (want * g).sum((0, 1))
+    return per_head, float(np.abs(a_log - a_log_want).max() / np.abs(a_log_want).max())
+
+
+@pytest.mark.parametrize("T", [128, 150, 333])
+@pytest.mark.parametrize("documents", [False, True])
+def test_gradients_against_float64_at_least_as_exact_as_transformers_float32(T, documents, path):
+    """Every gradient against float64 within 3x transformers' float32 error of it (plus a float32 floor), and
+    the decay's (dg; through A_log) at float32's rounding floor, under a tenth of transformers' error: every
+    log decay and every sum of dg's is formed from its own terms only (the module docstring, "Precision"),
+    where transformers' autograd takes differences of cumulative sums, whose rounding is a large decay's while
+    the true value can be a small one's. Lengths a multiple of the chunk and not, documents, an initial state,
+    key-head groups."""
+    data, starts, want, theirs = _precision_case(T, documents)
+    _, _, ours = _mlx_grads(*data, starts=starts)
+    for name, a, t, w in zip(["q", "k", "v", "g", "beta", "initial_state"], ours, theirs, want, strict=True):
+        assert _norm_rel(a, w) <= 3 * _norm_rel(t, w) + 1e-6, name
+    g = data[3]
+    (ours_head, ours_a_log), (their_head, their_a_log) = (_decay_errors(x[3], want[3], g) for x in (ours, theirs))
+    assert ours_head <= 0.1 * their_head, (ours_head, their_head)
+    assert ours_a_log <= 0.1 * their_a_log + 1e-6, (ours_a_log, their_a_log)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # dtypes, decoding, compile, the inverse
 
 

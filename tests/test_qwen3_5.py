@@ -9,6 +9,9 @@ recurrent cache against the full forward.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -24,11 +27,10 @@ CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_l
               linear_key_head_dim=8, linear_value_head_dim=12, rms_norm_eps=1e-6)
 
 
-@pytest.fixture(scope="module")
-def pair():
+def _make_pair(config):
     """(transformers' model, ours) with the same random weights, float32."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(**CONFIG)
+    cfg = transformers.Qwen3_5TextConfig(**config)
     hf = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -39,6 +41,61 @@ def pair():
     ours.load_weights(list(weights.items()), strict=True)
     ours.eval()
     return hf, ours
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _make_pair(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def float64_qwen3_5():
+    """transformers' Qwen3.5 module computing in float64 throughout: its source with every float32 cast (the
+    delta rule's inputs, A_log, the norms, the rotary angles) made a float64 one, loaded as a module of its own.
+    `.double()` alone leaves those casts in float32, so its delta rule would run in float32."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as module
+
+    with open(module.__file__) as f:
+        source = f.read()
+    source = (source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+              .replace("dtype=torch.float)", "dtype=torch.float64)"))
+    name = module.__name__ + "_float64"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    float64 = importlib.util.module_from_spec(spec)
+    float64.__package__, float64.__file__ = module.__package__, module.__file__
+    sys.modules[name] = float64  # transformers' decorators look classes up by module
+    exec(compile(source, module.__file__, "exec"), float64.__dict__)
+    yield float64
+    del sys.modules[name]
+
+
+def _float64_model(float64_qwen3_5, hf):
+    model = float64_qwen3_5.Qwen3_5ForCausalLM(hf.config).double().eval()
+    model.load_state_dict({k: v.double() for k, v in hf.state_dict().items()})
+    return model
+
+
+def _torch_gradients(model, ids, targets):
+    """The gradients of the mean cross-entropy over every token, float64 NumPy."""
+    model.zero_grad()
+    logits = model(input_ids=torch.tensor(ids)).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                      torch.tensor(targets).reshape(-1)).backward()
+    return {k: p.grad.numpy().astype(np.float64) for k, p in model.named_parameters()}
+
+
+def _our_gradients(ours, ids, targets):
+    def loss(params):
+        ours.update(tree_unflatten(list(params.items())))
+        out = ours(mx.array(ids))
+        return mx.mean(mx.logsumexp(out, axis=-1) - mx.take_along_axis(out, mx.array(targets)[..., None], -1)[..., 0])
+
+    params = dict(tree_flatten(ours.trainable_parameters()))
+    return {k: np.array(g) for k, g in mx.grad(loss)(params).items()}
+
+
+def _rel_err(g, w) -> float:
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-12))
 
 
 def hf_logits(hf, ids, **kw):
@@ -80,37 +137,49 @@ def test_packed_documents_equal_each_document_alone(pair, kernel_path):
         start += len(doc)
 
 
-def test_gradients_through_every_parameter_equal_torch_autograd(pair, kernel_path):
+def test_gradients_through_every_parameter_equal_torch_autograd(pair, float64_qwen3_5, kernel_path):
     hf, ours = pair
     rng = np.random.default_rng(3)
     ids = rng.integers(0, CONFIG["vocab_size"], size=(2, 70))
     targets = rng.integers(0, CONFIG["vocab_size"], size=(2, 70))
-    # the reference: transformers in float64. Its float32 run measures how well float32 can do: the decay's
-    # gradients (A_log, dt_bias) sum many cancelling terms, and transformers' own float32 misses them by ~2e-3
-    hf64 = transformers.Qwen3_5ForCausalLM(hf.config).double().eval()
-    hf64.load_state_dict({k: v.double() for k, v in hf.state_dict().items()})
-    grads_of = {}
-    for name, model in (("64", hf64), ("32", hf)):
-        model.zero_grad()
-        logits = model(input_ids=torch.tensor(ids)).logits
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                          torch.tensor(targets).reshape(-1)).backward()
-        grads_of[name] = {k: p.grad.numpy().astype(np.float64) for k, p in model.named_parameters()}
-    want, theirs = grads_of["64"], grads_of["32"]
-
-    def loss(params):
-        ours.update(tree_unflatten(list(params.items())))
-        out = ours(mx.array(ids))
-        return mx.mean(mx.logsumexp(out, axis=-1) - mx.take_along_axis(out, mx.array(targets)[..., None], -1)[..., 0])
-
-    params = dict(tree_flatten(ours.trainable_parameters()))
-    grads = mx.grad(loss)(params)
+    # the reference: transformers in float64; its float32 run measures how well float32 can do there
+    want = _torch_gradients(_float64_model(float64_qwen3_5, hf), ids, targets)
+    theirs = _torch_gradients(hf, ids, targets)
+    grads = _our_gradients(ours, ids, targets)
     assert set(grads) == set(want)
     for k, g in grads.items():
-        g, w = np.array(g), want[k]
-        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-12)
-        float32_err = np.linalg.norm(theirs[k] - w) / max(np.linalg.norm(w), 1e-12)
+        err, float32_err = _rel_err(g, want[k]), _rel_err(theirs[k], want[k])
         assert err <= max(1e-3, 1.5 * float32_err), (k, err, float32_err)
+
+
+# linear, linear, full, linear, full: a linear layer between full ones, its cotangents through attention
+CONFIG_5 = {**CONFIG, "num_hidden_layers": 5, "layer_types": ["linear_attention", "linear_attention", "full_attention",
+                                                              "linear_attention", "full_attention"]}
+
+
+@pytest.fixture(scope="module")
+def pair_5():
+    return _make_pair(CONFIG_5)
+
+
+@pytest.mark.parametrize("length", [150, 333])
+def test_decay_gradients_against_float64_transformers(pair_5, float64_qwen3_5, length, kernel_path):
+    """Issue 66: A_log's, dt_bias' and in_proj_a's gradients (each a sum over tokens of the delta rule's dg,
+    dg_t itself a sum over the chunk) against transformers in float64, at lengths that are not multiples of
+    the chunk: at float32's floor (3e-6, where the model's other parameters land), under a tenth of
+    transformers' own float32 error. The delta rule forms every log decay and every sum of dg's from its own
+    terms (`models.gated_delta`, "Precision"); transformers' float32 takes differences of cumulative sums."""
+    hf, ours = pair_5
+    rng = np.random.default_rng(3)
+    ids, targets = (rng.integers(0, CONFIG_5["vocab_size"], size=(2, length)) for _ in range(2))
+    want = _torch_gradients(_float64_model(float64_qwen3_5, hf), ids, targets)
+    theirs = _torch_gradients(hf, ids, targets)
+    grads = _our_gradients(ours, ids, targets)
+    names = [k for k in grads if k.endswith(("A_log", "dt_bias", "in_proj_a.weight"))]
+    assert len(names) == 9
+    for k in names:
+        err, float32_err = _rel_err(grads[k], want[k]), _rel_err(theirs[k], want[k])
+        assert err <= 0.1 * float32_err + 3e-6, (k, err, float32_err)
 
 
 def test_greedy_decoding_with_the_recurrent_cache_equals_the_full_forward(pair):

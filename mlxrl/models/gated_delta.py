@@ -14,8 +14,8 @@ transformers always does) inside the op, after the optional L2 normalisation of 
 value head h reads key head h // (Hv / Hk) (transformers' `repeat_interleave`).
 
 The chunked form (training; chunks of C = 64 tokens). Within a chunk, with the chunk-start state S0, the
-log decays' cumulative sum gamma_i (from the chunk start), L_ij = exp(gamma_i - gamma_j) for j <= i,
-b_i = exp(gamma_i), the recurrence unrolls to
+log decay from j to i D_ij = sum_{j < m <= i} g_m, L_ij = exp(D_ij) for j <= i, b_i = exp(sum_{m <= i} g_m)
+(from the chunk start), the recurrence unrolls to
 
     u_i = beta_i (v_i - a_i S_{i-1}^T k_i)         the delta written at i: U = U0 - W S0, where
     (I + A) U0 = diag(beta) V,  (I + A) W = diag(beta b) K,  A_ij = beta_i L_ij k_i.k_j (j < i)
@@ -25,12 +25,31 @@ b_i = exp(gamma_i), the recurrence unrolls to
 (the WY / UT-transform form of DeltaNet and flash-linear-attention): everything but the [dk, dv] state is a
 product of [C, C], [C, dk] and [C, dv] matrices, and one C-by-C unit lower-triangular inverse per chunk.
 
+Precision: no decay and no decay gradient is a difference of large sums. Each log decay is summed from its
+own g's: D row by row, as a reverse cumulative sum of the row holding g_m for m <= i (natively, row i is row
+i - 1 plus g_i), b as a cumulative sum from the chunk start, last_j = L_Cj from D's last row. All g <= 0, so
+such a sum is exact to a few rounding steps of itself. The usual form, the cumulative sum gamma and L_ij =
+exp(gamma_i - gamma_j) (transformers'), rounds at the scale of |gamma|, which strong decays take to the
+hundreds or thousands within a chunk: a weak decay after them loses most of its digits. The decay's
+gradient likewise: g_m enters L_ij for j < m <= i, b_i for i >= m and last_j for j < m, so with G = dL * L
+(dL the cotangent of L),
+
+    dg_m = sum_{i >= m, j < m} G_ij + sum_{i >= m} db_i b_i + sum_{j < m} dlast_j
+
+the first from the rows' exclusive prefix sums of G (sum_{j < m} G_ij) added up over the rows i >= m, the
+others a suffix and a prefix sum. Every term carries the decay across m, so a strongly decayed token's dg
+is as small as it really is, to its own precision. The chain rule through gamma (a reverse cumulative sum
+of rowsum(G) - colsum(G) + ...) reaches the same value as the difference of two sums over the rest of the
+chunk, rounded at the scale of the weak decays' large terms; A_log's gradient, sum_t dg_t g_t, weighs those
+strongly decayed tokens by their large |g|, and dt_bias' and in_proj_a's follow it.
+
 Documents (`doc_starts`, packing / padding-free): the state restarts at zero at a document's first token.
-That cuts L and b with masks built from a segment id (the count of document starts so far in the chunk),
-and gamma is a segment-aware cumulative sum (each position sums its own segment's decays only: a masked
-matmul), so no document's decays ever enter another's, and no large negative numbers stand in for a reset
-(float32 differences of large cumulative sums would lose the small decays). A start at position 0 means
-the initial state is not continued. The final state is then the last document's.
+That cuts L (to j, i in one document), b (to the first document) and last (to the last one) with masks
+built from a segment id (the count of document starts so far in the chunk), and a start's own g is 0 (it
+decays a state that is dropped). D_ij then sums only decays of i's document, so no document's decays ever
+enter another's and no large negative number stands in for a reset; and since L, b and last are 0 across a
+start, each sum of dg's above stops there by itself. A start at position 0 means the initial state is not
+continued. The final state is then the last document's.
 
 Lengths that are not a multiple of C: the last chunk is simply shorter. The formulas hold for any chunk
 length, so nothing is padded and no padded token is computed (transformers pads with zeros, which leaves
@@ -88,38 +107,39 @@ L2_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm eps
 # one chunk
 
 
+def _strict(c: int) -> mx.array:
+    i = mx.arange(c)
+    return i[:, None] > i[None, :]
+
+
+def _lower(c: int) -> mx.array:
+    i = mx.arange(c)
+    return i[:, None] >= i[None, :]
+
+
 def _decays(g: mx.array, starts: mx.array | None):
     """The decay structure of chunks from g [B, H, ..., c] (float32) and, with documents, starts [B, ..., c]
     (bool); `...` is an optional axis of chunks side by side.
 
-    Returns gamma [B, H, ..., c] (segment-aware cumulative log decay), L [B, H, ..., c, c] (exp(gamma_i -
-    gamma_j) where j <= i in the same segment, else 0), b [B, H, ..., c] (decay from the chunk start to i; 0
-    after a document start), last [B, H, ..., c] (decay from j to the chunk end; 0 before the last document's
-    start) and link (the lower-triangular same-segment mask, [c, c] or [B, 1, ..., c, c])."""
-    c = g.shape[-1]
-    i = mx.arange(c)
-    link = i[:, None] >= i[None, :]
-    if starts is None:
-        gamma = mx.cumsum(g, axis=-1)
-    else:
+    Returns L [B, H, ..., c, c] (exp(D_ij) where j <= i in the same segment, else 0, with D_ij = the sum of
+    g over (j, i]), b [B, H, ..., c] (decay from the chunk start to i; 0 after a document start) and last
+    [B, H, ..., c] (decay from j to the chunk end, exp(D_cj); 0 before the last document's start). Each log
+    decay is a sum of its own g's (module docstring, "Precision"), never a difference of cumulative sums."""
+    lower = link = _lower(g.shape[-1])
+    if starts is not None:
         # a start's own decay multiplies a state that is dropped anyway: 0 keeps it out of every sum
         g = mx.where(starts[:, None], 0.0, g)
         seg = mx.cumsum(starts.astype(mx.int32), axis=-1)  # [B, ..., c]
-        link = (link & (seg[..., :, None] == seg[..., None, :]))[:, None]  # [B, 1, ..., c, c]
-        gamma = (link.astype(mx.float32) @ g[..., None])[..., 0]  # sums over the position's own segment only
-    diff = gamma[..., :, None] - gamma[..., None, :]
-    L = mx.where(link, mx.exp(mx.where(link, diff, 0.0)), 0.0)  # exp only where finite and <= 0
-    b = mx.exp(gamma)
-    last = mx.exp(gamma[..., -1:] - gamma)
+        link = (lower & (seg[..., :, None] == seg[..., None, :]))[:, None]  # [B, 1, ..., c, c]
+    # D_ij = sum_{j < m <= i} g_m: row i holds g_m for m <= i, summed from the right, exclusive of column j
+    D = mx.cumsum(mx.where(lower, g[..., None, :], 0.0), axis=-1, reverse=True, inclusive=False)
+    L = mx.where(link, mx.exp(D), 0.0)
+    b = mx.exp(mx.cumsum(g, axis=-1))  # the first segment's own sums (g is 0 at every start)
+    last = mx.exp(D[..., -1, :])
     if starts is not None:
         b = mx.where((seg == 0)[:, None], b, 0.0)
         last = mx.where((seg == seg[..., -1:])[:, None], last, 0.0)
-    return gamma, L, b, last, link
-
-
-def _strict(c: int) -> mx.array:
-    i = mx.arange(c)
-    return i[:, None] > i[None, :]
+    return L, b, last
 
 
 def _wy(K, V, beta, L, b):
@@ -157,7 +177,7 @@ def _group_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
     state: (dQ, dK, dV, dg, dbeta, dS at the first one's start), dQ and dK per value head, float32. The chain
     rule of `_group_forward` and `_decays`, written out: a loop passes the state's cotangent from chunk to
     chunk, the rest is batched over the chunks."""
-    _, L, b, last, link = _decays(g, starts)
+    L, b, last = _decays(g, starts)
     KK, T, U0, W = _wy(K, V, beta, L, b)
     U = U0 - W @ S
     tr = functools.partial(mx.swapaxes, axis1=-1, axis2=-2)
@@ -200,14 +220,12 @@ def _group_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
     db = beta * x2k + (dQb * Q).sum(-1) + mx.where(at_end, db_end[..., None], 0.0)
     dlast = (dKl * K).sum(-1) * last
 
-    # through the decays: L_ij = exp(gamma_i - gamma_j), b_i = exp(gamma_i), last_j = exp(gamma_c - gamma_j)
+    # through the decays: g_m enters L_ij for j < m <= i, b_i for i >= m and last_j for j < m. Each sum below
+    # runs over those terms only (each carries g_m's decay), so nothing cancels: H_m = sum_{i >= m, j < m} G_ij
+    # from the rows' exclusive prefix sums. Across a document start L, b and last are 0: dg is 0 at a start.
     G = (beta[..., None] * dA * KK + dP * QK) * L
-    dgamma = G.sum(-1) - G.sum(-2) + db * b - dlast + mx.where(at_end, dlast.sum(-1, keepdims=True), 0.0)
-    if starts is None:
-        dg = mx.cumsum(dgamma, axis=-1, reverse=True)
-    else:  # gamma = link @ g (g zero at starts): dg = link^T dgamma
-        dg = (dgamma[..., None, :] @ link.astype(mx.float32))[..., 0, :]
-        dg = mx.where(starts[:, None], 0.0, dg)
+    H = mx.where(_lower(c), mx.cumsum(G, axis=-1, inclusive=False), 0.0).sum(-2)
+    dg = H + mx.cumsum(db * b, axis=-1, reverse=True) + mx.cumsum(dlast, axis=-1, inclusive=False)
     return dQ, dK, dV, dg, dbeta, dS
 
 
@@ -279,7 +297,7 @@ def _graph_forward(q, k, v, g, beta, state, starts, cfg, save_states=True):
         # every group's batched products at once
         qc, kc, vc, gc, bc = (_heads(x, n) for x in (mx.depends(ins, [S]) if outs else ins))
         _, _, Q, K = _qk(qc, kc, cfg)
-        _, L, b, last, _ = _decays(gc, _doc_starts(starts, s, e, n, cfg))
+        L, b, last = _decays(gc, _doc_starts(starts, s, e, n, cfg))
         out, S0, S = _group_forward(Q, K, vc, bc, L, b, last, S)
         saved.append(mx.moveaxis(S0, 2, 0))
         outs.append(_tokens(out, v))

@@ -4,9 +4,9 @@
 // mlxrl.cpu.native's build compiles bindings.cpp alone. The math is the chunked
 // WY form of `mlxrl.models.gated_delta` (its module docstring), chunk by chunk, the same formulas:
 //
-//   per chunk of c tokens from the chunk-start state S [dk, dv]: gamma (segment-aware cumulative log decay),
-//   L_ij = exp(gamma_i - gamma_j) (j <= i, same document), b_i = exp(gamma_i) (0 after a document start),
-//   last_j = exp(gamma_c - gamma_j) (0 before the last document's start);
+//   per chunk of c tokens from the chunk-start state S [dk, dv]: D_ij = sum_{j < m <= i} g_m (each entry a sum
+//   of its own log decays), L_ij = exp(D_ij) (j <= i, same document), b_i = exp(sum_{m <= i} g_m) (0 after a
+//   document start), last_j = exp(D_cj) (0 before the last document's start);
 //   A_ij = beta_i L_ij k_i.k_j (j < i),  T = (I + A)^-1 (forward substitution, c^3 / 6 multiply-adds),
 //   U = U0 - W S = T diag(beta) (V - diag(b) K S)     ([U0 | W] = T [diag(beta) V | diag(beta b) K]),
 //   O = diag(b) Q S + (L * Q K^T) U,  S_end = b_c S + (diag(last) K)^T U.
@@ -64,11 +64,11 @@ inline float gd_dot(const float* a, const float* b, int n) {
 // One worker's buffers: one chunk's everything, widths padded (rows Dk or Dv wide, [c, c] ones Cp wide).
 struct GdWork {
   // both passes
-  float *Q, *K, *Kt, *V, *beta, *gam, *b, *last, *L, *KK, *QK, *T, *KS, *U, *S, *P, *Kl;
+  float *Q, *K, *Kt, *V, *beta, *gz, *gam, *D, *b, *last, *L, *KK, *QK, *T, *KS, *U, *S, *P, *Kl;
   int* seg;
   // forward: O; backward: the rest
   float *O, *Qb, *Kb, *dO, *dU, *dX1, *dX2, *dS, *dSn, *tmpS, *St, *dSt, *Ut, *dP, *Z, *M, *dQK, *dKl, *dQb, *dK,
-      *dQ, *rowG, *colG, *dgam, *db, *dlast;
+      *dQ, *H, *dgb, *db, *dlast;
 
   GdWork(Scratch& scratch, const GdDims& d, bool backward) {
     const size_t C = d.C, Cp = d.Cp, Dk = d.Dk, Dv = d.Dv;
@@ -79,11 +79,11 @@ struct GdWork {
     };
     float* segf;
     add({&Q, &K, &Kl}, C * Dk), add({&Kt}, Dk * Cp), add({&V, &KS, &U}, C * Dv), add({&S}, Dk * Dv);
-    add({&beta, &gam, &b, &last, &segf}, Cp), add({&L, &KK, &QK, &T, &P}, C * Cp);
+    add({&beta, &gz, &gam, &D, &b, &last, &segf}, Cp), add({&L, &KK, &QK, &T, &P}, C * Cp);
     if (backward) {
       add({&Qb, &Kb, &dX2, &dKl, &dQb, &dK, &dQ}, C * Dk), add({&dO, &dU, &dX1}, C * Dv);
       add({&dS, &dSn, &tmpS}, Dk * Dv), add({&St, &dSt}, Dv * Dk), add({&Ut}, Dv * Cp);
-      add({&dP, &Z, &M, &dQK}, C * Cp), add({&rowG, &colG, &dgam, &db, &dlast}, Cp);
+      add({&dP, &Z, &M, &dQK}, C * Cp), add({&H, &dgb, &db, &dlast}, Cp);
     } else {
       add({&O}, C * Dv);
     }
@@ -130,24 +130,28 @@ void gd_prepare(const GdDims& d, const GdConfig& cfg, const GdInputs& in, GdWork
   }
   for (int e = 0; e < d.dk; ++e) std::fill(w.Kt + size_t(e) * Cp + c, w.Kt + size_t(e) * Cp + cp, 0.0f);
 
-  // decays: gamma restarts at 0 at a document start (whose own decay multiplies a dropped state)
+  // decays: a start's own decay multiplies a dropped state (0). Every log decay is a sum of its own g's, never a
+  // difference of cumulative sums: D holds row i of D_ij = sum_{j < m <= i} g_m, the row before plus g_i
   const bool* st = in.starts + size_t(b) * d.T + s;
   int seg = 0;
   for (int i = 0; i < c; ++i) {
     if (st[i]) ++seg;
     w.seg[i] = seg;
-    const float gi = st[i] ? 0.0f : in.g[d.tok(b, s + i, hv)];
-    w.gam[i] = (i > 0 && !st[i]) ? w.gam[i - 1] + gi : gi;
+    w.gz[i] = st[i] ? 0.0f : in.g[d.tok(b, s + i, hv)];
+    w.gam[i] = (i > 0 ? w.gam[i - 1] : 0.0f) + w.gz[i];  // read in the first segment only (b)
   }
-  const float gl = w.gam[c - 1];
   const int sl = w.seg[c - 1];
   for (int i = 0; i < c; ++i) {
     w.b[i] = w.seg[i] == 0 ? fast_exp(w.gam[i]) : 0.0f;
-    w.last[i] = w.seg[i] == sl ? fast_exp(gl - w.gam[i]) : 0.0f;
+    const float gi = w.gz[i];
+#pragma omp simd
+    for (int j = 0; j < i; ++j) w.D[j] += gi;
+    w.D[i] = 0.0f;
     float* Li = w.L + size_t(i) * Cp;
-    for (int j = 0; j <= i; ++j) Li[j] = w.seg[j] == w.seg[i] ? fast_exp(w.gam[i] - w.gam[j]) : 0.0f;
+    for (int j = 0; j <= i; ++j) Li[j] = w.seg[j] == w.seg[i] ? fast_exp(w.D[j]) : 0.0f;
     std::fill(Li + i + 1, Li + cp, 0.0f);
   }
+  for (int j = 0; j < c; ++j) w.last[j] = w.seg[j] == sl ? fast_exp(w.D[j]) : 0.0f;  // D's last row
 
   mk_mm(c, cp, d.dk, w.K, Dk, 1, w.Kt, Cp, w.KK, Cp, false, kLowerC);
   mk_mm(c, cp, d.dk, w.Q, Dk, 1, w.Kt, Cp, w.QK, Cp, false, kLowerC);
@@ -259,45 +263,44 @@ void gd_backward_chunk(const GdDims& d, const GdConfig& cfg, const GdInputs& in,
   std::swap(w.dS, w.dSn);
 
   // A = beta_i L_ij KK_ij;  P = L QK;  X1 = beta V;  X2 = beta b K;  Qb = b Q;  Kl = last K
-  std::fill(w.colG, w.colG + c, 0.0f);
+  std::fill(w.H, w.H + c, 0.0f);
   for (int i = 0; i < c; ++i) std::fill(w.M + size_t(i) * Cp, w.M + size_t(i) * Cp + cp, 0.0f);
-  float dlast_sum = 0.0f;
   for (int i = 0; i < c; ++i) {
     const float *Li = w.L + size_t(i) * Cp, *KKi = w.KK + size_t(i) * Cp, *QKi = w.QK + size_t(i) * Cp;
     const float *Zi = w.Z + size_t(i) * Cp, *dPi = w.dP + size_t(i) * Cp;
     const float *dX1 = w.dX1 + size_t(i) * Dv, *dX2 = w.dX2 + size_t(i) * Dk, *Ki = w.K + size_t(i) * Dk;
     float* dQKi = w.dQK + size_t(i) * Cp;
     const float bt = w.beta[i];
-    float sb = 0.0f, rg = 0.0f;
+    float sb = 0.0f, run = 0.0f;
     for (int j = 0; j < i; ++j) {
       const float dA = -Zi[j], dAL = dA * Li[j];
       sb += dAL * KKi[j];
       w.M[size_t(i) * Cp + j] += bt * dAL;  // dKK + dKK^T
       w.M[size_t(j) * Cp + i] += bt * dAL;
-      const float G = (bt * dA * KKi[j] + dPi[j] * QKi[j]) * Li[j];
-      rg += G;
-      w.colG[j] += G;
+      run += (bt * dA * KKi[j] + dPi[j] * QKi[j]) * Li[j];  // row i's G_ij, j < m, for m = j + 1 <= i
+      w.H[j + 1] += run;
     }
 #pragma omp simd
     for (int j = 0; j < cp; ++j) dQKi[j] = j <= i ? dPi[j] * Li[j] : 0.0f;  // dP's upper triangle is stale
     const float x2k = gd_dot(dX2, Ki, dk);
     w.dlast[i] = gd_dot(w.dKl + size_t(i) * Dk, Ki, dk) * w.last[i];
-    dlast_sum += w.dlast[i];
     w.db[i] = bt * x2k + gd_dot(w.dQb + size_t(i) * Dk, w.Q + size_t(i) * Dk, dk) + (i == c - 1 ? db_end : 0.0f);
     gr.dbeta[d.tok(b, s + i, hv)] = sb + gd_dot(dX1, w.V + size_t(i) * Dv, dv) + w.b[i] * x2k;
-    w.rowG[i] = rg;
     float* dvr = gr.dv + d.vrow(b, s + i, hv);
 #pragma omp simd
     for (int e = 0; e < dv; ++e) dvr[e] = bt * dX1[e];
   }
-  // dgamma, then dg = the same-document suffix sums (gamma_i sums g_j, j <= i in i's document), 0 at a start
-  const bool* st = in.starts + size_t(b) * d.T + s;
-  for (int i = 0; i < c; ++i)
-    w.dgam[i] = w.rowG[i] - w.colG[i] + w.db[i] * w.b[i] - w.dlast[i] + (i == c - 1 ? dlast_sum : 0.0f);
-  float run = 0.0f;
+  // dg_m = H_m + sum_{i >= m} db_i b_i + sum_{j < m} dlast_j (H_m = sum_{i >= m, j < m} G_ij): each sum runs
+  // over terms that carry g_m's decay only, so nothing cancels; across a start L, b and last are 0
+  float suffix = 0.0f, prefix = 0.0f;
   for (int i = c - 1; i >= 0; --i) {
-    run = w.dgam[i] + ((i + 1 < c && !st[i + 1]) ? run : 0.0f);
-    gr.dg[d.tok(b, s + i, hv)] = st[i] ? 0.0f : run;
+    suffix += w.db[i] * w.b[i];
+    w.dgb[i] = suffix;
+  }
+  const bool* st = in.starts + size_t(b) * d.T + s;
+  for (int m = 0; m < c; ++m) {
+    gr.dg[d.tok(b, s + m, hv)] = st[m] ? 0.0f : w.H[m] + w.dgb[m] + prefix;
+    prefix += w.dlast[m];
   }
 
   // dK = (dKK + dKK^T) K + dQK^T Q + beta b dX2 + last dKl;  dQ = dQK K + b dQb
