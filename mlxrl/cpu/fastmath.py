@@ -268,7 +268,8 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None) -> mx.arra
     and the matmuls run in a register-tiled micro-kernel (`python scripts/bench_attention.py`: time and
     peak against the materialised scores and MLX's own, figures in docs/benchmarks.md). With an array mask (padded
     or packed rows) or for decoding: scores, mask, the native softmax, values (MLX's CPU path has no
-    fused kernel either). Elsewhere MLX's own."""
+    fused kernel either). Elsewhere MLX's own (the decoders reach this through `models.attention.attention`,
+    whose graph path tiles long rows)."""
     if not uses_native(q):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, Hq, L, D = q.shape

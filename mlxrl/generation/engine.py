@@ -50,6 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cpu import fastmath
+from ..models.attention import dense
 from ..models.vl import QwenVLBase, mrope_positions
 
 IM_END, END_OF_TEXT = 151645, 151643
@@ -271,6 +272,7 @@ class SharedPrefixCache:
         s_prompt = s_prompt.transpose(0, 2, 1, 3, 4, 5).reshape(n, Hkv, rep, L, Lp)
         s_own = q.reshape(n, Hkv, rep, L, D) @ ks[:, :, None].swapaxes(-1, -2)  # [n, Hkv, rep, L, T]
         scores = mx.concatenate([s_prompt, s_own], axis=-1)
+        mask = dense(mask)
         if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
             mask = mask[:, :, None]  # [n | 1, 1, L, S] -> [n | 1, 1, 1, L, S]
         probs = fastmath.softmax(fastmath.masked_scores(scores, mask))

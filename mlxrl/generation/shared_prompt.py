@@ -34,6 +34,7 @@ import mlx.core as mx
 from ..cpu import fastmath
 from ..losses.head import head_logprobs
 from ..models import checkpointing
+from ..models.attention import AttentionMask, attention
 from ..models.language import attention_mask_for
 from ..models.vl import merge_image_features
 from ..processing.tokens import IGNORE_INDEX
@@ -66,7 +67,7 @@ class _Capture:
         fast = fastmath.flash_attention(q, k, v, scale=scale, causal=True, bounds=self.bounds)
         if fast is not None:
             return fast[0]
-        return fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return attention(q, k, v, scale=scale, mask=mask)
 
 
 class _SharedPrefix:
@@ -112,7 +113,7 @@ class _SharedPrefix:
         kp = mx.repeat(self.keys, self.group, axis=0)  # [P*G, H, Lp, D]
         vp = mx.repeat(self.values, self.group, axis=0)
         k, v = mx.concatenate([kp, k], axis=2), mx.concatenate([vp, v], axis=2)
-        return fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return attention(q, k, v, scale=scale, mask=mask)
 
 
 def _embeddings(model, prompt_ids, completion_ids, pixel_values, image_grid_thw, vision_meta):
@@ -176,11 +177,10 @@ def shared_prompt_hidden(
     cos_p, sin_p = lm.rotary_emb(pos_p)
     cos_c, sin_c = lm.rotary_emb(pos_c)
 
-    mask_p = attention_mask_for(Lp, prompt_mask)  # causal & padding, [P, 1, Lp, Lp]
-    see_prompt = mx.repeat(prompt_mask.astype(mx.bool_), G, axis=0)[:, None, None, :]  # [P*G, 1, 1, Lp]
-    causal = mx.arange(C)[:, None] >= mx.arange(C)[None]
-    mask_c = mx.concatenate([mx.broadcast_to(see_prompt, (n, 1, C, Lp)),
-                             mx.broadcast_to(causal[None, None], (n, 1, C, C))], axis=-1)  # [P*G, 1, C, Lp+C]
+    mask_p = attention_mask_for(Lp, prompt_mask)  # causal & padding: [P, 1, Lp, Lp] as an array
+    # a completion row sees its prompt's real keys, then its own causally: [P*G, 1, C, Lp+C] as an array
+    see_prompt = mx.repeat(prompt_mask.astype(mx.bool_), G, axis=0)  # [P*G, Lp]
+    mask_c = AttentionMask(C, Lp + C, mx.concatenate([see_prompt, mx.ones((n, C), mx.bool_)], axis=1))
     if deepstack is not None:
         vis_mask, feats = deepstack
         vis_idx = mx.maximum(mx.cumsum(vis_mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(vis_mask.shape)

@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from ..cpu import fastmath
 from . import checkpointing
+from .attention import AttentionMask, attention
 from .tiled import tiled
 
 
@@ -214,7 +215,7 @@ class Attention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
-            out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            out = attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -255,23 +256,21 @@ def attention_mask_for(
     segment_ids: mx.array | None = None,
     offset: int = 0,
 ):
-    """Boolean [B, 1, L, offset+L] mask, or "causal" when nothing but causality is needed.
+    """The decoder's mask as structure (`attention.AttentionMask`: causal, the padding, the documents; its
+    `dense()` is the boolean [B, 1, L, offset+L] array), or "causal" when nothing but causality is needed.
 
     attention_mask [B, offset+L]: 1 for real tokens, 0 for padding (keys that nobody attends to).
-    segment_ids [B, L]: packed documents; a query attends only to keys of its own segment.
+    segment_ids [B, L]: packed documents; a query attends only to keys of its own segment (keys already in
+    a cache, `offset`, belong to no document of these queries).
+    A fully masked row (a left-padding query) sees itself, so that it gives no NaN.
     """
     if attention_mask is None and segment_ids is None:
         return "causal" if L > 1 else None
-    q_idx = mx.arange(offset, offset + L)[:, None]
-    k_idx = mx.arange(offset + L)[None]
-    mask = (q_idx >= k_idx)[None, None]
-    if attention_mask is not None:
-        mask = mask & attention_mask[:, None, None, :].astype(mx.bool_)
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    # A fully masked row (a left-padding query) would give NaN: let it see itself.
-    eye = q_idx == k_idx
-    return mask | eye[None, None]
+    valid = None if attention_mask is None else attention_mask.astype(mx.bool_)
+    if segment_ids is not None and offset:
+        segment_ids = mx.concatenate([mx.full((segment_ids.shape[0], offset), -1, segment_ids.dtype), segment_ids],
+                                     axis=1)
+    return AttentionMask(L, offset + L, valid, segment_ids)
 
 
 def restart_positions(advance: mx.array, segment_ids: mx.array | None = None) -> mx.array:

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from ...cpu import fastmath
 from .. import checkpointing
+from ..attention import attention
 from ..gated_delta import gated_delta_rule
 from ..language import MLP, RotaryEmbedding, TextConfig, apply_rotary
 
@@ -339,7 +340,7 @@ class GatedAttention(nn.Module):
         else:
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
-            out = fastmath.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            out = attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 
