@@ -41,6 +41,7 @@ from ..cpu import fastmath
 
 TILE_BYTES = 32 * 2**20  # one block's float32 scores on the tiled path (and the size past which it is taken)
 MIN_ROWS = 16  # the smallest query block
+BLOCK_COPIES = 5  # a block's [rows, S] float32 arrays alive together in the backward (see tiled_working_bytes)
 
 
 class AttentionMask:
@@ -177,14 +178,23 @@ def tiled_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask
 # ---------------------------------------------------------------------------------------------- the door
 
 
+def tiles(B: int, Hq: int, L: int, S: int) -> bool:
+    """Whether the graph path tiles an attention of these sizes: its whole float32 scores would pass TILE_BYTES."""
+    return L >= MIN_ROWS and B * Hq * L * S * 4 > TILE_BYTES
+
+
+def tiled_working_bytes() -> int:
+    """The memory model of the tiled attention's backward beyond its inputs, outputs and gradients: one block's
+    scores, probabilities, their gradient and the casts between them (BLOCK_COPIES arrays of up to TILE_BYTES),
+    whatever the length (`plan` adds it to an attention layer's recomputation)."""
+    return BLOCK_COPIES * TILE_BYTES
+
+
 def _path(q: mx.array, k: mx.array, mask) -> str:
     """Which path runs these inputs (module docstring): "native", "tiled" or "fused"."""
     if fastmath.uses_native(q):
         return "native"
-    B, Hq, L, _ = q.shape
-    if L >= MIN_ROWS and B * Hq * L * k.shape[2] * 4 > TILE_BYTES:
-        return "tiled"
-    return "fused"
+    return "tiled" if tiles(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) else "fused"
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:

@@ -11,6 +11,7 @@ from ..cpu import drain_bytes, evaluates_depth_first, fastmath
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
+from ..models import attention as attention_lib
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..optim import optimizers as optim_lib
@@ -185,8 +186,11 @@ def _layer_saved(a: Arch, sh: Shape, s: int, kind: str, native: bool = False, ml
         n = a.linear
         return experts + linear_layer_saved_bytes(a.D, width, n["C"], n["V"], n["state"], sh.tokens, s, native,
                                                   mlp_tokens)
-    return experts + layer_saved_bytes(a.D, width, a.heads, a.head_dim, a.kv_heads, sh.tokens, sh.scores, s, native,
-                                       mlp_tokens, a.gated)
+    scores, tiles = sh.scores, 0.0
+    if not native and a.heads * sh.scores * 4 > attention_lib.TILE_BYTES:  # the graph path's tiled attention
+        scores, tiles = 0, attention_lib.tiled_working_bytes()
+    return experts + tiles + layer_saved_bytes(a.D, width, a.heads, a.head_dim, a.kv_heads, sh.tokens, scores, s,
+                                               native, mlp_tokens, a.gated)
 
 
 def lora_dropout(args, trainer: str = "sft") -> float:

@@ -48,7 +48,8 @@ def causal_scores(args, L: int) -> int:
     (`data.batches.right_padded`); on the native CPU path that is the FlashAttention kernel
     (`fastmath.scaled_dot_product_attention`), which keeps no score array, forward or backward (its
     per-core block buffers are a few MB): 0. Packed or padding-free rows (a segment mask) and the graph
-    path keep the [L, L] square."""
+    path keep the [L, L] square (the graph path only until it tiles: `plan.model._layer_saved` swaps the
+    square for the tiled attention's working set, `models.attention.tiled_working_bytes`)."""
     if getattr(args, "packing", False) or getattr(args, "padding_free", False) or not native_cpu(args):
         return L * L
     return 0
