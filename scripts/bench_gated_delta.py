@@ -13,7 +13,9 @@ it before the call, with its RMSNorm form, and passes the decay as exp(g)), floa
 Each measurement runs in its own process, so peaks do not mix: the first step's peak resident memory above
 the inputs (ru_maxrss minus the RSS before it; every side) and MLX's own peak (`mx.get_peak_memory` after
 `mx.reset_peak_memory`, above the active memory before; MLX sides), then the median time of `--repeats`
-further steps. Ratios are against the native path.
+further steps. Ratios are against the native path. MLX sides also count the primitives in one step's graph
+(forward + backward, the nodes of `mx.export_to_dot`), per 64-token chunk: on a GPU each one that computes
+is a kernel launch.
 
     python scripts/bench_gated_delta.py                                  # T = 4096 and 8192, Qwen3.5-0.8B
     python scripts/bench_gated_delta.py --lengths 2048 --heads 16 32     # Qwen3.5's default config widths
@@ -28,6 +30,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 SIDES = ("native", "graph", "mlx_autograd", "mlx_vlm", "torch")
@@ -65,6 +68,20 @@ def _inputs(np, a):
     return (rng.standard_normal((B, T, hk, dk), f32), rng.standard_normal((B, T, hk, dk), f32),
             rng.standard_normal((B, T, hv, dv), f32), -rng.uniform(0.01, 1.0, (B, T, hv)).astype(f32),
             rng.uniform(0.0, 1.0, (B, T, hv)).astype(f32), rng.standard_normal((B, T, hv, dv), f32))
+
+
+def _primitives(mx, results) -> int:
+    """The primitives in the (unevaluated) graph of one step's results: the nodes `mx.export_to_dot` writes
+    (on a GPU each op that computes is a kernel launch)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "step.dot")
+        mx.export_to_dot(path, *_leaves(results))
+        with open(path) as f:
+            return f.read().count("shape=rectangle")
+
+
+def _leaves(tree) -> list:
+    return [x for t in tree for x in _leaves(t)] if isinstance(tree, (list, tuple)) else [tree]
 
 
 def _worker(a) -> dict:
@@ -131,7 +148,8 @@ def _worker(a) -> dict:
         start = time.perf_counter()
         step()
         first = time.perf_counter() - start
-        result = {"rss_peak": max(_max_rss() - rss, 0), "mlx_peak": mx.get_peak_memory() - base}
+        result = {"rss_peak": max(_max_rss() - rss, 0), "mlx_peak": mx.get_peak_memory() - base,
+                  "primitives": _primitives(mx, grad(*ins)) / -(-a.length // 64)}
     times = []
     for _ in range(a.repeats):
         start = time.perf_counter()
@@ -154,6 +172,10 @@ def _measure(side: str, a) -> dict:
 
 def _ratio(mine, theirs) -> str:
     return f"{mine / theirs:.2f}" if mine is not None and theirs else "-"
+
+
+def _per_chunk(r) -> str:
+    return "-" if r.get("primitives") is None else f"{r['primitives']:.1f}"
 
 
 def _gb(x):
@@ -182,7 +204,7 @@ def main():
     print(f"gated delta rule, forward + backward: B={a.batch}, heads {hk} key / {hv} value, dk={dk}, dv={dv}, "
           f"float32, median of {a.repeats} steps after the first; peaks from the first step")
     print(f"{'T':>6} {'side':<13} {'time':>9} {'x nat.':>7} {'RSS peak':>10} {'x nat.':>7} {'MLX peak':>10} "
-          f"{'x nat.':>7}", flush=True)
+          f"{'x nat.':>7} {'prims/chunk':>11}", flush=True)
     for length in a.lengths:
         a.length = length
         ref = {}
@@ -195,7 +217,7 @@ def main():
                 continue
             x = {key: _ratio(r[key], ref.get(key)) for key in ("time", "rss_peak", "mlx_peak")}
             print(f"{length:>6} {LABELS[side]:<13} {r['time']:>8.2f}s {x['time']:>7} {_gb(r['rss_peak']):>10} "
-                  f"{x['rss_peak']:>7} {_gb(r['mlx_peak']):>10} {x['mlx_peak']:>7}", flush=True)
+                  f"{x['rss_peak']:>7} {_gb(r['mlx_peak']):>10} {x['mlx_peak']:>7} {_per_chunk(r):>11}", flush=True)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ def _mx(*xs, dtype=mx.float32):
     return [mx.array(np.asarray(x, np.float32)).astype(dtype) for x in xs]
 
 
-def _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, with_state=True, starts=None, l2=True, **kw):
-    """(out, final, gradients of sum(out w_out) + sum(final w_state) w.r.t. q, k, v, g, beta, s0) as NumPy."""
+def _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, with_state=True, starts=None, l2=True, dtype=mx.float32,
+               **kw):
+    """(out, final, gradients of sum(out w_out) + sum(final w_state) w.r.t. q, k, v, g, beta, s0) as float32
+    NumPy; the inputs in `dtype`."""
     W, WS = _mx(w_out, w_state)
     ds = None if starts is None else mx.array(starts)
 
@@ -104,8 +106,9 @@ def _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, with_state=True, starts=Non
                                       use_qk_l2norm_in_kernel=l2, **kw)
         return (out.astype(mx.float32) * W).sum() + (final * WS).sum(), (out, final)
 
-    (_, (out, final)), grads = mx.value_and_grad(loss, argnums=list(range(6)))(*_mx(q, k, v, g, beta, s0))
-    return np.array(out), np.array(final), [np.array(x.astype(mx.float32)) for x in grads]
+    ins = _mx(q, k, v, g, beta, s0, dtype=dtype)
+    (_, (out, final)), grads = mx.value_and_grad(loss, argnums=list(range(6)))(*ins)
+    return np.array(out.astype(mx.float32)), np.array(final), [np.array(x.astype(mx.float32)) for x in grads]
 
 
 def _torch_grads(q, k, v, g, beta, s0, w_out, w_state, with_state=True):
@@ -157,16 +160,73 @@ def test_gradients_match_transformers_under_torch_autograd(T, widths, with_state
 
 @pytest.mark.parametrize("group", [1, 2])
 def test_every_grouping_of_chunks_on_the_graph_path_matches_transformers(group, monkeypatch):
-    """The graph path runs GROUP chunks side by side (8; the tests' lengths fit one group at chunk 64): one
-    chunk at a time, and two (200 tokens: groups of 2 and 1, then the short last chunk), give transformers'
-    values and gradients, an initial state and key-head groups included."""
-    monkeypatch.setattr(gated_delta, "GROUP", group)
+    """The graph path runs `group_chunks` chunks side by side (the tests' shapes fit one group): one chunk at
+    a time, and two (200 tokens: groups of 2 and 1, then the short last chunk), give transformers' values and
+    gradients, an initial state and key-head groups included."""
+    monkeypatch.setattr(gated_delta, "group_chunks", lambda *shape, **kw: group)
     monkeypatch.setattr(gated_delta, "_path", lambda *arrays: "graph")
     data, (t_out, t_final, t_grads) = _torch_case(200, WIDTHS[1], True)
     out, final, grads = _mlx_grads(*data)
     assert _rel(out, t_out) < 1e-5 and _rel(final, t_final) < 1e-5
     for ours, theirs in zip(grads, t_grads, strict=True):
         assert _rel(ours, theirs) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_groupings_agree_with_documents(dtype, monkeypatch):
+    """Documents crossing chunk and group boundaries, an initial state, float32 and bf16 inputs: groups of one
+    and of two chunks give the single group's values and gradients (the state, its cotangent and the results'
+    pieces pass between groups)."""
+    monkeypatch.setattr(gated_delta, "_path", lambda *arrays: "graph")
+    (q, k, v, g, beta, s0, w_out, w_state), starts, _ = _packed(43)
+    want = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts, dtype=dtype)
+    for group in (1, 2):
+        monkeypatch.setattr(gated_delta, "group_chunks", lambda *shape, n=group, **kw: n)
+        got = _mlx_grads(q, k, v, g, beta, s0, w_out, w_state, starts=starts, dtype=dtype)
+        for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
+            assert _rel(a, b) < (1e-2 if dtype == mx.bfloat16 else 1e-5), group
+
+
+def test_group_chunks_follow_the_memory_budget():
+    """Narrow or short sequences: every chunk in one group (the floor of the budget). Qwen3.5-0.8B's DeltaNet
+    widths: groups grow with the length (the budget is a share of what the op holds anyway, which grows with
+    it) and stop at the cap; a group's estimated working set stays within the budget."""
+    gd = gated_delta
+    assert gd.group_chunks(1, 2048, 2, 2, 16, 16) == 32
+    assert gd.group_chunks(2, 200, 1, 3, 8, 12) == 3
+    assert gd.group_chunks(1, 10, 2, 2, 16, 16) == 1  # no full chunk: the short one alone
+    sizes = [gd.group_chunks(1, T, 16, 16, 128, 128) for T in (2048, 4096, 8192, 16384, 1 << 17)]
+    assert sizes == sorted(sizes) and 1 < sizes[0] < sizes[2] < 2048 // 64
+    w = gd.CHUNK_WORK
+    per_chunk = 4 * 16 * (w["CC"] * 64 * 64 + w["CD"] * 64 * 128 + w["DD"] * 128 * 128)
+    assert sizes[-1] * per_chunk <= gd.GROUP_BYTES[1] < (sizes[-1] + 1) * per_chunk
+
+
+def _primitives(T, tmp_path, Hk=1, Hv=1, d=16):
+    """The primitives of one value_and_grad of the op (graph path, l2 norm, an initial state, documents): the
+    nodes of `mx.export_to_dot` of its unevaluated results."""
+    q, k, v, g, beta, s0, w_out, _ = _mx(*_data(3, 1, T, Hk, Hv, d, d, normalise=False))
+    starts = mx.array(np.arange(T)[None] % 700 == 300)
+
+    def loss(q, k, v, g, beta, s0):
+        out, final = gated_delta_rule(q, k, v, g, beta, s0, starts, use_qk_l2norm_in_kernel=True)
+        return (out * w_out).sum() + final.sum()
+
+    value, grads = mx.value_and_grad(loss, argnums=list(range(6)))(q, k, v, g, beta, s0)
+    dot = tmp_path / f"graph_{T}.dot"
+    mx.export_to_dot(str(dot), value, *grads)
+    return dot.read_text().count("shape=rectangle")
+
+
+def test_graph_path_primitives_per_chunk(tmp_path, monkeypatch):
+    """The graph path's forward + backward adds few primitives per 64-token chunk: within a group only the
+    state's passage loops over chunks (one multiply-add per chunk each way, the operands split beforehand),
+    and at these widths every chunk is in one group. 1024 -> 2048 tokens: 16 more chunks."""
+    monkeypatch.setattr(native, "load", lambda: None)
+    assert gated_delta._path(*_mx(np.zeros((1, 4, 1, 16)), np.zeros((1, 4, 1, 16)), np.zeros((1, 4, 1, 16)),
+                                  np.zeros((1, 4, 1)), np.zeros((1, 4, 1)), np.zeros((1, 1, 16, 16)))) == "graph"
+    short, long = _primitives(1024, tmp_path), _primitives(2048, tmp_path)
+    assert (long - short) / 16 <= 12, (short, long)
 
 
 def test_scale_and_no_normalisation_follow_the_recurrence(path):
@@ -570,3 +630,28 @@ def test_vjp_peak_memory_is_well_below_autograd_of_the_chunked_forward(path):
     assert ours < 0.5 * naive, (ours, naive)
     longer = work(4096)  # the working set: the same at twice the length
     assert longer < 1.2 * ours, (longer, ours)
+
+
+def test_graph_path_peak_memory_near_what_the_op_must_hold(monkeypatch):
+    """Qwen3.5's DeltaNet head widths (dk = dv = 128; 4 heads), 2048 tokens, on the graph path:
+    the value_and_grad's peak is within 1.3x of what any path holds (its gradients, the output and its
+    cotangent, one float32 state per chunk and head; the native kernel's peak is about that): the groups are
+    sized so that their intermediates are a bounded share of it."""
+    monkeypatch.setattr(native, "load", lambda: None)
+    B, T, H, d = 1, 2048, 4, 128
+    mx.random.seed(0)
+    q, k, v, w = (mx.random.normal((B, T, H, d)) for _ in range(4))
+    g, beta = -mx.random.uniform(0.01, 1.0, (B, T, H)), mx.random.uniform(0.0, 1.0, (B, T, H))
+    mx.eval(q, k, v, w, g, beta)
+    assert gated_delta._path(q, k, v, g, beta, mx.zeros((1,))) == "graph"
+
+    def loss(q, k, v, g, beta):
+        out, _ = gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        return (out * w).sum()
+
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(mx.value_and_grad(loss, argnums=list(range(5)))(q, k, v, g, beta))
+    peak = mx.get_peak_memory() - base
+    held = 4 * (5 * B * T * H * d + 2 * B * T * H + (T // 64) * B * H * d * d)
+    assert peak < 1.3 * held, (peak / held, peak, held)

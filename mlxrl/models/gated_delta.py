@@ -57,23 +57,41 @@ the state unchanged: the same result); only the block-recursive inverse pads its
 with the identity.
 
 Memory. The forward runs the chunks in order and returns, next to the output and the final state, the
-state at the start of every chunk ([T/C, B, H, dk, dv] float32); that and the inputs are all the VJP keeps
-(a forward that is never differentiated builds that stack too, and drops it when the call's results are
-evaluated). The backward walks the chunks in reverse: for each, it recomputes the chunk's decays, A, its
-inverse, U0, W and U from the inputs and the saved state, turns the output's cotangent and the state
-cotangent dS coming from the next chunk into the chunk's input gradients, and passes dS back to the chunk
-before. Inputs are cast to float32 a group at a time (below); the state and all accumulation are float32;
-the output comes back in v's dtype (transformers returns q's; Qwen3.5 gives both the same dtype) and each
-gradient in its input's dtype.
+state at the start of every chunk (one [B, H, dk, dv] float32 per chunk: the native kernel's one
+[T/C, B, H, dk, dv] array, the graph path's one [B, H, n, dk, dv] per group of n chunks); that and the inputs
+are all the VJP keeps (a forward that is never differentiated builds them too, and drops them when the
+call's results are evaluated). The backward walks the chunks in reverse: for each, it recomputes the chunk's
+decays, A, its inverse, U0, W and U from the inputs and the saved state, turns the output's cotangent and the
+state cotangent dS coming from the next chunk into the chunk's input gradients, and passes dS back to the
+chunk before. Inputs are cast to float32 a group at a time (below); the state and all accumulation are
+float32; the output comes back in v's dtype (transformers returns q's; Qwen3.5 gives both the same dtype) and
+each gradient in its input's dtype.
 
-The graph path runs GROUP chunks side by side: everything that does not need the state passed from chunk to
-chunk (decays, A and its inverse, U0, W, Q K^T, and in the backward every gradient once the state's cotangent
-at each chunk end is known) is one batched product over the group, and only the state's passage (three small
-products per chunk) is a loop. On a GPU every MLX op is a kernel launch, and one chunk's products are too
-small to fill it: batching cuts the launches by about the group's size. Each group's inputs are tied with
-`mx.depends` to the previous group's results, so MLX (which schedules depth-first from the outputs) runs
-the groups one after another and only one group's intermediates are alive: the working set is a group's,
-whatever the length.
+The graph path runs groups of chunks side by side. A chunk's end state is affine in its start state,
+
+    S_C = M S0 + R,    M = b_C I - Kl^T W  [dk, dk],    R = Kl^T U0    (Kl = diag(last) K)
+
+and neither M nor R depends on the state: they, like everything else that does not need the state passed
+from chunk to chunk (decays, A and its inverse, U0, W, Q K^T), are batched products over the group. The
+passage is then one multiply-add per chunk (`mx.addmm` on M's and R's pieces, split beforehand by MLX's
+multi-output split), and U = U0 - W S0 and the outputs are batched again from the stacked start states. The
+backward is its transpose: the cotangent at a chunk's start is dS0 = M^T dS_C + N with N = Qb^T dO -
+W^T P^T dO (Qb = diag(b) Q, P = L * Q K^T), batched beforehand; one multiply-add per chunk, last chunk first,
+gives dS at every chunk's end, and every gradient is batched from their stack. On a GPU every MLX op is a
+kernel launch and one chunk's products are too small to fill it: a group costs a fixed set of launches, and
+each chunk in it one multiply-add each way.
+
+Groups are sized by memory (`group_chunks`): a group's float32 intermediates (CHUNK_WORK per chunk, in its
+[c, c], [c, d] and [dk, dv] arrays) are held to GROUP_SHARE of what the op holds on any path (the inputs,
+their gradients and the saved states, all proportional to the length), within GROUP_BYTES. Narrow or short
+sequences run as a single group; long ones in groups that grow with the length up to the cap, so the
+working set stays a bounded share of the op's own footprint and is bounded outright beyond the cap. Each
+group's inputs are tied with `mx.depends` to the previous group's results (its state and its piece of the
+output; in the backward the state's cotangent and its pieces of the gradients), so MLX, whatever order it
+schedules independent work in, runs the groups one after another and only one group's intermediates are
+alive. The results are written group by group into one buffer each (every update the only reader of the
+one before, so MLX updates the buffer in place) rather than concatenated at the end, and the saved states
+stay per group: nothing the size of the sequence is held twice.
 
 Paths: `_path` is the one dispatch point, choosing an entry of `_PATHS` as every native kernel is chosen
 (`mlxrl.cpu.fastmath`): "native" when q, k, v, g, beta and the state are float32 arrays on the CPU and
@@ -95,26 +113,58 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from ..cpu import fastmath, native
 from .triangular import unit_lower_inverse
 
 CHUNK = 64
-GROUP = 8  # the graph path's chunks side by side: its batched products (memory: one group's intermediates)
 L2_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm eps
+# The graph path's groups of chunks side by side (`group_chunks`): a group's float32 working set at most
+# GROUP_SHARE of what the op holds on any path (its inputs, their gradients, the saved states), and within
+# GROUP_BYTES (a floor, so that short or narrow sequences run as one group, and a cap)
+GROUP_SHARE = 0.5
+GROUP_BYTES = (16 << 20, 1 << 30)
+# what one more chunk in a group adds to the graph path's peak (forward + backward), per batch row and value
+# head, in float32 arrays of [c, c], [c, d] (d the mean of dk and dv) and [dk, dv]: fitted to that growth
+CHUNK_WORK = {"CC": 11, "CD": 8, "DD": 8}
 
 # ---------------------------------------------------------------------------------------------------------
 # one chunk
 
 
+@functools.cache
+def _tri(c: int, strict: bool) -> mx.array:
+    """The lower triangle of [c, c] (bool; strict: without the diagonal), a constant."""
+    return mx.array(np.tri(c, k=-1 if strict else 0, dtype=bool))
+
+
 def _strict(c: int) -> mx.array:
-    i = mx.arange(c)
-    return i[:, None] > i[None, :]
+    return _tri(c, True)
 
 
 def _lower(c: int) -> mx.array:
-    i = mx.arange(c)
-    return i[:, None] >= i[None, :]
+    return _tri(c, False)
+
+
+@functools.cache
+def _eye(d: int) -> mx.array:
+    return mx.array(np.eye(d, dtype=np.float32))
+
+
+@functools.cache
+def _at_end(c: int) -> mx.array:
+    return mx.array(np.arange(c) == c - 1)
+
+
+def _dot(x: mx.array, y: mx.array) -> mx.array:
+    """sum(x * y) over the last two axes, as a product (no [p, q] temporary)."""
+    p = x.shape[-1] * x.shape[-2]
+    return (x.reshape(*x.shape[:-2], 1, p) @ y.reshape(*y.shape[:-2], p, 1))[..., 0, 0]
+
+
+def _tr(x: mx.array) -> mx.array:
+    return mx.swapaxes(x, -1, -2)
 
 
 def _decays(g: mx.array, starts: mx.array | None):
@@ -144,30 +194,58 @@ def _decays(g: mx.array, starts: mx.array | None):
 
 def _wy(K, V, beta, L, b):
     """A (strictly lower), its inverse T, U0 = T diag(beta) V and W = T diag(beta b) K."""
-    KK = K @ mx.swapaxes(K, -1, -2)
+    KK = K @ _tr(K)
     A = mx.where(_strict(K.shape[-2]), beta[..., None] * L * KK, 0.0)
     T = unit_lower_inverse(A)
-    dv = V.shape[-1]
-    UW = T @ mx.concatenate([beta[..., None] * V, (beta * b)[..., None] * K], axis=-1)
-    return KK, T, UW[..., :dv], UW[..., dv:]
+    return KK, T, T @ (beta[..., None] * V), T @ ((beta * b)[..., None] * K)
+
+
+def _passage(b, X, Y):
+    """b_c I - X Y for every chunk (b [B, H, n, c]: the chunk-end decay b_c on the diagonal): the linear part
+    of the state's passage through a chunk (X Y = Kl^T W) or its transpose (W^T Kl)."""
+    return mx.addmm(_eye(X.shape[-2]) * b[..., -1:, None], X, Y, alpha=-1.0)
+
+
+SPLIT = 10  # the most pieces MLX's split makes with its one multi-output primitive (beyond: a slice each)
+
+
+def _pieces(x: mx.array, n: int) -> list[mx.array]:
+    """x [B, H, n, ...] as its n pieces [B, H, 1, ...] along axis 2: MLX's split, a tree of them beyond SPLIT
+    pieces (views, no copy: about one primitive per SPLIT - 1 pieces)."""
+    if n <= SPLIT:
+        return mx.split(x, n, axis=2) if n > 1 else [x]
+    size = -(-n // SPLIT)
+    parts = mx.split(x, list(range(size, n, size)), axis=2)
+    return [piece for part in parts for piece in _pieces(part, part.shape[2])]
+
+
+def _affine(M, R, S, reverse=False):
+    """The state's passage through n chunks side by side: X_{j+1} = M_j X_j + R_j from X_0 = S [B, H, p, q],
+    with M [B, H, n, p, p] and R [B, H, n, p, q] (reverse: from the last chunk to the first, X_j = M_j X_{j+1}
+    + R_j from X_n = S). Returns (the value entering each chunk [B, H, n, p, q], the value leaving the last).
+    The only loop over chunks: each operand split beforehand (`_pieces`), then one multiply-add per chunk."""
+    n = M.shape[2]
+    Ms, Rs = _pieces(M, n), _pieces(R, n)
+    X, entering = S[:, :, None], []
+    for j in (reversed(range(n)) if reverse else range(n)):
+        entering.append(X)
+        X = mx.addmm(Rs[j], Ms[j], X)
+    entering = entering[::-1] if reverse else entering
+    return (entering[0] if n == 1 else mx.concatenate(entering, axis=2)), X[:, :, 0]
 
 
 def _group_forward(Q, K, V, beta, L, b, last, S):
     """n chunks side by side (Q, K [B, H, n, c, dk], V [B, H, n, c, dv], the decays of `_decays`) from the
     state S [B, H, dk, dv] at the first one's start: (O [B, H, n, c, dv], the state at each chunk's start
-    [B, H, n, dk, dv], the state at the last one's end). Only the state's passage from chunk to chunk is a
-    loop; everything else is one batched product over the n chunks."""
+    [B, H, n, dk, dv], the state at the last one's end). A chunk's end state is affine in its start state,
+    S_end = M S0 + R with M = b_c I - Kl^T W and R = Kl^T U0 (Kl = diag(last) K): M and R are batched over
+    the chunks, the passage is one multiply-add per chunk (`_affine`), and U = U0 - W S0 and the outputs are
+    batched again, from the stacked start states."""
     _, _, U0, W = _wy(K, V, beta, L, b)
-    KlT = mx.swapaxes(last[..., None] * K, -1, -2)
-    b_end = b[..., -1:, None]  # [B, H, n, 1, 1]
-    S0, Us = [], []
-    for j in range(Q.shape[2]):
-        S0.append(S)
-        U = U0[:, :, j] - W[:, :, j] @ S
-        Us.append(U)
-        S = b_end[:, :, j] * S + KlT[:, :, j] @ U
-    S0, U = mx.stack(S0, axis=2), mx.stack(Us, axis=2)
-    out = (b[..., None] * Q) @ S0 + (L * (Q @ mx.swapaxes(K, -1, -2))) @ U
+    KlT = _tr(last[..., None] * K)
+    S0, S = _affine(_passage(b, KlT, W), KlT @ U0, S)
+    U = mx.addmm(U0, W, S0, alpha=-1.0)
+    out = mx.addmm((b[..., None] * Q) @ S0, L * (Q @ _tr(K)), U)
     return out, S0, S
 
 
@@ -175,49 +253,44 @@ def _group_backward(Q, K, V, g, beta, starts, S, dO, dS_end):
     """n chunks' gradients, recomputed from their inputs (as in `_group_forward`, starts [B, n, c] or None)
     and the state at each one's start S [B, H, n, dk, dv], with dS_end the cotangent of the last one's end
     state: (dQ, dK, dV, dg, dbeta, dS at the first one's start), dQ and dK per value head, float32. The chain
-    rule of `_group_forward` and `_decays`, written out: a loop passes the state's cotangent from chunk to
-    chunk, the rest is batched over the chunks."""
+    rule of `_group_forward` and `_decays`, written out: the state's cotangent passes from chunk to chunk by
+    the transposed affine map (`_affine` in reverse), the rest is batched over the chunks."""
     L, b, last = _decays(g, starts)
     KK, T, U0, W = _wy(K, V, beta, L, b)
-    U = U0 - W @ S
-    tr = functools.partial(mx.swapaxes, axis1=-1, axis2=-2)
-    QK = Q @ tr(K)
+    U = mx.addmm(U0, W, S, alpha=-1.0)
+    QK = Q @ _tr(K)
     P = L * QK
     Qb, Kl = b[..., None] * Q, last[..., None] * K
 
-    # the state's cotangent, last chunk first: dU = P^T dO + Kl dS_end, dS = Qb^T dO + b_c dS_end - W^T dU
-    PdO, QbdO, WT, b_end = tr(P) @ dO, tr(Qb) @ dO, tr(W), b[..., -1:, None]
-    ends, dUs = [], []
-    dS = dS_end.astype(mx.float32)
-    for j in reversed(range(Q.shape[2])):
-        ends.append(dS)
-        dU = PdO[:, :, j] + Kl[:, :, j] @ dS
-        dUs.append(dU)
-        dS = QbdO[:, :, j] + b_end[:, :, j] * dS - WT[:, :, j] @ dU
-    dS_end, dU = mx.stack(ends[::-1], axis=2), mx.stack(dUs[::-1], axis=2)  # per chunk
+    # the state's cotangent, last chunk first: dU = P^T dO + Kl dS_end and dS0 = Qb^T dO + b_c dS_end - W^T dU,
+    # i.e. dS0 = M^T dS_end + N with M^T = b_c I - W^T Kl and N = Qb^T dO - W^T P^T dO (both batched): the
+    # reverse passage gives dS at every chunk's end, and dU is batched again from their stack
+    PdO, WT = _tr(P) @ dO, _tr(W)
+    ends, dS = _affine(_passage(b, WT, Kl), mx.addmm(_tr(Qb) @ dO, WT, PdO, alpha=-1.0),
+                       dS_end.astype(mx.float32), reverse=True)
+    dU = mx.addmm(PdO, Kl, ends)
 
-    dP = dO @ tr(U)
-    dKl = U @ tr(dS_end)
-    dQb = dO @ tr(S)
-    db_end = (S * dS_end).sum(axis=(-2, -1))  # [B, H, n]
-    # U0 = T X1, W = T X2 with T = (I + A)^-1: dX = T^T dY, dA = -T^T dY Y_in^T T^T = -dX (T X)^T
-    dv = V.shape[-1]
-    dX = tr(T) @ mx.concatenate([dU, -(dU @ tr(S))], axis=-1)
-    dX1, dX2 = dX[..., :dv], dX[..., dv:]
-    dA = mx.where(_strict(K.shape[-2]), -(dX1 @ tr(U0) + dX2 @ tr(W)), 0.0)
+    dP = dO @ _tr(U)
+    dKl = U @ _tr(ends)
+    dQb = dO @ _tr(S)
+    db_end = _dot(S, ends)  # [B, H, n]
+    # U0 = T X1, W = T X2 with T = (I + A)^-1: dX = T^T dY, dA = -T^T dY Y_in^T T^T = -dX (T X)^T; W's
+    # cotangent is -dU S^T, so dX2 = -dX1 S^T: Y = dX1 S^T stands for -dX2
+    dX1 = _tr(T) @ dU
+    Y = dX1 @ _tr(S)
+    dA = mx.where(_strict(K.shape[-2]), mx.addmm(dX1 @ _tr(U0), Y, WT, beta=-1.0), 0.0)
 
     # A = beta_i L_ij KK_ij;  P = L QK;  X1 = beta V;  X2 = beta b K;  Qb = b Q;  Kl = last K
     dAL = dA * L
-    x2k = (dX2 * K).sum(-1)
+    x2k = -(Y * K).sum(-1)
     dbeta = (dAL * KK).sum(-1) + (dX1 * V).sum(-1) + b * x2k
     dKK = beta[..., None] * dAL
     dQK = dP * L
-    dK = (dKK + tr(dKK)) @ K + tr(dQK) @ Q + (beta * b)[..., None] * dX2 + last[..., None] * dKl
-    dQ = dQK @ K + b[..., None] * dQb
+    dK = mx.addmm(mx.addmm(last[..., None] * dKl - (beta * b)[..., None] * Y, dKK + _tr(dKK), K), _tr(dQK), Q)
+    dQ = mx.addmm(b[..., None] * dQb, dQK, K)
     dV = beta[..., None] * dX1
     c = g.shape[-1]
-    at_end = mx.arange(c) == c - 1
-    db = beta * x2k + (dQb * Q).sum(-1) + mx.where(at_end, db_end[..., None], 0.0)
+    db = beta * x2k + (dQb * Q).sum(-1) + mx.where(_at_end(c), db_end[..., None], 0.0)
     dlast = (dKl * K).sum(-1) * last
 
     # through the decays: g_m enters L_ij for j < m <= i, b_i for i >= m and last_j for j < m. Each sum below
@@ -243,18 +316,41 @@ class _Config:
         return (self.chunk, self.scale, self.l2norm, self.groups, self.documents)
 
 
-def _groups(T: int, chunk: int) -> list[tuple[int, int, int]]:
-    """(start, end, chunks) of the groups the graph path runs side by side: up to GROUP full chunks each,
-    then the short last chunk (T not a multiple of the chunk) alone."""
+def group_chunks(B: int, T: int, Hk: int, Hv: int, dk: int, dv: int, chunk: int = CHUNK, itemsize: int = 4) -> int:
+    """How many chunks the graph path runs side by side for q, k [B, T, Hk, dk] and v [B, T, Hv, dv] (inputs
+    of `itemsize` bytes): as many as keep a group's working set (CHUNK_WORK per chunk) within GROUP_SHARE of
+    what the op holds on any path (inputs and their gradients, one [dk, dv] float32 state per chunk and value
+    head), clamped to GROUP_BYTES; at least one, at most all full chunks."""
     full = T // chunk
-    groups = [(s * chunk, min(s + GROUP, full) * chunk, min(GROUP, full - s)) for s in range(0, full, GROUP)]
+    inputs = B * T * (2 * Hk * dk + Hv * (dv + 2))
+    held = 2 * inputs * itemsize + 4 * full * B * Hv * dk * dv
+    lo, hi = GROUP_BYTES
+    budget = min(max(GROUP_SHARE * held, lo), hi)
+    w = CHUNK_WORK
+    per_chunk = 4 * B * Hv * (w["CC"] * chunk * chunk + w["CD"] * chunk * (dk + dv) / 2 + w["DD"] * dk * dv)
+    return max(1, min(full, int(budget // per_chunk)))
+
+
+def _groups(T: int, chunk: int, n: int) -> list[tuple[int, int, int]]:
+    """(start, end, chunks) of the groups the graph path runs side by side: n full chunks each (the last
+    group the rest of them), then the short last chunk (T not a multiple of the chunk) alone."""
+    full = T // chunk
+    groups = [(s * chunk, min(s + n, full) * chunk, min(n, full - s)) for s in range(0, full, n)]
     return groups + ([(full * chunk, T, 1)] if T % chunk else [])
 
 
+def _sequence_groups(q, v, cfg) -> list[tuple[int, int, int]]:
+    """The groups of `_groups` for these inputs, `group_chunks` chunks each."""
+    B, T, Hk, dk = q.shape
+    n = group_chunks(B, T, Hk, v.shape[2], dk, v.shape[3], chunk=cfg.chunk, itemsize=q.dtype.size)
+    return _groups(T, cfg.chunk, n)
+
+
 def _heads(x: mx.array, n: int) -> mx.array:
-    """A group's slice [B, n c, H(, d)] -> float32 [B, H, n, c(, d)]."""
-    x = mx.swapaxes(x.astype(mx.float32), 1, 2)
-    return x.reshape(*x.shape[:2], n, x.shape[2] // n, *x.shape[3:])
+    """A group's slice [B, n c, H(, d)] -> float32 [B, H, n, c(, d)]: a view of x where x is float32 (the
+    elementwise ops that read it write contiguous arrays), else one converted copy."""
+    x = x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:])
+    return mx.moveaxis(x, 3, 1).astype(mx.float32)
 
 
 def _tokens(x: mx.array, like: mx.array) -> mx.array:
@@ -263,46 +359,66 @@ def _tokens(x: mx.array, like: mx.array) -> mx.array:
     return mx.swapaxes(x, 1, 2).astype(like.dtype)
 
 
+def _rnorm(x):
+    return mx.rsqrt((x * x).sum(-1, keepdims=True) + L2_EPS)
+
+
 def _l2(x):
-    return x * mx.rsqrt((x * x).sum(-1, keepdims=True) + L2_EPS)
+    return x * _rnorm(x)
 
 
-def _l2_backward(x, y, dy):
-    """y = x / sqrt(|x|^2 + eps): dx = (dy - y (y . dy)) / sqrt(|x|^2 + eps)."""
-    return (dy - y * (y * dy).sum(-1, keepdims=True)) * mx.rsqrt((x * x).sum(-1, keepdims=True) + L2_EPS)
+def _l2_backward(x, dy):
+    """y = x r with r = 1 / sqrt(|x|^2 + eps): dx = r (dy - y (y . dy)) = r dy - x (r^3 (x . dy)), from x alone."""
+    r = _rnorm(x)
+    return r * dy - x * (r * r * r * (x * dy).sum(-1, keepdims=True))
 
 
 def _qk(q, k, cfg):
     """A group's q and k [B, Hk, n, c, dk] (float32) as the recurrence reads them: normalised (the flag),
-    q scaled, repeated to the value heads."""
-    qn, kn = (_l2(q), _l2(k)) if cfg.l2norm else (q, k)
-    Q, K = qn * cfg.scale, kn
+    q scaled, repeated to the value heads; contiguous, as the products read them."""
+    if cfg.l2norm:
+        Q, K = q * (_rnorm(q) * cfg.scale), k * _rnorm(k)
+    else:
+        Q, K = q * cfg.scale, mx.contiguous(k)
     if cfg.groups > 1:
         Q, K = mx.repeat(Q, cfg.groups, axis=1), mx.repeat(K, cfg.groups, axis=1)
-    return qn, kn, Q, K
+    return Q, K
 
 
 def _doc_starts(starts, s, e, n, cfg):
     return starts[:, s:e].reshape(starts.shape[0], n, (e - s) // n) if cfg.documents else None
 
 
+def _place(whole: mx.array | None, piece: mx.array, s: int, shape, single: bool) -> mx.array:
+    """A result [B, T, ...] of `shape` with a group's piece [B, e - s, ...] at token s: the piece itself when
+    there is one group, else written into `whole` (zeros at first) in place: each update is the previous
+    one's only reader, so MLX hands it that buffer, and no concatenation holds every piece next to the
+    result."""
+    if single:
+        return piece
+    whole = mx.zeros(shape, piece.dtype) if whole is None else whole
+    whole[:, s:s + piece.shape[1]] = piece
+    return whole
+
+
 def _graph_forward(q, k, v, g, beta, state, starts, cfg, save_states=True):
     """The chunked forward, groups of chunks in order: (out [B, T, Hv, dv] in v's dtype, final state float32
-    [B, Hv, dk, dv], the states at the chunk starts [N, B, Hv, dk, dv] or None)."""
+    [B, Hv, dk, dv], the states at the chunk starts, one [B, Hv, n, dk, dv] per group, or None)."""
     S = state.astype(mx.float32)
-    outs, saved = [], []
-    for s, e, n in _groups(q.shape[1], cfg.chunk):
+    groups = _sequence_groups(q, v, cfg)
+    out, saved, piece = None, [], None
+    for s, e, n in groups:
         ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e]]
-        # after the group before (its state), so that a breadth-first scheduler (a GPU's) does not prepare
-        # every group's batched products at once
-        qc, kc, vc, gc, bc = (_heads(x, n) for x in (mx.depends(ins, [S]) if outs else ins))
-        _, _, Q, K = _qk(qc, kc, cfg)
+        if piece is not None:  # after the group before (its state and its output), so that MLX's scheduler
+            ins = mx.depends(ins, [S, piece])  # runs the groups in order and only one group's intermediates live
+        qc, kc, vc, gc, bc = (_heads(x, n) for x in ins)
+        Q, K = _qk(qc, kc, cfg)
         L, b, last = _decays(gc, _doc_starts(starts, s, e, n, cfg))
-        out, S0, S = _group_forward(Q, K, vc, bc, L, b, last, S)
-        saved.append(mx.moveaxis(S0, 2, 0))
-        outs.append(_tokens(out, v))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
-    return out, S, (mx.concatenate(saved) if save_states else None)
+        o, S0, S = _group_forward(Q, K, vc, bc, L, b, last, S)
+        saved.append(S0)
+        piece = _tokens(o, v)
+        out = _place(out, piece, s, v.shape, len(groups) == 1)
+    return out, S, (tuple(saved) if save_states else None)
 
 
 def _graph_backward(primals, d_out, d_final, saved, cfg):
@@ -310,28 +426,27 @@ def _graph_backward(primals, d_out, d_final, saved, cfg):
     primal."""
     q, k, v, g, beta, state, starts = primals
     dS = d_final.astype(mx.float32)
-    pieces = []  # per group, last first: (dq, dk, dv, dg, dbeta)
-    for s, e, n in reversed(_groups(q.shape[1], cfg.chunk)):
-        first = s // cfg.chunk  # every chunk before a group is a full one
-        # this group waits for everything the next one produced, so only one group's intermediates live
-        after = [dS, *pieces[-1]] if pieces else [dS]
-        ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], d_out[:, s:e], saved[first:first + n]]
+    groups = _sequence_groups(q, v, cfg)
+    grads, pieces = [None] * 5, ()
+    for (s, e, n), S in reversed(list(zip(groups, saved, strict=True))):
+        ins = [q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], d_out[:, s:e], S]
         if cfg.documents:
             ins.append(starts)
-        ins = mx.depends(ins, after) if pieces else ins
+        if pieces:  # after everything the next group produced (as in the forward)
+            ins = mx.depends(ins, [dS, *pieces])
         qc, kc, vc, gc, bc, dO = (_heads(x, n) for x in ins[:6])
-        S = mx.moveaxis(ins[6], 0, 2)  # [B, H, n, dk, dv]
         st = _doc_starts(ins[7], s, e, n, cfg) if cfg.documents else None
-        qn, kn, Q, K = _qk(qc, kc, cfg)
-        dQ, dK, dV, dg, dbeta, dS = _group_backward(Q, K, vc, gc, bc, st, S, dO, dS)
+        Q, K = _qk(qc, kc, cfg)
+        dQ, dK, dV, dg, dbeta, dS = _group_backward(Q, K, vc, gc, bc, st, ins[6], mx.contiguous(dO), dS)
         if cfg.groups > 1:  # the value heads that read one key head add their gradients
             dQ = dQ.reshape(dQ.shape[0], -1, cfg.groups, *dQ.shape[2:]).sum(2)
             dK = dK.reshape(dK.shape[0], -1, cfg.groups, *dK.shape[2:]).sum(2)
         dQ = dQ * cfg.scale
         if cfg.l2norm:
-            dQ, dK = _l2_backward(qc, qn, dQ), _l2_backward(kc, kn, dK)
-        pieces.append((_tokens(dQ, q), _tokens(dK, k), _tokens(dV, v), _tokens(dg, g), _tokens(dbeta, beta)))
-    grads = [p[0] if len(pieces) == 1 else mx.concatenate(p[::-1], axis=1) for p in zip(*pieces, strict=True)]
+            dQ, dK = _l2_backward(qc, dQ), _l2_backward(kc, dK)
+        pieces = (_tokens(dQ, q), _tokens(dK, k), _tokens(dV, v), _tokens(dg, g), _tokens(dbeta, beta))
+        grads = [_place(whole, piece, s, x.shape, len(groups) == 1)
+                 for whole, piece, x in zip(grads, pieces, (q, k, v, g, beta), strict=True)]
     return (*grads, dS.astype(state.dtype), mx.zeros_like(starts))
 
 

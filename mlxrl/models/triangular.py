@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 # None: by device (LAPACK on the CPU, the block recursion elsewhere); "lapack" or "blocks" forces one (tests)
 INVERSE: str | None = None
@@ -45,12 +46,17 @@ def _inverse_method() -> str:
 
 
 @functools.cache
+def _eye(c: int) -> mx.array:
+    """The identity [c, c], a constant (no primitives in the graph)."""
+    return mx.array(np.eye(c, dtype=np.float32))
+
+
+@functools.cache
 def _make_inverse(method: str):
     @mx.custom_function
     def inverse(a):
         if method == "lapack":
-            eye = mx.eye(a.shape[-1], dtype=a.dtype)
-            return mx.linalg.tri_inv(eye + a, upper=False, stream=mx.cpu)
+            return mx.linalg.tri_inv(_eye(a.shape[-1]).astype(a.dtype) + a, upper=False, stream=mx.cpu)
         return _inverse_blocks(a)
 
     # MLX has no VJP for its inverse: d(I + a)^-1 = -T^T dT T^T (only a's strict lower triangle exists).

@@ -25,7 +25,7 @@ import re
 
 import mlx.nn as nn
 
-from ..models.gated_delta import CHUNK, GROUP  # the rule's chunk (one saved state each) and its graph path's group
+from ..models.gated_delta import CHUNK, group_chunks  # the rule's chunk (one saved state each), its graph path's groups
 from ..models.widened import checkpoint_dtype, is_head, keepable
 
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
@@ -117,9 +117,12 @@ def expert_lora_bytes(hidden: int, moe: dict, tokens: int, elem: int) -> float:
 
 def delta_rule_work_bytes(tokens: int, linear: dict) -> float:
     """The gated delta rule's working set in its backward on the graph path (`models.gated_delta`): one
-    group's float32 intermediates, whatever the length. `linear`: a DeltaNet layer's value heads and widths.
-    (A batch of several long rows runs a group of each side by side: counted as one, a lower bound.)"""
-    group = min(tokens, GROUP * CHUNK)
+    group's float32 intermediates (the op's own sizing, `gated_delta.group_chunks`: a share of what it holds,
+    so it grows with the length up to a cap). `linear`: a DeltaNet layer's value heads and widths (key heads
+    counted as many). (A batch of several long rows runs a group of each side by side: counted as one, a lower
+    bound.)"""
+    h, dk, dv = linear["heads"], linear["dk"], linear["dv"]
+    group = min(tokens, group_chunks(1, tokens, h, h, dk, dv) * CHUNK)
     d = (linear["dk"] + linear["dv"]) / 2
     return 4 * group * linear["heads"] * (DELTA_WORK["C"] * CHUNK + DELTA_WORK["D"] * d)
 
