@@ -107,11 +107,11 @@ def check_listed(path: Path, files: list) -> None:
                              "yours and left alone) or correct the list")
 
 
-def _marker_text(kind: str, files, partial: bool = False) -> str:
+def _marker_text(kind: str, files, partial: bool = False, **extra) -> str:
     data = {"saved_by": "mlxrl", "kind": kind, "files": sorted(set(files))}
     if partial:
         data["partial"] = True
-    return json.dumps(data, indent=1) + "\n"
+    return json.dumps({**data, **extra}, indent=1) + "\n"
 
 
 def foreign_entries(folder: Path) -> list[str]:
@@ -309,11 +309,9 @@ def _move_files_into(tmp: Path, folder: Path, kind: str) -> None:
 def _put_marker(folder: Path, kind: str, files, pending: tuple[str, list] | None = None) -> None:
     """Replace `folder`'s marker by renaming; `pending` (the temp folder's name, the new save's files) makes it
     the partial marker of a save between its renames."""
-    data = json.loads(_marker_text(kind, files, partial=pending is not None))
-    if pending is not None:
-        data["pending"], data["new"] = pending[0], sorted(pending[1])
+    extra = {} if pending is None else {"pending": pending[0], "new": sorted(pending[1])}
     marker_tmp = folder / f".{MARKER}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    marker_tmp.write_text(json.dumps(data, indent=1) + "\n")
+    marker_tmp.write_text(_marker_text(kind, files, partial=pending is not None, **extra))
     _fsync(marker_tmp)
     os.replace(marker_tmp, folder / MARKER)
 

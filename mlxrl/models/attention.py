@@ -90,11 +90,8 @@ def rows_for(B: int, Hq: int, S: int) -> int:
 @functools.cache
 def _make_tiled(scale: float, causal: bool, rows: int, has_valid: bool, has_segments: bool):
     def block_mask(valid, segments, L, S, q0, q1, k1):
-        if not (has_valid or has_segments):
-            if not causal:
-                return None
-            qi = mx.arange(q0, q1)[:, None] + (S - L)
-            return (mx.arange(k1)[None] <= qi)[None, None, None]
+        if not causal:
+            return None
         m = AttentionMask(L, S, valid if has_valid else None, segments if has_segments else None)
         return m.block(q0, q1, k1)[:, :, None]  # [B | 1, 1, 1, bq, k1] against [B, Hkv, rep, bq, k1]
 
@@ -178,9 +175,10 @@ def tiled_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask
 # ---------------------------------------------------------------------------------------------- the door
 
 
-def tiles(B: int, Hq: int, L: int, S: int) -> bool:
-    """Whether the graph path tiles an attention of these sizes: its whole float32 scores would pass TILE_BYTES."""
-    return L >= MIN_ROWS and B * Hq * L * S * 4 > TILE_BYTES
+def tiles(score_elements: int, queries: int) -> bool:
+    """Whether the graph path tiles an attention of `queries` rows per sequence whose whole scores (B Hq L S
+    elements) would pass TILE_BYTES in float32 (`plan` asks the same of a run's shape)."""
+    return queries >= MIN_ROWS and score_elements * 4 > TILE_BYTES
 
 
 def tiled_working_bytes() -> int:
@@ -194,7 +192,8 @@ def _path(q: mx.array, k: mx.array, mask) -> str:
     """Which path runs these inputs (module docstring): "native", "tiled" or "fused"."""
     if fastmath.uses_native(q):
         return "native"
-    return "tiled" if tiles(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) else "fused"
+    B, Hq, L, _ = q.shape
+    return "tiled" if tiles(B * Hq * L * k.shape[2], L) else "fused"
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None) -> mx.array:
@@ -208,18 +207,16 @@ def attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask=None)
     return fastmath.scaled_dot_product_attention(q, k, v, scale=scale, mask=dense(mask))
 
 
-def naive_attention(q, k, v, *, scale: float, mask=None) -> mx.array:
-    """The reference: the whole [B, Hq, L, S] scores in float32, masked, softmaxed (tests and benchmarks)."""
-    B, Hq, L, D = q.shape
-    rep = Hq // k.shape[1]
+def naive_attention(q, k, v, *, scale: float, mask=None) -> tuple[mx.array, mx.array]:
+    """The reference (tests): the whole [B, Hq, L, S] scores in float32, masked, softmaxed: (out in q's dtype,
+    the rows' log-sum-exp [B, Hq, L] float32), as `tiled_attention` returns them."""
+    L, S = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
     kk, vv = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
     s = (q.astype(mx.float32) * scale) @ mx.swapaxes(kk.astype(mx.float32), -1, -2)
-    m = dense(mask)
-    if isinstance(m, str):
-        S = k.shape[2]
-        m = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    m = AttentionMask(L, S).dense() if isinstance(mask, str) else dense(mask)
     if m is not None:
         s = mx.where(m, s, -mx.inf)
-    return (mx.softmax(s, axis=-1) @ vv.astype(mx.float32)).astype(q.dtype)
+    return (mx.softmax(s, axis=-1) @ vv.astype(mx.float32)).astype(q.dtype), mx.logsumexp(s, axis=-1)
 
 

@@ -187,7 +187,7 @@ def _layer_saved(a: Arch, sh: Shape, s: int, kind: str, native: bool = False, ml
         return experts + linear_layer_saved_bytes(a.D, width, n["C"], n["V"], n["state"], sh.tokens, s, native,
                                                   mlp_tokens)
     scores, tiles = sh.scores, 0.0
-    if not native and a.heads * sh.scores * 4 > attention_lib.TILE_BYTES:  # the graph path's tiled attention
+    if not native and attention_lib.tiles(a.heads * sh.scores, sh.tokens):  # the graph path's tiled attention
         scores, tiles = 0, attention_lib.tiled_working_bytes()
     return experts + tiles + layer_saved_bytes(a.D, width, a.heads, a.head_dim, a.kv_heads, sh.tokens, scores, s,
                                                native, mlp_tokens, a.gated)
