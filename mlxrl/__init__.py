@@ -1,4 +1,4 @@
-"""mlxrl: MLX-native SFT / DPO / GRPO for Qwen and Qwen-VL models.
+"""mlxrl: MLX-native SFT / DPO / ORPO / CPO / GRPO for Qwen and Qwen-VL models.
 
 Importing mlxrl loads a fast BLAS before ``mlx.core`` on Linux, asks MLX for depth-first evaluation
 on the CPU and glibc's malloc for one arena (`mlxrl.cpu`: each must precede MLX's first use or the first
@@ -11,14 +11,12 @@ from . import cpu  # noqa: F401  (the BLAS before mlx.core)
 
 __version__ = "0.1.0"
 
-_LAZY = {"MlxrlError": "errors", "load": "loading", "load_default": "loading", "save": "loading",
-         "SFTConfig": "trainers.sft.config", "SFTTrainer": "trainers.sft.trainer", "DPOConfig": "trainers.dpo.config",
-         "DPOTrainer": "trainers.dpo.trainer", "GRPOConfig": "trainers.grpo.config",
-         "GRPOTrainer": "trainers.grpo.trainer", "runtime": None}
+from .registry import exports as _trainer_exports  # noqa: E402  (a table: imports nothing heavy)
 
-__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "MlxrlError",
-           "SFTConfig", "SFTTrainer", "load", "load_default", "save",
-           "runtime"]
+_LAZY = {"MlxrlError": "errors", "load": "loading", "load_default": "loading", "save": "loading",
+         **_trainer_exports(), "runtime": None}
+
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):

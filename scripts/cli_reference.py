@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 CLIS = [
     ("sft", "python -m mlxrl.sft", "mlxrl.sft", ["--help"]),
     ("dpo", "python -m mlxrl.dpo", "mlxrl.dpo", ["--help"]),
+    ("orpo", "python -m mlxrl.orpo", "mlxrl.orpo", ["--help"]),
+    ("cpo", "python -m mlxrl.cpo", "mlxrl.cpo", ["--help"]),
     ("grpo", "python -m mlxrl.grpo", "mlxrl.grpo", ["--help"]),
     ("generate", "python -m mlxrl.generate", "mlxrl.cli.generate", ["--help"]),
     ("chat", "python -m mlxrl.chat", "mlxrl.chat", ["--help"]),
@@ -36,16 +38,20 @@ INTRO = {
     "sft": "Supervised fine-tuning: every `SFTConfig` field is a flag, and mlx-lm's LoRA flags "
            "(`--train --data DIR --iters N ...`) run mlx-lm's run. Also `mlxrl sft ...`.",
     "dpo": "Preference optimisation: every `DPOConfig` field is a flag. Also `mlxrl dpo ...`.",
+    "orpo": "Odds-ratio preference optimisation (no reference model): every `ORPOConfig` field is a flag. Also "
+            "`mlxrl orpo ...`.",
+    "cpo": "Contrastive preference optimisation, SimPO and AlphaPO (no reference model): every `CPOConfig` field "
+           "is a flag. Also `mlxrl cpo ...`.",
     "grpo": "Group relative policy optimisation: every `GRPOConfig` field is a flag. Also `mlxrl grpo ...`.",
     "generate": "One reply from a model, an adapter, a checkpoint or a run's output folder; mlx-lm's spellings "
                 "are aliases. Also `mlxrl generate ...`.",
     "chat": "A multi-turn conversation in the terminal, with the flags of generate. Also `mlxrl chat ...`.",
     "plan": "The memory planner. Its own flags are below; every field of the chosen trainer's config "
-            "(`--trainer sft`: the SFTConfig fields of [sft](#sft); `dpo`, `grpo`: theirs) is accepted as well. "
-            "Also `mlxrl plan ...`.",
+            "(`--trainer sft`: the SFTConfig fields of [sft](#sft); `dpo`, `orpo`, `cpo`, `grpo`: theirs) is "
+            "accepted as well. Also `mlxrl plan ...`.",
     "mlxrl": "Load a model (or the embedded default), run one forward, print the next-token prediction, "
-             "optionally save it in Hugging Face's layout. `mlxrl CMD ...` (CMD one of sft, dpo, grpo, generate, "
-             "chat, plan) runs `python -m mlxrl.CMD ...`.",
+             "optionally save it in Hugging Face's layout. `mlxrl CMD ...` (CMD one of sft, dpo, orpo, cpo, grpo, "
+             "generate, chat, plan) runs `python -m mlxrl.CMD ...`.",
 }
 
 
@@ -83,11 +89,9 @@ MLX_LM_DEFAULTS: dict = {}
 
 
 def config_classes():
-    from mlxrl.trainers.dpo.config import DPOConfig
-    from mlxrl.trainers.grpo.config import GRPOConfig
-    from mlxrl.trainers.sft.config import SFTConfig
+    from mlxrl.registry import config_class, names
 
-    return {c.__name__: c for c in (SFTConfig, DPOConfig, GRPOConfig)}
+    return {c.__name__: c for c in map(config_class, names())}
 
 
 def cell(text) -> str:

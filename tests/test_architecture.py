@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxrl.registry import TRAINERS
+
 ROOT = Path(__file__).resolve().parents[1] / "mlxrl"
 
 
@@ -119,8 +121,9 @@ def test_the_engine_is_the_only_loop():
         assert not methods & {"_train", "_run", "_plan", "_step", "_accumulate", "_update_and_count", "train"}, name
 
 
+CONFIG_NAMES = ("TrainConfig", "PairedConfig", *(e.config_name for e in TRAINERS))
 LOWER = ("mlxrl.models", "mlxrl.data", "mlxrl.losses", "mlxrl.optim")
-ENTRIES = ("mlxrl.__main__", "mlxrl.sft", "mlxrl.dpo", "mlxrl.grpo", "mlxrl.chat", "mlxrl.generate",
+ENTRIES = ("mlxrl.__main__", *(f"mlxrl.{e.name}" for e in TRAINERS), "mlxrl.chat", "mlxrl.generate",
            "mlxrl.plan.__main__")
 
 
@@ -146,9 +149,9 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 def trainer_config_fields() -> set[str]:
     import dataclasses
 
-    from mlxrl import DPOConfig, GRPOConfig, SFTConfig
+    from mlxrl.registry import config_class, names
 
-    return {f.name for c in (SFTConfig, DPOConfig, GRPOConfig) for f in dataclasses.fields(c)}
+    return {f.name for name in names() for f in dataclasses.fields(config_class(name))}
 
 
 def config_readers(source: str, fields: set[str]) -> list[str]:
@@ -162,7 +165,7 @@ def config_readers(source: str, fields: set[str]) -> list[str]:
         params = {a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
                   if a.arg == "args" or (a.annotation is not None
                                          and ast.unparse(a.annotation).split(".")[-1].strip("'\"")
-                                         in ("TrainConfig", "SFTConfig", "DPOConfig", "GRPOConfig"))}
+                                         in CONFIG_NAMES)}
         for sub in ast.walk(node):
             if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id in params:
                 name = sub.attr
@@ -279,7 +282,8 @@ def test_a_trainer_overrides_only_the_hooks():
 
 
 def test_importing_mlxrl_imports_no_trainer_and_sets_nothing():
-    """`import mlxrl` loads the BLAS (mlxrl.cpu) and nothing else: the trainers are imported on first use."""
+    """`import mlxrl` loads the BLAS (mlxrl.cpu) and the trainers' table (mlxrl.registry: names, no code) and
+    nothing else: the trainers are imported on first use."""
     import subprocess
     import sys
 
@@ -287,7 +291,7 @@ def test_importing_mlxrl_imports_no_trainer_and_sets_nothing():
             "from mlxrl import SFTTrainer; print(SFTTrainer.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     first, second = out.stdout.splitlines()[:2]
-    cpu = ["mlxrl.cpu", "mlxrl.cpu.blas", "mlxrl.cpu.fastmath", "mlxrl.cpu.native"]
+    cpu = ["mlxrl.cpu", "mlxrl.cpu.blas", "mlxrl.cpu.fastmath", "mlxrl.cpu.native", "mlxrl.registry"]
     assert first == str(cpu), out.stderr
     assert second == "mlxrl.trainers.sft.trainer"
 

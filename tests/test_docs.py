@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 ARCHIVE = {"benchmark-history.md"}  # the runs as recorded at the time: links are checked, wording is not
-COMMANDS = ("sft", "dpo", "grpo", "generate", "chat", "plan")
+from mlxrl.cli.main import COMMANDS  # noqa: E402  (every trainer of mlxrl.registry, then the tools)
 
 
 def pages() -> list[Path]:
@@ -153,8 +153,8 @@ def test_a_broken_anchor_fails_the_build(tmp_path):
     assert done.returncode != 0 and "no-such-heading" in done.stdout + done.stderr
 
 
-HELP_MODULES = {"sft": "mlxrl.sft", "dpo": "mlxrl.dpo", "grpo": "mlxrl.grpo", "generate": "mlxrl.cli.generate",
-                "chat": "mlxrl.chat", "plan": "mlxrl.cli.plan"}
+HELP_MODULES = {**{name: f"mlxrl.{name}" for name in COMMANDS}, "generate": "mlxrl.cli.generate",
+                "plan": "mlxrl.cli.plan"}
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -126,7 +126,7 @@ def test_step0_loss_and_metrics_match_trl(arch, data, tiny_checkpoint, ref_check
     model, processor = mlxrl.load(folder)
     ref_model, _ = mlxrl.load(ref_folder)
     trainer = DPOTrainer(model, processor, config(tmp_path), train_dataset=rows, ref_model=ref_model)
-    batch = trainer._batches_of(trainer.train_examples, 0, False, len(rows))[0]
+    batch = trainer.pair_batches(trainer.train_examples, 0, False, len(rows))[0]
     arrays = trainer.gradient_free_inputs(trainer.to_device(batch))
     if trainer.router_aux_coef:  # an MoE model: the engine's weight of the router loss for a one-batch step
         arrays["router_aux_scale"] = mx.array(trainer.router_aux_coef, dtype=mx.float32)
@@ -168,7 +168,7 @@ def test_lora_off_reference_equals_a_frozen_copy_without_a_second_copy(use_dora,
     for _, layer in lora_layers(model):  # adapters that change the output, as after some training
         layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.05
     mx.eval(model.parameters())
-    batch = trainer._batches_of(trainer.train_examples, 0, False, 4)[0]
+    batch = trainer.pair_batches(trainer.train_examples, 0, False, 4)[0]
     arrays = trainer.gradient_free_inputs(trainer.to_device(batch))  # the reference log-probs: adapters off
     mx.eval(arrays)
     mx.reset_peak_memory()
@@ -196,8 +196,8 @@ def test_precomputed_reference_equals_on_the_fly(tiny_checkpoint, tmp_path):
     model2, _ = mlxrl.load(folder)
     live = DPOTrainer(model2, processor, config(tmp_path), train_dataset=TEXT_ROWS)
     assert live.ref_model is not None  # full fine-tuning: a frozen copy, as TRL
-    b_pre = pre._batches_of(pre.train_examples, 0, False, 4)[0]
-    b_live = live.gradient_free_inputs(live.to_device(live._batches_of(live.train_examples, 0, False, 4)[0]))
+    b_pre = pre.pair_batches(pre.train_examples, 0, False, 4)[0]
+    b_live = live.gradient_free_inputs(live.to_device(live.pair_batches(live.train_examples, 0, False, 4)[0]))
     np.testing.assert_allclose(b_pre["ref_chosen"], np.array(b_live["ref_chosen"]), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(b_pre["ref_rejected"], np.array(b_live["ref_rejected"]), rtol=1e-5, atol=1e-4)
 
@@ -213,7 +213,7 @@ def test_padding_free_equals_padded(data, tiny_checkpoint, tmp_path):
                    train_dataset=rows)
     results = []
     for t in (a, b):
-        batch = t._batches_of(t.train_examples, 0, False, len(rows))[0]
+        batch = t.pair_batches(t.train_examples, 0, False, len(rows))[0]
         arrays = t.gradient_free_inputs(t.to_device(batch))
         n = mx.array(len(rows), dtype=mx.float32)
         (loss, metrics), grads = nn.value_and_grad(t.model, t.loss)(t.model, arrays, n)

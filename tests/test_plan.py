@@ -106,6 +106,20 @@ def test_dpo_prediction_within_15_percent(name, kw):
     _check("dpo", DPOConfig, name, kw)
 
 
+# the reference-free preference trainers: DPO's shape of 2B sequences without a reference (ORPO also scores the
+# chosen rows' prompts for its NLL)
+REFERENCE_FREE_CASES = [
+    ("orpo", "small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False)),
+    ("cpo", "default", dict(max_length=64, per_device_train_batch_size=2, use_peft=True)),
+    ("cpo", "small", dict(max_length=128, per_device_train_batch_size=1, loss_type="simpo", cpo_alpha=0.0)),
+]
+
+
+@pytest.mark.parametrize("trainer,name,kw", REFERENCE_FREE_CASES)
+def test_reference_free_prediction_within_15_percent(trainer, name, kw):
+    _check(trainer, mlxrl.registry.config_class(trainer), name, kw)
+
+
 @pytest.mark.parametrize("name,kw,prompt_length", GRPO_CASES)
 def test_grpo_prediction_within_15_percent(name, kw, prompt_length):
     _check("grpo", GRPOConfig, name, kw, prompt_length=prompt_length)

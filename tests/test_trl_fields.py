@@ -32,8 +32,18 @@ def _default(f):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
+def _experimental(name):
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return getattr(importlib.import_module(f"trl.experimental.{name.lower()}"), f"{name}Config")
+
+
 @pytest.mark.parametrize("ours, theirs", [(SFTConfig, trl.SFTConfig), (DPOConfig, trl.DPOConfig),
-                                          (GRPOConfig, trl.GRPOConfig)])
+                                          (GRPOConfig, trl.GRPOConfig), (mlxrl.ORPOConfig, _experimental("ORPO")),
+                                          (mlxrl.CPOConfig, _experimental("CPO"))])
 def test_every_trl_field_is_ours(ours, theirs):
     mine = {f.name: f for f in dataclasses.fields(ours)}
     missing = [f.name for f in dataclasses.fields(theirs) if f.name not in mine]
@@ -307,7 +317,7 @@ def test_dpo_pad_to_multiple_of_changes_nothing_but_the_width(tiny_checkpoint, t
         t = DPOTrainer(model, processor, DPOConfig(output_dir=str(tmp_path / m), max_length=128, compile=False,
                                                    gradient_checkpointing=False, disable_tqdm=True, save_steps=0,
                                                    pad_to_multiple_of=m), train_dataset=rows)
-        batch = t._batches_of(t.train_examples, 0, False, 4)[0]
+        batch = t.pair_batches(t.train_examples, 0, False, 4)[0]
         assert m == "auto" or batch["input_ids"].shape[1] % 48 == 0
         arrays = t.gradient_free_inputs(t.to_device(batch))
         losses.append(t.loss(t.model, arrays, mx.array(float(batch["num_pairs"])))[0].item())

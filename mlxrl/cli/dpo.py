@@ -9,29 +9,23 @@ Every DPOConfig field is a flag (`--help` lists them). Errors print one line and
 (MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint. Flags, the YAML file and
 the dataset's rows are checked before the model loads.
 
-The embedded default (no --model, no --dataset): the tiny default model gets a brief SFT on the
-synthetic colour questions (or start from --model; a text-only model gets the task's text variant), then
-DPO with LoRA (so the reference is the same model with its adapters off) on pairs drawn from the same task:
-chosen = the right colour, rejected = another colour. The brief SFT is kept short on purpose: the model
-has begun to answer with a colour but still often names the wrong one, which is what preference pairs can
-fix. The loss is TRL's `loss_type=["sigmoid", "sft"]` (DPO plus a weighted NLL of the chosen answers,
-RPO): the chosen and rejected answers end with the same <|im_end|> token, and DPO alone pushes it down
-along with the rejected answers, so greedy answers stop ending where they should; the sft term keeps
-the chosen answer, its end included, likely. It prints rewards/accuracies and rewards/margins as they
-rise, and two held-out measures before and after DPO on the same held-out questions: exact match
-(greedy answers, `mlxrl.evaluate.exact_match`) and preference accuracy (the share of held-out pairs
-whose chosen answer the policy finds more likely than the rejected one, summed log-probs: TRL's
-rewards/accuracies asks the same of the policy relative to the reference, which is 0 before any step).
+The embedded default (no --model, no --dataset) is the paired trainers' demo (`cli.paired`): a brief SFT of the
+tiny default, then DPO with LoRA (so the reference is the same model with its adapters off) on colour pairs. The
+loss is TRL's `loss_type=["sigmoid", "sft"]` (DPO plus a weighted NLL of the chosen answers, RPO): the chosen and
+rejected answers end with the same <|im_end|> token, and DPO alone pushes it down along with the rejected answers,
+so greedy answers stop ending where they should; the sft term keeps the chosen answer, its end included, likely.
+TRL's rewards/accuracies asks of the policy relative to the reference what the demo's held-out preference
+accuracy asks of the policy alone; it is 0 before any step.
 """
 
 from __future__ import annotations
 
-import time
-
 from ..trainers.dpo.config import DPOConfig, check_dpo_config
-from ..trainers.flags import build_parser, config_from_args
-from .common import apply_overrides, load_model_and_rows, run
-from .demos import briefly_sft_default
+from ..trainers.flags import build_parser
+from .common import apply_overrides, run
+from .paired import DEMO_TEST, add_paired_flags, paired_command, preference_pairs, run_paired_demo
+
+__all__ = ["main", "preference_pairs", "run_demo"]
 
 # The embedded default's settings (used only for fields the user did not set): DPO's sigmoid term and a
 # light sft term (weight 0.2) that keeps the chosen answers likely (see above).
@@ -44,146 +38,33 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a reru
                   "disable_tqdm": True}
 # loss_type and loss_weights go together: a user's own loss_type keeps its own (default) weights
 LOSS_FIELDS = ("loss_type", "loss_weights")
-DEMO_SFT_STEPS, DEMO_TEST = 6, 192
-QWEN3_5_SFT_STEPS = 20  # the tiny Qwen3.5 learns the answer format more slowly (its held-out exact match, docs/dpo.md)
-# the brief SFT: what learns the colour task fastest here. A few steps start the answer's form (a colour,
-# then <|im_end|>) but leave most answers wrong; a longer SFT leaves DPO little to improve.
-DEMO_SFT = {"learning_rate": 2e-3, "per_device_train_batch_size": 8, "freeze_embeddings": True,
-            "lr_scheduler_type": "cosine", "warmup_ratio": 0.25, "max_grad_norm": 0.0, "save_steps": 0,
-            "gradient_checkpointing": False, "max_length": 256, "assistant_only_loss": True, "disable_tqdm": True}
-
-
-def _extra(parser):
-    from .demos import add_demo_flag
-
-    add_demo_flag(parser)
-    parser.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded demo)")
-    parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset")
-    parser.add_argument("--dataset_split", default="train", help="split of a Hub dataset")
-    parser.add_argument("--eval_dataset", default=None, help="evaluation data (same formats as --dataset)")
-    parser.add_argument("--sft_steps", type=int, default=None,
-                        help="embedded default only: SFT steps before DPO when starting from the tiny model "
-                             f"(default: {DEMO_SFT_STEPS}; {QWEN3_5_SFT_STEPS} for the tiny Qwen3.5)")
-
-
-def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
-    """Synthetic VQA rows (or their text variant) -> TRL preference rows: chosen = the right answer,
-    rejected = another answer of the same question type, drawn at random."""
-    import numpy as np
-
-    from ..data.synthetic import COLORS, COUNTS, SHAPES, SIDES
-    from ..evaluate import split_row
-
-    answers = {"color": tuple(COLORS), "shape": SHAPES, "count": COUNTS, "position": SIDES}
-    rng = np.random.default_rng(seed)
-    out = []
-    for row in rows:
-        prompt, answer = split_row(row)
-        wrong = [a for a in answers[row.get("type", "color")] if a != answer]
-        other = wrong[int(rng.integers(len(wrong)))]
-        pair = {"prompt": prompt,
-                "chosen": [{"role": "assistant", "content": [{"type": "text", "text": answer}]}],
-                "rejected": [{"role": "assistant", "content": [{"type": "text", "text": other}]}]}
-        if row.get("images"):
-            pair["images"] = row["images"]
-        out.append(pair)
-    return out
-
-
-def preference_accuracy(trainer, pairs: list[dict]) -> float:
-    """Share of `pairs` whose chosen answer `trainer.model` finds more likely than the rejected one
-    (summed completion log-probs, as DPO scores them; the reference plays no part)."""
-    import numpy as np
-
-    hits = []
-    for batch in trainer._batches_of(trainer.tokenize_eval(pairs), 0, False, trainer.args.per_device_eval_batch_size):
-        logps = np.array(trainer.sequence_logps(trainer.model, trainer.to_device(batch)))  # [2B]: chosen, rejected
-        b = int(batch["num_pairs"])
-        hits.extend(logps[:b] > logps[b:2 * b])
-    return float(np.mean(hits))
-
-
-def held_out(trainer, rows: list[dict], pairs: list[dict]) -> dict:
-    """{"exact_match": of `rows` (greedy), "preference": preference accuracy of `pairs`} of the trainer's model."""
-    from mlxrl.evaluate import exact_match
-
-    return {"exact_match": exact_match(trainer.model, trainer.processor, rows),
-            "preference": preference_accuracy(trainer, pairs)}
 
 
 def run_demo(args: DPOConfig, explicit: set, model_path: str | None = None, sft_steps: int | None = None,
              n_test: int = DEMO_TEST, n_pairs: int | None = None, overrides: dict | None = None,
              demo: str = "qwen3_vl") -> dict:
-    """The embedded default. n_pairs: distinct pairs (default one per trained example, so every batch is
-    new); overrides: demo settings replacing DEMO_OVERRIDES (tests use a shorter run); demo: the embedded
-    default's architecture (`loading.DEMOS`). Returns held-out
-    exact match and preference accuracy before and after DPO, and the logged training metrics."""
-    from ..data.synthetic import demo_rows
+    """The embedded default (`cli.paired.run_paired_demo`); overrides: demo settings replacing DEMO_OVERRIDES
+    (tests use a shorter run)."""
     from ..trainers.dpo.trainer import DPOTrainer
 
     settings = {**DEMO_OVERRIDES, **(overrides or {})}
     if explicit & set(LOSS_FIELDS):
         settings = {k: v for k, v in settings.items() if k not in LOSS_FIELDS}
-    apply_overrides(args, explicit, settings)
-    t0 = time.perf_counter()
-    if sft_steps is None:
-        sft_steps = QWEN3_5_SFT_STEPS if demo == "qwen3_5" else DEMO_SFT_STEPS
-    model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path, demo)
-    test = demo_rows(processor, n_test, seed=args.seed + 1, split="test")
-    test_pairs = preference_pairs(test, seed=args.seed + 3)
-    n_pairs = n_pairs or args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps
-    pairs = preference_pairs(demo_rows(processor, n_pairs, seed=args.seed + 7, split="train"), seed=args.seed)
-    trainer = DPOTrainer(model=model, processor=processor, args=args, train_dataset=pairs)
-    # the adapters start at zero: the policy is still the model DPO starts from
-    before = held_out(trainer, test, test_pairs)
+    apply_overrides(args, explicit, settings)  # the label names what will run
     loss = " + ".join(f"{w:g} {t}" for t, w in zip(args.loss_type, args.loss_weights or [1.0] * len(args.loss_type),
                                                      strict=True))
-    print(f"DPO ({loss}, beta {args.beta:g}) on {len(pairs)} synthetic preference pairs (chosen = the right colour, "
-          f"rejected = another); before DPO, on {len(test)} held-out questions: exact match "
-          f"{before['exact_match']:.1%}, preference accuracy (the share of held-out pairs whose chosen answer the "
-          f"model finds more likely) {before['preference']:.1%}", flush=True)
-    trainer.train()
-    after = held_out(trainer, test, test_pairs)
-    logged = [e for e in trainer.log_history if "rewards/accuracies" in e]
-    trend = "  ".join(f"step {e['step']}: acc {e['rewards/accuracies']:.2f} margin {e['rewards/margins']:+.3f}"
-                      for e in logged)
-    print(f"rewards/accuracies and rewards/margins: {trend}", flush=True)
-    # a 95% interval of a share of n rows is at most 1.96 * 0.5 / sqrt(n) wide on each side
-    spread = 0.98 / len(test) ** 0.5
-    print(f"after DPO, on {len(test)} held-out questions: exact match {before['exact_match']:.1%} -> "
-          f"{after['exact_match']:.1%}, preference accuracy {before['preference']:.1%} -> {after['preference']:.1%} "
-          f"(95% intervals: +/-{spread:.0%} at most); {trainer.step_shapes} batch shapes, {trainer.compiled_shapes} "
-          f"compiled steps; {time.perf_counter() - t0:.0f}s in all; saved to {args.output_dir}", flush=True)
-    return {"before": before, "after": after, "history": logged}
+    return run_paired_demo(DPOTrainer, f"DPO ({loss}, beta {args.beta:g})", args, explicit, settings, model_path,
+                           sft_steps, n_test, n_pairs, demo)
 
 
 def main(argv=None) -> int:
-    parser = build_parser(DPOConfig, "python -m mlxrl.dpo", __doc__.splitlines()[0], extra=_extra)
+    parser = build_parser(DPOConfig, "python -m mlxrl.dpo", __doc__.splitlines()[0],
+                          extra=lambda p: add_paired_flags(p, "DPO"))
     ns = parser.parse_args(argv)
     return run(lambda: _main(ns))
 
 
 def _main(ns) -> None:
-    from ..data.preference import check_preference_row
-    from ..errors import MlxrlError
     from ..trainers.dpo.trainer import DPOTrainer
-    from .common import check_eval_data, each_row
-    from .demos import check_demo_flag
 
-    args = config_from_args(DPOConfig, ns)
-    check_dpo_config(args)  # before any model is loaded or trained
-    check_eval_data(ns, args)
-    if ns.sft_steps is not None and ns.sft_steps < 0:
-        raise MlxrlError(f"--sft_steps {ns.sft_steps}: must be >= 0")
-    explicit = ns.explicit_fields
-    demo = check_demo_flag(ns)
-    if ns.dataset is None:
-        if ns.model is not None and ns.sft_steps is not None:
-            raise MlxrlError("--sft_steps applies to the embedded default without --model")
-        if ns.eval_dataset:
-            raise MlxrlError("--eval_dataset needs --dataset (the embedded task brings its own held-out rows)")
-        run_demo(args, explicit, ns.model, ns.sft_steps, demo=demo)
-        return
-    model, processor, train, evaluation = load_model_and_rows(ns, args, check_rows=each_row(check_preference_row))
-    DPOTrainer(model=model, processor=processor, args=args, train_dataset=train, eval_dataset=evaluation).train()
-    print(f"saved to {args.output_dir}", flush=True)
+    paired_command(ns, DPOConfig, check_dpo_config, DPOTrainer, run_demo)

@@ -1,6 +1,6 @@
 """`python -m mlxrl`: load a model (or the embedded default), run one image+text forward, print
 the next-token prediction, and optionally save the model as a Hugging Face folder. With a command
-first, the `mlxrl` console command (as `trl sft ...`): `mlxrl sft|dpo|grpo|generate|chat|plan ...` is
+first, the `mlxrl` console command (as `trl sft ...`): `mlxrl sft|dpo|orpo|cpo|grpo|generate|chat|plan ...` is
 `python -m mlxrl.sft ...` and so on.
 
     mlxrl sft --model Qwen/Qwen3-0.6B --dataset data.jsonl --use_peft true
@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from ..registry import names as trainer_names
+
 
 def demo_image():
     """A red disc on a blue square on white: something to look at without any file."""
@@ -34,7 +36,7 @@ def demo_image():
     return img
 
 
-COMMANDS = ("sft", "dpo", "grpo", "generate", "chat", "plan")
+COMMANDS = (*trainer_names(), "generate", "chat", "plan")
 
 
 def console() -> None:

@@ -15,9 +15,10 @@ from ..plan.measure import check_trainer_config, config_class, measure, sweep
 from ..plan.model import load_config, predict
 from ..plan.report import fmt
 from ..plan.shapes import DEFAULT_PROMPT_LENGTH
+from ..registry import names, shape_of
 from .common import run
 
-TRAINERS = ("sft", "dpo", "grpo")
+TRAINERS = names()
 
 
 def _extra(parser):
@@ -37,9 +38,9 @@ def _extra(parser):
 
 
 # small settings for --measure on the embedded default when the user sets nothing
-MEASURE_DEFAULTS = {"sft": {"max_length": 64, "per_device_train_batch_size": 2},
-                    "dpo": {"max_length": 64, "per_device_train_batch_size": 2},
-                    "grpo": {"num_generations": 4, "per_device_train_batch_size": 4, "max_completion_length": 32,
+MEASURE_DEFAULTS = {"rows": {"max_length": 64, "per_device_train_batch_size": 2},
+                    "pairs": {"max_length": 64, "per_device_train_batch_size": 2},
+                    "groups": {"num_generations": 4, "per_device_train_batch_size": 4, "max_completion_length": 32,
                              "prompt_length": 64}}
 
 
@@ -69,7 +70,7 @@ def _main(ns, cls, trainer: str) -> int:
 
     check_plan_flags(ns, trainer)
     if ns.measure:
-        for k, v in MEASURE_DEFAULTS[trainer].items():
+        for k, v in MEASURE_DEFAULTS[shape_of(trainer)].items():
             if getattr(ns, k, None) is None:
                 setattr(ns, k, v)
     args = config_from_args(cls, ns)
@@ -104,17 +105,17 @@ def check_plan_flags(ns, trainer: str) -> None:
         raise MlxrlError("--sweep needs --measure (it measures each setting)")
     if ns.prompt_length is None:
         return
-    if trainer == "sft":
+    if shape_of(trainer) == "rows":
         raise MlxrlError("--prompt_length applies to --trainer dpo and grpo (SFT scores every token of a row)")
-    least = 1 if trainer == "grpo" else 0  # DPO: 0 scores every token (the default's upper bound)
+    least = 1 if shape_of(trainer) == "groups" else 0  # DPO: 0 scores every token (the default's upper bound)
     if ns.prompt_length < least:
-        what = "prompt tokens" if trainer == "grpo" else "prompt tokens per pair; 0 scores every token"
+        what = "prompt tokens" if shape_of(trainer) == "groups" else "prompt tokens per pair; 0 scores every token"
         raise MlxrlError(f"--prompt_length {ns.prompt_length}: must be >= {least} ({what})")
 
 
 def check_prompt_length(ns, args, trainer: str) -> None:
     """DPO's prompt shares max_length with its completion: a prompt that fills it leaves nothing to score."""
-    if trainer != "dpo" or not ns.prompt_length:
+    if shape_of(trainer) != "pairs" or not ns.prompt_length:
         return
     limit = int(getattr(args, "max_length", None) or 1024)  # `shapes.forward_shape`'s default for an unset max_length
     if ns.prompt_length >= limit:

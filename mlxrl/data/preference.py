@@ -141,9 +141,16 @@ def _render_prompt(processor, prompt: list[dict], row: dict, index=None) -> str:
 # ------------------------------------------------------------------------------------- tokenising
 
 def tokenize_preference(row: dict, processor, *, index: int, max_length: int | None = 1024,
-                        truncation_mode: str = "keep_start") -> PreferenceExample | None:
+                        truncation_mode: str = "keep_start", append_eos: bool = False) -> PreferenceExample | None:
     """Tokenise one preference row as TRL's DPOTrainer would. Returns None when the prompt alone
-    fills ``max_length`` (TRL drops those rows with keep_start)."""
+    fills ``max_length`` (TRL drops those rows with keep_start).
+
+    append_eos: trl.experimental's ORPO / CPO tokenisation (``tokenize_row``), which renders conversations
+    with the chat template too but then appends the EOS token to every completion whose last token is not
+    EOS: after a Qwen template's closing "<|im_end|>\n", one more <|im_end|>. Its truncation cuts the
+    completion and keeps the whole prompt, which is keep_start's result whenever the prompt fits; a prompt
+    that fills max_length leaves TRL an empty completion (its mean log-prob 0 / 0), and the row is dropped
+    here."""
     if truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}")
     prompt, chosen, rejected, conv = _columns(row, index)
@@ -168,6 +175,9 @@ def tokenize_preference(row: dict, processor, *, index: int, max_length: int | N
     # the completion starts where the prompt's tokens stop agreeing with the full sequence's
     n = min(common_prefix(p_ids, c_ids), common_prefix(p_ids, r_ids))
     p_ids, c_ids, r_ids = p_ids[:n], c_ids[n:], r_ids[n:]
+    if append_eos:
+        eos = np.asarray([tok.eos_token_id], np.int64)
+        c_ids, r_ids = (ids if len(ids) and ids[-1] == eos[0] else np.concatenate([ids, eos]) for ids in (c_ids, r_ids))
     image_id = processor.image_token_id if processor.image_processor is not None else None
     if image_id is not None and ((c_ids == image_id).any() or (r_ids == image_id).any()):
         raise DataError(f"row {index}: an image placeholder is in a completion; images belong to the prompt")
@@ -203,7 +213,7 @@ def row_bucket(n: int, minimum: int = 64) -> int:
 
 def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int, buckets: Sequence[int],
                      padding_free: bool = False, ld_alpha: float | None = None,
-                     bucket_rows: bool = True) -> dict:
+                     bucket_rows: bool = True, score_chosen_prompts: bool = False) -> dict:
     """B pairs -> the numpy arrays of one DPO forward over 2B sequences (chosen rows, then rejected).
 
     input_ids / attention_mask [2B, L] (padding-free: [1, L] with segment_ids 1..2B); pixel_values
@@ -211,7 +221,10 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
     token and ``targets`` [R] those tokens (-100 padding up to a row bucket); ``seq_weights``
     [2B, R] maps a position's log-prob to its sequence's sum (1, or ld_alpha on the LD-DPO tail) and
     ``seq_mask`` [2B, R] is the same without LD weighting; ``chosen_counts`` / ``rejected_counts``
-    [B] completion tokens per answer (TRL's completion_mask sums).
+    [B] completion tokens per answer (TRL's completion_mask sums). score_chosen_prompts (ORPO, whose NLL
+    term covers the chosen sequence's prompt too): the positions predicting the chosen rows' prompt tokens
+    are scored as well, ``nll_mask`` [R] marking every position of a chosen row (prompt and completion);
+    ``seq_mask`` and ``seq_weights`` stay on the completions.
     """
     b = len(examples)
     seqs = [(e.chosen_ids, e.chosen_mask) for e in examples] + [(e.rejected_ids, e.rejected_mask) for e in examples]
@@ -236,36 +249,45 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
         pos += n if padding_free else 0
     # position t predicts token t + 1 of the same sequence (TRL's shifted completion mask)
     flat_ids, flat_comp, flat_seg = ids.reshape(-1), comp.reshape(-1), seg.reshape(-1)
-    scored = np.zeros(flat_ids.size, bool)
-    scored[:-1] = (flat_comp[1:] == 1) & (flat_seg[1:] == flat_seg[:-1])
+    same = np.zeros(flat_ids.size, bool)
+    same[:-1] = (flat_seg[1:] == flat_seg[:-1]) & (flat_seg[1:] > 0)
+    completion = np.zeros(flat_ids.size, bool)
+    completion[:-1] = (flat_comp[1:] == 1) & same[:-1]
+    scored = completion | (same & (flat_seg <= b)) if score_chosen_prompts else completion
     rows = np.flatnonzero(scored)
     seq_of = flat_seg[rows] - 1                                    # 0..2B-1
+    in_completion = completion[rows]
     n_rows = row_bucket(rows.size) if bucket_rows else rows.size
     padded_rows = np.zeros(n_rows, np.int32)
     padded_rows[:rows.size] = rows
     targets = np.full(n_rows, IGNORE_INDEX, np.int32)
     targets[:rows.size] = flat_ids[rows + 1]
+    at = np.flatnonzero(in_completion)
     seq_mask = np.zeros((2 * b, n_rows), np.float32)
-    seq_mask[seq_of, np.arange(rows.size)] = 1.0
+    seq_mask[seq_of[at], at] = 1.0
     seq_weights = seq_mask
     if ld_alpha is not None:
         # LD-DPO: completion tokens past the shorter answer's length count ld_alpha
         rank = np.zeros(rows.size, np.int64)                       # 1-based position within its completion
         for k in range(2 * b):
-            at = np.flatnonzero(seq_of == k)
-            rank[at] = np.arange(1, at.size + 1)
+            mine = at[seq_of[at] == k]
+            rank[mine] = np.arange(1, mine.size + 1)
         per_seq = seq_mask.sum(1)
         shared = np.minimum(per_seq[:b], per_seq[b:])
         shared = np.concatenate([shared, shared])
-        w = np.where(rank <= shared[seq_of], 1.0, ld_alpha).astype(np.float32)
+        w = np.where(rank[at] <= shared[seq_of[at]], 1.0, ld_alpha).astype(np.float32)
         seq_weights = np.zeros_like(seq_mask)
-        seq_weights[seq_of, np.arange(rows.size)] = w
+        seq_weights[seq_of[at], at] = w
     counts = np.array([int(m.sum()) for _, m in seqs], np.float32)
     out = {"input_ids": ids, "rows": padded_rows, "targets": targets,
            "seq_weights": seq_weights, "seq_mask": seq_mask,
            "chosen_counts": counts[:b], "rejected_counts": counts[b:],
            "num_tokens": int(mask.sum()), "num_pairs": b, "example_ids": [e.index for e in examples],
            "token_mask": mask}  # the real tokens, whose routing an MoE model's load-balancing loss averages
+    if score_chosen_prompts:
+        nll = np.zeros(n_rows, np.float32)
+        nll[:rows.size] = seq_of < b
+        out["nll_mask"] = nll
     if padding_free or not right_padded(mask):  # else causal attention is exact (`right_padded`)
         out["attention_mask"] = mask
     if padding_free:
@@ -286,7 +308,7 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
                             padding_free: bool = False, shuffle: bool = True, seed: int = 0, epoch: int = 0,
                             ld_alpha: float | None = None, bucket_rows: bool = True, num_shards: int = 1,
                             shard: int = 0, drop_last: bool = False,
-                            pad_to_multiple_of: int | None = None) -> list[dict]:
+                            pad_to_multiple_of: int | None = None, score_chosen_prompts: bool = False) -> list[dict]:
     """One epoch of pair batches (the same for the same seed and epoch); the last may hold fewer pairs
     (dropped with ``drop_last``). num_shards / shard: data-parallel ranks get their slice of each global
     batch of ``batch_size * num_shards`` pairs (as `mlxrl.data.make_batches`). The length buckets are
@@ -307,5 +329,6 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
     if num_shards > 1:
         groups = [np.array_split(g, num_shards)[shard] for g in groups if len(g) >= num_shards]
     return [preference_batch([examples[i] for i in g], pad_token_id=pad_token_id, buckets=buckets,
-                             padding_free=padding_free, ld_alpha=ld_alpha, bucket_rows=bucket_rows)
+                             padding_free=padding_free, ld_alpha=ld_alpha, bucket_rows=bucket_rows,
+                             score_chosen_prompts=score_chosen_prompts)
             for g in groups]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import registry
+from ..registry import shape_of
 from .model import arch_of, image_tokens, load_config, predict
 from .shapes import grpo_prompt_length
 
@@ -57,11 +59,11 @@ def synthetic_rows(trainer: str, args, n: int, vocab: int, seed: int = 0, prompt
 
     rng = np.random.default_rng(seed)
     L = int(getattr(args, "max_length", None) or 1024)
-    if trainer == "dpo":
+    if shape_of(trainer) == "pairs":
         p = min(int(prompt_length), L - 2) if prompt_length else L // 2
         return [{"prompt": _text(rng, p, vocab), "chosen": _text(rng, L - p - 1, vocab),
                  "rejected": _text(rng, L - p - 1, vocab)} for _ in range(n)]
-    if trainer == "grpo":
+    if shape_of(trainer) == "groups":
         P = grpo_prompt_length(args, prompt_length)
         return [{"prompt": _text(rng, P, vocab)} for _ in range(n)]
     return [{"text": _text(rng, L + 8, vocab)} for _ in range(n)]
@@ -123,10 +125,10 @@ def image_rows(trainer: str, args, n: int, images: int, image_size: int, seed: i
     def user(k):
         return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": words(k)}]}
 
-    if trainer == "grpo":
+    if shape_of(trainer) == "groups":
         return [{"prompt": [user(grpo_prompt_length(args, prompt_length) - 24)], "images": pictures()}
                 for _ in range(n)]
-    if trainer == "dpo":
+    if shape_of(trainer) == "pairs":
         p = min(int(prompt_length), L - 10) if prompt_length else L // 2
         return [{"prompt": [user(p - 24)], "chosen": [{"role": "assistant", "content": words(L - p - 8)}],
                  "rejected": [{"role": "assistant", "content": words(L - p - 8)}], "images": pictures()}
@@ -170,7 +172,7 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
                                    disable_tqdm=True)
         n = args.per_device_train_batch_size * args.gradient_accumulation_steps * steps
         kw = {}
-        if trainer == "grpo":  # enough prompts for every round of `steps` steps
+        if shape_of(trainer) == "groups":  # enough prompts for every round of `steps` steps
             n = n // int(args.num_generations) + 4 * steps * args.gradient_accumulation_steps
             kw["reward_funcs"] = [_reward_length]
         rows = (image_rows(trainer, text_args, n, images, image_size, prompt_length=prompt_length) if images
@@ -187,12 +189,7 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
 
 
 def _trainer_class(trainer: str):
-    if trainer == "dpo":
-        from ..trainers.dpo.trainer import DPOTrainer as base
-    elif trainer == "grpo":
-        from ..trainers.grpo.trainer import GRPOTrainer as base
-    else:
-        from ..trainers.sft.trainer import SFTTrainer as base
+    base = registry.trainer_class(trainer)
 
     class Measured(base):
         def save_final(self):  # nothing to keep
@@ -202,37 +199,20 @@ def _trainer_class(trainer: str):
 
 
 def config_class(trainer: str):
-    if trainer == "dpo":
-        from ..trainers.dpo.config import DPOConfig
-
-        return DPOConfig
-    if trainer == "grpo":
-        from ..trainers.grpo.trainer import GRPOConfig
-
-        return GRPOConfig
-    from ..trainers.sft.config import SFTConfig
-
-    return SFTConfig
+    return registry.config_class(trainer)
 
 
 def check_trainer_config(trainer: str, args) -> None:
     """The trainer's own checks beyond `check_config` (DPO's loss types and beta, GRPO's group size and
     batching), which its CLI runs before any model loads: a plan of a run the trainer refuses is refused."""
-    if trainer == "dpo":
-        from ..trainers.dpo.config import check_dpo_config
-
-        check_dpo_config(args)
-    elif trainer == "grpo":
-        from ..trainers.grpo.trainer import check_grpo_config
-
-        check_grpo_config(args)
+    registry.check_config(trainer, args)
 
 
 def sweep(cfg: dict, args, trainer: str, lengths=None, ranks=None, prompt_length: int | None = None
           ) -> list[tuple[str, int, int]]:
     """(setting, predicted, measured) for a few sequence lengths (GRPO: max_completion_length) and LoRA ranks."""
     out = []
-    key = "max_completion_length" if trainer == "grpo" else "max_length"
+    key = "max_completion_length" if shape_of(trainer) == "groups" else "max_length"
     L = int(getattr(args, key, None) or 256)
 
     def row(name, a):

@@ -15,6 +15,7 @@ from ..models import attention as attention_lib
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..optim import optimizers as optim_lib
+from ..registry import holds_reference, shape_of
 from .config_json import load_config, quantization_of
 from .layers import (
     SCORE_COPIES,
@@ -264,7 +265,7 @@ def ckpt_layers(trainer: str = "sft", drained: bool = False) -> float:
     MLX evaluates depth-first (an independent branch is consumed before the next begins), fewer again when
     the native kernels also finish MLX's queued work before their outputs (`drains_queue`)."""
     order = ("drained" if drained else "depth") if evaluates_depth_first() else "breadth"
-    return CKPT_LAYERS[order][trainer == "grpo"]
+    return CKPT_LAYERS[order][shape_of(trainer) == "groups"]
 
 
 def drains_queue(args, tokens: int, width: int) -> bool:
@@ -285,7 +286,7 @@ def kept_attention_bytes(a: Arch, args, sh: Shape) -> int:
 
 def native_sft_head(args, trainer: str) -> bool:
     """Whether SFT's native fused head runs: it forms the head's weight gradient in the forward."""
-    return trainer == "sft" and getattr(args, "head_mode", "") in ("fused", "two_phase") and native_cpu(args)
+    return shape_of(trainer) == "rows" and getattr(args, "head_mode", "") in ("fused", "two_phase") and native_cpu(args)
 
 
 def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
@@ -388,7 +389,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
                    f"{count(n_train)} trainable: {what} + grads{' + fp32 sum (accumulation)' if accum > 1 else ''} "
                    "(the decoder layers' grads are counted with the activations)"))
     ref = 0
-    needs_ref = trainer == "dpo" or (trainer == "grpo" and getattr(args, "beta", 0.0) > 0)
+    needs_ref = holds_reference(trainer, args)
     if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
         ref = T
         out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
@@ -400,13 +401,14 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
                                           f"{', [V, D] weight grad' if a.head_trainable else ''}"))
     B = int(args.per_device_train_batch_size)
-    sequences = max(1, B // int(args.num_generations)) if trainer == "grpo" else (2 * B if trainer == "dpo" else B)
+    shape = shape_of(trainer)
+    sequences = max(1, B // int(args.num_generations)) if shape == "groups" else (2 * B if shape == "pairs" else B)
     img_kept, img_temps = vision_bytes(a, args, sequences, s, images, image_size, ckpt)
     if img_kept or img_temps:
         out.append(Row("images", max(img_kept, img_temps), f"{images} image(s)/example of {image_size}px: {L_img} "
                        f"tokens; the tower keeps {fmt(img_kept)} through the decoder, {fmt(img_temps)} while it runs"))
     kv = gen_logits = 0
-    if trainer == "grpo":
+    if shape_of(trainer) == "groups":
         G, C = int(args.num_generations), int(args.max_completion_length)
         P = grpo_prompt_length(args, prompt_length) + L_img
         prompts = max(1, B // G)  # generated together: the micro-batch's prompts, G completions each

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..models.checkpointing import best_segments
+from ..registry import shape_of
 from .report import dtype_bytes
 
 
@@ -56,7 +57,7 @@ def _candidates(args, trainer: str, layers: int = 0):
         while L > 64:
             L //= 2
             yield {"max_length": L}
-    if trainer == "grpo":
+    if shape_of(trainer) == "groups":
         g = int(args.num_generations)
         while g > 2:
             g //= 2

@@ -357,6 +357,9 @@ RANGES = {
 RANGES_BY_CONFIG = {
     "DPOConfig": {"beta": _range(lambda v: v > 0, "> 0 (DPO's beta; IPO divides by it; beta <= 0 learns "
                                                   "nothing or the opposite preference)")},
+    "CPOConfig": {"beta": _range(lambda v: v > 0, "> 0 (CPO's temperature; IPO and SimPO divide by it)"),
+                  "cpo_alpha": _NON_NEGATIVE},
+    "ORPOConfig": {"beta": _NON_NEGATIVE},
 }
 CHOICES = {
     "lr_scheduler_type": tuple(SCHEDULES),

@@ -1,4 +1,4 @@
-"""DPOConfig: TRL 1.16's direct preference optimisation fields on top of the shared `TrainConfig`, and
+"""DPOConfig: TRL 1.16's direct preference optimisation fields on top of the paired trainers' `PairedConfig`, and
 their checks."""
 
 from __future__ import annotations
@@ -7,30 +7,21 @@ import dataclasses
 from dataclasses import dataclass
 
 from ...losses.dpo import DPO_LOSSES, F_DIVERGENCE_LOSSES, F_DIVERGENCES
-from ..config import TrainConfig, _f, check_config, refused
+from ..config import _f, check_config, refused
+from ..paired.config import PairedConfig
 
 __all__ = ["DPOConfig", "check_dpo_config"]
 
 
 @dataclass
-class DPOConfig(TrainConfig):
+class DPOConfig(PairedConfig):
     """TRL 1.16's DPOConfig fields (names and defaults). Fields TRL has that mlxrl does not support
     raise a ValueError when set to anything but their default (`refused`, checked by `config.check_config`)."""
 
-    learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's DPO default)")
-    head_mode: str = _f("differentiable", "(mlxrl) DPO drives the streamed head differentiably. Its per-token "
-                                          "gradients depend on whole sequences", choices=("differentiable",))
     # model
-    disable_dropout: bool = _f(True, "disable dropout (LoRA dropout included) in the model")
     ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model")
     # data
-    dataset_num_proc: int | None = refused(None, "tokenisation runs in-process")
-    max_length: int | None = _f(1024, "truncate each prompt+completion sequence to this many tokens")
     truncation_mode: str = _f("keep_start", "keep_start | keep_end (deprecated in TRL; text only)")
-    padding_free: bool = _f(False, "concatenate the 2B sequences of a batch into one row without padding. "
-                                   "TRL 1.16 falls back to padding; mlxrl does it")
-    pad_to_multiple_of: str | None = _f("auto", "pad every row's length up to a multiple of this (on top of "
-                                                "seq_buckets). 'auto' or unset: no extra padding")
     precompute_ref_log_probs: bool = _f(False, "compute the reference log-probs of the whole dataset before "
                                                "training (no reference kept in memory)")
     precompute_ref_batch_size: int | None = _f(None, "pairs per batch when precomputing (default: the train / "
@@ -56,7 +47,6 @@ class DPOConfig(TrainConfig):
                                                 "implemented")
     ref_model_sync_steps: int = refused(512, "it only applies with sync_ref_model (TR-DPO), which is not implemented")
     pad_token: str | None = refused(None, "deprecated in TRL; the processor's pad token is used")
-    eval_split: float = _f(0.0, "(mlxrl) hold out this fraction of the training set for evaluation")
 
     def __post_init__(self):
         super().__post_init__()

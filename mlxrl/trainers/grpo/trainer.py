@@ -36,7 +36,6 @@ Tests: pytest tests/test_grpo_trainer.py
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import math
@@ -60,11 +59,11 @@ from ...losses.grpo import (
     uses_fused_head,
 )
 from ...models.dropout import eval_mode
-from ...models.reference import adapters_disabled, frozen_copy
 from ...processing.tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
 from .. import trl_api
 from ..engine import Trainer, step_seed
 from ..forward import with_router_aux
+from ..reference import Reference
 from .config import GRPOConfig, check_grpo_config, resolve_batching
 from .rewards import RewardError, check_reward_signature, first_line, load_reward_func, reward_values
 from .rounds import GenerationRounds
@@ -112,9 +111,7 @@ class GRPOTrainer(Trainer):
                 raise ValueError(f"reward function {f!r} is not callable (reward models are not supported yet)")
         if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
             raise ValueError(f"reward_weights has {len(args.reward_weights)} weights for {len(funcs)} reward functions")
-        if ref_model is not None and ref_model is model:
-            raise ValueError("model and ref_model are the same object: omit ref_model (LoRA switches the adapters "
-                             "off, full fine-tuning keeps a frozen copy)")
+        Reference.check_distinct(model, ref_model)
         if args.disable_dropout and args.use_peft and args.lora_dropout:
             args = dataclasses.replace(args, lora_dropout=0.0)
         with naming_rows(origins_of(train_dataset)):
@@ -139,16 +136,9 @@ class GRPOTrainer(Trainer):
         # TRL computes old log-probs only when generation is not aligned with the optimizer step
         generate_every = self.steps_per_generation * args.num_iterations
         self.needs_old_logps = args.gradient_accumulation_steps % generate_every != 0
-        if ref_model is None and args.ref_model and args.beta != 0:
-            from ...loading import load
-
-            ref_model, _ = load(args.ref_model, dtype=args.dtype)
-        if ref_model is not None:
-            ref_model.freeze()
-            ref_model.eval()
-        elif args.beta != 0 and not args.use_peft:
-            ref_model = frozen_copy(model)  # TRL loads a second copy of the model
-        self.ref_model = ref_model if args.beta != 0 else None
+        self.reference = Reference(model, ref_model, path=args.ref_model, dtype=args.dtype, lora=args.use_peft,
+                                   needed=args.beta != 0)
+        self.ref_model = self.reference.model
         self.stop_token_ids = sorted({*QWEN_STOP_TOKEN_IDS, int(processor.eos_token_id)})
         self._pending_metrics: dict[str, list[float]] = {}
         self._round_epoch = 0  # the epoch of the round being generated (reward functions see it)
@@ -397,11 +387,7 @@ class GRPOTrainer(Trainer):
                     mb["ref_logps"] = self.reference_logps(arrays)
 
     def reference_logps(self, arrays) -> np.ndarray:
-        if self.ref_model is not None:
-            ctx, model = contextlib.nullcontext(), self.ref_model
-        else:  # LoRA: the same model with its adapters off
-            ctx, model = adapters_disabled(self.model), self.model
-        with ctx:
+        with self.reference.scope() as model:
             return self._logps_no_grad(model, arrays)
 
     # ------------------------------------------------------------------ engine hooks

@@ -1,0 +1,102 @@
+"""The trainers mlxrl has, in one table that everything else reads.
+
+Each entry names a trainer once: its command (`python -m mlxrl.NAME`, `mlxrl NAME`), the identity its checkpoints
+record, the package names it exports (`from mlxrl import KTOConfig, KTOTrainer`), where its config, its config's
+checks and its trainer live, and the memory planner's model of one step (`shape`):
+
+* ``"rows"``: B sequences, every completion token scored (SFT);
+* ``"pairs"``: 2B sequences per B rows (chosen then rejected, or KTO's completions then its mismatched KL
+  completions), only completions scored;
+* ``"groups"``: GRPO's rounds (prompts x num_generations completions).
+
+``reference`` says when a run holds a reference policy (`trainers.reference.Reference`): ``"always"``, ``"never"``
+or ``"beta"`` (when ``args.beta != 0``). `mlxrl.__init__`, `cli.main.COMMANDS`, `cli.plan`, `plan.measure` and the
+architecture tests read this table, so a new trainer is one entry here plus its own modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+__all__ = ["TRAINERS", "TrainerEntry", "entry", "names", "config_class", "trainer_class", "check_config",
+           "exports", "holds_reference", "shape_of"]
+
+
+@dataclass(frozen=True)
+class TrainerEntry:
+    name: str           # command, checkpoint identity, planner key
+    package: str        # mlxrl.trainers.<package>: its config.py and trainer.py
+    title: str          # the class names' stem: <title>Config, <title>Trainer
+    shape: str          # the planner's model of a step: rows | pairs | groups
+    reference: str      # always | never | beta
+    check: str | None   # the config's own check function in <package>.config (None: the shared checks alone)
+
+    @property
+    def config_name(self) -> str:
+        return f"{self.title}Config"
+
+    @property
+    def trainer_name(self) -> str:
+        return f"{self.title}Trainer"
+
+
+TRAINERS: tuple[TrainerEntry, ...] = (
+    TrainerEntry("sft", "sft", "SFT", "rows", "never", None),
+    TrainerEntry("dpo", "dpo", "DPO", "pairs", "always", "check_dpo_config"),
+    TrainerEntry("orpo", "orpo", "ORPO", "pairs", "never", "check_orpo_config"),
+    TrainerEntry("cpo", "cpo", "CPO", "pairs", "never", "check_cpo_config"),
+    TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
+)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(e.name for e in TRAINERS)
+
+
+def entry(name: str) -> TrainerEntry:
+    for e in TRAINERS:
+        if e.name == name:
+            return e
+    raise ValueError(f"unknown trainer {name!r}: one of {', '.join(names())}")
+
+
+def _module(e: TrainerEntry, part: str):
+    return importlib.import_module(f"mlxrl.trainers.{e.package}.{part}")
+
+
+def config_class(name: str):
+    e = entry(name)
+    return getattr(_module(e, "config"), e.config_name)
+
+
+def trainer_class(name: str):
+    e = entry(name)
+    return getattr(_module(e, "trainer"), e.trainer_name)
+
+
+def check_config(name: str, args) -> None:
+    """The trainer's own checks of a config (beyond the shared `config.check_config`), one-line errors."""
+    e = entry(name)
+    if e.check is not None:
+        getattr(_module(e, "config"), e.check)(args)
+
+
+def exports() -> dict[str, str]:
+    """{package name: module under mlxrl} of every trainer's config and trainer class (`mlxrl.__getattr__`)."""
+    out = {}
+    for e in TRAINERS:
+        out[e.config_name] = f"trainers.{e.package}.config"
+        out[e.trainer_name] = f"trainers.{e.package}.trainer"
+    return out
+
+
+def holds_reference(name: str, args) -> bool:
+    """Whether a run of trainer `name` with `args` computes reference log-probs (the planner's question)."""
+    rule = entry(name).reference
+    return rule == "always" or (rule == "beta" and getattr(args, "beta", 0.0) != 0)
+
+
+def shape_of(name: str) -> str:
+    """The planner's model of trainer `name`'s step: rows | pairs | groups (see the module docstring)."""
+    return entry(name).shape

@@ -1,0 +1,1 @@
+"""CPO (and SimPO, AlphaPO): `CPOTrainer` (`trainer`), `CPOConfig` (`config`)."""

@@ -1,0 +1,1 @@
+"""ORPO: `ORPOTrainer` (`trainer`), `ORPOConfig` (`config`)."""

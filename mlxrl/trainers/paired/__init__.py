@@ -1,0 +1,1 @@
+"""The chosen / rejected trainers' shared parts (`trainer.PairedTrainer`)."""
