@@ -85,7 +85,7 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
 
     from ..data.synthetic import demo_rows
     from ..trainers.grpo.trainer import GRPOTrainer
-    from .dpo import DEMO_SFT
+    from .demos import DEMO_SFT
 
     apply_overrides(args, explicit, {**DEMO_OVERRIDES, **(overrides or {})})
     check_grpo_config(args)

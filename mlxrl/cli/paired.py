@@ -17,15 +17,10 @@ from __future__ import annotations
 import time
 
 from .common import apply_overrides, load_model_and_rows
-from .demos import briefly_sft_default
+from .demos import DEMO_SFT, briefly_sft_default
 
 DEMO_SFT_STEPS, DEMO_TEST = 6, 192
 QWEN3_5_SFT_STEPS = 20  # the tiny Qwen3.5 learns the answer format more slowly (its held-out exact match, docs/dpo.md)
-# the brief SFT: what learns the colour task fastest here. A few steps start the answer's form (a colour,
-# then <|im_end|>) but leave most answers wrong; a longer SFT leaves the preference trainer little to improve.
-DEMO_SFT = {"learning_rate": 2e-3, "per_device_train_batch_size": 8, "freeze_embeddings": True,
-            "lr_scheduler_type": "cosine", "warmup_ratio": 0.25, "max_grad_norm": 0.0, "save_steps": 0,
-            "gradient_checkpointing": False, "max_length": 256, "assistant_only_loss": True, "disable_tqdm": True}
 
 
 def add_paired_flags(parser, name: str) -> None:
