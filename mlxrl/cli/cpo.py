@@ -16,10 +16,7 @@ before and after.
 
 from __future__ import annotations
 
-from ..trainers.cpo.config import CPOConfig, check_cpo_config
-from ..trainers.flags import build_parser
-from .common import run
-from .paired import DEMO_TEST, add_paired_flags, paired_command, run_paired_demo
+from .paired import demo_of, paired_main
 
 __all__ = ["main", "run_demo"]
 
@@ -30,28 +27,8 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True, "learning_rate": 2e-3, "max_step
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/cpo-demo",
                   "disable_tqdm": True}
 
-
-def run_demo(args: CPOConfig, explicit: set, model_path: str | None = None, sft_steps: int | None = None,
-             n_test: int = DEMO_TEST, n_pairs: int | None = None, overrides: dict | None = None,
-             demo: str = "qwen3_vl") -> dict:
-    """The embedded default (`cli.paired.run_paired_demo`); overrides: demo settings replacing DEMO_OVERRIDES."""
-    from ..trainers.cpo.trainer import CPOTrainer
-    from .common import apply_overrides
-
-    settings = {**DEMO_OVERRIDES, **(overrides or {})}
-    apply_overrides(args, explicit, settings)
-    label = f"CPO ({args.loss_type}, beta {args.beta:g}, cpo_alpha {args.cpo_alpha:g})"
-    return run_paired_demo(CPOTrainer, label, args, explicit, settings, model_path, sft_steps, n_test, n_pairs, demo)
+run_demo = demo_of("cpo", DEMO_OVERRIDES, lambda a: f"CPO ({a.loss_type}, beta {a.beta:g}, cpo_alpha {a.cpo_alpha:g})")
 
 
 def main(argv=None) -> int:
-    parser = build_parser(CPOConfig, "python -m mlxrl.cpo", __doc__.splitlines()[0],
-                          extra=lambda p: add_paired_flags(p, "CPO"))
-    ns = parser.parse_args(argv)
-    return run(lambda: _main(ns))
-
-
-def _main(ns) -> None:
-    from ..trainers.cpo.trainer import CPOTrainer
-
-    paired_command(ns, CPOConfig, check_cpo_config, CPOTrainer, run_demo)
+    return paired_main(argv, "cpo", __doc__, run_demo)

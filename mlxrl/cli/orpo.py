@@ -16,10 +16,7 @@ before and after.
 
 from __future__ import annotations
 
-from ..trainers.flags import build_parser
-from ..trainers.orpo.config import ORPOConfig, check_orpo_config
-from .common import run
-from .paired import DEMO_TEST, add_paired_flags, paired_command, run_paired_demo
+from .paired import demo_of, paired_main
 
 __all__ = ["main", "run_demo"]
 
@@ -30,28 +27,8 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True, "learning_rate": 5e-4, "max_step
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/orpo-demo",
                   "disable_tqdm": True}
 
-
-def run_demo(args: ORPOConfig, explicit: set, model_path: str | None = None, sft_steps: int | None = None,
-             n_test: int = DEMO_TEST, n_pairs: int | None = None, overrides: dict | None = None,
-             demo: str = "qwen3_vl") -> dict:
-    """The embedded default (`cli.paired.run_paired_demo`); overrides: demo settings replacing DEMO_OVERRIDES."""
-    from ..trainers.orpo.trainer import ORPOTrainer
-    from .common import apply_overrides
-
-    settings = {**DEMO_OVERRIDES, **(overrides or {})}
-    apply_overrides(args, explicit, settings)
-    return run_paired_demo(ORPOTrainer, f"ORPO (beta {args.beta:g})", args, explicit, settings, model_path,
-                           sft_steps, n_test, n_pairs, demo)
+run_demo = demo_of("orpo", DEMO_OVERRIDES, lambda a: f"ORPO (beta {a.beta:g})")
 
 
 def main(argv=None) -> int:
-    parser = build_parser(ORPOConfig, "python -m mlxrl.orpo", __doc__.splitlines()[0],
-                          extra=lambda p: add_paired_flags(p, "ORPO"))
-    ns = parser.parse_args(argv)
-    return run(lambda: _main(ns))
-
-
-def _main(ns) -> None:
-    from ..trainers.orpo.trainer import ORPOTrainer
-
-    paired_command(ns, ORPOConfig, check_orpo_config, ORPOTrainer, run_demo)
+    return paired_main(argv, "orpo", __doc__, run_demo)

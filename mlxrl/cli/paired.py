@@ -123,6 +123,37 @@ def run_paired_demo(trainer_class, label: str, args, explicit: set, settings: di
     return {"before": before, "after": after, "history": logged}
 
 
+def demo_of(name: str, defaults: dict, label):
+    """The `run_demo(args, explicit, model_path, sft_steps, n_test, n_pairs, overrides, demo)` of the paired
+    trainer `name` (`mlxrl.registry`): `defaults` its demo settings for the fields the user did not set (the
+    call's overrides on top: tests use shorter runs), label(args) the run in words."""
+    def run_demo(args, explicit: set, model_path: str | None = None, sft_steps: int | None = None,
+                 n_test: int = DEMO_TEST, n_pairs: int | None = None, overrides: dict | None = None,
+                 demo: str = "qwen3_vl") -> dict:
+        from ..registry import trainer_class
+
+        settings = {**defaults, **(overrides or {})}
+        apply_overrides(args, explicit, settings)
+        return run_paired_demo(trainer_class(name), label(args), args, explicit, settings, model_path, sft_steps,
+                               n_test, n_pairs, demo)
+
+    return run_demo
+
+
+def paired_main(argv, name: str, doc: str, run_demo) -> int:
+    """`python -m mlxrl.NAME` of the paired trainer `name`: its config's flags and the paired flags, then
+    `paired_command`."""
+    from ..registry import check_config, config_class, trainer_class
+    from ..trainers.flags import build_parser
+    from .common import run
+
+    cls = config_class(name)
+    parser = build_parser(cls, f"python -m mlxrl.{name}", doc.splitlines()[0],
+                          extra=lambda p: add_paired_flags(p, name.upper()))
+    ns = parser.parse_args(argv)
+    return run(lambda: paired_command(ns, cls, lambda a: check_config(name, a), trainer_class(name), run_demo))
+
+
 def paired_command(ns, config_class, check, trainer_class, run_demo) -> None:
     """The body of a paired trainer's command: the config from the flags and its checks, the evaluation data's,
     --sft_steps', --demo's, all before a model loads; then the embedded demo (`run_demo(args, explicit,
