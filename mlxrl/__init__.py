@@ -1,4 +1,4 @@
-"""mlxrl: MLX-native SFT / DPO / ORPO / CPO / GRPO for Qwen and Qwen-VL models.
+"""mlxrl: MLX-native SFT / DPO / ORPO / CPO / KTO / GRPO for Qwen and Qwen-VL models.
 
 Importing mlxrl loads a fast BLAS before ``mlx.core`` on Linux, asks MLX for depth-first evaluation
 on the CPU and glibc's malloc for one arena (`mlxrl.cpu`: each must precede MLX's first use or the first

@@ -46,6 +46,7 @@ TRAINERS: tuple[TrainerEntry, ...] = (
     TrainerEntry("dpo", "dpo", "DPO", "pairs", "always", "check_dpo_config"),
     TrainerEntry("orpo", "orpo", "ORPO", "pairs", "never", "check_orpo_config"),
     TrainerEntry("cpo", "cpo", "CPO", "pairs", "never", "check_cpo_config"),
+    TrainerEntry("kto", "kto", "KTO", "pairs", "always", "check_kto_config"),
     TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
 )
 

@@ -28,6 +28,7 @@ CLIS = [
     ("dpo", "python -m mlxrl.dpo", "mlxrl.dpo", ["--help"]),
     ("orpo", "python -m mlxrl.orpo", "mlxrl.orpo", ["--help"]),
     ("cpo", "python -m mlxrl.cpo", "mlxrl.cpo", ["--help"]),
+    ("kto", "python -m mlxrl.kto", "mlxrl.kto", ["--help"]),
     ("grpo", "python -m mlxrl.grpo", "mlxrl.grpo", ["--help"]),
     ("generate", "python -m mlxrl.generate", "mlxrl.cli.generate", ["--help"]),
     ("chat", "python -m mlxrl.chat", "mlxrl.chat", ["--help"]),
@@ -42,15 +43,17 @@ INTRO = {
             "`mlxrl orpo ...`.",
     "cpo": "Contrastive preference optimisation, SimPO and AlphaPO (no reference model): every `CPOConfig` field "
            "is a flag. Also `mlxrl cpo ...`.",
+    "kto": "Kahneman-Tversky optimisation from unpaired (or unpaired preference) rows: every `KTOConfig` field is "
+           "a flag. Also `mlxrl kto ...`.",
     "grpo": "Group relative policy optimisation: every `GRPOConfig` field is a flag. Also `mlxrl grpo ...`.",
     "generate": "One reply from a model, an adapter, a checkpoint or a run's output folder; mlx-lm's spellings "
                 "are aliases. Also `mlxrl generate ...`.",
     "chat": "A multi-turn conversation in the terminal, with the flags of generate. Also `mlxrl chat ...`.",
     "plan": "The memory planner. Its own flags are below; every field of the chosen trainer's config "
-            "(`--trainer sft`: the SFTConfig fields of [sft](#sft); `dpo`, `orpo`, `cpo`, `grpo`: theirs) is "
+            "(`--trainer sft`: the SFTConfig fields of [sft](#sft); `dpo`, `orpo`, `cpo`, `kto`, `grpo`: theirs) is "
             "accepted as well. Also `mlxrl plan ...`.",
     "mlxrl": "Load a model (or the embedded default), run one forward, print the next-token prediction, "
-             "optionally save it in Hugging Face's layout. `mlxrl CMD ...` (CMD one of sft, dpo, orpo, cpo, grpo, "
+             "optionally save it in Hugging Face's layout. `mlxrl CMD ...` (CMD one of sft, dpo, orpo, cpo, kto, grpo, "
              "generate, chat, plan) runs `python -m mlxrl.CMD ...`.",
 }
 

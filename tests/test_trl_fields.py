@@ -42,7 +42,8 @@ def _experimental(name):
 
 
 @pytest.mark.parametrize("ours, theirs", [(SFTConfig, trl.SFTConfig), (DPOConfig, trl.DPOConfig),
-                                          (GRPOConfig, trl.GRPOConfig), (mlxrl.ORPOConfig, _experimental("ORPO")),
+                                          (GRPOConfig, trl.GRPOConfig), (mlxrl.KTOConfig, trl.KTOConfig),
+                                          (mlxrl.ORPOConfig, _experimental("ORPO")),
                                           (mlxrl.CPOConfig, _experimental("CPO"))])
 def test_every_trl_field_is_ours(ours, theirs):
     mine = {f.name: f for f in dataclasses.fields(ours)}

@@ -154,10 +154,11 @@ def paired_main(argv, name: str, doc: str, run_demo) -> int:
     return run(lambda: paired_command(ns, cls, lambda a: check_config(name, a), trainer_class(name), run_demo))
 
 
-def paired_command(ns, config_class, check, trainer_class, run_demo) -> None:
+def paired_command(ns, config_class, check, trainer_class, run_demo, check_row=None) -> None:
     """The body of a paired trainer's command: the config from the flags and its checks, the evaluation data's,
     --sft_steps', --demo's, all before a model loads; then the embedded demo (`run_demo(args, explicit,
-    model_path, sft_steps, demo=...)`) or the user's data and model, trained and saved."""
+    model_path, sft_steps, demo=...)`) or the user's data and model, trained and saved. check_row(row, index): the
+    rows' own check (default: preference rows')."""
     from ..data.preference import check_preference_row
     from ..errors import MlxrlError
     from ..trainers.flags import config_from_args
@@ -179,6 +180,7 @@ def paired_command(ns, config_class, check, trainer_class, run_demo) -> None:
         return
     if ns.sft_steps is not None:
         raise MlxrlError("--sft_steps applies to the embedded default (no --dataset)")
-    model, processor, train, evaluation = load_model_and_rows(ns, args, check_rows=each_row(check_preference_row))
+    model, processor, train, evaluation = load_model_and_rows(ns, args,
+                                                              check_rows=each_row(check_row or check_preference_row))
     trainer_class(model=model, processor=processor, args=args, train_dataset=train, eval_dataset=evaluation).train()
     print(f"saved to {args.output_dir}", flush=True)

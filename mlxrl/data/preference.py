@@ -211,6 +211,41 @@ def row_bucket(n: int, minimum: int = 64) -> int:
     return max(minimum, 1 << int(np.ceil(np.log2(max(n, 1)))))
 
 
+def layout_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray]], pad_token_id: int, buckets: Sequence[int],
+                     padding_free: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, completion masks) of n sequences -> (input_ids, attention mask, completion mask, segment ids 1..n),
+    [n, L] right-padded to a length bucket, or [1, L] concatenated (padding_free)."""
+    lengths = [len(ids) for ids, _ in seqs]
+    if padding_free:
+        width = fit_bucket(sum(lengths), buckets)
+        shape = (1, width)
+    else:
+        width = fit_bucket(max(lengths), buckets)
+        shape = (len(seqs), width)
+    ids = np.full(shape, pad_token_id, np.int32)
+    mask = np.zeros(shape, np.int32)
+    comp = np.zeros(shape, np.int32)
+    seg = np.zeros(shape, np.int32)
+    pos = 0
+    for k, (s_ids, s_mask) in enumerate(seqs):
+        r, c = (0, pos) if padding_free else (k, 0)
+        n = len(s_ids)
+        ids[r, c:c + n], mask[r, c:c + n], comp[r, c:c + n], seg[r, c:c + n] = s_ids, 1, s_mask, k + 1
+        pos += n if padding_free else 0
+    return ids, mask, comp, seg
+
+
+def next_token_positions(comp: np.ndarray, seg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat positions whose next token is in the same sequence (`same`), and those of them predicting a
+    completion token (`completion`): position t predicts token t + 1 (TRL's shifted completion mask)."""
+    flat_comp, flat_seg = comp.reshape(-1), seg.reshape(-1)
+    same = np.zeros(flat_seg.size, bool)
+    same[:-1] = (flat_seg[1:] == flat_seg[:-1]) & (flat_seg[1:] > 0)
+    completion = np.zeros(flat_seg.size, bool)
+    completion[:-1] = (flat_comp[1:] == 1) & same[:-1]
+    return same, completion
+
+
 def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int, buckets: Sequence[int],
                      padding_free: bool = False, ld_alpha: float | None = None,
                      bucket_rows: bool = True, score_chosen_prompts: bool = False) -> dict:
@@ -228,31 +263,9 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
     """
     b = len(examples)
     seqs = [(e.chosen_ids, e.chosen_mask) for e in examples] + [(e.rejected_ids, e.rejected_mask) for e in examples]
-    lengths = [len(ids) for ids, _ in seqs]
-    if padding_free:
-        width = fit_bucket(sum(lengths), buckets)
-        shape = (1, width)
-    else:
-        width = fit_bucket(max(lengths), buckets)
-        shape = (2 * b, width)
-    ids = np.full(shape, pad_token_id, np.int32)
-    mask = np.zeros(shape, np.int32)
-    comp = np.zeros(shape, np.int32)
-    seg = np.zeros(shape, np.int32)
-    starts = []
-    pos = 0
-    for k, (s_ids, s_mask) in enumerate(seqs):
-        r, c = (0, pos) if padding_free else (k, 0)
-        n = len(s_ids)
-        ids[r, c:c + n], mask[r, c:c + n], comp[r, c:c + n], seg[r, c:c + n] = s_ids, 1, s_mask, k + 1
-        starts.append(r * width + c)
-        pos += n if padding_free else 0
-    # position t predicts token t + 1 of the same sequence (TRL's shifted completion mask)
-    flat_ids, flat_comp, flat_seg = ids.reshape(-1), comp.reshape(-1), seg.reshape(-1)
-    same = np.zeros(flat_ids.size, bool)
-    same[:-1] = (flat_seg[1:] == flat_seg[:-1]) & (flat_seg[1:] > 0)
-    completion = np.zeros(flat_ids.size, bool)
-    completion[:-1] = (flat_comp[1:] == 1) & same[:-1]
+    ids, mask, comp, seg = layout_sequences(seqs, pad_token_id, buckets, padding_free)
+    flat_ids, flat_seg = ids.reshape(-1), seg.reshape(-1)
+    same, completion = next_token_positions(comp, seg)
     scored = completion | (same & (flat_seg <= b)) if score_chosen_prompts else completion
     rows = np.flatnonzero(scored)
     seq_of = flat_seg[rows] - 1                                    # 0..2B-1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -132,12 +133,18 @@ class LogWindow:
     def entry(self, *, step: int, epoch: float, learning_rate: float, num_tokens: int,
               predicted_peak: float | None) -> dict:
         """The log entry of these steps, with TRL's names: the mean loss and metrics, the last grad norm, plus
-        tokens/s, MLX's peak memory and the planner's prediction (bytes; None: no prediction)."""
+        tokens/s, MLX's peak memory and the planner's prediction (bytes; None: no prediction). A metric that is
+        NaN in a micro-batch is absent from it (KTO's rewards/chosen of a micro-batch without a desirable example,
+        which TRL does not log): the mean is over the others, and a metric absent from all is not logged."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
         entry = {"step": step, "epoch": round(epoch, 4), "loss": float(np.mean(self.losses)),
                  "grad_norm": self.grad_norm, "learning_rate": learning_rate, "num_tokens": num_tokens}
-        keys = {k for m in self.metrics for k in m}
-        entry.update({k: float(np.mean([m[k] for m in self.metrics if k in m])) for k in sorted(keys)})
+        present = {}
+        for m in self.metrics:
+            for k, v in m.items():
+                if not (isinstance(v, float) and math.isnan(v)):
+                    present.setdefault(k, []).append(v)
+        entry.update({k: float(np.mean(v)) for k, v in sorted(present.items())})
         entry["tokens_per_second"] = self.tokens / dt
         entry["peak_memory_gb"] = mx.get_peak_memory() / 1e9
         if predicted_peak is not None:

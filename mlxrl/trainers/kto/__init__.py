@@ -1,0 +1,1 @@
+"""KTO: `KTOTrainer` (`trainer`), `KTOConfig` (`config`)."""
