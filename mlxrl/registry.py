@@ -5,8 +5,8 @@ record, the package names it exports (`from mlxrl import KTOConfig, KTOTrainer`)
 checks and its trainer live, and the memory planner's model of one step (`shape`):
 
 * ``"rows"``: B sequences, every completion token scored (SFT);
-* ``"pairs"``: 2B sequences per B rows (chosen then rejected, or KTO's completions then its mismatched KL
-  completions), only completions scored;
+* ``"pairs"``: preference rows, only completions scored: 2B sequences per B rows with a gradient (chosen then
+  rejected: ``per_row`` 2), or KTO's B completions with a gradient and its B mismatched KL completions without;
 * ``"groups"``: GRPO's rounds (prompts x num_generations completions).
 
 ``reference`` says when a run holds a reference policy (`trainers.reference.Reference`): ``"always"``, ``"never"``
@@ -20,7 +20,7 @@ import importlib
 from dataclasses import dataclass
 
 __all__ = ["TRAINERS", "TrainerEntry", "entry", "names", "config_class", "trainer_class", "check_config",
-           "exports", "holds_reference", "shape_of"]
+           "exports", "holds_reference", "sequences_per_row", "shape_of"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class TrainerEntry:
     shape: str          # the planner's model of a step: rows | pairs | groups
     reference: str      # always | never | beta
     check: str | None   # the config's own check function in <package>.config (None: the shared checks alone)
+    per_row: int = 1    # sequences per batch row in the forward with a gradient (pairs: 2; KTO: its KL half has none)
 
     @property
     def config_name(self) -> str:
@@ -43,9 +44,9 @@ class TrainerEntry:
 
 TRAINERS: tuple[TrainerEntry, ...] = (
     TrainerEntry("sft", "sft", "SFT", "rows", "never", None),
-    TrainerEntry("dpo", "dpo", "DPO", "pairs", "always", "check_dpo_config"),
-    TrainerEntry("orpo", "orpo", "ORPO", "pairs", "never", "check_orpo_config"),
-    TrainerEntry("cpo", "cpo", "CPO", "pairs", "never", "check_cpo_config"),
+    TrainerEntry("dpo", "dpo", "DPO", "pairs", "always", "check_dpo_config", per_row=2),
+    TrainerEntry("orpo", "orpo", "ORPO", "pairs", "never", "check_orpo_config", per_row=2),
+    TrainerEntry("cpo", "cpo", "CPO", "pairs", "never", "check_cpo_config", per_row=2),
     TrainerEntry("kto", "kto", "KTO", "pairs", "always", "check_kto_config"),
     TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
 )
@@ -101,3 +102,8 @@ def holds_reference(name: str, args) -> bool:
 def shape_of(name: str) -> str:
     """The planner's model of trainer `name`'s step: rows | pairs | groups (see the module docstring)."""
     return entry(name).shape
+
+
+def sequences_per_row(name: str) -> int:
+    """Sequences per batch row in the forward with a gradient (the planner's question)."""
+    return entry(name).per_row

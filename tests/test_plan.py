@@ -106,17 +106,20 @@ def test_dpo_prediction_within_15_percent(name, kw):
     _check("dpo", DPOConfig, name, kw)
 
 
-# the reference-free preference trainers: DPO's shape of 2B sequences without a reference (ORPO also scores the
+# the other preference trainers: DPO's shape of 2B sequences without a reference (ORPO also scores the
 # chosen rows' prompts for its NLL)
 REFERENCE_FREE_CASES = [
     ("orpo", "small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False)),
     ("cpo", "default", dict(max_length=64, per_device_train_batch_size=2, use_peft=True)),
     ("cpo", "small", dict(max_length=128, per_device_train_batch_size=1, loss_type="simpo", cpo_alpha=0.0)),
+    # KTO: the pairs' shape, its KL half forwarded without a gradient, and a frozen reference
+    ("kto", "small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False)),
+    ("kto", "default", dict(max_length=64, per_device_train_batch_size=4, use_peft=True)),
 ]
 
 
 @pytest.mark.parametrize("trainer,name,kw", REFERENCE_FREE_CASES)
-def test_reference_free_prediction_within_15_percent(trainer, name, kw):
+def test_orpo_cpo_kto_prediction_within_15_percent(trainer, name, kw):
     _check(trainer, mlxrl.registry.config_class(trainer), name, kw)
 
 

@@ -15,7 +15,7 @@ from ..models import attention as attention_lib
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..optim import optimizers as optim_lib
-from ..registry import holds_reference, shape_of
+from ..registry import holds_reference, sequences_per_row, shape_of
 from .config_json import load_config, quantization_of
 from .layers import (
     SCORE_COPIES,
@@ -402,7 +402,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
                                           f"{', [V, D] weight grad' if a.head_trainable else ''}"))
     B = int(args.per_device_train_batch_size)
     shape = shape_of(trainer)
-    sequences = max(1, B // int(args.num_generations)) if shape == "groups" else (2 * B if shape == "pairs" else B)
+    sequences = max(1, B // int(args.num_generations)) if shape == "groups" else sequences_per_row(trainer) * B
     img_kept, img_temps = vision_bytes(a, args, sequences, s, images, image_size, ckpt)
     if img_kept or img_temps:
         out.append(Row("images", max(img_kept, img_temps), f"{images} image(s)/example of {image_size}px: {L_img} "
