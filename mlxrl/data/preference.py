@@ -316,6 +316,20 @@ def preference_batch(examples: Sequence[PreferenceExample], *, pad_token_id: int
     return out
 
 
+def epoch_groups(n: int, batch_size: int, *, shuffle: bool, seed: int, epoch: int, num_shards: int = 1,
+                 shard: int = 0, drop_last: bool = False) -> list[np.ndarray]:
+    """The example indices of each of an epoch's batches: in order, or a permutation drawn from (seed, epoch);
+    global batches of batch_size * num_shards, this shard's slice of each (drop_last: only full ones)."""
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    size = batch_size * num_shards
+    groups = [order[k:k + size] for k in range(0, len(order), size)]
+    if drop_last:
+        groups = [g for g in groups if len(g) == size]
+    if num_shards > 1:
+        groups = [np.array_split(g, num_shards)[shard] for g in groups if len(g) >= num_shards]
+    return groups
+
+
 def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: int, *, max_length: int | None,
                             pad_token_id: int, seq_buckets: Sequence[int] | None = None,
                             padding_free: bool = False, shuffle: bool = True, seed: int = 0, epoch: int = 0,
@@ -333,14 +347,8 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
     if seq_buckets is None:
         seq_buckets = default_buckets(limit * 2 * batch_size if padding_free else limit, smallest=32)
     buckets = padded_buckets(seq_buckets, pad_to_multiple_of)
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
-    size = batch_size * num_shards
-    groups = [order[k:k + size] for k in range(0, len(order), size)]
-    if drop_last:
-        groups = [g for g in groups if len(g) == size]
-    if num_shards > 1:
-        groups = [np.array_split(g, num_shards)[shard] for g in groups if len(g) >= num_shards]
+    groups = epoch_groups(len(examples), batch_size, shuffle=shuffle, seed=seed, epoch=epoch, num_shards=num_shards,
+                          shard=shard, drop_last=drop_last)
     return [preference_batch([examples[i] for i in g], pad_token_id=pad_token_id, buckets=buckets,
                              padding_free=padding_free, ld_alpha=ld_alpha, bucket_rows=bucket_rows,
                              score_chosen_prompts=score_chosen_prompts)

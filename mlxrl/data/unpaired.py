@@ -32,7 +32,7 @@ import numpy as np
 from ..processing.tokens import IGNORE_INDEX
 from .batches import default_buckets, padded_buckets, right_padded
 from .formats import DataError, chatml, check_messages, common_prefix, render_chat, with_eos
-from .preference import _columns, _render_prompt, layout_sequences, next_token_positions, row_bucket
+from .preference import _columns, _render_prompt, epoch_groups, layout_sequences, next_token_positions, row_bucket
 
 __all__ = ["UnpairedExample", "check_unpaired_row", "unpair", "tokenize_unpaired", "with_kl_completions",
            "unpaired_batch", "make_unpaired_batches"]
@@ -198,12 +198,7 @@ def make_unpaired_batches(examples: Sequence[UnpairedExample], batch_size: int, 
     if seq_buckets is None:
         seq_buckets = default_buckets(limit * batch_size if padding_free else limit, smallest=32)
     buckets = padded_buckets(seq_buckets, pad_to_multiple_of)
-    order = np.random.default_rng([seed, epoch]).permutation(len(examples)) if shuffle else np.arange(len(examples))
-    size = batch_size * num_shards
-    groups = [order[k:k + size] for k in range(0, len(order), size)]
-    if drop_last:
-        groups = [g for g in groups if len(g) == size]
-    if num_shards > 1:
-        groups = [np.array_split(g, num_shards)[shard] for g in groups if len(g) >= num_shards]
+    groups = epoch_groups(len(examples), batch_size, shuffle=shuffle, seed=seed, epoch=epoch, num_shards=num_shards,
+                          shard=shard, drop_last=drop_last)
     return [unpaired_batch([examples[i] for i in g], pad_token_id=pad_token_id, buckets=buckets, max_length=max_length,
                            padding_free=padding_free, bucket_rows=bucket_rows) for g in groups]
