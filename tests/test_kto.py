@@ -162,3 +162,33 @@ def test_the_kl_term_carries_no_gradient():
                         kl_term(kl_logps, mx.array([-5.0, -5.0])))[0]
 
     assert float(mx.abs(mx.grad(f)(mx.array([-4.0, -4.5]))).sum()) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["kto", "orpo"])
+def test_resume_reproduces_the_uninterrupted_run_and_another_trainer_is_refused(tiny_checkpoint, tmp_path, kind):
+    from mlxrl import ORPOConfig, ORPOTrainer
+
+    folder = tiny_checkpoint("qwen3")
+    pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": [{"role": "assistant", "content": "No."}]}
+             for r in UNPAIRED]  # KTO takes these too (unpaired)
+    rows = UNPAIRED * 2 if kind == "kto" else pairs
+    C, T = (KTOConfig, KTOTrainer) if kind == "kto" else (ORPOConfig, ORPOTrainer)
+
+    def run(**kw):
+        model, processor = mlxrl.load(folder)
+        args = C(output_dir=str(tmp_path / "a"), per_device_train_batch_size=3, max_steps=4, use_peft=True,
+                 learning_rate=1e-3, compile=False, disable_tqdm=True, logging_steps=1, max_length=128, **kw)
+        trainer = T(model, processor, args, train_dataset=rows)
+        trainer.train()
+        return [e["loss"] for e in trainer.log_history if "loss" in e]
+
+    full = run(save_steps=2)
+    resumed = run(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed == full
+    other = (ORPOConfig, ORPOTrainer) if kind == "kto" else (KTOConfig, KTOTrainer)
+    model, processor = mlxrl.load(folder)
+    with pytest.raises(mlxrl.MlxrlError, match="checkpoint and this is a"):
+        other[1](model, processor, other[0](output_dir=str(tmp_path / "a"), per_device_train_batch_size=3,
+                                            max_steps=4, use_peft=True, disable_tqdm=True,
+                                            resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")),
+                 train_dataset=pairs).train()
