@@ -89,6 +89,26 @@ def test_dpo_and_grpo_quick_starts(tiny_checkpoint, tmp_path):
     assert grpo.train().global_step == 2 and any("reward" in e for e in grpo.state.log_history)
 
 
+def test_kto_orpo_cpo_quick_starts_with_peft_config(tiny_checkpoint, tmp_path):
+    """TRL's quick starts with the import changed (`from trl import KTOConfig, KTOTrainer`; ORPO / CPO from
+    trl.experimental): a model id, processing_class, peft_config, a datasets.Dataset of preference rows (KTO unpairs
+    them)."""
+    from peft import LoraConfig
+
+    from mlxrl import CPOConfig, CPOTrainer, KTOConfig, KTOTrainer, ORPOConfig, ORPOTrainer
+
+    folder = str(tiny_checkpoint("qwen3"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for name, config, trainer, metric in [("kto", KTOConfig, KTOTrainer, "kl"),
+                                           ("orpo", ORPOConfig, ORPOTrainer, "log_odds_ratio"),
+                                           ("cpo", CPOConfig, CPOTrainer, "nll_loss")]:
+        t = trainer(model=folder, args=config(output_dir=str(tmp_path / name), max_length=64, **QUICK),
+                    train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer,
+                    peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+        assert t.train().global_step == 2 and any(metric in e for e in t.state.log_history), name
+        assert (tmp_path / name / "adapter_model.safetensors").exists(), name
+
+
 def test_what_mlxrl_cannot_do_is_one_line(tiny_checkpoint, tmp_path):
     import torch
 
