@@ -99,7 +99,7 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
 def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_linear_dtype: bool = False,
                quantize: tuple[int, int] | None = None):
     """The model of a Hugging Face folder in the compute `dtype`; with `keep_linear_dtype` under float32
-    compute, its bfloat16 linear weights (not the LM head) stay bfloat16 and widen per call
+    compute, its bfloat16 linear weights, embedding and expert stacks stay bfloat16 and widen per call
     (`models.widened`: for a LoRA run, whose base stays frozen); `quantize`: see `load`."""
     folder = Path(folder)
     check_complete(folder)
@@ -184,8 +184,8 @@ def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, 
 
     id_or_path: a local folder, or a Hub id (looked up in the HF cache first, then downloaded).
     dtype: compute dtype; default float32 on CPU, bfloat16 on Metal/CUDA.
-    keep_linear_dtype: under float32 compute, keep the checkpoint's bfloat16 linear weights (the LM head
-    excepted) and widen them per call: for LoRA, half the frozen base's bytes, the same products
+    keep_linear_dtype: under float32 compute, keep the checkpoint's bfloat16 linear weights, embedding and
+    MoE expert stacks and widen them per call: for LoRA, half the frozen base's bytes, the same products
     (`models.widened`; the trainers refuse to train such a weight). The CLIs' `keep_frozen_dtype`.
     quantize: (bits, group size): the decoder's linears and expert stacks quantized as they load (`load_in_4bit`),
     each weight read, quantized and its float copy freed in turn: the float base is never in memory whole.

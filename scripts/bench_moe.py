@@ -17,6 +17,20 @@ above the side's inputs and weights (VmHWM after VmRSS is reset, `/proc/self/cle
 
     python scripts/bench_moe.py                          # T = 4096, every side
     python scripts/bench_moe.py --tokens 512 --experts 16 --sides ours torch    # quick
+
+`--step`: instead, one LoRA step of a `--layers`-layer Qwen3-MoE model at Qwen3-30B-A3B's shape (hidden 2048, 32 / 4
+heads of 128, the widths above, untied `--vocab` 151936) whose weights hold bfloat16 values, as a LoRA run over the
+Hub's bfloat16 checkpoint loads it under float32 compute: the linears and the embedding kept bfloat16
+(`models.widened`), the expert stacks either float32 (`widened`: widened on load, as before they were kept) or kept
+bfloat16 too (`kept`: the native kernel widens one expert's matrix at a time; `kept_whole`: the whole stack widened
+per call and tied to it, what the graph path does, here before the native float32 kernel). `*_graph` sides run
+MLX's ops (MLXRL_NATIVE=0). LoRA r`--rank` (alpha 2r) on the four attention projections and both expert parameters,
+gradient checkpointing per layer, the step compiled as the engine compiles it; the loss is the mean square of the
+last hidden state (the head is the same on every side). Printed per side: MLX's peak over the step (weights
+included: mx.get_peak_memory after mx.reset_peak_memory, over a warm-up step and a timed one), the weights' bytes
+before it, and the timed step's seconds.
+
+    python scripts/bench_moe.py --step --tokens 512 --sides widened kept kept_whole widened_graph kept_graph
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("ours", "ours_graph", "mlxlm", "torch")
+STEP_SIDES = ("widened", "kept", "kept_whole", "widened_graph", "kept_graph")
 
 
 def rss(field: str) -> float:
@@ -162,9 +177,102 @@ def run_torch(a) -> dict:
     return {"times": times, "peak_gb": peak}
 
 
+def run_step(a, side: str) -> dict:
+    """One compiled, checkpointed LoRA step of the `--step` model (see the module docstring) on `side`."""
+    import mlxrl  # noqa: F401, I001  (the fast BLAS before mlx.core)
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlxrl.models import build_model, widened
+    from mlxrl.models.lora import apply_lora
+
+    if side.endswith("_graph"):
+        from mlxrl.cpu import native
+
+        native.load = lambda: None  # MLXRL_NATIVE=0 for this process
+    if side == "kept_whole":  # the whole stack widened per call (tied), then the native float32 kernel
+        widened.widened_gathered = widened.widened_stack_product
+    cfg = dict(model_type="qwen3_moe", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=6144,
+               num_hidden_layers=a.layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+               num_experts=a.experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.width,
+               norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    model = build_model(cfg)
+    keep_stacks = side.startswith("kept")
+    mx.random.seed(0)
+    kept = {}
+    for k, v in tree_flatten(model.parameters()):  # one parameter at a time: no float32 copy of the whole model
+        if k.endswith("norm.weight"):
+            continue
+        w = (mx.random.normal(v.shape) * 0.02).astype(mx.bfloat16)
+        stack = k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        # the router is a plain float32 linear (not `keepable`); the stacks float32 unless kept
+        if k.endswith("mlp.gate.weight") or (stack and not keep_stacks):
+            w = w.astype(mx.float32)
+        else:
+            kept[k] = w
+        mx.eval(w)
+        model.update(tree_unflatten([(k, w)]))
+    widened.keep_linears(model, kept)
+    apply_lora(model, r=a.rank, alpha=2 * a.rank, dropout=0.0)
+    model.language_model.set_checkpointing(True)
+    mx.eval(model.parameters())
+    narrow = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if v.dtype == mx.bfloat16)
+    ids = mx.array(np.random.default_rng(0).integers(0, a.vocab, (1, a.tokens)))
+
+    def loss(ids):
+        h = model(input_ids=ids, return_hidden=True)
+        return (h.astype(mx.float32) ** 2).mean()
+
+    grad = mx.compile(nn.value_and_grad(model, loss), inputs=[model.state], outputs=[model.state])
+    peaks, times = [], []
+    for _ in range(1 + a.repeats):  # the first step compiles: its time is left out, not its peak
+        mx.synchronize()
+        mx.clear_cache()
+        weights = mx.get_active_memory()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        value, grads = grad(ids)
+        mx.eval(value, grads)
+        times.append(time.perf_counter() - t0)
+        peaks.append(mx.get_peak_memory())
+        del grads
+    return {"peak_gb": max(peaks) / 1e9, "weights_gb": weights / 1e9, "bf16_gb": narrow / 1e9,
+            "seconds": sorted(times[1:])[len(times[1:]) // 2] if a.repeats else times[0], "loss": float(value)}
+
+
 def child(a) -> None:
-    out = run_torch(a) if a.side == "torch" else run_mlx(a, a.side)
+    if a.step:
+        out = run_step(a, a.side)
+    else:
+        out = run_torch(a) if a.side == "torch" else run_mlx(a, a.side)
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def main_step(a) -> None:
+    print(f"Qwen3-MoE LoRA step, {a.layers} layers at Qwen3-30B-A3B's shape ({a.experts} experts, top {a.top_k}, "
+          f"hidden {a.hidden}, width {a.width}, vocab {a.vocab}), {a.tokens} tokens, float32 compute over bfloat16 "
+          f"weights, LoRA r{a.rank}, checkpointed, compiled; a warm-up step and a timed one per side, each in its own "
+          "process", flush=True)
+    results = {}
+    for side in a.sides:
+        cmd = [sys.executable, __file__, "--step", "--side", side, *sum(([f"--{k}", str(getattr(a, k))] for k in
+               ("tokens", "experts", "top_k", "hidden", "width", "rank", "layers", "vocab", "repeats")), [])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+            print(f"  {side:14s} failed (exit {proc.returncode}): {' | '.join(tail)}", flush=True)
+            continue
+        r = results[side] = json.loads(line[len("RESULT "):])
+        print(f"  {side:14s} MLX peak {r['peak_gb']:6.2f} GB   weights {r['weights_gb']:6.2f} GB (bfloat16 "
+              f"{r['bf16_gb']:5.2f})   step {r['seconds']:7.2f} s   loss {r['loss']:.6f}", flush=True)
+    for base, side in (("widened", "kept"), ("widened", "kept_whole"), ("widened_graph", "kept_graph")):
+        if base in results and side in results:
+            b, r = results[base], results[side]
+            print(f"  {side} against {base}: peak {r['peak_gb'] - b['peak_gb']:+.2f} GB "
+                  f"({r['peak_gb'] / b['peak_gb']:.2f}x), step {r['seconds'] / b['seconds']:.2f}x the time", flush=True)
 
 
 def main(argv=None) -> None:
@@ -176,11 +284,20 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=768, help="each expert's intermediate width")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
-    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--step", action="store_true", help="a LoRA step of a --layers-layer model, stacks kept vs "
+                                                         "widened (see the module docstring)")
+    p.add_argument("--layers", type=int, default=4, help="--step: decoder layers")
+    p.add_argument("--vocab", type=int, default=151936, help="--step: vocabulary")
+    p.add_argument("--sides", nargs="+", choices=SIDES + STEP_SIDES, default=None)
+    p.add_argument("--side", choices=SIDES + STEP_SIDES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.side:
         return child(a)
+    if a.step:
+        a.sides = a.sides or ["widened", "kept", "kept_whole"]
+        a.repeats = min(a.repeats, 1)  # a warm-up step and one timed: a step at this shape takes a while
+        return main_step(a)
+    a.sides = a.sides or list(SIDES)
     flops = 3 * 6 * a.tokens * a.top_k * a.hidden * a.width / 1e9
     print(f"MoE expert layer, LoRA r{a.rank} on both expert parameters: {a.experts} experts, top {a.top_k}, hidden "
           f"{a.hidden}, width {a.width}, {a.tokens} tokens, float32 CPU; forward + backward {flops:.1f} GFLOP; "

@@ -17,6 +17,7 @@ from ..errors import MlxrlError
 from .dropout import Dropout
 from .moe import Experts, gathered
 from .quantized_experts import QuantizedExperts
+from .widened import WidenedExperts
 
 # the fused expert parameters LoRA adapts (PEFT's `target_parameters`, by their last name)
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -62,12 +63,21 @@ class LoRAExperts(nn.Module):
 
     def fuse(self, dequantize: bool = False) -> Experts | QuantizedExperts:
         """The plain expert layer with every adapter folded in (W + scale B A, in W's dtype); over a quantized
-        base, dequantize(W) + scale B A, quantized again as the base was unless `dequantize` (mlx-lm's fuse)."""
+        base, dequantize(W) + scale B A, quantized again as the base was unless `dequantize` (mlx-lm's fuse).
+        A stack kept in bfloat16 (`models.widened`) is widened first, so its merged stack is the float32 run's
+        (as `lora.LoRALinear.fuse` merges a kept linear); a stack without an adapter stays as it is, kept."""
         quantized = isinstance(self.base, QuantizedExperts)
         base = self.base.dequantized(self.lora_b[self.targets[0]].dtype) if quantized else self.base
-        fused = Experts(base.num_experts, base.down_proj.shape[1], base.down_proj.shape[2])
-        fused.update({name: (base[name] + self.delta(name).astype(base[name].dtype)) if name in self.lora_a
-                      else base[name] for name in EXPERT_PARAMETERS})
+        fused = (Experts if quantized else type(base))(base.num_experts, base.down_proj.shape[1],
+                                                       base.down_proj.shape[2])
+
+        def merged(name):
+            w, delta = base[name], self.delta(name)
+            if isinstance(base, WidenedExperts) and w.dtype != delta.dtype:
+                return w.astype(delta.dtype) + delta
+            return w + delta.astype(w.dtype)
+
+        fused.update({name: merged(name) if name in self.lora_a else base[name] for name in EXPERT_PARAMETERS})
         if quantized and not dequantize:
             s = self.base.down_proj
             return QuantizedExperts.of(fused, s.group_size, s.bits, s["scales"].dtype)

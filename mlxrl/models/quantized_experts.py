@@ -108,7 +108,7 @@ def dequantized_experts(group_size: int, bits: int):
 
 def quantizable_experts(module, group_size: int) -> bool:
     """Whether `quantize_experts` quantizes this module: a float expert layer whose widths divide into groups."""
-    return (type(module) is Experts and module.down_proj.shape[1] % group_size == 0
+    return (isinstance(module, Experts) and module.down_proj.shape[1] % group_size == 0
             and module.down_proj.shape[2] % group_size == 0)
 
 

@@ -25,8 +25,10 @@ import re
 
 import mlx.nn as nn
 
+from ..cpu import fastmath, native
 from ..models.gated_delta import CHUNK, group_chunks  # the rule's chunk (one saved state each), its graph path's groups
-from ..models.widened import checkpoint_dtype, is_head, keepable
+from ..models.moe import Experts
+from ..models.widened import EXPERT_STACKS, checkpoint_dtype, is_head, keepable
 
 SAVED_PER_TOKEN = {"D": 4, "I": 5, "Q": 4, "KV": 3}
 # The native CPU path's SwiGLU product is one primitive whose VJP recomputes the sigmoid: it keeps g and u
@@ -130,19 +132,25 @@ def delta_rule_work_bytes(tokens: int, linear: dict) -> float:
 def kept_saving(model: nn.Module, cfg: dict, keeps: bool, element_bytes: int) -> int:
     """What keeping bfloat16 weights takes off the planner's weights (`plan.model`): 2 bytes a kept weight,
     less one layer's widened float32 copy (a checkpointed layer's recomputation and backward hold it; the
-    embedding and the head are widened a block of rows at a time). Counted on the lazily built model, before
-    LoRA wraps it; 0 where the rule does not keep them (`keeps`: `keeps_checkpoint_dtype` of the run)."""
+    embedding and the head are widened a block of rows at a time, and an MoE layer's expert stacks one expert
+    at a time on the native CPU path, whole elsewhere). Counted on the lazily built model, before LoRA wraps
+    it; 0 where the rule does not keep them (`keeps`: `keeps_checkpoint_dtype` of the run)."""
     if element_bytes != 4 or checkpoint_dtype(cfg) != "bfloat16" or not keeps:
         return 0
+    whole_stacks = not (fastmath.on_cpu() and native.load() is not None)
     layers: dict[str, int] = {}
     total = 0
     for path, m in model.named_modules():
-        if not keepable(path, m):
+        if isinstance(m, Experts):
+            size = sum(m[n].size for n in EXPERT_STACKS)
+        elif keepable(path, m):
+            size = m.weight.size
+        else:
             continue
-        total += m.weight.size
-        if is_head(path):
+        total += size
+        if is_head(path) or (isinstance(m, Experts) and not whole_stacks):
             continue
         layer = re.match(r"(.*?\.(?:layers|blocks)\.\d+)\.", path)
         key = layer.group(1) if layer else path
-        layers[key] = layers.get(key, 0) + m.weight.size
+        layers[key] = layers.get(key, 0) + size
     return 2 * total - 4 * max(layers.values(), default=0)

@@ -120,6 +120,7 @@ NB_MODULE(_cpu_math, m) {
         "is not read), split into parts [B, L, width] side by side: [*parts, the last K - 1 rows of (state, x)].");
   m.def("expert_matmul", &expert_matmul_op, nb::arg("x"), nb::arg("w"), nb::arg("experts"),
         "x [M, in] rows sorted by expert times their expert's w [E, out, in] transposed: [M, out], one GEMM per "
-        "expert (experts [M], non-decreasing), differentiable in x and w.");
+        "expert (experts [M], non-decreasing), differentiable in x and w; a bfloat16 w (a kept frozen stack) is "
+        "widened one expert's matrix at a time.");
   m.def("threads", &worker_count);
 }

@@ -206,6 +206,19 @@ void parallel_for(size_t n, size_t grain, F fn) {
 
 constexpr size_t kGrain = 1 << 16;  // elements per worker below which threads cost more than they give
 
+// n bfloat16 values (their bits) as float32, in parallel: exact, widening only appends 16 zero bits (a frozen
+// weight kept in the checkpoint's dtype under float32 compute, mlxrl.models.widened: the fused head's blocks,
+// the expert stacks' matrices).
+inline void widen_rows(const uint16_t* src, float* dst, size_t n) {
+  parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
+#pragma omp simd
+    for (size_t i = b; i < e; ++i) {
+      const uint32_t bits = uint32_t(src[i]) << 16;
+      std::memcpy(dst + i, &bits, sizeof bits);
+    }
+  });
+}
+
 // Float scratch from MLX's allocator (its buffer cache: the next call reuses the pages), made on the
 // dispatching thread and freed when it goes out of scope.
 class Scratch {

@@ -6,6 +6,10 @@
 // is one BLAS GEMM over its rows (the layer's work as E GEMMs instead of M GEMVs). The VJP:
 //   dx[m] = dy[m] @ w[e(m)]            (one GEMM per segment, ExpertMatmulT)
 //   dw[e] = dy[seg e]^T @ x[seg e]     (one GEMM per expert with rows; zero for the others, ExpertMatmulW)
+// w may be bfloat16 (a frozen stack kept in the checkpoint's dtype under float32 compute: mlxrl.models.widened):
+// the forward and dx then widen one expert's [out, in] matrix at a time into a scratch, only for the experts
+// that have rows, so no float32 copy of the stack exists (widening is exact: the products are the float32
+// stack's, bit for bit).
 
 #include "common.h"
 
@@ -24,6 +28,31 @@ std::vector<int64_t> expert_segments(const uint32_t* experts, int64_t rows, int6
   return seg;
 }
 
+// Expert k's [out, in] matrix of a float32 or bfloat16 stack as float32: the stack's own rows, or (bfloat16) its
+// rows widened into one reused scratch. Made inside a kernel's dispatch (the scratch is freed with it).
+class ExpertMatrices {
+ public:
+  ExpertMatrices(const float* wf, const uint16_t* wb, size_t size) : wf_(wf), wb_(wb), size_(size) {}
+  const float* operator()(int64_t k) {
+    if (wf_ != nullptr) return wf_ + size_t(k) * size_;
+    if (wide_ == nullptr) wide_ = scratch_.take(size_);
+    widen_rows(wb_ + size_t(k) * size_, wide_, size_);
+    return wide_;
+  }
+
+ private:
+  const float* wf_;
+  const uint16_t* wb_;
+  size_t size_;
+  Scratch scratch_;
+  float* wide_ = nullptr;
+};
+
+const float* float_data(const mx::array& w) { return w.dtype() == mx::bfloat16 ? nullptr : w.data<float>(); }
+const uint16_t* bf16_data(const mx::array& w) {
+  return w.dtype() == mx::bfloat16 ? reinterpret_cast<const uint16_t*>(w.data<mx::bfloat16_t>()) : nullptr;
+}
+
 mx::array expert_matmul_t_op(const mx::array& dy, const mx::array& w, const mx::array& experts, mx::Stream s);
 mx::array expert_matmul_w_op(const mx::array& dy, const mx::array& x, const mx::array& experts, int n_experts,
                              mx::Stream s);
@@ -38,14 +67,15 @@ class ExpertMatmul : public CpuPrimitive {
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const int64_t M = inputs[0].shape(0), in = inputs[0].shape(1), E = inputs[1].shape(0), out = inputs[1].shape(1);
-    encode_outputs(stream(), inputs, outputs).dispatch([=, x = inputs[0].data<float>(), w = inputs[1].data<float>(),
-        e = inputs[2].data<uint32_t>(), y = outputs[0].data<float>()]() {
+    encode_outputs(stream(), inputs, outputs).dispatch([=, x = inputs[0].data<float>(), wf = float_data(inputs[1]),
+        wb = bf16_data(inputs[1]), e = inputs[2].data<uint32_t>(), y = outputs[0].data<float>()]() {
       const auto seg = expert_segments(e, M, E);
+      ExpertMatrices w(wf, wb, size_t(out) * in);
       for (int64_t k = 0; k < E; ++k) {
         const int64_t m0 = seg[k], rows = seg[k + 1] - m0;
         if (rows > 0)
-          cblas_sgemm(101, 111, 112, int(rows), int(out), int(in), 1.0f, x + m0 * in, int(in), w + k * out * in,
-                      int(in), 0.0f, y + m0 * out, int(out));
+          cblas_sgemm(101, 111, 112, int(rows), int(out), int(in), 1.0f, x + m0 * in, int(in), w(k), int(in), 0.0f,
+                      y + m0 * out, int(out));
       }
     });
   }
@@ -57,7 +87,9 @@ class ExpertMatmul : public CpuPrimitive {
     std::vector<mx::array> grads;
     for (int a : argnums) {
       if (a == 0) grads.push_back(expert_matmul_t_op(dy, primals[1], primals[2], s));
-      else if (a == 1) grads.push_back(expert_matmul_w_op(dy, primals[0], primals[2], int(primals[1].shape(0)), s));
+      else if (a == 1)  // (a bfloat16 stack is frozen: its gradient is not asked for in training)
+        grads.push_back(mx::astype(expert_matmul_w_op(dy, primals[0], primals[2], int(primals[1].shape(0)), s),
+                                   primals[1].dtype(), s));
       else grads.push_back(mx::zeros_like(primals[a], s));
     }
     return grads;
@@ -74,14 +106,15 @@ class ExpertMatmulT : public CpuPrimitive {
   }
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const int64_t M = inputs[0].shape(0), E = inputs[1].shape(0), out = inputs[1].shape(1), in = inputs[1].shape(2);
-    encode_outputs(stream(), inputs, outputs).dispatch([=, dy = inputs[0].data<float>(), w = inputs[1].data<float>(),
-        e = inputs[2].data<uint32_t>(), dx = outputs[0].data<float>()]() {
+    encode_outputs(stream(), inputs, outputs).dispatch([=, dy = inputs[0].data<float>(), wf = float_data(inputs[1]),
+        wb = bf16_data(inputs[1]), e = inputs[2].data<uint32_t>(), dx = outputs[0].data<float>()]() {
       const auto seg = expert_segments(e, M, E);
+      ExpertMatrices w(wf, wb, size_t(out) * in);
       for (int64_t k = 0; k < E; ++k) {
         const int64_t m0 = seg[k], rows = seg[k + 1] - m0;
         if (rows > 0)
-          cblas_sgemm(101, 111, 111, int(rows), int(in), int(out), 1.0f, dy + m0 * out, int(out), w + k * out * in,
-                      int(in), 0.0f, dx + m0 * in, int(in));
+          cblas_sgemm(101, 111, 111, int(rows), int(in), int(out), 1.0f, dy + m0 * out, int(out), w(k), int(in),
+                      0.0f, dx + m0 * in, int(in));
       }
     });
   }
@@ -126,9 +159,11 @@ mx::array expert_indices(const mx::array& experts, int64_t rows, mx::Stream s) {
 }
 
 mx::array expert_matmul_op(const mx::array& x, const mx::array& w, const mx::array& experts) {
-  auto s = cpu_stream({&x, &w});
+  auto s = cpu_stream({&x});
   if (x.ndim() != 2 || w.ndim() != 3 || x.shape(1) != w.shape(2))
     throw std::invalid_argument("expert_matmul: x [M, in] and w [E, out, in] expected.");
+  if (w.dtype() != mx::float32 && w.dtype() != mx::bfloat16)
+    throw std::invalid_argument("expert_matmul: w must be float32 or bfloat16 (a kept frozen stack).");
   std::vector<mx::array> in{dense(x, s), dense(w, s), expert_indices(experts, x.shape(0), s)};
   auto prim = std::make_shared<ExpertMatmul>(s);
   return mx::array(prim->output_shapes(in)[0], mx::float32, prim, in);

@@ -24,16 +24,6 @@ inline int first_index_of(const float* z, int n, float m) {
   return j;
 }
 
-inline void widen_rows(const uint16_t* src, float* dst, size_t n) {
-  parallel_for(n, kGrain, [=](size_t, size_t b, size_t e) {
-#pragma omp simd
-    for (size_t i = b; i < e; ++i) {
-      const uint32_t bits = uint32_t(src[i]) << 16;
-      std::memcpy(dst + i, &bits, sizeof bits);
-    }
-  });
-}
-
 // A frozen head (no weight gradient) in one pass over vocabulary blocks: each block of W (widened once, when
 // bfloat16) serves both of its products, z_b = h W_b^T / T and d_hidden's accumulator U += ez_b W_b, with an
 // online softmax as FlashAttention's: ez is taken against a per-row reference max, and when a block's max rises
