@@ -20,6 +20,8 @@ give exactly 0, above 88.72 +inf, NaN stays NaN.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -108,9 +110,37 @@ def silu_mul(g: mx.array, u: mx.array) -> mx.array:
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """`mx.fast.rms_norm` (over the last axis); native: one pass per row forward and backward, the
-    weight's gradient summed over rows per core (MLX's CPU backend composes it from single-core ops)."""
+    weight's gradient summed over rows per core (MLX's CPU backend composes it from single-core ops).
+    Elsewhere on the CPU (other dtypes, MLXRL_NATIVE=0) `graph_rms_norm`; on a GPU MLX's fused kernel."""
     k = _all_native(x, weight)
-    return k.rms_norm(x, weight, eps) if k is not None else mx.fast.rms_norm(x, weight, eps)
+    if k is not None:
+        return k.rms_norm(x, weight, eps)
+    return graph_rms_norm(eps)(x, weight) if on_cpu() else mx.fast.rms_norm(x, weight, eps)
+
+
+@functools.cache
+def graph_rms_norm(eps: float):
+    """`mx.fast.rms_norm` with the VJP of MLX's GPU kernel, in MLX ops: it keeps x and the weight and
+    recomputes the rows' 1 / rms in the backward, dx = r (g w - x^ mean(g w x^)), dw = sum over rows of g x^
+    (x^ = x r, float32). On the CPU `mx.fast.rms_norm` is its composed fallback, whose autograd would keep
+    the float32 x^ and products of the size of x through the layer's backward (a q-norm's is a query's size)."""
+
+    @mx.custom_function
+    def norm(x, w):
+        return mx.fast.rms_norm(x, w, eps)
+
+    @norm.vjp
+    def norm_vjp(primals, cotangent, output):
+        x, w = primals
+        x32 = x.astype(mx.float32)
+        r = mx.rsqrt(mx.mean(mx.square(x32), axis=-1, keepdims=True) + eps)
+        xhat = x32 * r
+        gw = cotangent.astype(mx.float32) * w.astype(mx.float32)
+        dx = r * (gw - xhat * mx.mean(gw * xhat, axis=-1, keepdims=True))
+        dw = (cotangent.astype(mx.float32) * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    return norm
 
 
 def layer_norm(x: mx.array, weight: mx.array, bias: mx.array, eps: float) -> mx.array:

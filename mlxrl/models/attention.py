@@ -88,60 +88,83 @@ def rows_for(B: int, Hq: int, S: int) -> int:
 
 
 @functools.cache
-def _make_tiled(scale: float, causal: bool, rows: int, has_valid: bool, has_segments: bool):
+def _make_tiled(scale: float, causal: bool, rows: int, rep: int, has_valid: bool, has_segments: bool):
     def block_mask(valid, segments, L, S, q0, q1, k1):
         if not causal:
             return None
         m = AttentionMask(L, S, valid if has_valid else None, segments if has_segments else None)
         return m.block(q0, q1, k1)[:, :, None]  # [B | 1, 1, 1, bq, k1] against [B, Hkv, rep, bq, k1]
 
+    def grouped(x, q0, q1):
+        """Rows [q0, q1) of x [B, Hq, L, D] as [B, Hkv, rep * bq, D]: the query heads of a key head stacked."""
+        B, Hq, _, D = x.shape
+        return x[:, :, q0:q1].reshape(B, Hq // rep, rep * (q1 - q0), D)
+
+    def ungrouped(x, bq):
+        """[B, Hkv, rep * bq, D] back to [B, bq, Hq, D] (a view): the layout the buffers are concatenated in."""
+        B, Hkv, _, D = x.shape
+        return mx.swapaxes(x.reshape(B, Hkv * rep, bq, D), 1, 2)
+
     def scores(qb, kb, allowed):
-        s = (qb @ mx.swapaxes(kb, -1, -2)).astype(mx.float32)  # [B, Hkv, rep, bq, k1]
-        return s if allowed is None else mx.where(allowed, s, -mx.inf)
+        s = (qb @ mx.swapaxes(kb, -1, -2)).astype(mx.float32)  # [B, Hkv, rep * bq, k1]
+        if allowed is None:
+            return s
+        B, Hkv, n, k1 = s.shape
+        return mx.where(allowed, s.reshape(B, Hkv, rep, n // rep, k1), -mx.inf).reshape(B, Hkv, n, k1)
+
+    def scaled(x):
+        return x * mx.array(scale, x.dtype)
 
     @mx.custom_function
-    def op(q, k, v, valid, segments):  # q [B, Hkv, rep, L, D] (scaled), k / v [B, Hkv, S, D]
-        L, S = q.shape[-2], k.shape[-2]
+    def op(q, k, v, valid, segments):  # q [B, Hq, L, D] (unscaled), k / v [B, Hkv, S, D]
+        B, Hq, L, D = q.shape
+        S = k.shape[-2]
         outs, lses = [], []
         for q0, q1, k1 in _blocks(L, S, rows, causal):
-            ins = [q[..., q0:q1, :], k[:, :, None, :k1], v[:, :, None, :k1]]
+            ins = [q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1]]
             qb, kb, vb = mx.depends(ins, [outs[-1], lses[-1]]) if outs else ins
-            s = scores(qb, kb, block_mask(valid, segments, L, S, q0, q1, k1))
+            s = scores(scaled(grouped(qb, 0, q1 - q0)), kb, block_mask(valid, segments, L, S, q0, q1, k1))
             m = s.max(-1, keepdims=True)
             p = mx.exp(s - m)
             den = p.sum(-1, keepdims=True)
-            outs.append(((p.astype(v.dtype) @ vb).astype(mx.float32) / den).astype(q.dtype))
-            lses.append((m + mx.log(den))[..., 0])
-        cat = (lambda xs: xs[0]) if len(outs) == 1 else (lambda xs: mx.concatenate(xs, axis=-2))
-        return cat(outs), cat([x[..., None] for x in lses])[..., 0]
+            o = ((p.astype(v.dtype) @ vb).astype(mx.float32) / den).astype(q.dtype)
+            outs.append(ungrouped(o, q1 - q0))
+            lses.append((m + mx.log(den)).reshape(B, Hq, q1 - q0))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)  # [B, L, Hq, D]
+        lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=-1)
+        # out as the view [B, Hq, L, D] of a [B, L, Hq, D] buffer: the layer's transpose back is free
+        return mx.swapaxes(out, 1, 2), lse
 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
         q, k, v, valid, segments = primals
         d_out, d_lse = cotangents
         out, lse = outputs
-        L, S = q.shape[-2], k.shape[-2]
-        dk = mx.zeros(k.shape, mx.float32)
-        dv = mx.zeros(v.shape, mx.float32)
+        B, Hq, L, D = q.shape
+        S = k.shape[-2]
+        f32 = mx.float32
+        dk = mx.zeros(k.shape, f32)
+        dv = mx.zeros(v.shape, f32)
         dqs = []
         for q0, q1, k1 in _blocks(L, S, rows, causal):
-            ins = [q[..., q0:q1, :], k[:, :, None, :k1], v[:, :, None, :k1], d_out[..., q0:q1, :],
-                   out[..., q0:q1, :], lse[..., q0:q1], d_lse[..., q0:q1]]
+            bq = q1 - q0
+            ins = [q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], d_out[:, :, q0:q1], out[:, :, q0:q1],
+                   lse[:, :, q0:q1], d_lse[:, :, q0:q1]]
             qb, kb, vb, dob, ob, lb, dlb = mx.depends(ins, [dqs[-1], dk, dv]) if dqs else ins
-            p = mx.exp(scores(qb, kb, block_mask(valid, segments, L, S, q0, q1, k1)) - lb[..., None])
-            dob32 = dob.astype(mx.float32)
-            dp = (dob @ mx.swapaxes(vb, -1, -2)).astype(mx.float32)
-            delta = (dob32 * ob.astype(mx.float32)).sum(-1, keepdims=True)
-            ds = p * (dp - delta + dlb[..., None].astype(mx.float32))  # [B, Hkv, rep, bq, k1]
-            dqs.append((ds.astype(k.dtype) @ kb).astype(mx.float32))
-            # the query heads of a key head add into its dk / dv
-            dk_b = (mx.swapaxes(ds, -1, -2).astype(q.dtype) @ qb).astype(mx.float32).sum(2)
-            dv_b = (mx.swapaxes(p, -1, -2).astype(d_out.dtype) @ dob).astype(mx.float32).sum(2)
-            pad = [(0, 0), (0, 0), (0, S - k1), (0, 0)]
-            dk = dk + (mx.pad(dk_b, pad) if k1 < S else dk_b)
-            dv = dv + (mx.pad(dv_b, pad) if k1 < S else dv_b)
-        dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=-2)
-        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), mx.zeros_like(valid),
+            qb, dob, ob = scaled(grouped(qb, 0, bq)), grouped(dob, 0, bq), grouped(ob, 0, bq)
+            lb, dlb = (x.reshape(B, Hq // rep, rep * bq, 1).astype(f32) for x in (lb, dlb))
+            p = mx.exp(scores(qb, kb, block_mask(valid, segments, L, S, q0, q1, k1)) - lb)
+            dp = (dob @ mx.swapaxes(vb, -1, -2)).astype(f32)
+            delta = (dob.astype(f32) * ob.astype(f32)).sum(-1, keepdims=True)
+            ds = p * (dp - delta + dlb)  # [B, Hkv, rep * bq, k1]
+            dqs.append(ungrouped(scaled((ds.astype(k.dtype) @ kb).astype(f32)).astype(q.dtype), bq))
+            # one product per key head sums its query heads' dk / dv (no [rep, k1, D] partials)
+            dk_b = (mx.swapaxes(ds, -1, -2).astype(q.dtype) @ qb).astype(f32)
+            dv_b = (mx.swapaxes(p, -1, -2).astype(d_out.dtype) @ dob).astype(f32)
+            dk = dk.at[:, :, :k1].add(dk_b) if k1 < S else dk + dk_b
+            dv = dv.at[:, :, :k1].add(dv_b) if k1 < S else dv + dv_b
+        dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=1)
+        return (mx.swapaxes(dq, 1, 2), dk.astype(k.dtype), dv.astype(v.dtype), mx.zeros_like(valid),
                 mx.zeros_like(segments))
 
     return op
@@ -165,11 +188,9 @@ def tiled_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask
     rows = int(rows or rows_for(B, Hq, S))
     valid = mask.key_valid if structured and mask.key_valid is not None else None
     segments = mask.segments if structured and mask.segments is not None else None
-    op = _make_tiled(float(scale), causal, rows, valid is not None, segments is not None)
-    qs = (q * mx.array(scale, q.dtype)).reshape(B, Hkv, Hq // Hkv, L, D)
-    out, lse = op(qs, k, v, mx.zeros((1,), mx.bool_) if valid is None else valid,
-                  mx.zeros((1,), mx.int32) if segments is None else segments)
-    return out.reshape(B, Hq, L, D), lse.reshape(B, Hq, L)
+    op = _make_tiled(float(scale), causal, rows, Hq // Hkv, valid is not None, segments is not None)
+    return op(q, k, v, mx.zeros((1,), mx.bool_) if valid is None else valid,
+              mx.zeros((1,), mx.int32) if segments is None else segments)
 
 
 # ---------------------------------------------------------------------------------------------- the door

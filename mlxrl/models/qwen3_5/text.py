@@ -325,12 +325,13 @@ class GatedAttention(nn.Module):
         r = self.rotary_dim
         if r == self.head_dim:
             return apply_rotary(x, cos, sin)
-        return mx.concatenate([apply_rotary(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+        x1, x2 = mx.split(x, [r], axis=-1)  # one split, whose gradient is one concatenation
+        return mx.concatenate([apply_rotary(x1, cos, sin), x2], axis=-1)
 
     def __call__(self, x, cos, sin, mask, cache=None):
         B, L, _ = x.shape
         qg = self.q_proj(x).reshape(B, L, self.n_heads, 2 * self.head_dim)
-        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(B, L, -1)
+        q, gate = mx.split(qg, 2, axis=-1)  # views [B, L, H, hd]; the gradient is one concatenation
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self._rotate(self.q_norm(q).transpose(0, 2, 1, 3), cos, sin)
@@ -341,8 +342,8 @@ class GatedAttention(nn.Module):
             if cache is not None:
                 k, v = cache.update_and_fetch(k, v)
             out = attention(q, k, v, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate))
+        out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)  # [B, L, H, hd]: the gate's view needs no copy
+        return self.o_proj(out.reshape(B, L, -1))
 
 
 class DecoderLayer(nn.Module):
