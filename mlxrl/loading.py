@@ -97,10 +97,10 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
 
 
 def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_linear_dtype: bool = False,
-               quantize: tuple[int, int] | None = None):
+               quantize: tuple[int, int] | None = None, num_labels: int | None = None):
     """The model of a Hugging Face folder in the compute `dtype`; with `keep_linear_dtype` under float32
     compute, its bfloat16 linear weights, embedding and expert stacks stay bfloat16 and widen per call
-    (`models.widened`: for a LoRA run, whose base stays frozen); `quantize`: see `load`."""
+    (`models.widened`: for a LoRA run, whose base stays frozen); `quantize`, `num_labels`: see `load`."""
     folder = Path(folder)
     check_complete(folder)
     config = read_config(folder)
@@ -114,6 +114,10 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_lin
     if text is not None:  # a VL checkpoint whose tower was left out (mlx-lm's conversions): its language model
         model = build_model(text)
         weights = model.sanitize(raw)
+    fresh_score = _as_classifier(model, config, num_labels, folder)
+    if fresh_score is not None:
+        weights = model.sanitize(raw)  # without the LM head, which a classifier does not have
+        weights.setdefault("score.weight", fresh_score)
     # an MLX-quantized checkpoint (mlx-lm / mlx-vlm): its layers become quantized ones first
     weights = prepare_quantized(model, weights, config, where=f"{folder}/config.json")
     expected = dict(tree_flatten(model.parameters()))
@@ -144,6 +148,23 @@ def load_model(folder: Path | str, dtype: mx.Dtype | str | None = None, keep_lin
     model.eval()
     model.name_or_path = str(folder)
     return model
+
+
+def _as_classifier(model, config: dict, num_labels: int | None, folder: Path):
+    """A sequence classifier's folder (or any folder with `num_labels`) loads as one (`models.score`); returns
+    None for a causal model, else the `score` weight to use where the folder has none (a causal LM's folder: a
+    fresh head, as transformers makes it)."""
+    from .models import score
+
+    holds = score.is_classifier_config(config)
+    if num_labels is None and not holds:
+        return None
+    if holds and num_labels is not None and num_labels != score.num_labels_of(config):
+        raise MlxrlError(f"{folder}/config.json: a classifier with {score.num_labels_of(config)} labels, not "
+                         f"num_labels={num_labels}")
+    score.make_classifier(model, score.num_labels_of(config) if num_labels is None else num_labels)
+    score.init_score(model)
+    return model.score.weight
 
 
 # VL model types whose language model is a text model of ours (by its text_config)
@@ -179,7 +200,7 @@ def set_float_dtype(model, dtype: mx.Dtype, kept: set[str] = frozenset()) -> Non
 
 
 def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, revision: str | None = None,
-         keep_linear_dtype: bool = False, quantize: tuple[int, int] | None = None):
+         keep_linear_dtype: bool = False, quantize: tuple[int, int] | None = None, num_labels: int | None = None):
     """Load a Qwen / Qwen-VL model and its processor.
 
     id_or_path: a local folder, or a Hub id (looked up in the HF cache first, then downloaded).
@@ -189,9 +210,13 @@ def load(id_or_path: str | os.PathLike, *, dtype: mx.Dtype | str | None = None, 
     (`models.widened`; the trainers refuse to train such a weight). The CLIs' `keep_frozen_dtype`.
     quantize: (bits, group size): the decoder's linears and expert stacks quantized as they load (`load_in_4bit`),
     each weight read, quantized and its float copy freed in turn: the float base is never in memory whole.
+    num_labels: load a sequence classifier (`models.score`, transformers' `*ForSequenceClassification`) with
+    this many labels: a classifier's folder as it is, a causal LM's with a fresh `score` head in place of its LM
+    head (what `AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)` does for TRL's
+    RewardTrainer). A classifier's folder loads as one without it.
     Returns (model, processor)."""
     folder = resolve_model_path(id_or_path, revision=revision)
-    model = load_model(folder, dtype, keep_linear_dtype, quantize)
+    model = load_model(folder, dtype, keep_linear_dtype, quantize, num_labels)
     return model, load_processor(folder, model.config)
 
 

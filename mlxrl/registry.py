@@ -48,6 +48,7 @@ TRAINERS: tuple[TrainerEntry, ...] = (
     TrainerEntry("orpo", "orpo", "ORPO", "pairs", "never", "check_orpo_config", per_row=2),
     TrainerEntry("cpo", "cpo", "CPO", "pairs", "never", "check_cpo_config", per_row=2),
     TrainerEntry("kto", "kto", "KTO", "pairs", "always", "check_kto_config"),
+    TrainerEntry("reward", "reward", "Reward", "pairs", "never", "check_reward_config", per_row=2),
     TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
 )
 

@@ -174,6 +174,24 @@ def apply_lora(model: nn.Module, *, r: int = 16, alpha: float = 32, dropout: flo
     return replaced + sorted(experts)
 
 
+def train_whole(model, names) -> list[str]:
+    """PEFT's modules_to_save: the top-level modules `names` names that the model has (a classifier's `score`)
+    unfrozen beside the adapters, recorded in `lora_config` so that `save_adapter` writes them (names the model
+    lacks match nothing, as in PEFT: its SEQ_CLS default names `classifier` too)."""
+    kept = [n for n in names if n in model and isinstance(model[n], nn.Module)]
+    for n in kept:
+        model[n].unfreeze()
+    model.lora_config["modules_to_save"] = kept
+    return kept
+
+
+def saved_whole(model) -> list[str]:
+    """The modules an adapter holds whole (PEFT's modules_to_save): those trained whole, and a classifier's
+    `score` head always (frozen, it is still not the base folder's: a causal LM's folder has none)."""
+    names = set((getattr(model, "lora_config", None) or {}).get("modules_to_save") or ())
+    return sorted(names | ({"score"} if "score" in model else set()))
+
+
 def _wrap(model, paths, *, r, alpha, dropout, use_dora, use_rslora=False, experts=None):
     model.freeze()
     cls = QDoRALinear if use_dora else LoRALinear
@@ -229,6 +247,9 @@ def peft_state(model) -> dict[str, mx.array]:
         out[f"{key}.lora_B.weight"] = m.lora_b.T
         if isinstance(m, DoRALinear):
             out[f"{key}.lora_magnitude_vector"] = m.m
+    for name in saved_whole(model):
+        for k, v in tree_flatten(model[name].parameters()):  # PEFT's key: the module's own names, unprefixed
+            out[f"{PREFIX}{name}.{k}"] = v
     return out
 
 
@@ -260,12 +281,15 @@ def save_adapter(model, out_dir, base_model_name: str | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / ADAPTER_WEIGHTS), peft_state(model), metadata={"format": "pt"})
+    whole = saved_whole(model)
     peft_cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_id(base_model_name),
+        "peft_type": "LORA", "task_type": "SEQ_CLS" if "score" in model else "CAUSAL_LM",
+        "base_model_name_or_path": base_model_id(base_model_name),
         "r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg["lora_dropout"],
         "use_dora": cfg["use_dora"], "use_rslora": cfg.get("use_rslora", False), "bias": "none",
         "target_modules": cfg["target_modules"], "exclude_modules": _exclude_modules(model, cfg),
-        "modules_to_save": None, "inference_mode": True, "fan_in_fan_out": False, "init_lora_weights": True,
+        "modules_to_save": whole or None, "inference_mode": True, "fan_in_fan_out": False,
+        "init_lora_weights": True,
     }
     if cfg.get("target_parameters"):  # PEFT refuses dropout there (training only: the adapter is the same)
         peft_cfg.update(target_parameters=cfg["target_parameters"], lora_dropout=0.0)
@@ -274,9 +298,10 @@ def save_adapter(model, out_dir, base_model_name: str | None = None) -> Path:
 
 
 # options of PEFT's LoraConfig this loader does not implement: (field, value that is fine)
-_UNSUPPORTED = (("modules_to_save", None), ("rank_pattern", None), ("alpha_pattern", None), ("lora_bias", False),
+_UNSUPPORTED = (("rank_pattern", None), ("alpha_pattern", None), ("lora_bias", False),
                 ("bias", "none"), ("fan_in_fan_out", False), ("layer_replication", None))
 ADAPTER_FIX = "fix the field or save the adapter again"
+WHOLE_MODULES = ("score", "classifier")  # PEFT's SEQ_CLS modules_to_save; the Qwen classifiers' head is score
 
 
 def _is_flag(value) -> bool:
@@ -316,7 +341,11 @@ def check_adapter_config(cfg: dict, path: Path) -> dict:
         if value is not None and value != fine and not (fine is None and not value):
             raise MlxrlError(f"{path}: {name}={cfg[name]!r} is not supported (supported: {fine!r}); merge the "
                              "adapter with PEFT instead")
-    values = {}
+    whole = cfg.get("modules_to_save") or []
+    if not (isinstance(whole, list) and set(whole) <= set(WHOLE_MODULES)):
+        raise MlxrlError(f"{path}: modules_to_save={whole!r} is not supported (supported: a classifier's head, "
+                         f"{list(WHOLE_MODULES)}); merge the adapter with PEFT instead")
+    values = {"modules_to_save": list(whole)}
     for name, default, ok, want in _FIELDS:
         value = cfg.get(name, default)
         if not ok(value):
@@ -352,7 +381,15 @@ def load_adapter(model, adapter_dir) -> list[str]:
     if lora_layers(model):
         raise MlxrlError(f"{adapter_dir}: this model already has adapters; load the adapter into a fresh model")
     modules: dict[str, dict[str, mx.array]] = {}
+    whole = {}  # PEFT's modules_to_save: a classifier's head, whole
     for key, value in weights.items():
+        name = key[len(PREFIX):].split(".")[0] if key.startswith(PREFIX) else None
+        if name in WHOLE_MODULES:
+            if name not in model:
+                raise AdapterMismatchError(f"{where}: holds a {name!r} head (a sequence classifier's adapter) but "
+                                           "the model has none: load the base with num_labels=1")
+            whole[key[len(PREFIX):]] = value
+            continue
         suffix = next((s for s in SUFFIXES if key.endswith(s)), None)
         if not key.startswith(PREFIX) or suffix is None:
             raise AdapterMismatchError(f"{where}: key {key!r} is not a LoRA weight (expected {PREFIX}<module>"
@@ -381,6 +418,11 @@ def load_adapter(model, adapter_dir) -> list[str]:
             if got is None or tuple(got.shape) != shape:
                 found = "missing" if got is None else f"shape {tuple(got.shape)}"
                 raise AdapterMismatchError(f"{where}: {path}{suffix} is {found}; r={r} and this model imply {shape}")
+    expected = dict(tree_flatten(model.parameters()))
+    for k, v in whole.items():
+        if k not in expected or expected[k].shape != v.shape:
+            raise AdapterMismatchError(f"{where}: {k} has shape {tuple(v.shape)}, this model's is "
+                                       f"{tuple(expected[k].shape) if k in expected else 'absent'}")
     paths = sorted(modules)
     _wrap(model, paths, r=r, alpha=cfg["lora_alpha"], dropout=float(cfg["lora_dropout"]), use_dora=use_dora,
           use_rslora=cfg["use_rslora"], experts={p: tuple(w) for p, w in experts.items()})
@@ -394,6 +436,9 @@ def load_adapter(model, adapter_dir) -> list[str]:
         m.lora_b = w[".lora_B.weight"].astype(mx.float32).T
         if use_dora:
             m.m = w[".lora_magnitude_vector"].astype(mx.float32)
+    if whole:
+        model.load_weights([(k, v.astype(expected[k].dtype)) for k, v in whole.items()], strict=False)
+        model.lora_config["modules_to_save"] = sorted({k.split(".")[0] for k in whole})
     mx.eval(model.parameters())
     return paths + sorted(experts)
 

@@ -121,7 +121,10 @@ def is_head(path: str) -> bool:
 
 
 def keepable(path: str, module) -> bool:
-    """A plain linear layer or the embedding matrix: what the load may keep and the planner counts."""
+    """A plain linear layer or the embedding matrix: what the load may keep and the planner counts (not a
+    classifier's `score` head, which LoRA trains too: `models.score`)."""
+    if path == "score":
+        return False
     return type(module) is nn.Linear or (type(module) is nn.Embedding and is_head(path))
 
 

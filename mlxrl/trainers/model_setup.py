@@ -30,7 +30,14 @@ def load_for_training(ref: str | None, args, *, seed: int = 0, demo: str = "qwen
 
     options = args.load_options()
     if ref is None:  # random weights made in the compute dtype: no checkpoint dtype to keep
-        return mlxrl.load_default(seed=seed, arch=demo, dtype=options["dtype"], quantize=options["quantize"])
+        model, processor = mlxrl.load_default(seed=seed, arch=demo, dtype=options["dtype"],
+                                              quantize=options["quantize"])
+        if options.get("num_labels"):  # a reward model: the default's decoder with a fresh score head
+            from ..models.score import init_score, make_classifier
+
+            make_classifier(model, options["num_labels"])
+            init_score(model, seed)
+        return model, processor
     return mlxrl.load(ref, **options)
 
 
@@ -61,6 +68,8 @@ def prepare_for_training(model, args) -> None:
         lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                             target_modules=args.lora_target_modules, use_dora=args.use_dora,
                             target_parameters=lora_lib.none_means_empty(args.lora_target_parameters))
+        # PEFT's modules_to_save: a classifier's head trained whole beside the adapters (`models.score`)
+        lora_lib.train_whole(model, args.trained_whole() if hasattr(args, "trained_whole") else [])
     else:
         model.unfreeze()
         if args.freeze_vision_tower and hasattr(model, "vision_tower"):

@@ -74,6 +74,9 @@ def apply_peft_config(args, peft_config):
                "alpha_pattern": {}, "bias": "none", "lora_bias": False,
                "trainable_token_indices": None, "exclude_modules": None, "layer_replication": None,
                "init_lora_weights": True, "fan_in_fan_out": False}
+    classifier = hasattr(args, "lora_modules_to_save")  # a reward model's config: PEFT's modules_to_save, task_type
+    if classifier:
+        refused.pop("modules_to_save")
     for name, default in refused.items():
         value = getattr(peft_config, name, default)
         if value not in (default, None) and not (value == {} and default == {}) and not (
@@ -88,7 +91,17 @@ def apply_peft_config(args, peft_config):
                                lora_target_modules=sorted(targets) if targets else None,
                                # PEFT adapts an MoE model's experts only where target_parameters names them
                                lora_target_parameters=list(getattr(peft_config, "target_parameters", None) or []),
-                               use_dora=bool(getattr(peft_config, "use_dora", False)))
+                               use_dora=bool(getattr(peft_config, "use_dora", False)),
+                               **(_classifier_fields(peft_config) if classifier else {}))
+
+
+def _classifier_fields(peft_config) -> dict:
+    """A reward model's PEFT fields: the task type (SEQ_CLS trains the score head whole, as PEFT's
+    modules_to_save) and the modules named to train whole."""
+    task = str(getattr(peft_config, "task_type", None) or "CAUSAL_LM").split(".")[-1].upper()
+    whole = getattr(peft_config, "modules_to_save", None)
+    return {"lora_task_type": "SEQ_CLS" if task == "SEQ_CLS" else "CAUSAL_LM",
+            "lora_modules_to_save": sorted(whole) if whole else None}
 
 
 def _load(model, args):

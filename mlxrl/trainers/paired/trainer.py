@@ -77,6 +77,7 @@ class PairedTrainer(Trainer):
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
             self, who, self.config_class, model, processor, args, train_dataset, eval_dataset, trl)
         self.check_args(args)
+        self.check_model(model, processor, args)
         if train_dataset is None:
             raise ValueError(f"{who} needs a train_dataset (rows with prompt/chosen/rejected or chosen/rejected)")
         if args.disable_dropout and args.use_peft and args.lora_dropout:
@@ -91,6 +92,9 @@ class PairedTrainer(Trainer):
 
     def check_args(self, args) -> None:
         """The config's own checks (one-line ValueErrors), before anything is built."""
+
+    def check_model(self, model, processor, args) -> None:
+        """What the trainer needs of the model and processor (one-line errors), before anything is built."""
 
     # ------------------------------------------------------------------ data
     @property

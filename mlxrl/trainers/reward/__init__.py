@@ -1,0 +1,1 @@
+"""Reward modelling: `RewardTrainer` (`trainer`), `RewardConfig` (`config`)."""
