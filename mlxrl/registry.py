@@ -9,7 +9,8 @@ checks and its trainer live, and the memory planner's model of one step (`shape`
   rejected: ``per_row`` 2), or KTO's B completions with a gradient and its B mismatched KL completions without;
 * ``"groups"``: GRPO's rounds (prompts x num_generations completions).
 
-``reference`` says when a run holds a reference policy (`trainers.reference.Reference`): ``"always"``, ``"never"``
+``head``: ``"lm"`` (the streamed LM head over the scored tokens) or ``"score"`` (a sequence classifier's head at one
+position per sequence: the reward model). ``reference`` says when a run holds a reference policy (`trainers.reference.Reference`): ``"always"``, ``"never"``
 or ``"beta"`` (when ``args.beta != 0``). `mlxrl.__init__`, `cli.main.COMMANDS`, `cli.plan`, `plan.measure` and the
 architecture tests read this table, so a new trainer is one entry here plus its own modules.
 """
@@ -20,7 +21,7 @@ import importlib
 from dataclasses import dataclass
 
 __all__ = ["TRAINERS", "TrainerEntry", "entry", "names", "config_class", "trainer_class", "check_config",
-           "exports", "holds_reference", "sequences_per_row", "shape_of"]
+           "exports", "holds_reference", "sequences_per_row", "shape_of", "scores_sequences"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class TrainerEntry:
     reference: str      # always | never | beta
     check: str | None   # the config's own check function in <package>.config (None: the shared checks alone)
     per_row: int = 1    # sequences per batch row in the forward with a gradient (pairs: 2; KTO: its KL half has none)
+    head: str = "lm"    # lm: the streamed LM head over the scored tokens | score: a classifier's [D, 1] head, one
+                        # position per sequence (a reward model, `models.score`)
 
     @property
     def config_name(self) -> str:
@@ -48,7 +51,7 @@ TRAINERS: tuple[TrainerEntry, ...] = (
     TrainerEntry("orpo", "orpo", "ORPO", "pairs", "never", "check_orpo_config", per_row=2),
     TrainerEntry("cpo", "cpo", "CPO", "pairs", "never", "check_cpo_config", per_row=2),
     TrainerEntry("kto", "kto", "KTO", "pairs", "always", "check_kto_config"),
-    TrainerEntry("reward", "reward", "Reward", "pairs", "never", "check_reward_config", per_row=2),
+    TrainerEntry("reward", "reward", "Reward", "pairs", "never", "check_reward_config", per_row=2, head="score"),
     TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
 )
 
@@ -108,3 +111,9 @@ def shape_of(name: str) -> str:
 def sequences_per_row(name: str) -> int:
     """Sequences per batch row in the forward with a gradient (the planner's question)."""
     return entry(name).per_row
+
+
+def scores_sequences(name: str) -> bool:
+    """Whether trainer `name` trains a sequence classifier (`models.score`: its head at one position per sequence,
+    no LM head) rather than a causal LM (the planner's and the measurement's question)."""
+    return entry(name).head == "score"

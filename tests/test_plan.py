@@ -115,11 +115,15 @@ REFERENCE_FREE_CASES = [
     # KTO: the pairs' shape, its KL half forwarded without a gradient, and a frozen reference
     ("kto", "small", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False)),
     ("kto", "default", dict(max_length=64, per_device_train_batch_size=4, use_peft=True)),
+    # a reward model: the pairs' forward, a score head at one position per sequence, no LM head
+    ("reward", "qwen3_5", dict(max_length=128, per_device_train_batch_size=2, gradient_checkpointing=False)),
+    ("reward", "qwen3_5", dict(max_length=256, per_device_train_batch_size=2, use_peft=True)),
+    ("reward", "small", dict(max_length=512, per_device_train_batch_size=2, use_peft=True)),
 ]
 
 
 @pytest.mark.parametrize("trainer,name,kw", REFERENCE_FREE_CASES)
-def test_orpo_cpo_kto_prediction_within_15_percent(trainer, name, kw):
+def test_orpo_cpo_kto_reward_prediction_within_15_percent(trainer, name, kw):
     _check(trainer, mlxrl.registry.config_class(trainer), name, kw)
 
 

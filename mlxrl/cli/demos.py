@@ -9,14 +9,15 @@ from ..errors import MlxrlError
 from ..loading import DEMO_NAMES
 
 
-def add_demo_flag(parser) -> None:
-    parser.add_argument("--demo", default="qwen3_vl", choices=sorted(DEMO_NAMES),
+def add_demo_flag(parser, default: str = "qwen3_vl", choices=None) -> None:
+    parser.add_argument("--demo", default=default, choices=sorted(choices or DEMO_NAMES),
                         help="the embedded default's architecture (without --model and --dataset)")
+    parser.set_defaults(demo_default=default)
 
 
 def check_demo_flag(ns) -> str:
     """The embedded default's architecture; --demo with --model or --dataset is refused in one line."""
-    if ns.demo != "qwen3_vl" and (ns.model is not None or ns.dataset is not None):
+    if ns.demo != getattr(ns, "demo_default", "qwen3_vl") and (ns.model is not None or ns.dataset is not None):
         raise MlxrlError(f"--demo {ns.demo} picks the embedded default: leave out --model and --dataset")
     return ns.demo
 

@@ -23,10 +23,10 @@ DEMO_SFT_STEPS, DEMO_TEST = 6, 192
 QWEN3_5_SFT_STEPS = 20  # the tiny Qwen3.5 learns the answer format more slowly (its held-out exact match, docs/dpo.md)
 
 
-def add_paired_flags(parser, name: str) -> None:
+def add_paired_flags(parser, name: str, demo: str = "qwen3_vl", demos=None) -> None:
     from .demos import add_demo_flag
 
-    add_demo_flag(parser)
+    add_demo_flag(parser, demo, demos)
     parser.add_argument("--model", default=None, help="Hub id or local folder (default: the embedded demo)")
     parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset")
     parser.add_argument("--dataset_split", default="train", help="split of a Hub dataset")

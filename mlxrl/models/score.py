@@ -25,7 +25,8 @@ import numpy as np
 from ..errors import MlxrlError
 
 __all__ = ["CLASSIFIERS", "is_classifier_config", "num_labels_of", "make_classifier", "is_classifier",
-           "init_score", "pad_token_id_of", "set_pad_token_id", "score_positions", "sequence_scores", "score"]
+           "init_score", "pad_token_id_of", "set_pad_token_id", "score_positions", "sequence_scores", "score",
+           "peak_bytes"]
 
 # model_type -> transformers' class (`AutoModelForSequenceClassification`'s table for the models we implement)
 CLASSIFIERS = {
@@ -109,6 +110,14 @@ def score_positions(input_ids: np.ndarray, pad_token_id: int | None) -> np.ndarr
 def sequence_scores(model, hidden: mx.array) -> mx.array:
     """The head over the scored positions' hidden states [N, D] -> float32 scores [N, num_labels]."""
     return model.score(hidden).astype(mx.float32)
+
+
+def peak_bytes(tokens: int, hidden: int, element_bytes: int) -> int:
+    """The memory model of the head in training (`plan`): its weight and the scored rows are negligible; what
+    peaks is the trunk's output gradient, the scored rows' gradients scattered into the whole [tokens, D] hidden
+    states and the final norm's backward over them (its input, output and their gradients): about eight
+    [tokens, D] arrays, measured against `plan.measure` (tests/test_plan.py)."""
+    return 8 * tokens * hidden * element_bytes
 
 
 def score(model, input_ids, attention_mask=None, **inputs) -> mx.array:

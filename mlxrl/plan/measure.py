@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import registry
-from ..registry import shape_of
+from ..registry import scores_sequences, shape_of
 from .model import arch_of, image_tokens, load_config, predict
 from .shapes import grpo_prompt_length
 
@@ -155,6 +155,12 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
     mx.clear_cache()
     base = mx.get_active_memory()
     model = random_model(cfg, args.compute_dtype(), getattr(args, "seed", 0))
+    if scores_sequences(trainer):  # a reward model: the decoder with a score head (`models.score`)
+        from ..models.score import init_score, make_classifier
+
+        make_classifier(model, 1)
+        init_score(model)
+        mx.eval(model.parameters())
     vocab = model.language_model.config.vocab_size
     processor = Processor(CharTokenizer(vocab))
     images = images if images and image_size and "vision_config" in cfg else 0

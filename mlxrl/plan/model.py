@@ -15,7 +15,8 @@ from ..models import attention as attention_lib
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..optim import optimizers as optim_lib
-from ..registry import holds_reference, sequences_per_row, shape_of
+from ..models import score as score_lib
+from ..registry import holds_reference, scores_sequences, sequences_per_row, shape_of
 from .config_json import load_config, quantization_of
 from .layers import (
     SCORE_COPIES,
@@ -107,16 +108,20 @@ def quantized_saving(model, cfg: dict, args, s: int) -> int:
     return int(n * s - n * bits / 8 - 2 * 2 * n / group - widened)
 
 
-def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
+def arch_of(cfg: dict, args, element_bytes: int | None = None, classifier: bool = False) -> Arch:
     """Build the model lazily (no array is evaluated, so nothing is allocated), apply the trainer's
-    trainable-parameter policy (LoRA / full / frozen vision / frozen embeddings) and count bytes."""
+    trainable-parameter policy (LoRA / full / frozen vision / frozen embeddings) and count bytes. classifier: the
+    model as a sequence classifier (`models.score`: a reward model's score head in the LM head's place)."""
     from mlx.utils import tree_flatten
 
     from ..models import build_model
     from ..models import lora as lora_lib
+    from ..models.score import is_classifier_config, make_classifier
 
     s = element_bytes or dtype_bytes(args)
     model = build_model(cfg)
+    if classifier and not is_classifier_config(cfg):
+        make_classifier(model, 1)
     kept = kept_saving(model, cfg, args.keeps_checkpoint_dtype(mx.float32), s)
     saved = quantized_saving(model, cfg, args, s) + kept  # both before LoRA wraps the linears
     lm = model.language_model.config
@@ -127,6 +132,7 @@ def arch_of(cfg: dict, args, element_bytes: int | None = None) -> Arch:
         lora_lib.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                             target_modules=args.lora_target_modules, use_dora=args.use_dora,
                             target_parameters=lora_lib.none_means_empty(getattr(args, "lora_target_parameters", None)))
+        lora_lib.train_whole(model, args.trained_whole() if hasattr(args, "trained_whole") else [])
     else:
         if getattr(args, "freeze_vision_tower", False) and hasattr(model, "vision_tower"):
             model.vision_tower.freeze()
@@ -365,7 +371,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     """
     cfg = config if isinstance(config, dict) else load_config(config)
     s = dtype_bytes(args)
-    a = _arch or arch_of(cfg, args, s)
+    a = _arch or arch_of(cfg, args, s, classifier=scores_sequences(trainer))
     L_img = image_tokens(a, images, image_size)
     sh = forward_shape(args, trainer, L_img, prompt_length)
     W, T = a.weight_bytes, a.trainable_bytes
@@ -396,10 +402,15 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     segments = f" in {args.checkpoint_segments} segments" if ckpt and getattr(args, "checkpoint_segments", 0) else ""
     out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' + segments if ckpt else 'off'} "
                                              f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
-    head = head_bytes(a, args, sh.rows, s, trainer)
+    head = score_lib.peak_bytes(sh.tokens, a.D, s) if scores_sequences(trainer) else head_bytes(a, args, sh.rows, s,
+                                                                                                 trainer)
     chunk = args.chunk_size or default_chunk_size(sh.rows, a.V, width=a.D)
-    out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
-                                          f"{', [V, D] weight grad' if a.head_trainable else ''}"))
+    if scores_sequences(trainer):
+        out.append(Row("score head", head, f"{sh.rows} scored positions; the trunk's output gradient over "
+                                           f"{sh.tokens} tokens"))
+    else:
+        out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
+                                              f"{', [V, D] weight grad' if a.head_trainable else ''}"))
     B = int(args.per_device_train_batch_size)
     shape = shape_of(trainer)
     sequences = max(1, B // int(args.num_generations)) if shape == "groups" else sequences_per_row(trainer) * B

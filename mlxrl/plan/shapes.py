@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .. import runtime
 from ..cpu import native_kernels
 from ..data.preference import row_bucket
-from ..registry import sequences_per_row, shape_of
+from ..registry import scores_sequences, sequences_per_row, shape_of
 from .report import dtype_bytes
 
 DEFAULT_PROMPT_LENGTH = 512  # GRPO prompt tokens when --prompt_length is not given
@@ -67,8 +67,10 @@ def forward_shape(args, trainer: str, extra_tokens: int = 0, prompt_length: int 
     if shape_of(trainer) == "pairs":  # only the completions are scored: the prompt's tokens skip the head
         scored = max(1, scored - int(prompt_length or 0))
         n = sequences_per_row(trainer) * B
+        if scores_sequences(trainer):  # a reward model scores one position per sequence
+            scored = 1
         what = " (chosen + rejected)" if n == 2 * B else ""
-        return Shape(n * L, n * causal_scores(args, L), row_bucket(n * scored),
+        return Shape(n * L, n * causal_scores(args, L), n if scored == 1 else row_bucket(n * scored),
                      label=f"B={n}{what} L={L}" + (f", {scored} scored" if prompt_length else ""))
     if shape_of(trainer) == "groups":  # b completions; whole groups when b >= G, else a slice of one prompt's group
         P = grpo_prompt_length(args, prompt_length) + extra_tokens

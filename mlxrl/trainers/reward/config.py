@@ -21,16 +21,16 @@ class RewardConfig(PairedConfig):
     learning_rate: float = _f(1e-4, "peak learning rate of AdamW (TRL's RewardConfig default)")
     max_length: int | None = _f(1024, "drop the pairs whose chosen or rejected sequence has more tokens (TRL "
                                       "filters, never truncates)")
-    center_rewards_coefficient: float | None = _f(None, "weight of mean((chosen + rejected)^2) in the loss, which "
+    center_rewards_coefficient: float | None = _f(None, "weight of mean((chosen + rejected)^2) in the loss. It "
                                                         "pulls the rewards towards zero mean (recommended: 0.01)")
     eos_token: str | None = _f(None, "the end-of-sequence token appended to string rows (default: the "
                                      "tokenizer's)")
     chat_template_path: str | None = _f(None, "a .jinja / .j2 chat template file, or a local tokenizer folder "
                                               "whose template (and eos token) to use")
-    pad_token: str | None = _f(None, "deprecated in TRL: the token that pads the rows and that the classifier's "
-                                     "scored position is found by (default: the tokenizer's pad token, else EOS)")
-    lora_task_type: str = _f(SCORE_TASK, "PEFT's task type of the adapter: SEQ_CLS (mlxrl's default, as TRL's "
-                                         "reward docs ask) also trains the score head whole (its modules_to_save); "
+    pad_token: str | None = _f(None, "the padding token (deprecated in TRL). The classifier scores each row's last "
+                                     "token that is not it (default: the tokenizer's pad token, else EOS)")
+    lora_task_type: str = _f(SCORE_TASK, "PEFT's task type. SEQ_CLS (mlxrl's default, as TRL's reward docs "
+                                         "ask) also trains the score head whole (modules_to_save); "
                                          "CAUSAL_LM leaves it as loaded unless lora_modules_to_save names it",
                              choices=(SCORE_TASK, "CAUSAL_LM"))
     lora_modules_to_save: list[str] | None = _f(None, "modules trained whole beside the adapters, saved in the "

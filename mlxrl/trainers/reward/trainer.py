@@ -73,7 +73,9 @@ class RewardTrainer(PairedTrainer):
 
     def _pad_token_id(self, processor, args) -> int:
         tok = processor.tokenizer
-        name = args.pad_token or tok.pad_token or tok.eos_token
+        if args.pad_token is None and getattr(tok, "pad_token_id", None) is not None:
+            return int(tok.pad_token_id)
+        name = args.pad_token or tok.eos_token
         if name not in tok.get_vocab():
             raise MlxrlError(f"pad_token {name!r} is not in the tokenizer's vocabulary: use a token it has (e.g. "
                              f"{tok.eos_token!r})")
