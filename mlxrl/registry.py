@@ -10,9 +10,10 @@ checks and its trainer live, and the memory planner's model of one step (`shape`
 * ``"groups"``: GRPO's rounds (prompts x num_generations completions).
 
 ``head``: ``"lm"`` (the streamed LM head over the scored tokens) or ``"score"`` (a sequence classifier's head at one
-position per sequence: the reward model). ``reference`` says when a run holds a reference policy (`trainers.reference.Reference`): ``"always"``, ``"never"``
-or ``"beta"`` (when ``args.beta != 0``). `mlxrl.__init__`, `cli.main.COMMANDS`, `cli.plan`, `plan.measure` and the
-architecture tests read this table, so a new trainer is one entry here plus its own modules.
+position per sequence: the reward model). ``reference`` says when a run holds a reference policy
+(`trainers.reference.Reference`): ``"always"``, ``"never"`` or ``"beta"`` (when ``args.beta != 0``).
+`mlxrl.__init__`, `cli.main.COMMANDS`, `cli.plan`, `plan.measure` and the architecture tests read this table, so a
+new trainer is one entry here plus its own modules.
 """
 
 from __future__ import annotations

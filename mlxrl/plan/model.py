@@ -12,10 +12,10 @@ from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
 from ..models import attention as attention_lib
+from ..models import score as score_lib
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..optim import optimizers as optim_lib
-from ..models import score as score_lib
 from ..registry import holds_reference, scores_sequences, sequences_per_row, shape_of
 from .config_json import load_config, quantization_of
 from .layers import (
