@@ -330,6 +330,21 @@ def epoch_groups(n: int, batch_size: int, *, shuffle: bool, seed: int, epoch: in
     return groups
 
 
+def pair_groups(examples, batch_size: int, *, max_length, seq_buckets, padding_free, shuffle, seed, epoch,
+                num_shards, shard, drop_last, pad_to_multiple_of) -> tuple[list[int], list[np.ndarray]]:
+    """(length buckets, each batch's example indices) of one epoch of pair batches: buckets fitting 2B
+    sequences (one row of them padding-free) rounded to pad_to_multiple_of; `epoch_groups`' order and slices."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    longest = max((len(e) for e in examples), default=1)
+    limit = max(max_length or longest, longest)
+    if seq_buckets is None:
+        seq_buckets = default_buckets(limit * 2 * batch_size if padding_free else limit, smallest=32)
+    buckets = padded_buckets(seq_buckets, pad_to_multiple_of)
+    return buckets, epoch_groups(len(examples), batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
+                                 num_shards=num_shards, shard=shard, drop_last=drop_last)
+
+
 def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: int, *, max_length: int | None,
                             pad_token_id: int, seq_buckets: Sequence[int] | None = None,
                             padding_free: bool = False, shuffle: bool = True, seed: int = 0, epoch: int = 0,
@@ -340,15 +355,10 @@ def make_preference_batches(examples: Sequence[PreferenceExample], batch_size: i
     (dropped with ``drop_last``). num_shards / shard: data-parallel ranks get their slice of each global
     batch of ``batch_size * num_shards`` pairs (as `mlxrl.data.make_batches`). The length buckets are
     rounded up to multiples of ``pad_to_multiple_of``."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    longest = max((len(e) for e in examples), default=1)
-    limit = max(max_length or longest, longest)
-    if seq_buckets is None:
-        seq_buckets = default_buckets(limit * 2 * batch_size if padding_free else limit, smallest=32)
-    buckets = padded_buckets(seq_buckets, pad_to_multiple_of)
-    groups = epoch_groups(len(examples), batch_size, shuffle=shuffle, seed=seed, epoch=epoch, num_shards=num_shards,
-                          shard=shard, drop_last=drop_last)
+    buckets, groups = pair_groups(examples, batch_size, max_length=max_length, seq_buckets=seq_buckets,
+                                  padding_free=padding_free, shuffle=shuffle, seed=seed, epoch=epoch,
+                                  num_shards=num_shards, shard=shard, drop_last=drop_last,
+                                  pad_to_multiple_of=pad_to_multiple_of)
     return [preference_batch([examples[i] for i in g], pad_token_id=pad_token_id, buckets=buckets,
                              padding_free=padding_free, ld_alpha=ld_alpha, bucket_rows=bucket_rows,
                              score_chosen_prompts=score_chosen_prompts)

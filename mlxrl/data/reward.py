@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batches import default_buckets, padded_buckets, right_padded
+from .batches import right_padded
 from .files import naming_rows, origins_of
 from .formats import DataError, chatml, check_messages, render_chat, with_eos
 from .images import row_images
-from .preference import epoch_groups, layout_sequences
+from .preference import layout_sequences, pair_groups
 
 __all__ = ["RewardExample", "check_reward_row", "tokenize_reward_row", "tokenize_reward_rows", "reward_batch",
            "make_reward_batches"]
@@ -186,15 +186,10 @@ def make_reward_batches(examples: Sequence[RewardExample], batch_size: int, *, p
                         pad_to_multiple_of: int | None = None) -> list[dict]:
     """One epoch of reward batches (as `preference.make_preference_batches`: the same order for the same seed
     and epoch, data-parallel slices of each global batch, length buckets rounded to pad_to_multiple_of)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    longest = max((len(e) for e in examples), default=1)
-    limit = max(max_length or longest, longest)
-    if seq_buckets is None:
-        seq_buckets = default_buckets(limit * 2 * batch_size if padding_free else limit, smallest=32)
-    buckets = padded_buckets(seq_buckets, pad_to_multiple_of)
-    groups = epoch_groups(len(examples), batch_size, shuffle=shuffle, seed=seed, epoch=epoch, num_shards=num_shards,
-                          shard=shard, drop_last=drop_last)
+    buckets, groups = pair_groups(examples, batch_size, max_length=max_length, seq_buckets=seq_buckets,
+                                  padding_free=padding_free, shuffle=shuffle, seed=seed, epoch=epoch,
+                                  num_shards=num_shards, shard=shard, drop_last=drop_last,
+                                  pad_to_multiple_of=pad_to_multiple_of)
     return [reward_batch([examples[i] for i in g], pad_token_id=pad_token_id, buckets=buckets,
                          padding_free=padding_free) for g in groups]
 
