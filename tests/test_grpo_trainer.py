@@ -407,7 +407,7 @@ def test_demo_reward_rises(tmp_path, demo):
     (["--num_generations", "3"], "generation_batch_size (8) must be divisible by num_generations (3)"),
     (["--reward_funcs", "no_such_module_xyz:f"], "cannot import 'no_such_module_xyz'"),
     (["--reward_funcs", "mlxrl.grpo:nothing"], "has no callable 'nothing'"),
-    (["--reward_funcs", "justaname"], "expected module:function"),
+    (["--reward_funcs", "justaname"], "'justaname' is not module:function, and as a reward model: no such local"),
     (["--dataset", "x.jsonl"], "--model is required with --dataset"),
     (["--model", "m", "--dataset", "x.jsonl"], "--reward_funcs is required with --dataset"),
     (["--min_p", "1.5"], "min_p must be in [0, 1], got 1.5"),

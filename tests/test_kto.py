@@ -164,18 +164,19 @@ def test_the_kl_term_carries_no_gradient():
     assert float(mx.abs(mx.grad(f)(mx.array([-4.0, -4.5]))).sum()) == 0.0
 
 
-@pytest.mark.parametrize("kind", ["kto", "orpo"])
+@pytest.mark.parametrize("kind", ["kto", "orpo", "reward"])
 def test_resume_reproduces_the_uninterrupted_run_and_another_trainer_is_refused(tiny_checkpoint, tmp_path, kind):
-    from mlxrl import ORPOConfig, ORPOTrainer
+    from mlxrl import ORPOConfig, ORPOTrainer, RewardConfig, RewardTrainer
 
     folder = tiny_checkpoint("qwen3")
     pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": [{"role": "assistant", "content": "No."}]}
              for r in UNPAIRED]  # KTO takes these too (unpaired)
     rows = UNPAIRED * 2 if kind == "kto" else pairs
-    C, T = (KTOConfig, KTOTrainer) if kind == "kto" else (ORPOConfig, ORPOTrainer)
+    C, T = {"kto": (KTOConfig, KTOTrainer), "orpo": (ORPOConfig, ORPOTrainer),
+            "reward": (RewardConfig, RewardTrainer)}[kind]
 
-    def run(**kw):
-        model, processor = mlxrl.load(folder)
+    def run(**kw):  # the reward model: LoRA with its fresh score head trained whole, both saved and restored
+        model, processor = mlxrl.load(folder, **({"num_labels": 1} if kind == "reward" else {}))
         args = C(output_dir=str(tmp_path / "a"), per_device_train_batch_size=3, max_steps=4, use_peft=True,
                  learning_rate=1e-3, compile=False, disable_tqdm=True, logging_steps=1, max_length=128, **kw)
         trainer = T(model, processor, args, train_dataset=rows)

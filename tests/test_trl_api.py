@@ -109,6 +109,37 @@ def test_kto_orpo_cpo_quick_starts_with_peft_config(tiny_checkpoint, tmp_path):
         assert (tmp_path / name / "adapter_model.safetensors").exists(), name
 
 
+def test_reward_quick_start_then_grpo_with_the_reward_model_folder(tiny_checkpoint, tmp_path):
+    """TRL's RewardTrainer quick start (`from trl import RewardConfig, RewardTrainer`: a causal model id becomes a
+    sequence classifier), then TRL's GRPO with the saved reward model folder in reward_funcs beside a function,
+    reward_weights applied, each logged under its own name."""
+    from mlxrl import RewardConfig, RewardTrainer
+
+    folder = str(tiny_checkpoint("qwen3"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out = tmp_path / "reward_model"
+    reward = RewardTrainer(model=folder, args=RewardConfig(output_dir=str(out), max_length=64, **QUICK),
+                           train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer)
+    assert reward.train().global_step == 2 and any("accuracy" in e for e in reward.state.log_history)
+    reward.save_model()
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3ForSequenceClassification"] and len(saved["id2label"]) == 1
+
+    def reward_len(completions, **kwargs):
+        return [-abs(20 - len(c)) for c in completions]
+
+    prompts = Dataset.from_list([{"prompt": f"Say something about {w}"} for w in "abcdefgh"])
+    grpo = GRPOTrainer(model=folder, reward_funcs=[str(out), reward_len], train_dataset=prompts,
+                       args=GRPOConfig(output_dir=str(tmp_path / "grpo"), num_generations=4, max_completion_length=8,
+                                       reward_weights=[1.0, 0.1], **QUICK))
+    assert grpo.train().global_step == 2
+    logged = [e for e in grpo.state.log_history if "reward" in e]
+    assert logged and all({"rewards/reward_model/mean", "rewards/reward_len/mean"} <= set(e) for e in logged)
+    e = logged[0]
+    assert e["reward"] == pytest.approx(e["rewards/reward_model/mean"] + 0.1 * e["rewards/reward_len/mean"],
+                                        rel=1e-4, abs=1e-5)
+
+
 def test_what_mlxrl_cannot_do_is_one_line(tiny_checkpoint, tmp_path):
     import torch
 

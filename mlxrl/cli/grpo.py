@@ -7,7 +7,8 @@
 
 Every GRPOConfig field is a flag (`--help` lists them). `--reward_funcs` takes `module:function` (or
 `path/to/file.py:function`) entries, each a TRL reward function
-`f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]`. Errors print one
+`f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]`, and reward model folders or
+Hub ids (a sequence classifier, `python -m mlxrl.reward`'s output), as TRL's GRPOTrainer takes them. Errors print one
 line and exit with status 2 (MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint.
 
 The embedded default (no --model, no --dataset): the tiny default model gets a brief SFT on the
@@ -69,7 +70,8 @@ def _extra(parser):
     parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset")
     parser.add_argument("--dataset_split", default="train", help="split of a Hub dataset")
     parser.add_argument("--reward_funcs", nargs="+", default=None,
-                        help="module:function reward functions (default: the demo's colour_reward)")
+                        help="module:function reward functions and reward model folders "
+                             "(default: the demo's colour_reward)")
     parser.add_argument("--sft_steps", type=int, default=None,
                         help="embedded default only: SFT steps before GRPO when starting from the tiny model "
                              f"(default: {DEMO_SFT_STEPS}; {QWEN3_5_SFT_STEPS} for the tiny Qwen3.5)")
@@ -127,14 +129,15 @@ def main(argv=None) -> int:
 def _main(ns) -> None:
     from ..data.formats import check_prompt_rows
     from ..errors import MlxrlError
-    from ..trainers.grpo.trainer import GRPOTrainer, load_reward_func
+    from ..trainers.grpo.rewards import reward_entry
+    from ..trainers.grpo.trainer import GRPOTrainer
     from .demos import check_demo_flag
 
     args = config_from_args(GRPOConfig, ns)
     check_grpo_config(args)  # before any model is loaded or trained
     if ns.sft_steps is not None and ns.sft_steps < 0:
         raise MlxrlError(f"--sft_steps {ns.sft_steps}: must be >= 0")
-    funcs = [load_reward_func(s) for s in ns.reward_funcs] if ns.reward_funcs else None
+    funcs = [reward_entry(s) for s in ns.reward_funcs] if ns.reward_funcs else None
     explicit = ns.explicit_fields
     demo = check_demo_flag(ns)
     if ns.dataset is None:
@@ -145,7 +148,7 @@ def _main(ns) -> None:
     if ns.model is None:
         raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
     if not funcs:
-        raise MlxrlError("--reward_funcs is required with --dataset (module:function ...)")
+        raise MlxrlError("--reward_funcs is required with --dataset (module:function or reward model folders ...)")
     model, processor, train, _ = load_model_and_rows(ns, args, with_eval=False,
                                                      check_rows=check_prompt_rows)
     GRPOTrainer(model=model, processor=processor, args=args, train_dataset=train, reward_funcs=funcs).train()

@@ -15,7 +15,8 @@ import numpy as np
 
 from ...errors import MlxrlError
 
-__all__ = ["RewardError", "check_reward_signature", "load_reward_func", "reward_values"]
+__all__ = ["RewardError", "RewardModel", "check_reward_signature", "load_reward_func", "load_reward_model",
+           "reward_entry", "reward_values"]
 
 
 class RewardError(MlxrlError, ValueError):
@@ -113,3 +114,102 @@ def reward_values(values, name: str, n: int) -> np.ndarray:
 def _short(value, n: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= n else text[:n - 3] + "..."
+
+
+class RewardModel:
+    """A sequence classifier (`models.score`, a reward model) as one of GRPO's reward functions, as TRL's
+    GRPOTrainer uses a reward model in `reward_funcs`: each prompt + completion rendered whole (a conversation
+    through the reward model's chat template, prompt messages then the completion's; strings joined), tokenised
+    without special tokens, right-padded, scored in batches of `batch_size` (the head at each row's last non-pad
+    token only: no [rows, V] logits), the first label's score the reward. Named after its folder, as TRL names it
+    in the logged rewards/<name>/mean."""
+
+    def __init__(self, model, processor, batch_size: int = 16):
+        from ...models.score import is_classifier
+
+        if not is_classifier(model):
+            raise RewardError("a reward model in reward_funcs must be a sequence classifier (mlxrl.load(path, "
+                              "num_labels=1), or its folder)")
+        from ...models.score import set_pad_token_id
+
+        self.model, self.processor, self.batch_size = model, processor, int(batch_size)
+        tok = processor.tokenizer
+        # the head scores each row's last token that is not the pad token: the pad token the rows are padded
+        # with (the tokenizer's, else its EOS, as TRL sets it) must be the model's
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        set_pad_token_id(model, self.pad)
+        path = str(getattr(model, "name_or_path", "") or "").rstrip("/")
+        self.__name__ = os.path.basename(path) or "reward_model"
+
+    def __call__(self, prompts, completions, **_):
+        import mlx.core as mx
+
+        from ...data.formats import render_chat
+        from ...models.dropout import eval_mode
+        from ...models.score import score
+
+        if prompts and isinstance(prompts[0], list):
+            texts = [render_chat(self.processor, list(p) + list(c), {}) for p, c in zip(prompts, completions,
+                                                                                           strict=True)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        tok, pad = self.processor.tokenizer, self.pad
+        out = []
+        with eval_mode(self.model):
+            for k in range(0, len(texts), self.batch_size):
+                ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts[k:k + self.batch_size]]
+                width = max(map(len, ids))
+                rows = np.full((len(ids), width), pad, np.int32)
+                mask = np.zeros((len(ids), width), np.int32)
+                for i, r in enumerate(ids):
+                    rows[i, :len(r)], mask[i, :len(r)] = r, 1
+                scores = score(self.model, rows, attention_mask=mask if not mask.all() else None)
+                out.extend(np.array(mx.stop_gradient(scores[:, 0])).tolist())
+        return out
+
+
+def load_reward_model(ref: str, batch_size: int = 16) -> RewardModel:
+    """A reward model's folder or Hub id (TRL's string entry of reward_funcs): loaded as a sequence classifier
+    (`num_labels=1`, as TRL loads it) with its processor; a PEFT adapter's folder (a LoRA reward run's output,
+    task_type SEQ_CLS, its head in modules_to_save) on the base model its adapter_config.json names."""
+    import json
+
+    from ...loading import load
+    from ...models.lora import load_adapter
+
+    try:
+        adapter = os.path.join(str(ref), "adapter_config.json")
+        if os.path.isfile(adapter):
+            with open(adapter) as f:
+                base = json.load(f).get("base_model_name_or_path")
+            if not base:
+                raise MlxrlError(f"{adapter} does not say which model it was trained from "
+                                 "(base_model_name_or_path)")
+            model, processor = load(base, num_labels=1)
+            load_adapter(model, ref)
+            model.name_or_path = str(ref)
+        else:
+            model, processor = load(ref, num_labels=1)
+    except MlxrlError as e:
+        raise RewardError(f"reward_funcs entry {ref!r} is not module:function, and as a reward model: {e}") from e
+    return RewardModel(model, processor, batch_size)
+
+
+def reward_entry(f):
+    """One entry of reward_funcs, as TRL takes them: a callable; 'module:function' (or 'file.py:function'); a
+    reward model's folder or Hub id (a string without ':'); a sequence classifier mlxrl loaded."""
+    import mlx.nn as nn
+
+    from ...models.score import is_classifier
+
+    if isinstance(f, str):
+        return load_reward_func(f) if ":" in f and not os.path.isdir(f) else load_reward_model(f)
+    if isinstance(f, nn.Module) and is_classifier(f):
+        from ...loading import load_processor
+
+        folder = getattr(f, "name_or_path", None)
+        if not folder or not os.path.isdir(str(folder)):
+            raise RewardError("a loaded reward model in reward_funcs needs its tokenizer: pass its folder, or "
+                              "mlxrl.trainers.grpo.rewards.RewardModel(model, processor)")
+        return RewardModel(f, load_processor(folder, f.config))
+    return f

@@ -65,7 +65,14 @@ from ..engine import Trainer, step_seed
 from ..forward import with_router_aux
 from ..reference import Reference
 from .config import GRPOConfig, check_grpo_config, resolve_batching
-from .rewards import RewardError, check_reward_signature, first_line, load_reward_func, reward_values
+from .rewards import (
+    RewardError,
+    check_reward_signature,
+    first_line,
+    load_reward_func,
+    reward_entry,
+    reward_values,
+)
 from .rounds import GenerationRounds
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
@@ -92,8 +99,8 @@ class GRPOTrainer(Trainer):
         """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
         processing_class, peft_config)."""
         if "reward_processing_classes" in trl and trl.pop("reward_processing_classes") is not None:
-            raise MlxrlError("GRPOTrainer(reward_processing_classes=...) is not supported by mlxrl: reward models "
-                             "are not supported yet (reward functions are)")
+            raise MlxrlError("GRPOTrainer(reward_processing_classes=...) is not supported by mlxrl: a reward model "
+                             "is given by its folder (its own tokenizer) or as RewardModel(model, processor)")
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
             self, "GRPOTrainer", GRPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
         check_grpo_config(args)
@@ -105,10 +112,11 @@ class GRPOTrainer(Trainer):
             raise ValueError("GRPOTrainer needs reward_funcs: a callable or a list of callables "
                              "f(prompts, completions, completion_ids, **columns) -> list[float | None]")
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        funcs = [load_reward_func(f) if isinstance(f, str) else f for f in funcs]
+        funcs = [reward_entry(f) for f in funcs]
         for f in funcs:
             if not callable(f):
-                raise ValueError(f"reward function {f!r} is not callable (reward models are not supported yet)")
+                raise ValueError(f"reward function {f!r} is not callable: give a function, a reward model's folder "
+                                 "or a model mlxrl.load(path, num_labels=1) returned")
         if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
             raise ValueError(f"reward_weights has {len(args.reward_weights)} weights for {len(funcs)} reward functions")
         Reference.check_distinct(model, ref_model)
@@ -471,3 +479,4 @@ class GRPOTrainer(Trainer):
     # ------------------------------------------------------------------ the batch source
     def make_source(self):
         return GenerationRounds(self)
+
