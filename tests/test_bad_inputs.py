@@ -303,7 +303,7 @@ REWARD_IMPORT_CASES = [
     ("reward file missing", "missing_rewards.py:f", ["missing_rewards.py", "no such file"]),
     ("reward module missing", "no_such_rewards_mod:f", ["cannot import 'no_such_rewards_mod'"]),
     ("reward function missing", "mlxrl.grpo:nothing", ["no callable 'nothing'"]),
-    ("reward spec", "justaname", ["expected module:function"]),
+    ("reward spec", "justaname", ["'justaname' is not module:function, and as a reward model: no such local path"]),
 ]
 
 

@@ -44,7 +44,8 @@ def _experimental(name):
 @pytest.mark.parametrize("ours, theirs", [(SFTConfig, trl.SFTConfig), (DPOConfig, trl.DPOConfig),
                                           (GRPOConfig, trl.GRPOConfig), (mlxrl.KTOConfig, trl.KTOConfig),
                                           (mlxrl.ORPOConfig, _experimental("ORPO")),
-                                          (mlxrl.CPOConfig, _experimental("CPO"))])
+                                          (mlxrl.CPOConfig, _experimental("CPO")),
+                                          (mlxrl.RewardConfig, trl.RewardConfig)])
 def test_every_trl_field_is_ours(ours, theirs):
     mine = {f.name: f for f in dataclasses.fields(ours)}
     missing = [f.name for f in dataclasses.fields(theirs) if f.name not in mine]

@@ -30,9 +30,11 @@ DEMO_SFT = {"learning_rate": 2e-3, "per_device_train_batch_size": 8, "freeze_emb
             "gradient_checkpointing": False, "max_length": 256, "assistant_only_loss": True, "disable_tqdm": True}
 
 
-def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: str | None, demo: str = "qwen3_vl"):
-    """The DPO / GRPO demos' starting point: `model_path`, or the embedded default (`demo`: its architecture)
-    after `sft_steps` of SFT on synthetic colour questions (so the policy is partly trained)."""
+def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: str | None, demo: str = "qwen3_vl",
+                        make_rows=None):
+    """The DPO / GRPO / KTO demos' starting point: `model_path`, or the embedded default (`demo`: its architecture)
+    after `sft_steps` of SFT on synthetic colour questions (so the policy is partly trained): `make_rows(n, seed=,
+    split=)`'s rows, the image questions (`make_vqa`) unless given."""
     import mlxrl
 
     from ..data.synthetic import make_vqa
@@ -52,7 +54,7 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
                                 "logging_steps": max(1, sft_steps // 2),
                                 "output_dir": os.path.join(args.output_dir, "sft"), "overwrite_output_dir": True})
         SFTTrainer(model, processor, sft_args,
-                   train_dataset=make_vqa(sft_steps * 8, seed=args.seed, split="train")).train()
+                   train_dataset=(make_rows or make_vqa)(sft_steps * 8, seed=args.seed, split="train")).train()
         model.unfreeze()  # the next trainer sets up its own trainable parameters
     args.quantize(model)
     return model, processor

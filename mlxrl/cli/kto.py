@@ -41,6 +41,9 @@ def unpaired_rows(pairs: list[dict]) -> list[dict]:
             for p in pairs for side in ("chosen", "rejected")]
 
 
+SFT_ON_TEXT = True  # the brief SFT on the task KTO then trains (its text variant)
+
+
 def preference_accuracy(trainer, rows: list[dict]) -> float:
     """Share of the held-out pairs in `rows` (`unpaired_rows`: desirable, undesirable, ...) whose desirable
     completion the policy finds more likely (summed completion log-probs)."""
@@ -66,7 +69,8 @@ def run_demo(args: KTOConfig, explicit: set, model_path: str | None = None, sft_
     t0 = time.perf_counter()
     if sft_steps is None:
         sft_steps = QWEN3_5_SFT_STEPS if demo == "qwen3_5" else DEMO_SFT_STEPS
-    model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path, demo)
+    model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path, demo,
+                                           make_rows=text_colour_rows if SFT_ON_TEXT else None)
     test = text_colour_rows(n_test, seed=args.seed + 1, split="test")  # the task's text variant
     # each pair gives a desirable and an undesirable example
     n_pairs = n_pairs or args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps // 2
