@@ -193,3 +193,4 @@ def test_resume_reproduces_the_uninterrupted_run_and_another_trainer_is_refused(
                                             max_steps=4, use_peft=True, disable_tqdm=True,
                                             resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")),
                  train_dataset=pairs).train()
+

@@ -9,8 +9,8 @@ Every KTOConfig field is a flag (`--help` lists them). Errors print one line and
 (MLXRL_DEBUG=1 shows the traceback); Ctrl-C saves a resumable checkpoint. Flags, the YAML file and
 the dataset's rows are checked before the model loads.
 
-The embedded default (no --model, no --dataset): the paired trainers' start (`cli.paired`: a brief SFT of the tiny
-default on the synthetic colour questions), then KTO with LoRA on the task's text variant, each a desirable (the
+The embedded default (no --model, no --dataset): a brief SFT of the tiny default on the synthetic colour
+questions' text variant, then KTO with LoRA on the task's text variant, each a desirable (the
 right colour) or an undesirable (another colour) completion; it prints the held-out exact match before and after,
 and the rewards as they separate.
 """
@@ -22,7 +22,7 @@ import time
 from ..trainers.flags import build_parser
 from ..trainers.kto.config import KTOConfig, check_kto_config
 from .common import apply_overrides, run
-from .paired import DEMO_SFT_STEPS, DEMO_TEST, QWEN3_5_SFT_STEPS, add_paired_flags, paired_command, preference_pairs
+from .paired import DEMO_TEST, QWEN3_5_SFT_STEPS, add_paired_flags, paired_command, preference_pairs
 
 __all__ = ["main", "run_demo"]
 
@@ -41,7 +41,9 @@ def unpaired_rows(pairs: list[dict]) -> list[dict]:
             for p in pairs for side in ("chosen", "rejected")]
 
 
-SFT_ON_TEXT = True  # the brief SFT on the task KTO then trains (its text variant)
+# the brief SFT trains the task KTO then trains (its text variant), long enough that the policy answers in the
+# task's format: KTO's per-example signal moves a policy that is partly right, not one at chance (docs/kto.md)
+SFT_ON_TEXT, KTO_SFT_STEPS = True, 20
 
 
 def preference_accuracy(trainer, rows: list[dict]) -> float:
@@ -68,7 +70,7 @@ def run_demo(args: KTOConfig, explicit: set, model_path: str | None = None, sft_
     apply_overrides(args, explicit, {**DEMO_OVERRIDES, **(overrides or {})})
     t0 = time.perf_counter()
     if sft_steps is None:
-        sft_steps = QWEN3_5_SFT_STEPS if demo == "qwen3_5" else DEMO_SFT_STEPS
+        sft_steps = QWEN3_5_SFT_STEPS if demo == "qwen3_5" else KTO_SFT_STEPS
     model, processor = briefly_sft_default(args, sft_steps, DEMO_SFT, model_path, demo,
                                            make_rows=text_colour_rows if SFT_ON_TEXT else None)
     test = text_colour_rows(n_test, seed=args.seed + 1, split="test")  # the task's text variant
@@ -101,7 +103,7 @@ def run_demo(args: KTOConfig, explicit: set, model_path: str | None = None, sft_
 
 def main(argv=None) -> int:
     parser = build_parser(KTOConfig, "python -m mlxrl.kto", __doc__.splitlines()[0],
-                          extra=lambda p: add_paired_flags(p, "KTO"))
+                          extra=lambda p: add_paired_flags(p, "KTO", sft_steps=KTO_SFT_STEPS))
     ns = parser.parse_args(argv)
     return run(lambda: _main(ns))
 

@@ -23,7 +23,7 @@ DEMO_SFT_STEPS, DEMO_TEST = 6, 192
 QWEN3_5_SFT_STEPS = 20  # the tiny Qwen3.5 learns the answer format more slowly (its held-out exact match, docs/dpo.md)
 
 
-def add_paired_flags(parser, name: str, demo: str = "qwen3_vl", demos=None) -> None:
+def add_paired_flags(parser, name: str, demo: str = "qwen3_vl", demos=None, sft_steps: int = DEMO_SFT_STEPS) -> None:
     from .demos import add_demo_flag
 
     add_demo_flag(parser, demo, demos)
@@ -33,7 +33,7 @@ def add_paired_flags(parser, name: str, demo: str = "qwen3_vl", demos=None) -> N
     parser.add_argument("--eval_dataset", default=None, help="evaluation data (same formats as --dataset)")
     parser.add_argument("--sft_steps", type=int, default=None,
                         help=f"embedded default only: SFT steps before {name} when starting from the tiny model "
-                             f"(default: {DEMO_SFT_STEPS}; {QWEN3_5_SFT_STEPS} for the tiny Qwen3.5)")
+                             f"(default: {sft_steps}; {QWEN3_5_SFT_STEPS} for the tiny Qwen3.5)")
 
 
 def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
