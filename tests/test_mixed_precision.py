@@ -279,3 +279,33 @@ def test_grpo_bf16_every_head_mode(graph_path, tiny_checkpoint, tmp_path, mode, 
     losses = [e["loss"] for e in trainer.log_history if "loss" in e]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert dtypes(model) == before
+
+
+def _offline(kind):
+    from mlxrl import CPOConfig, CPOTrainer, KTOConfig, KTOTrainer, ORPOConfig, ORPOTrainer, RewardConfig, RewardTrainer
+
+    return {"orpo": (ORPOConfig, ORPOTrainer), "cpo": (CPOConfig, CPOTrainer), "kto": (KTOConfig, KTOTrainer),
+            "reward": (RewardConfig, RewardTrainer)}[kind]
+
+
+@pytest.mark.parametrize("peft", [False, True])
+@pytest.mark.parametrize("kind", ["orpo", "cpo", "kto", "reward"])
+def test_offline_trainers_bf16_track_fp32(graph_path, tiny_checkpoint, tmp_path, kind, peft):
+    """ORPO, CPO, KTO and the reward model in bf16 on the graph path, compiled and checkpointed: no parameter
+    changes dtype (the reward model's score head included), and the first step's loss (the same weights, before
+    any update) is the float32 run's within bf16's rounding of the activations."""
+    config, trainer_class = _offline(kind)
+    losses = {}
+    for dtype in (mx.float32, BF16):
+        model, processor = mlxrl.load(tiny_checkpoint("qwen3"), dtype=dtype,
+                                      **({"num_labels": 1} if kind == "reward" else {}))
+        args = config(output_dir=str(tmp_path / f"{kind}{dtype}"), max_length=64, gradient_checkpointing=True,
+                      compile=True, disable_tqdm=True, save_steps=0, logging_steps=1, per_device_train_batch_size=2,
+                      seed=0, max_steps=2, use_peft=peft, learning_rate=1e-4)
+        trainer = trainer_class(model, processor, args, train_dataset=DPO_ROWS)
+        before = dtypes(model)
+        trainer.train()
+        assert dtypes(model) == before
+        losses[dtype] = [e["loss"] for e in trainer.log_history if "loss" in e]
+    assert len(losses[BF16]) == 2 and all(np.isfinite(losses[BF16]))
+    assert abs(losses[BF16][0] - losses[mx.float32][0]) < 0.03 * abs(losses[mx.float32][0]) + 1e-3, losses
