@@ -15,6 +15,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import tiny_checkpoints_module
 from safetensors.numpy import load_file
 from test_trl_runs import assert_same_weights  # the weight comparison of the SFT runs
 
@@ -23,6 +24,7 @@ from mlxrl import KTOConfig, KTOTrainer
 
 trl = pytest.importorskip("trl")
 warnings.filterwarnings("ignore")
+hf_processor = tiny_checkpoints_module().hf_processor
 
 
 def _conv(prompt, completion, label):
@@ -43,21 +45,23 @@ KEYS = ("loss", "grad_norm", "learning_rate", "kl", "rewards/chosen", "rewards/r
         "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "num_tokens")
 
 
-def trl_run(folder, tmp_path, rows, hyper):
+def trl_run(folder, tmp_path, rows, hyper, vision=False):
     import torch
     import transformers
     from datasets import Dataset
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    cls = transformers.Qwen2VLForConditionalGeneration if vision else transformers.AutoModelForCausalLM
+    hf = cls.from_pretrained(str(folder), dtype=torch.float32)
+    ref = cls.from_pretrained(str(folder), dtype=torch.float32)
+    processing = hf_processor(folder) if vision else transformers.AutoTokenizer.from_pretrained(str(folder))
     args = trl.KTOConfig(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to=[], save_strategy="no",
                          logging_steps=1, dataloader_num_workers=0, gradient_checkpointing=False, **hyper)
     trainer = trl.KTOTrainer(model=hf, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=tok)
+                             processing_class=processing)
     trainer.train()
-    return ({k: v.detach().numpy().copy() for k, v in hf.state_dict().items()},
-            [e for e in trainer.state.log_history if "loss" in e])
+    hf.save_pretrained(str(tmp_path / "trl-model"))  # the checkpoint's own tensor names
+    return load_file(str(tmp_path / "trl-model" / "model.safetensors")), [e for e in trainer.state.log_history
+                                                                         if "loss" in e]
 
 
 def ours_run(folder, tmp_path, rows, hyper, **kw):
@@ -84,6 +88,38 @@ def test_a_whole_run_ends_at_trls_weights(tiny_checkpoint, tmp_path, rows, extra
     ours, ours_log = ours_run(folder, tmp_path, data, hyper)
     theirs, trl_log = trl_run(folder, tmp_path, data, hyper)
     assert len(ours_log) == len(trl_log) == HYPER["max_steps"]
+    for mine, want in zip(ours_log, trl_log, strict=True):
+        assert set(want) & set(KEYS) <= set(mine), (sorted(want), sorted(mine))
+        for key in set(want) & set(KEYS):
+            assert mine[key] == pytest.approx(want[key], rel=2e-4, abs=2e-5), (key, mine[key], want[key])
+    assert_same_weights(start, ours, theirs)
+
+
+def vision_rows(n=3):
+    """Synthetic VQA rows as KTO rows: each image's right answer (desirable) and another (undesirable), alternating,
+    and one text-only row (no image) among them."""
+    from mlxrl.cli.paired import preference_pairs
+    from mlxrl.data.synthetic import make_vqa
+
+    rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen", "images": p["images"]}
+            for p in preference_pairs(make_vqa(n, seed=4), seed=1) for side in ("chosen", "rejected")]
+    text = {**rows[0], "prompt": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}],
+            "images": []}
+    return rows[:3] + [text] + rows[3:]
+
+
+@pytest.mark.parametrize("extra", [dict(per_device_train_batch_size=3, beta=0.3),
+                                   dict(per_device_train_batch_size=2, loss_type="apo_zero_unpaired", beta=0.2)])
+def test_a_vision_run_ends_at_trls_weights(tiny_checkpoint, tmp_path, extra):
+    """Qwen2-VL on image rows (and one text row): TRL's vision collator, whose KL sequences keep their own prompt's
+    images."""
+    folder = tiny_checkpoint("qwen2_vl")
+    hyper = {**HYPER, "max_steps": 2, "max_length": 512, **extra}
+    rows = vision_rows()
+    start = load_file(str(folder / "model.safetensors"))
+    ours, ours_log = ours_run(folder, tmp_path, rows, hyper)
+    theirs, trl_log = trl_run(folder, tmp_path, rows, hyper, vision=True)
+    assert len(ours_log) == len(trl_log) == hyper["max_steps"]
     for mine, want in zip(ours_log, trl_log, strict=True):
         assert set(want) & set(KEYS) <= set(mine), (sorted(want), sorted(mine))
         for key in set(want) & set(KEYS):

@@ -15,6 +15,7 @@ from mlxrl.plan.measure import measure
 from mlxrl.plan.suggest import _candidates
 from mlxrl.trainers.dpo.config import DPOConfig
 from mlxrl.trainers.grpo.trainer import GRPOConfig
+from mlxrl.trainers.kto.config import KTOConfig
 from mlxrl.trainers.sft.config import SFTConfig
 
 # a small random text model whose activations matter next to its weights (vocab 1024 keeps it fast)
@@ -313,6 +314,9 @@ IMAGE_CASES = [  # each on the CPU path and in bf16 on the graph path
     ("dpo", DPOConfig, dict(max_length=64, per_device_train_batch_size=1, use_peft=True), 2, {"prompt_length": 32}),
     ("grpo", GRPOConfig, dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=16,
                               use_peft=True), 1, {"prompt_length": 64}),
+    # KTO: each sequence's images once; its KL sequences (the same prompts) run the tower again without a gradient
+    ("kto", KTOConfig, dict(max_length=64, per_device_train_batch_size=2, use_peft=True), 1, {"prompt_length": 32}),
+    ("kto", KTOConfig, dict(max_length=64, per_device_train_batch_size=2), 1, {}),
 ]
 
 

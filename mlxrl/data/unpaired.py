@@ -13,17 +13,25 @@ What matches TRL (``KTOTrainer._prepare_dataset`` and ``DataCollatorForUnpairedP
 * tokenising: the prompt (with the generation prompt) and prompt + completion apart, the completion starting where
   they stop agreeing; string completions get EOS when they lack it; rows whose prompt alone fills ``max_length``
   are dropped; each sequence is truncated to ``max_length`` (keep_start) in the batch;
+* vision rows (TRL's ``DataCollatorForVisionUnpairedPreference``, chosen when the first row has an ``images`` or
+  ``image`` column): the images belong to the prompt (their blocks filled in order, or put before the first user
+  message's text); the prompt is the characters its rendering shares with the whole conversation's, the completion
+  the rest, tokenised apart, and a string completion gets no EOS (TRL's vision path appends none). Beyond TRL, which
+  refuses them for vision data, preference rows with images are unpaired like text ones and reference log-probs
+  can be precomputed (the rows are tokenised up front here);
 * the KL term's mismatched completions: in dataset order, within each chunk of ``per_device_train_batch_size``
   examples, example i is paired with the completion of example i - 1 (the first with the chunk's last):
   (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}). That pairing is fixed by the order, which is why TRL (and mlxrl)
   require ``train_sampling_strategy="sequential"`` for the ``kto`` loss.
 
-A batch is B sequences (``input_ids``, ``rows``, ``targets``, ``seq_mask`` [B, R], ``labels`` [B]) and, with the KL
-completions, the same arrays of the B mismatched sequences under ``kl_`` names (computed without a gradient).
+A batch is B sequences (``input_ids``, ``rows``, ``targets``, ``seq_mask`` [B, R], ``labels`` [B], ``pixel_values`` /
+``image_grid_thw`` of the prompts' images) and, with the KL completions, the same arrays of the B mismatched
+sequences under ``kl_`` names (computed without a gradient; their prompts, hence their images, are the same).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +39,8 @@ import numpy as np
 
 from ..processing.tokens import IGNORE_INDEX
 from .batches import default_buckets, padded_buckets, right_padded
-from .formats import DataError, chatml, check_messages, common_prefix, render_chat, with_eos
+from .formats import DataError, chatml, check_messages, common_prefix, expand_images, render_chat, with_eos
+from .images import fill_images, row_images
 from .preference import _columns, _render_prompt, epoch_groups, layout_sequences, next_token_positions, row_bucket
 
 __all__ = ["UnpairedExample", "check_unpaired_row", "unpair", "tokenize_unpaired", "with_kl_completions",
@@ -47,6 +56,8 @@ class UnpairedExample:
     label: bool
     index: int = -1
     kl_completion_ids: np.ndarray | None = None
+    pixel_values: np.ndarray | None = None     # [P, C*T*p*p] the prompt's images (the KL sequence's too)
+    image_grid_thw: np.ndarray | None = None   # [n, 3]
     ref_logps: tuple[float, float | None] | None = None  # precomputed (completion, KL completion) reference log-probs
 
     def __len__(self) -> int:
@@ -69,9 +80,6 @@ def _unpaired_columns(row: dict, index: int):
         raise DataError(f"row {index}: KTO data needs 'prompt', 'completion' and 'label' columns, or preference "
                         f"columns 'chosen' and 'rejected' (missing {', '.join(map(repr, missing))}; has "
                         f"{', '.join(map(repr, sorted(map(str, row))))})")
-    if row.get("images") or row.get("image"):
-        raise DataError(f"row {index}: KTO on images is not supported yet (mlxrl's KTOTrainer trains text rows); "
-                        "drop the images column or use DPO, which trains vision pairs")
     prompt, completion = row["prompt"], row["completion"]
     conv = isinstance(completion, list)
     if conv != isinstance(prompt, list) or (not conv and not (isinstance(prompt, str) and isinstance(completion, str))):
@@ -108,10 +116,17 @@ def unpair(rows: Sequence[dict]) -> list[tuple[dict, int]]:
     return out
 
 
+def _is_vision(rows: Sequence[dict]) -> bool:
+    """TRL's test of a vision dataset: its first row has an ``images`` or ``image`` column."""
+    return bool(rows) and isinstance(rows[0], dict) and ("images" in rows[0] or "image" in rows[0])
+
+
 def tokenize_unpaired(rows: Sequence[dict], processor, *, max_length: int | None = 1024) -> list[UnpairedExample]:
     """TRL's KTO tokenisation of every row (module docstring); rows whose prompt alone fills max_length are left
     out (the caller counts them)."""
     tok = processor.tokenizer
+    rows = list(rows)
+    vision = _is_vision(rows)
 
     def encode(text):
         return np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int64) if text else np.zeros(0, np.int64)
@@ -119,16 +134,31 @@ def tokenize_unpaired(rows: Sequence[dict], processor, *, max_length: int | None
     out = []
     for row, index in unpair(rows):
         prompt, completion, label, conv = _unpaired_columns(row, index)
+        images = row_images(row)
         if conv:
+            if images:
+                prompt, images = fill_images(prompt, images, index)
             p_text = _render_prompt(processor, prompt, row, index)
             full = render_chat(processor, prompt + completion, row, index)
         else:
-            p_text, full = prompt, prompt + with_eos(completion, tok.eos_token)
-        p_ids, f_ids = encode(p_text), encode(full)
-        n = common_prefix(p_ids, f_ids)
-        if max_length is not None and n >= max_length:
+            p_text, full = prompt, prompt + (completion if vision else with_eos(completion, tok.eos_token))
+        if vision:
+            # TRL's vision collator: the prompt is the characters the two renderings share, the completion the rest,
+            # each tokenised apart (no EOS appended to string completions)
+            p_text = os.path.commonprefix([p_text, full])
+            p_ids, c_ids = encode(p_text), encode(full[len(p_text):])
+        else:
+            f_ids = encode(full)
+            n = common_prefix(encode(p_text), f_ids)
+            p_ids, c_ids = f_ids[:n], f_ids[n:]
+        if processor.image_processor is not None and (c_ids == processor.image_token_id).any():
+            raise DataError(f"row {index}: an image placeholder is in the completion; images belong to the prompt")
+        expanded = expand_images(p_ids, np.zeros(len(p_ids), bool), images, processor, index)
+        p_ids = expanded.input_ids
+        if max_length is not None and len(p_ids) >= max_length:
             continue
-        out.append(UnpairedExample(f_ids[:n].astype(np.int32), f_ids[n:].astype(np.int32), label, index))
+        out.append(UnpairedExample(p_ids.astype(np.int32), c_ids.astype(np.int32), label, index,
+                                   pixel_values=expanded.pixel_values, image_grid_thw=expanded.image_grid_thw))
     return out
 
 
@@ -177,6 +207,10 @@ def unpaired_batch(examples: Sequence[UnpairedExample], *, pad_token_id: int, bu
     if examples[0].kl_completion_ids is not None:
         kl = _sequence_arrays([seq(e, e.kl_completion_ids) for e in examples], **kw)
         out.update({f"kl_{k}": v for k, v in kl.items() if k != "token_mask"})
+    pixels = [e for e in examples if e.pixel_values is not None]
+    if pixels:  # every sequence's prompt is its own example's, the KL sequences' too: one set of images serves both
+        out["pixel_values"] = np.concatenate([e.pixel_values for e in pixels]).astype(np.float32)
+        out["image_grid_thw"] = np.concatenate([e.image_grid_thw for e in pixels]).astype(np.int32)
     if all(e.ref_logps is not None for e in examples):
         out["ref_logps"] = np.array([e.ref_logps[0] for e in examples], np.float32)
         if examples[0].kl_completion_ids is not None:

@@ -47,8 +47,13 @@ from .config import KTOConfig, check_kto_config
 __all__ = ["KTOTrainer"]
 
 
+_IMAGES = ("pixel_values", "image_grid_thw", "vision_meta")
+
+
 def _kl_arrays(arrays: dict) -> dict:
-    return {k[3:]: v for k, v in arrays.items() if k.startswith("kl_")}
+    """The mismatched KL sequences' arrays; each keeps its own example's prompt, so the batch's images too."""
+    return {**{k[3:]: v for k, v in arrays.items() if k.startswith("kl_")},
+            **{k: arrays[k] for k in _IMAGES if k in arrays}}
 
 
 class KTOTrainer(Trainer):
