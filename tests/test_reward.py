@@ -301,6 +301,103 @@ def test_a_whole_run_ends_at_trls_weights(classifier, tmp_path, rows, extra):
     np.testing.assert_allclose(hf_scores(tmp_path / "ours", ROWS), got, rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def vision_classifier(tiny_checkpoint, tmp_path_factory):
+    """A Qwen3.5 (vision-language) reward model folder: the tiny checkpoint with a score head drawn with a large
+    scale, its pad token set, saved by mlxrl (transformers' Qwen3_5ForSequenceClassification loads it)."""
+    causal = tiny_checkpoint("qwen3_5")
+    model, processor = mlxrl.load(causal, num_labels=1)
+    w = model.score.weight
+    model.score.weight = (0.5 * mx.random.normal(w.shape, key=mx.random.key(0))).astype(w.dtype)
+    score_lib.set_pad_token_id(model, processor.pad_token_id)
+    return mlxrl.loading.save(model, processor, tmp_path_factory.mktemp("vision_reward") / "rm")
+
+
+def vision_reward_rows(n=4):
+    from mlxrl.cli.paired import preference_pairs
+    from mlxrl.data.synthetic import make_vqa
+
+    return preference_pairs(make_vqa(n, seed=4), seed=1)  # explicit prompt (with the image), conversations
+
+
+def trl_vision_run(folder, tmp_path, rows, hyper, dtype=torch.float32):
+    """TRL's RewardTrainer on transformers' Qwen3_5ForSequenceClassification with the images added: TRL collates
+    text only, so each row is tokenised by transformers' processor (TRL's image placement,
+    `prepare_multimodal_messages`) and the collator adds the pixel values, chosen rows' then rejected rows'."""
+    import transformers
+    from datasets import Dataset
+    from trl.data_utils import prepare_multimodal_messages
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    from conftest import tiny_checkpoints_module
+
+    hf = transformers.Qwen3_5ForSequenceClassification.from_pretrained(str(folder), dtype=dtype)
+    proc = tiny_checkpoints_module().hf_processor(folder)
+    data, pixels = [], []
+    for i, row in enumerate(rows):
+        ids = {}
+        for side in ("chosen", "rejected"):
+            text = proc.apply_chat_template(prepare_multimodal_messages(row["prompt"] + row[side],
+                                                                        images=row["images"]), tokenize=False)
+            enc = proc(text=[text], images=[row["images"]], return_tensors="pt", add_special_tokens=False)
+            ids[f"{side}_ids"] = enc["input_ids"][0].tolist()
+        pixels.append((enc["pixel_values"], enc["image_grid_thw"]))
+        data.append({**ids, "row": i})
+    base = DataCollatorForPreference(pad_token_id=proc.tokenizer.pad_token_id)
+
+    def collate(examples):
+        out = base([{k: e[k] for k in ("chosen_ids", "rejected_ids")} for e in examples])
+        images = [pixels[e["row"]] for e in examples] * 2
+        out["pixel_values"] = torch.cat([p for p, _ in images]).to(dtype)
+        out["image_grid_thw"] = torch.cat([g for _, g in images])
+        out["mm_token_type_ids"] = (out["input_ids"] == proc.image_token_id).long()  # the processor's: 1 = image
+        return out
+
+    args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to=[],
+                            save_strategy="no", logging_steps=1, dataloader_num_workers=0,
+                            gradient_checkpointing=False, remove_unused_columns=False, **hyper)  # keep "row"
+    trainer = trl.RewardTrainer(model=hf, args=args, train_dataset=Dataset.from_list(data),
+                                processing_class=proc.tokenizer, data_collator=collate)
+    trainer.train()
+    return {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}, [e for e in trainer.state.log_history
+                                                                               if "loss" in e]
+
+
+def test_a_vision_run_ends_at_the_references_weights(vision_classifier, tmp_path):
+    """Beyond TRL (whose RewardTrainer collates text only): a Qwen3.5 reward model on image rows, against TRL's
+    trainer driving transformers' classifier on the same rows tokenised by transformers' processor, in float64 (the
+    truth) and float32 (the scale of float32's own error: Adam's first, sign-like step on this tiny Gated DeltaNet
+    model spreads rounding by ~1e-3 into the second step). Every logged value and every tensor of the final
+    weights, the vision tower's and the score head's included, no further from float64 than twice TRL's float32
+    (float32's error of a step: the largest of TRL's float32 deviations; and within 2e-4 / 5e-3 of the update,
+    whichever is larger)."""
+    hyper = {**HYPER, "max_length": 512, "per_device_train_batch_size": 2, "max_steps": 2}
+    rows = vision_reward_rows()
+    start = load_file(str(vision_classifier / "model.safetensors"))
+    _, ours_log = ours_run(vision_classifier, tmp_path, rows, hyper)
+    ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    f32, log32 = trl_vision_run(vision_classifier, tmp_path / "f32", rows, hyper)
+    f64, log64 = trl_vision_run(vision_classifier, tmp_path / "f64", rows, hyper, dtype=torch.float64)
+    assert len(ours_log) == len(log64) == hyper["max_steps"]
+    for mine, want, single in zip(ours_log, log64, log32, strict=True):
+        keys = set(want) & set(KEYS)
+        # float32's error at this step: the largest of TRL's float32 deviations, relative to max(|value|, 1)
+        eps = max(abs(single[k] - want[k]) / max(abs(want[k]), 1.0) for k in keys)
+        for key in keys:
+            bound = max(2e-4 * abs(want[key]), 2e-5, 2 * eps * max(abs(want[key]), 1.0))
+            assert abs(mine[key] - want[key]) <= bound, (key, mine[key], want[key], single[key])
+    checked = 0
+    for name, w0 in start.items():
+        update = np.linalg.norm(f64[name] - w0)
+        if update == 0:
+            continue
+        gap, gap32 = (np.linalg.norm(w[name].astype(np.float64) - f64[name]) for w in (ours, f32))
+        assert gap <= max(5e-3 * update, 2 * gap32), (name, gap / update, gap32 / update)
+        checked += 1
+    assert checked == len(start)  # the vision tower and the score head trained too
+    assert any(k.startswith("model.visual.") for k in start) and "score.weight" in start
+
+
 def test_a_lora_run_with_the_head_trained_whole_is_trls_and_peft_loads_it(classifier, tmp_path):
     """LoRA with PEFT's SEQ_CLS task type: the adapters and the score head (modules_to_save) trained as TRL trains
     them (logs; merged weights), and PeftModel on transformers' classifier loads our adapter with our scores."""

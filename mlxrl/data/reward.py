@@ -13,6 +13,10 @@ What matches TRL (``RewardTrainer._prepare_dataset`` and its ``DataCollatorForPr
 * tokenising: each whole sequence at once (no prompt / completion split: a reward model scores the sequence),
   a conversation through the chat template (no generation prompt), a string with EOS appended when it lacks
   it (prompt + answer + EOS), both with the tokenizer's special tokens as TRL calls it;
+* images (beyond TRL, whose RewardTrainer collates text only; for a VL model transformers has a classifier for:
+  Qwen3.5): an ``images`` (or ``image``) column belongs to the prompt both sequences begin with, their blocks
+  filled in order (or put before the first user message's text) in each conversation, the placeholders expanded
+  to the images' token counts; the batch's ``pixel_values`` hold each row's images twice (chosen, then rejected);
 * ``max_length``: a pair with either sequence longer is dropped (never truncated); the count is printed;
 * a batch of B pairs is one forward of 2B sequences, chosen rows then rejected, right-padded with the pad token
   (or concatenated without padding, ``padding_free``), each scored at its last token that is not the pad token
@@ -28,8 +32,8 @@ import numpy as np
 
 from .batches import right_padded
 from .files import naming_rows, origins_of
-from .formats import DataError, chatml, check_messages, render_chat, with_eos
-from .images import row_images
+from .formats import DataError, chatml, check_messages, expand_images, render_chat, with_eos
+from .images import fill_images, row_images
 from .preference import layout_sequences, pair_groups
 
 __all__ = ["RewardExample", "check_reward_row", "tokenize_reward_row", "tokenize_reward_rows", "reward_batch",
@@ -42,6 +46,8 @@ class RewardExample:
     rejected_ids: np.ndarray    # [Lr]
     margin: float | None = None
     index: int = -1
+    pixel_values: np.ndarray | None = None     # [P, C*T*p*p] the row's images (both sequences hold them)
+    image_grid_thw: np.ndarray | None = None   # [n, 3]
 
     def __len__(self) -> int:
         return max(len(self.chosen_ids), len(self.rejected_ids))
@@ -81,9 +87,6 @@ def _sequences(row: dict, index: int):
         raise DataError(f"row {index}: reward data needs 'chosen' and 'rejected' columns (missing "
                         f"{', '.join(map(repr, missing))}; has {', '.join(map(repr, sorted(map(str, row))))}), or "
                         "tokenised 'chosen_ids' and 'rejected_ids'")
-    if row_images(row):
-        raise DataError(f"row {index}: reward modelling on images is not supported yet (mlxrl's RewardTrainer "
-                        "trains text rows, as TRL's collates them); drop the 'images' column")
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     conv = isinstance(chosen, list)
     if conv != isinstance(rejected, list) or (not conv and not (isinstance(chosen, str) and isinstance(rejected, str))):
@@ -121,16 +124,21 @@ def tokenize_reward_row(row: dict, processor, *, index: int) -> RewardExample:
         return RewardExample(ids[0], ids[1], margin, index)
     chosen, rejected, conv, prompt = _sequences(row, index)
     tok = processor.tokenizer
+    images = row_images(row)
+    if conv and images:  # the images belong to the prompt both conversations begin with
+        (chosen, filled), (rejected, _) = (fill_images(side, images, index) for side in (chosen, rejected))
+        images = filled
     if conv:
         texts = [render_chat(processor, side, row, index) for side in (chosen, rejected)]
         encoded = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     else:
         texts = [(prompt or "") + with_eos(side, tok.eos_token) for side in (chosen, rejected)]
         encoded = [tok(t)["input_ids"] for t in texts]
-    c, r = (np.asarray(e, np.int32) for e in encoded)
-    if not c.size or not r.size:
+    c, r = (expand_images(np.asarray(e, np.int64), np.ones(len(e), bool), images, processor, index)
+            for e in encoded)
+    if not c.input_ids.size or not r.input_ids.size:
         raise DataError(f"row {index}: an empty sequence after tokenisation")
-    return RewardExample(c, r, margin, index)
+    return RewardExample(c.input_ids, r.input_ids, margin, index, c.pixel_values, c.image_grid_thw)
 
 
 def tokenize_reward_rows(rows, processor, *, max_length: int | None = 1024, name: str = "train") -> list:
@@ -176,6 +184,10 @@ def reward_batch(examples: Sequence[RewardExample], *, pad_token_id: int, bucket
         out["attention_mask"] = mask
     if padding_free:
         out["segment_ids"] = seg
+    pixels = [e for e in examples if e.pixel_values is not None]
+    if pixels:  # in the sequences' order: every chosen row's images, then the same for the rejected rows
+        out["pixel_values"] = np.concatenate([e.pixel_values for e in pixels] * 2).astype(np.float32)
+        out["image_grid_thw"] = np.concatenate([e.image_grid_thw for e in pixels] * 2).astype(np.int32)
     return out
 
 
