@@ -325,11 +325,10 @@ def trl_vision_run(folder, tmp_path, rows, hyper, dtype=torch.float32):
     text only, so each row is tokenised by transformers' processor (TRL's image placement,
     `prepare_multimodal_messages`) and the collator adds the pixel values, chosen rows' then rejected rows'."""
     import transformers
+    from conftest import tiny_checkpoints_module
     from datasets import Dataset
     from trl.data_utils import prepare_multimodal_messages
     from trl.trainer.reward_trainer import DataCollatorForPreference
-
-    from conftest import tiny_checkpoints_module
 
     hf = transformers.Qwen3_5ForSequenceClassification.from_pretrained(str(folder), dtype=dtype)
     proc = tiny_checkpoints_module().hf_processor(folder)
