@@ -81,6 +81,12 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "RewardError", "check_grpo_config", "che
            "load_reward_func", "reward_values"]
 
 
+def finite_items(metrics: dict) -> dict:
+    """Scalar arrays as floats, leaving out NaN ones (a reward function that applied to no completion)."""
+    out = {k: v.item() for k, v in metrics.items()}
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
 def _bucket(n: int, limit: int) -> int:
     """Next power of two >= n (at least 8), capped at limit: completion widths the compiled step sees."""
     return min(max(8, 1 << max(0, math.ceil(math.log2(max(n, 1))))), max(limit, n))
@@ -90,6 +96,8 @@ def _bucket(n: int, limit: int) -> int:
 
 class GRPOTrainer(Trainer):
     trainer_name = "grpo"
+    config_class = GRPOConfig
+    check_args = staticmethod(check_grpo_config)
     metric_names = ("loss", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                     "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl",
                     "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens")
@@ -98,18 +106,19 @@ class GRPOTrainer(Trainer):
                  eval_dataset=None, reward_funcs=None, ref_model=None, **trl):
         """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
         processing_class, peft_config)."""
+        name = type(self).__name__
         if "reward_processing_classes" in trl and trl.pop("reward_processing_classes") is not None:
-            raise MlxrlError("GRPOTrainer(reward_processing_classes=...) is not supported by mlxrl: a reward model "
+            raise MlxrlError(f"{name}(reward_processing_classes=...) is not supported by mlxrl: a reward model "
                              "is given by its folder (its own tokenizer) or as RewardModel(model, processor)")
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
-            self, "GRPOTrainer", GRPOConfig, model, processor, args, train_dataset, eval_dataset, trl)
-        check_grpo_config(args)
+            self, name, self.config_class, model, processor, args, train_dataset, eval_dataset, trl)
+        self.check_args(args)
         if train_dataset is None or len(train_dataset) == 0:
-            raise ValueError("GRPOTrainer needs a train_dataset of rows with a 'prompt' column")
+            raise ValueError(f"{name} needs a train_dataset of rows with a 'prompt' column")
         if eval_dataset is not None:
-            raise ValueError("eval_dataset is not supported by mlxrl's GRPOTrainer yet")
+            raise ValueError(f"eval_dataset is not supported by mlxrl's {name} yet")
         if reward_funcs is None:
-            raise ValueError("GRPOTrainer needs reward_funcs: a callable or a list of callables "
+            raise ValueError(f"{name} needs reward_funcs: a callable or a list of callables "
                              "f(prompts, completions, completion_ids, **columns) -> list[float | None]")
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         funcs = [reward_entry(f) for f in funcs]
@@ -256,9 +265,13 @@ class GRPOTrainer(Trainer):
         t0 = time.perf_counter()
         rows, rendered, chunks = self._generate(round_index)
         t_gen = time.perf_counter() - t0
-        advantages, lengths, prompt_lens, metrics = self._score(rows, rendered, chunks)
-        micro = self._cut(chunks, advantages, lengths, prompt_lens)
+        rewards, lengths, prompt_lens, metrics = self._score(rows, rendered, chunks)
+        micro, slices = self._cut(chunks, lengths, prompt_lens)
         self._add_logps(micro)
+        advantages, reward_metrics = self.round_advantages(rewards, micro)
+        for mb, sl in zip(micro, slices, strict=True):
+            mb["advantages"] = advantages[sl].astype(np.float32)
+        metrics = {**reward_metrics, **metrics}
         self.generation_time += t_gen
         metrics["generation_seconds"] = t_gen
         metrics["scoring_seconds"] = time.perf_counter() - t0 - t_gen
@@ -299,10 +312,9 @@ class GRPOTrainer(Trainer):
         return rows, rendered, chunks
 
     def _score(self, rows: list[dict], rendered: list, chunks: list):
-        """Decode and score the whole round (advantages need every group; "batch" scaling the whole round, over
-        every rank's groups): (this rank's advantages, completion lengths, prompt lengths, the round's
-        metrics)."""
-        a, G = self.args, self.G
+        """Decode and score the round: (this rank's [N, F] rewards, completion lengths, prompt lengths, the
+        round's length metrics over every rank's completions)."""
+        G = self.G
         prompts_per_mb = self._prompts_per_micro_batch
         prompts, completions, completion_ids, columns = [], [], [], {}
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
@@ -323,16 +335,7 @@ class GRPOTrainer(Trainer):
             truncated.extend(np.array(gen.truncated).tolist())
             prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1), G).tolist())
         rewards = self.score(prompts, completions, completion_ids, columns)
-        # data parallel: advantages and reward statistics over the whole round (every rank's groups)
-        n_local = len(rewards)
-        rewards = self._gather(rewards)
-        advantages, metrics = compute_advantages(mx.array(rewards), G, reward_weights=a.reward_weights,
-                                                 scale_rewards=a.scale_rewards,
-                                                 multi_objective_aggregation=a.multi_objective_aggregation,
-                                                 reward_names=self.reward_func_names)
-        metrics = {k: v.item() for k, v in metrics.items()}
-        metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}  # a function that applied to no completion
-        advantages = np.array(advantages)[self.rank * n_local:(self.rank + 1) * n_local]
+        metrics = {}
         all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
         all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
         lengths = np.array(lengths, dtype=np.float64)
@@ -345,15 +348,31 @@ class GRPOTrainer(Trainer):
         for name, values in self._pending_metrics.items():
             metrics[name] = float(np.mean(values))
         self._pending_metrics.clear()
-        return advantages, lengths, prompt_lens, metrics
+        return rewards, lengths, prompt_lens, metrics
 
-    def _cut(self, chunks: list, advantages: np.ndarray, lengths: np.ndarray, prompt_lens: list) -> list[dict]:
+    def round_advantages(self, rewards: np.ndarray, micro: list[dict]) -> tuple[np.ndarray, dict]:
+        """(this rank's advantages [N], the round's reward metrics) from this rank's [N, F] rewards: group-relative
+        over the whole round (every rank's groups: "batch" scaling is over all of them)."""
+        a = self.args
+        n_local = len(rewards)
+        advantages, metrics = compute_advantages(mx.array(self._gather(rewards)), self.G,
+                                                 reward_weights=a.reward_weights, scale_rewards=a.scale_rewards,
+                                                 multi_objective_aggregation=a.multi_objective_aggregation,
+                                                 reward_names=self.reward_func_names)
+        return np.array(advantages)[self.rank * n_local:(self.rank + 1) * n_local], finite_items(metrics)
+
+    @property
+    def token_sum_loss(self) -> bool:
+        """Whether the loss is a token sum over the round (dapo, cispo) rather than a mean per micro-batch."""
+        return self.args.loss_type in TOKEN_SUM_LOSS_TYPES
+
+    def _cut(self, chunks: list, lengths: np.ndarray, prompt_lens: list) -> tuple[list[dict], list[slice]]:
         """The round's micro-batches: whole groups (b >= G: one chunk) or b-row slices of one prompt's group
         (b < G), completions padded to a bucket and prompts left-padded to a multiple (fewer compiled shapes),
-        each with its share of the loss normaliser."""
+        each with its share of the loss normaliser; and each one's rows of the round (where its advantages are)."""
         a, G, b = self.args, self.G, self.args.per_device_train_batch_size
         prompts_per_mb = self._prompts_per_micro_batch
-        total_tokens, micro, pad = 0, [], self.processor.pad_token_id
+        total_tokens, micro, slices, pad = 0, [], [], self.processor.pad_token_id
         for c, (enc, gen) in enumerate(chunks):
             ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
             if a.mask_truncated_completions:
@@ -372,16 +391,15 @@ class GRPOTrainer(Trainer):
                 mb = {"prompt_ids": p_ids, "prompt_mask": p_mask,
                       "completion_ids": ids[s:s + step].astype(np.int32),
                       "completion_mask": mask[s:s + step].astype(np.int32),
-                      "advantages": advantages[sl].astype(np.float32),
                       "num_tokens": int(sum(prompt_lens[sl]) + sum(lengths[sl]))}
                 if "pixel_values" in enc:
                     mb["pixel_values"] = enc["pixel_values"]
                     mb["image_grid_thw"] = enc["image_grid_thw"].astype(np.int32)
                 micro.append(mb)
+                slices.append(sl)
         for mb in micro:  # TRL: the round's tokens x grad_accum / steps_per_generation, over one window
-            mb["normalizer"] = (max(total_tokens, 1) / self.steps_per_generation if a.loss_type in TOKEN_SUM_LOSS_TYPES
-                               else 1.0)
-        return micro
+            mb["normalizer"] = max(total_tokens, 1) / self.steps_per_generation if self.token_sum_loss else 1.0
+        return micro, slices
 
     def _add_logps(self, micro: list[dict]) -> None:
         """Reference and old log-probs: gradient-free, right after generation, with the weights that generated."""
@@ -441,7 +459,7 @@ class GRPOTrainer(Trainer):
         n, C, D = hidden.shape
         mask = batch["completion_mask"].astype(mx.float32)
         targets = mx.where(mask > 0, batch["completion_ids"], IGNORE_INDEX).reshape(-1)
-        token_sum = a.loss_type in TOKEN_SUM_LOSS_TYPES
+        token_sum = self.token_sum_loss
         weights = grpo_token_weights(mask, a.loss_type, max_completion_length=a.max_completion_length,
                                      normalizer=normalizer if token_sum else None)
         if not token_sum:
@@ -467,7 +485,7 @@ class GRPOTrainer(Trainer):
             return self._fused_loss(model, batch, normalizer)
         aux = []  # an MoE model's load-balancing loss (`forward.with_router_aux`)
         logps, entropy = self.policy_logps(model, batch, aux=aux)
-        token_sum = a.loss_type in TOKEN_SUM_LOSS_TYPES
+        token_sum = self.token_sum_loss
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
                                   batch["completion_mask"], importance_sampling_level=a.importance_sampling_level,
                                   max_completion_length=a.max_completion_length,
