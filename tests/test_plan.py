@@ -133,6 +133,21 @@ def test_grpo_prediction_within_15_percent(name, kw, prompt_length):
     _check("grpo", GRPOConfig, name, kw, prompt_length=prompt_length)
 
 
+# RLOO: GRPO's rounds, the old log-probs always computed and (beta 0.05 by default) the reference's
+RLOO_CASES = [
+    ("small", dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=64,
+                   gradient_checkpointing=False), 128),
+    ("small", dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=64, use_peft=True), 128),
+]
+
+
+@pytest.mark.parametrize("name,kw,prompt_length", RLOO_CASES)
+def test_rloo_prediction_within_15_percent(name, kw, prompt_length):
+    from mlxrl import RLOOConfig
+
+    _check("rloo", RLOOConfig, name, kw, prompt_length=prompt_length)
+
+
 # Qwen3.5's layer kinds (`plan.layers`): the DeltaNet layers' saved arrays and per-chunk states, their
 # backward under checkpointing, their decoding cache in GRPO, and a trained tied head (SFT's native kernel)
 QWEN3_5_CASES = [

@@ -72,7 +72,7 @@ def test_trl_positional_order_and_formatting_func(tiny_checkpoint, tmp_path):
     assert trainer.train().global_step == 2
 
 
-def test_dpo_and_grpo_quick_starts(tiny_checkpoint, tmp_path):
+def test_dpo_grpo_and_rloo_quick_starts(tiny_checkpoint, tmp_path):
     folder = str(tiny_checkpoint("qwen3"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dpo = DPOTrainer(model=folder, args=DPOConfig(output_dir=str(tmp_path / "dpo"), max_length=64, **QUICK),
@@ -87,6 +87,12 @@ def test_dpo_and_grpo_quick_starts(tiny_checkpoint, tmp_path):
                        args=GRPOConfig(output_dir=str(tmp_path / "grpo"), num_generations=4, max_completion_length=8,
                                        **QUICK))
     assert grpo.train().global_step == 2 and any("reward" in e for e in grpo.state.log_history)
+
+    from mlxrl import RLOOConfig, RLOOTrainer  # was: from trl import RLOOConfig, RLOOTrainer
+
+    rloo = RLOOTrainer(model=folder, reward_funcs=reward_len, train_dataset=prompts,
+                       args=RLOOConfig(output_dir=str(tmp_path / "rloo"), max_completion_length=8, **QUICK))
+    assert rloo.train().global_step == 2 and any("kl" in e for e in rloo.state.log_history)
 
 
 def test_kto_orpo_cpo_quick_starts_with_peft_config(tiny_checkpoint, tmp_path):
@@ -160,7 +166,7 @@ def test_what_mlxrl_cannot_do_is_one_line(tiny_checkpoint, tmp_path):
         SFTTrainer(model=folder, args=args, train_dataset=ROWS, no_such_thing=1)
 
 
-@pytest.mark.parametrize("command", ["sft", "dpo", "grpo", "generate", "chat", "plan"])
+@pytest.mark.parametrize("command", ["sft", "dpo", "grpo", "rloo", "generate", "chat", "plan"])
 def test_one_console_command(command):
     """`mlxrl CMD ...` (the console script) and `python -m mlxrl CMD ...` are `python -m mlxrl.CMD ...`."""
     import subprocess

@@ -45,7 +45,8 @@ def _experimental(name):
                                           (GRPOConfig, trl.GRPOConfig), (mlxrl.KTOConfig, trl.KTOConfig),
                                           (mlxrl.ORPOConfig, _experimental("ORPO")),
                                           (mlxrl.CPOConfig, _experimental("CPO")),
-                                          (mlxrl.RewardConfig, trl.RewardConfig)])
+                                          (mlxrl.RewardConfig, trl.RewardConfig),
+                                          (mlxrl.RLOOConfig, trl.RLOOConfig)])
 def test_every_trl_field_is_ours(ours, theirs):
     mine = {f.name: f for f in dataclasses.fields(ours)}
     missing = [f.name for f in dataclasses.fields(theirs) if f.name not in mine]

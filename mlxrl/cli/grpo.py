@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import time
 
+from .. import registry
 from ..trainers.flags import build_parser, config_from_args
-from ..trainers.grpo.trainer import GRPOConfig, check_grpo_config
+from ..trainers.grpo.trainer import GRPOConfig
 from .common import apply_overrides, load_model_and_rows, run
 from .demos import briefly_sft_default
 
@@ -62,7 +63,7 @@ def prompt_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _extra(parser):
+def _extra(parser, title: str = "GRPO"):
     from .demos import add_demo_flag
 
     add_demo_flag(parser)
@@ -73,24 +74,25 @@ def _extra(parser):
                         help="module:function reward functions and reward model folders "
                              "(default: the demo's colour_reward)")
     parser.add_argument("--sft_steps", type=int, default=None,
-                        help="embedded default only: SFT steps before GRPO when starting from the tiny model "
+                        help=f"embedded default only: SFT steps before {title} when starting from the tiny model "
                              f"(default: {DEMO_SFT_STEPS}; {QWEN3_5_SFT_STEPS} for the tiny Qwen3.5)")
 
 
 def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft_steps: int | None = None,
-             n_test: int = DEMO_TEST, overrides: dict | None = None, reward_funcs=None, demo: str = "qwen3_vl") -> dict:
-    """The embedded default (`demo`: its architecture); overrides replace DEMO_OVERRIDES (tests use a shorter
-    run)."""
+             n_test: int = DEMO_TEST, overrides: dict | None = None, reward_funcs=None, demo: str = "qwen3_vl",
+             trainer: str = "grpo") -> dict:
+    """The embedded default (`demo`: its architecture) of GRPO or RLOO (`trainer`, a registry name); overrides
+    replace DEMO_OVERRIDES (tests use a shorter run)."""
     import numpy as np
 
     from mlxrl.evaluate import exact_match
 
     from ..data.synthetic import demo_rows
-    from ..trainers.grpo.trainer import GRPOTrainer
     from .demos import DEMO_SFT
 
+    title = registry.entry(trainer).title
     apply_overrides(args, explicit, {**DEMO_OVERRIDES, **(overrides or {})})
-    check_grpo_config(args)
+    registry.check_config(trainer, args)
     t0 = time.perf_counter()
     if sft_steps is None:
         sft_steps = QWEN3_5_SFT_STEPS if demo == "qwen3_5" else DEMO_SFT_STEPS
@@ -100,10 +102,10 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
     n_prompts = max(prompts_needed // args.num_generations, 8)
     rows = prompt_rows(demo_rows(processor, n_prompts, seed=args.seed + 7, split="train"))
     before = exact_match(model, processor, test)
-    print(f"GRPO on {len(rows)} synthetic colour questions, {args.num_generations} completions each, reward 1 for "
-          f"the right colour word; held-out exact match before GRPO: {before:.1%}", flush=True)
-    trainer = GRPOTrainer(model=model, processor=processor, args=args, train_dataset=rows,
-                          reward_funcs=reward_funcs or [colour_reward])
+    print(f"{title} on {len(rows)} synthetic colour questions, {args.num_generations} completions each, reward 1 "
+          f"for the right colour word; held-out exact match before {title}: {before:.1%}", flush=True)
+    trainer = registry.trainer_class(trainer)(model=model, processor=processor, args=args, train_dataset=rows,
+                                              reward_funcs=reward_funcs or [colour_reward])
     trainer.train()
     history = trainer.log_history
     after = exact_match(model, processor, test)
@@ -112,7 +114,7 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
     first, last = logged[: max(1, len(logged) // 4)], logged[-max(1, len(logged) // 4):]
     r0, r1 = float(np.mean([e["reward"] for e in first])), float(np.mean([e["reward"] for e in last]))
     print(f"mean reward per logged step: {trend}", flush=True)
-    print(f"mean reward: first quarter {r0:.3f} -> last quarter {r1:.3f}; held-out exact match after GRPO: "
+    print(f"mean reward: first quarter {r0:.3f} -> last quarter {r1:.3f}; held-out exact match after {title}: "
           f"{after:.1%} (before {before:.1%}); {trainer.step_shapes} batch shapes, {trainer.compiled_shapes} compiled "
           f"steps; generation {trainer.generation_time:.0f}s, "
           f"{time.perf_counter() - t0:.0f}s in all; saved to {args.output_dir}", flush=True)
@@ -121,20 +123,27 @@ def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft
 
 
 def main(argv=None) -> int:
-    parser = build_parser(GRPOConfig, "python -m mlxrl.grpo", __doc__.splitlines()[0], extra=_extra)
+    return rollout_main(argv, "grpo", __doc__)
+
+
+def rollout_main(argv, trainer: str, doc: str) -> int:
+    """`python -m mlxrl.<trainer>` for a trainer of GRPO's rollouts (grpo, rloo): its config's flags, the reward
+    functions, the embedded demo."""
+    e = registry.entry(trainer)
+    parser = build_parser(registry.config_class(trainer), f"python -m mlxrl.{trainer}", doc.splitlines()[0],
+                          extra=lambda p: _extra(p, e.title))
     ns = parser.parse_args(argv)
-    return run(lambda: _main(ns))
+    return run(lambda: _main(ns, trainer))
 
 
-def _main(ns) -> None:
+def _main(ns, trainer: str = "grpo") -> None:
     from ..data.formats import check_prompt_rows
     from ..errors import MlxrlError
     from ..trainers.grpo.rewards import reward_entry
-    from ..trainers.grpo.trainer import GRPOTrainer
     from .demos import check_demo_flag
 
-    args = config_from_args(GRPOConfig, ns)
-    check_grpo_config(args)  # before any model is loaded or trained
+    args = config_from_args(registry.config_class(trainer), ns)
+    registry.check_config(trainer, args)  # before any model is loaded or trained
     if ns.sft_steps is not None and ns.sft_steps < 0:
         raise MlxrlError(f"--sft_steps {ns.sft_steps}: must be >= 0")
     funcs = [reward_entry(s) for s in ns.reward_funcs] if ns.reward_funcs else None
@@ -143,7 +152,7 @@ def _main(ns) -> None:
     if ns.dataset is None:
         if ns.model is not None and ns.sft_steps is not None:
             raise MlxrlError("--sft_steps applies to the embedded default without --model")
-        run_demo(args, explicit, ns.model, ns.sft_steps, reward_funcs=funcs, demo=demo)
+        run_demo(args, explicit, ns.model, ns.sft_steps, reward_funcs=funcs, demo=demo, trainer=trainer)
         return
     if ns.model is None:
         raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
@@ -151,5 +160,6 @@ def _main(ns) -> None:
         raise MlxrlError("--reward_funcs is required with --dataset (module:function or reward model folders ...)")
     model, processor, train, _ = load_model_and_rows(ns, args, with_eval=False,
                                                      check_rows=check_prompt_rows)
-    GRPOTrainer(model=model, processor=processor, args=args, train_dataset=train, reward_funcs=funcs).train()
+    registry.trainer_class(trainer)(model=model, processor=processor, args=args, train_dataset=train,
+                                    reward_funcs=funcs).train()
     print(f"saved to {args.output_dir}", flush=True)

@@ -34,11 +34,24 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True, "learning_rate": 2e-3, "max_step
 
 
 def unpaired_rows(pairs: list[dict]) -> list[dict]:
-    """Preference pairs -> KTO rows, each pair's desirable then its undesirable completion: every batch holds both
-    labels (TRL's own unpairing puts a chunk's desirable rows first, which in sequential order gives batches of one
-    label; the demo orders its rows itself)."""
+    """Preference pairs -> KTO rows, each pair's desirable then its undesirable completion (the held-out rows that
+    `preference_accuracy` compares two by two)."""
     return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
             for p in pairs for side in ("chosen", "rejected")]
+
+
+def training_rows(pairs: list[dict]) -> list[dict]:
+    """Preference pairs -> the demo's KTO training rows: the labels alternate (every batch holds both; TRL's own
+    unpairing puts a chunk's desirable rows first, which in sequential order gives batches of one label) and no two
+    neighbours share a prompt: the KL term's mismatched pair of a row is its own prompt with the previous row's
+    completion, which for a pair's two rows side by side would be the prompt's own right answer, and the KL estimate
+    would then rise exactly as the desirable completions are learned. Pair k's chosen (k even) or rejected (k odd)
+    first, then the other half."""
+    sides = ("chosen", "rejected")
+    first = [{"prompt": p["prompt"], "completion": p[sides[k % 2]], "label": k % 2 == 0} for k, p in enumerate(pairs)]
+    second = [{"prompt": p["prompt"], "completion": p[sides[1 - k % 2]], "label": k % 2 == 1}
+              for k, p in enumerate(pairs)]
+    return first + second
 
 
 # the brief SFT trains the task KTO then trains (its text variant), long enough that the policy answers in the
@@ -76,7 +89,7 @@ def run_demo(args: KTOConfig, explicit: set, model_path: str | None = None, sft_
     test = text_colour_rows(n_test, seed=args.seed + 1, split="test")  # the task's text variant
     # each pair gives a desirable and an undesirable example
     n_pairs = n_pairs or args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps // 2
-    rows = unpaired_rows(preference_pairs(text_colour_rows(n_pairs, seed=args.seed + 7, split="train"),
+    rows = training_rows(preference_pairs(text_colour_rows(n_pairs, seed=args.seed + 7, split="train"),
                                           seed=args.seed))
     held = unpaired_rows(preference_pairs(test, seed=args.seed + 3))
     trainer = KTOTrainer(model=model, processor=processor, args=args, train_dataset=rows)
