@@ -186,3 +186,30 @@ def test_the_configs_own_fields_have_trls_defaults_and_grpos_own_are_refused(tin
         with pytest.raises(ValueError, match=needle):
             RLOOTrainer(model=folder, args=RLOOConfig(output_dir=str(tmp_path), **kw), train_dataset=PROMPTS,
                         reward_funcs=token_reward)
+
+
+@pytest.mark.usefixtures("kernel_path")
+def test_vision_prompts_with_lora_train_on_both_paths(tiny_checkpoint, tmp_path):
+    """GRPO's rollout machinery under RLOO: Qwen2-VL prompts with images, LoRA (the reference: the adapters switched
+    off), compiled; the adapters move and the KL to the reference is logged from the second step."""
+    from mlx.utils import tree_flatten
+
+    from mlxrl.cli.grpo import colour_reward, prompt_rows
+    from mlxrl.data.synthetic import make_vqa
+
+    model, processor = mlxrl.load(tiny_checkpoint("qwen2_vl"))
+    args = RLOOConfig(output_dir=str(tmp_path / "o"), disable_tqdm=True, save_steps=0, logging_steps=1,
+                      gradient_checkpointing=False, learning_rate=1e-2, max_steps=2, use_peft=True, lora_r=4,
+                      num_generations=4, per_device_train_batch_size=8, max_completion_length=4)
+
+    def reward(prompts, completions, completion_ids, answer, **kwargs):
+        return [r + t for r, t in zip(colour_reward(prompts, completions, completion_ids, answer),
+                                      token_reward(prompts, completions, completion_ids), strict=True)]
+
+    trainer = RLOOTrainer(model, processor, args, train_dataset=prompt_rows(make_vqa(4, seed=3)), reward_funcs=reward)
+    before = {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters()) if k.endswith("lora_b")}
+    trainer.train()
+    after = dict(tree_flatten(model.trainable_parameters()))
+    assert all(not np.array_equal(np.array(after[k]), v) for k, v in before.items())
+    logged = [e for e in trainer.log_history if "loss" in e]
+    assert logged[0]["kl"] == pytest.approx(0.0, abs=1e-6) and logged[1]["kl"] != 0.0
