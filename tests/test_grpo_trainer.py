@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 import mlxrl
 from mlxrl.cli.grpo import main as grpo_main
-from mlxrl.losses.grpo import LOSS_TYPES
+from mlxrl.losses.grpo import LOSS_TYPES, TOKEN_SUM_LOSS_TYPES
 from mlxrl.trainers.grpo.trainer import GRPOConfig, GRPOTrainer, check_grpo_config
 
 TEXT_ROWS = [{"prompt": "The sky is", "topic": "sky"}, {"prompt": "One plus one is", "topic": "maths"},
@@ -86,7 +86,10 @@ def trl_compute_loss(inputs, a, grad_accum, spg, logps_fn, aux=None):
         _entropy_bonus_enabled=False, aux_loss_enabled=aux is not None, router_aux_loss_coef=aux and aux[0],
         _metrics=defaultdict(lambda: defaultdict(list)),
         args=SimpleNamespace(delta=a.delta, use_bias_correction_kl=a.use_bias_correction_kl, steps_per_generation=spg,
-                             sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg),
+                             sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+                             vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos,
+                             vespo_k_neg=a.vespo_k_neg, vespo_lambda_neg=a.vespo_lambda_neg),
+        get_gamma_weights=TRLGRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *args, **kw: (*logps_fn(), aux and aux[1]))
     loss = TRLGRPOTrainer._compute_loss(stub, None, inputs)
     return loss.item(), {k: float(np.mean(v)) for k, v in stub._metrics["train"].items()}
@@ -128,7 +131,7 @@ def test_loss_at_a_fixed_batch_equals_trl(loss_type, level, text_setup):
     batch["ref_logps"] = (mine + 0.2 * g.normal(size=mine.shape)).astype(np.float32) * batch["completion_mask"]
     round_tokens = 2 * int(batch["completion_mask"].sum()) - 3  # the generation batch's completion tokens
     # engine: num_items = sum over the accumulation window of batch_tokens(b)[1]
-    per_mb = round_tokens / 2 if loss_type in ("dapo", "cispo") else 1.0
+    per_mb = round_tokens / 2 if loss_type in TOKEN_SUM_LOSS_TYPES else 1.0
     arrays = trainer.to_device(batch)
     loss, metrics = trainer.loss(model, arrays, mx.array(2 * per_mb, dtype=mx.float32))
 

@@ -13,6 +13,8 @@ Run the tests: ``pytest tests/test_grpo_losses.py``.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from .advantages import (  # noqa: F401  (part of losses.grpo's API)
@@ -29,7 +31,9 @@ from .advantages import (  # noqa: F401  (part of losses.grpo's API)
 # The engine should pass the active-token count of the whole accumulation window and SUM micro-batch losses.
 # Every other loss type is a per-micro-batch mean that the engine AVERAGES over accumulation steps
 # (TRL divides those by `gradient_accumulation_steps`).
-TOKEN_SUM_LOSS_TYPES = frozenset({"dapo", "cispo"})
+TOKEN_SUM_LOSS_TYPES = frozenset({"dapo", "cispo", "vespo"})
+# Loss types whose per-token loss depends on the whole sequence's log-probs (not token-separable: no fused head)
+SEQUENCE_COUPLED_LOSS_TYPES = frozenset({"vespo"})
 
 
 # ------------------------------------------------------------------------------------------ policy-loss pieces
@@ -79,6 +83,29 @@ def sapo_surrogate(coef_1, advantages, logps, *, sapo_temperature_pos=1.0, sapo_
     return -mx.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau * advantages, coef_1
 
 
+VESPO_LOG_MIN = math.log(1e-8)  # TRL's (the original implementation's) lower clamp of log w
+
+
+def vespo_surrogate(coef_1, advantages, logps, *, log_ratio, mask, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                    vespo_k_neg=3.0, vespo_lambda_neg=2.0, **_):
+    """VESPO (variational sequence-level soft policy optimisation): a smooth, asymmetric Gamma weight of the
+    sequence's importance ratio w = exp(sum_t m_t clip(logp_t - logp_old_t, -20, 20)), log w clipped to
+    [log 1e-8, 20], instead of clipping:
+
+        phi(w) = exp(lambda + k log w - lambda w)     (phi(1) = 1; k, lambda: the _pos pair for A >= 0, else _neg)
+        loss   = -sg(phi) A logp                       per token
+
+    Returns the per-token loss and phi [B, 1] (its metric)."""
+    seq = (mx.clip(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdims=True)
+    log_w = mx.clip(seq, VESPO_LOG_MIN, 20.0)
+    pos = advantages >= 0
+    k = mx.where(pos, vespo_k_pos, vespo_k_neg)
+    lam = mx.maximum(mx.where(pos, vespo_lambda_pos, vespo_lambda_neg), 1e-4)
+    phi = mx.exp(lam + k * log_w - lam * mx.exp(log_w))
+    phi = mx.stop_gradient(mx.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0))
+    return -phi * advantages * logps, phi
+
+
 # ------------------------------------------------------------------------------------------------ aggregations
 
 
@@ -119,6 +146,7 @@ LOSS_TYPES = {
     "luspo": (clipped_surrogate, luspo_aggregate, "clip"),
     "cispo": (cispo_surrogate, token_sum_aggregate, "cispo"),
     "sapo": (sapo_surrogate, grpo_aggregate, None),
+    "vespo": (vespo_surrogate, token_sum_aggregate, "vespo"),
 }
 
 
@@ -156,7 +184,11 @@ def _cispo_metrics(ratio, advantages, mask, *, epsilon_high, **_):
     return {"cispo_clip_ratio": _global_masked_mean(clipped, mask)}
 
 
-_CLIP_METRICS = {"clip": _clip_metrics, "cispo": _cispo_metrics, None: lambda *a, **k: {}}
+def _vespo_metrics(phi, advantages, mask, **_):
+    return {"vespo/phi_seq_mean": _global_masked_mean(phi, mask)}
+
+
+_CLIP_METRICS = {"clip": _clip_metrics, "cispo": _cispo_metrics, "vespo": _vespo_metrics, None: lambda *a, **k: {}}
 
 
 # --------------------------------------------------------------------------------------------------- the loss
@@ -169,16 +201,18 @@ def _loss_type(loss_type: str):
     return LOSS_TYPES[loss_type]
 
 
-def _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg) -> dict:
+def _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg, **vespo) -> dict:
     return {"epsilon_low": epsilon, "epsilon_high": epsilon if epsilon_high is None else epsilon_high,
             "delta": delta, "sapo_temperature_pos": sapo_temperature_pos,
-            "sapo_temperature_neg": sapo_temperature_neg}
+            "sapo_temperature_neg": sapo_temperature_neg, **vespo}
 
 
-def _per_token(log_w, logps, ref_logps, advantages, surrogate, clip, beta, use_bias_correction_kl):
-    """Per-token loss (surrogate + beta * KL), the ratio for the clip metrics, and the KL (or None)."""
+def _per_token(log_w, logps, ref_logps, advantages, surrogate, clip, beta, use_bias_correction_kl, log_ratio=None,
+               mask=None):
+    """Per-token loss (surrogate + beta * KL), the ratio for the clip metrics (phi for vespo), and the KL (or
+    None). log_ratio / mask: the per-token log-ratio and the mask, for vespo's sequence weight."""
     coef_1 = mx.exp(log_w)
-    per_token_loss, ratio = surrogate(coef_1, advantages, logps, **clip)
+    per_token_loss, ratio = surrogate(coef_1, advantages, logps, log_ratio=log_ratio, mask=mask, **clip)
     kl = None
     if beta != 0.0:
         kl = k3_kl(logps, ref_logps.astype(mx.float32))
@@ -206,6 +240,10 @@ def grpo_loss(
     use_bias_correction_kl: bool = True,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     entropy: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """GRPO-family policy loss for one micro-batch (TRL 1.16 ``GRPOTrainer._compute_loss``).
@@ -216,12 +254,14 @@ def grpo_loss(
 
         log r = logp - logp_old                       per token  [B, T]       importance_sampling_level="token"
               = masked mean of it over the sequence   broadcast  [B, 1]       "sequence" (GSPO)
-        l     = surrogate(r, A, logp)                 per loss_type (clipped / cispo / sapo)
+        l     = surrogate(r, A, logp)                 per loss_type (clipped / cispo / sapo / vespo's Gamma weight of
+                                                      the sequence's ratio, `vespo_surrogate`)
         KL    = exp(logp_ref - logp) - (logp_ref - logp) - 1,  times r if use_bias_correction_kl (TRL default)
         l     = l + beta * KL                         when beta != 0
         loss  = aggregate(l, m)                       grpo/sapo: per-sequence mean, then mean; bnpo: token mean;
                                                       dr_grpo: sum / (B * max_completion_length);
-                                                      dapo/cispo: sum / normalizer; luspo: per-sequence sum, mean
+                                                      dapo/cispo/vespo: sum / normalizer; luspo: per-sequence
+                                                      sum, mean
 
     ``epsilon_high`` defaults to ``epsilon``; for cispo it is the absolute cap on r (TRL recommends 5.0).
     ``normalizer`` (dapo/cispo only): the active-token count of the whole accumulation window, so that summing
@@ -231,9 +271,9 @@ def grpo_loss(
 
     Metrics (TRL's names): ``kl`` (beta != 0), ``entropy`` (when given), ``clip_ratio/low_mean``,
     ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``
-    (clipped types), ``cispo_clip_ratio`` (cispo). Means are over active tokens, or over sequences for
-    sequence-level ratios; low = r < 1 - eps_low with A < 0, high = r' > 1 + eps_high with A > 0 (r' is the
-    delta-clamped ratio, as TRL).
+    (clipped types), ``cispo_clip_ratio`` (cispo), ``vespo/phi_seq_mean`` (vespo). Means are over active tokens,
+    or over sequences for sequence-level ratios; low = r < 1 - eps_low with A < 0, high = r' > 1 + eps_high with
+    A > 0 (r' is the delta-clamped ratio, as TRL).
     """
     surrogate, aggregate, metric_family = _loss_type(loss_type)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -242,7 +282,9 @@ def grpo_loss(
         raise ValueError(f"normalizer applies to {sorted(TOKEN_SUM_LOSS_TYPES)} only, not {loss_type!r}")
     if beta != 0.0 and ref_logps is None:
         raise ValueError("beta != 0 needs ref_logps")
-    clip = _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg)
+    clip = _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg,
+                      vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                      vespo_lambda_neg=vespo_lambda_neg)
 
     logps = logps.astype(mx.float32)
     mask = completion_mask.astype(mx.float32)
@@ -251,9 +293,10 @@ def grpo_loss(
     if advantages.ndim == 1:
         advantages = advantages[:, None]  # [B, 1]
 
-    log_w = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](logps - old_logps, mask)  # [B, T] or [B, 1]
+    log_ratio = logps - old_logps
+    log_w = IMPORTANCE_SAMPLING_LEVELS[importance_sampling_level](log_ratio, mask)  # [B, T] or [B, 1]
     per_token_loss, ratio, kl = _per_token(log_w, logps, ref_logps, advantages, surrogate, clip, beta,
-                                           use_bias_correction_kl)
+                                           use_bias_correction_kl, log_ratio=log_ratio, mask=mask)
 
     metrics = {}
     if beta != 0.0:
@@ -289,6 +332,9 @@ def grpo_token_loss(
     alone, which is what lets the fused head do loss and gradients in one pass. on_policy: old = sg(logp)
     (`old_logp` is then ignored); `ref_logp` is ignored when beta == 0. Equals `grpo_loss` (tested).
     """
+    if loss_type in SEQUENCE_COUPLED_LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} weighs each token by its whole sequence's ratio: it has no "
+                         "token-separable form (use grpo_loss)")
     surrogate = _loss_type(loss_type)[0]
     clip = _clip_args(epsilon, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg)
 
@@ -314,8 +360,10 @@ def grpo_token_weights(
                                         normalizer=normalizer))(mx.zeros_like(mask))
 
 
-def uses_fused_head(head_mode: str, importance_sampling_level: str) -> bool:
+def uses_fused_head(head_mode: str, importance_sampling_level: str, loss_type: str | None = None) -> bool:
     """Whether GRPO trains through the fused row-chunked head: head_mode "fused", or "auto" with
-    token-level importance sampling (a sequence-level ratio couples a sequence's tokens, which the
-    row-chunked head cannot see together). Shared by the trainer and the memory planner."""
-    return head_mode == "fused" or (head_mode == "auto" and importance_sampling_level == "token")
+    token-level importance sampling and a token-separable loss type (a sequence-level ratio, or vespo's
+    sequence weight, couples a sequence's tokens, which the row-chunked head cannot see together). Shared
+    by the trainer and the memory planner."""
+    return head_mode == "fused" or (head_mode == "auto" and importance_sampling_level == "token"
+                                    and loss_type not in SEQUENCE_COUPLED_LOSS_TYPES)

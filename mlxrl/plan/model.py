@@ -301,7 +301,8 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
     GRPO's sequence-level losses, a frozen bf16 head under the fused mode)."""
     mode = getattr(args, "head_mode", "differentiable")
     if mode == "auto":  # GRPO's: the trainer's own rule
-        mode = "fused" if uses_fused_head(args.head_mode, args.importance_sampling_level) else "differentiable"
+        mode = "fused" if uses_fused_head(args.head_mode, args.importance_sampling_level,
+                                             getattr(args, "loss_type", None)) else "differentiable"
     fused = mode in ("fused", "two_phase")
     if native_sft_head(args, trainer):
         return fused_head.native_peak_bytes(rows, a.V, a.D, a.head_trainable)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from ...losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SEQUENCE_COUPLED_LOSS_TYPES
 from ..config import TrainConfig, _f, check_config, refused
 
 __all__ = ["GRPOConfig", "check_grpo_config", "resolve_batching"]
@@ -84,10 +84,10 @@ class GRPOConfig(TrainConfig):
     epsilon_high: float | None = _f(None, "upper clip range (DAPO recommends 0.28; cispo: the absolute cap, 5.0)")
     sapo_temperature_neg: float = _f(1.05, "SAPO gate temperature for negative advantages")
     sapo_temperature_pos: float = _f(1.0, "SAPO gate temperature for positive advantages")
-    vespo_k_pos: float = refused(2.0, "loss_type vespo is not implemented")
-    vespo_lambda_pos: float = refused(3.0, "loss_type vespo is not implemented")
-    vespo_k_neg: float = refused(3.0, "loss_type vespo is not implemented")
-    vespo_lambda_neg: float = refused(2.0, "loss_type vespo is not implemented")
+    vespo_k_pos: float = _f(2.0, "vespo: the Gamma weight's power for advantages >= 0 (down-weights ratios < 1)")
+    vespo_lambda_pos: float = _f(3.0, "vespo: the Gamma weight's decay for advantages >= 0 (down-weights ratios > 1)")
+    vespo_k_neg: float = _f(3.0, "vespo: the Gamma weight's power for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, "vespo: the Gamma weight's decay for negative advantages")
     importance_sampling_level: str = _f("token", "token | sequence (GSPO)")
     reward_weights: list[float] | None = _f(None, "one weight per reward function (default 1 each)")
     multi_objective_aggregation: str = _f("sum_then_normalize", "sum_then_normalize | normalize_then_sum (GDPO)")
@@ -197,3 +197,6 @@ def check_grpo_config(args: GRPOConfig) -> None:
     if args.head_mode == "fused" and args.importance_sampling_level != "token":
         raise ValueError("head_mode=fused needs importance_sampling_level='token' (a sequence-level ratio couples "
                          "the tokens of a sequence): use head_mode auto or differentiable")
+    if args.head_mode == "fused" and args.loss_type in SEQUENCE_COUPLED_LOSS_TYPES:
+        raise ValueError(f"head_mode=fused cannot train loss_type={args.loss_type} (each token is weighed by its "
+                         "whole sequence's ratio): use head_mode auto or differentiable")

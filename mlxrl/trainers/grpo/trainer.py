@@ -449,6 +449,11 @@ class GRPOTrainer(Trainer):
                     use_bias_correction_kl=a.use_bias_correction_kl, sapo_temperature_pos=a.sapo_temperature_pos,
                     sapo_temperature_neg=a.sapo_temperature_neg)
 
+    def _vespo_kwargs(self):
+        a = self.args
+        return dict(vespo_k_pos=a.vespo_k_pos, vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+                    vespo_lambda_neg=a.vespo_lambda_neg)
+
     def _fused_loss(self, model, batch, normalizer):
         """Token-level GRPO through the fused head: loss and its gradients in one pass over row chunks
         (`fused_head_loss` with `grpo_token_loss` / `grpo_token_weights`); log-probs and entropy come out
@@ -481,7 +486,7 @@ class GRPOTrainer(Trainer):
 
     def loss(self, model, batch, normalizer):
         a = self.args
-        if uses_fused_head(a.head_mode, a.importance_sampling_level):
+        if uses_fused_head(a.head_mode, a.importance_sampling_level, a.loss_type):
             return self._fused_loss(model, batch, normalizer)
         aux = []  # an MoE model's load-balancing loss (`forward.with_router_aux`)
         logps, entropy = self.policy_logps(model, batch, aux=aux)
@@ -490,7 +495,7 @@ class GRPOTrainer(Trainer):
                                   batch["completion_mask"], importance_sampling_level=a.importance_sampling_level,
                                   max_completion_length=a.max_completion_length,
                                   normalizer=normalizer if token_sum else None, entropy=mx.stop_gradient(entropy),
-                                  **self._loss_kwargs())
+                                  **self._loss_kwargs(), **self._vespo_kwargs())
         # mean-type losses: TRL divides each micro-batch's mean by grad_accum (the normaliser sums 1 per micro-batch)
         return with_router_aux(loss if token_sum else loss / normalizer, metrics, aux, batch)
 

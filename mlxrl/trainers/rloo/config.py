@@ -33,6 +33,10 @@ class RLOOConfig(GRPOConfig):
     sapo_temperature_neg: float = refused(1.05, NOT_RLOO)
     sapo_temperature_pos: float = refused(1.0, NOT_RLOO)
     use_bias_correction_kl: bool = refused(True, NOT_RLOO)
+    vespo_k_pos: float = refused(2.0, NOT_RLOO)
+    vespo_lambda_pos: float = refused(3.0, NOT_RLOO)
+    vespo_k_neg: float = refused(3.0, NOT_RLOO)
+    vespo_lambda_neg: float = refused(2.0, NOT_RLOO)
 
 
 def check_rloo_config(args: RLOOConfig) -> None:
