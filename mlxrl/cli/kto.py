@@ -26,8 +26,11 @@ from .paired import DEMO_TEST, QWEN3_5_SFT_STEPS, add_paired_flags, paired_comma
 
 __all__ = ["main", "run_demo"]
 
-DEMO_OVERRIDES = {"overwrite_output_dir": True, "learning_rate": 2e-3, "max_steps": 15,
-                  "per_device_train_batch_size": 8, "beta": 0.5, "use_peft": True, "lora_r": 16, "lora_alpha": 32,
+# measured over seeds (docs/kto.md): lr 2e-3 with batches of 8 collapsed at seed 1; desirable_weight 1.33 (TRL's
+# recommended range for balanced data) moved the seed at which the others stayed flat
+DEMO_OVERRIDES = {"overwrite_output_dir": True, "learning_rate": 1e-3, "max_steps": 30,
+                  "per_device_train_batch_size": 16, "beta": 0.5, "desirable_weight": 1.33, "use_peft": True,
+                  "lora_r": 16, "lora_alpha": 32,
                   "lr_scheduler_type": "constant", "warmup_steps": 0, "logging_steps": 5, "save_steps": 0,
                   "gradient_checkpointing": False, "max_length": 256, "output_dir": "out/kto-demo",
                   "disable_tqdm": True}

@@ -1,0 +1,137 @@
+"""The generalized Jensen-Shannon divergence between a student's and a teacher's next-token distributions, from
+their hidden states and LM heads, never holding [tokens, vocab] logits: the loss of TRL 1.16's
+DistillationTrainer (`trl.kernels.chunked_divergence`), as one streamed MLX op.
+
+With z_s = W_s h_s / T and z_t = W_t h_t / T (float32), p = softmax(z):
+
+    beta = 0:      D = KL(p_t || p_s) = sum p_t (log p_t - log p_s)          (forward KL)
+    beta = 1:      D = KL(p_s || p_t) = sum p_s (log p_s - log p_t)          (reverse KL)
+    0 < beta < 1:  m = (1 - beta) p_s + beta p_t,
+                   D = beta KL(p_t || m) + (1 - beta) KL(p_s || m)           (generalized JSD)
+    H = -sum p_s log p_s                                                     (the student's entropy, no gradient)
+
+and the gradient with respect to the student's logits (the teacher gets none):
+
+    beta = 0:  dD/dz_s = p_s - p_t
+    beta = 1:  dD/dz_s = p_s (log p_s - log p_t - D)
+    else:      dD/dz_s = (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+
+`generalized_jsd` runs over chunks of rows, each chunk's two [rows, V] logit blocks computed, reduced and dropped
+before the next (the chunks chained with `mx.depends`, so MLX runs them one after another), forward and backward;
+the backward recomputes each chunk's logits. Peak memory: a few [rows, V] float32 blocks and, with a trained head,
+the [V, D] weight gradient; flat in the number of tokens. A weight that is not float32 is cast once for the op.
+
+Tests: pytest tests/test_distill_loss.py (against the naive computation and TRL's own ChunkedDivergenceFunction)
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+__all__ = ["generalized_jsd", "divergence_chunk_rows"]
+
+BLOCK_BYTES = 64 << 20  # one float32 [rows, V] logit block
+
+
+def divergence_chunk_rows(vocab_size: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """Rows per chunk: one float32 [rows, vocab] block within `block_bytes` (at least 8 rows)."""
+    return max(8, block_bytes // (4 * max(vocab_size, 1)))
+
+
+def _log_softmax(z):
+    return z - mx.logsumexp(z, axis=-1, keepdims=True)
+
+
+def _divergence(zs, zt, beta: float, grad: bool):
+    """(D [n], H [n], dD/dz_s [n, V] or None) of one chunk's float32 logits (module docstring)."""
+    log_ps, log_pt = _log_softmax(zs), _log_softmax(zt)
+    ps = mx.exp(log_ps)
+    entropy = -(ps * log_ps).sum(-1)
+    if beta == 0.0:
+        pt = mx.exp(log_pt)
+        d = (pt * (log_pt - log_ps)).sum(-1)
+        dz = ps - pt if grad else None
+    elif beta == 1.0:
+        gap = log_ps - log_pt
+        d = (ps * gap).sum(-1)
+        dz = ps * (gap - d[:, None]) if grad else None
+    else:
+        pt = mx.exp(log_pt)
+        log_m = mx.logaddexp(log_ps + math.log(1.0 - beta), log_pt + math.log(beta))
+        kl_s = (ps * (log_ps - log_m)).sum(-1)
+        d = beta * (pt * (log_pt - log_m)).sum(-1) + (1.0 - beta) * kl_s
+        dz = (1.0 - beta) * ps * (log_ps - log_m - kl_s[:, None]) if grad else None
+    return d, entropy, dz
+
+
+def _logits(h, w32, inv_t):
+    z = h.astype(mx.float32) @ w32.T
+    return z * inv_t if inv_t != 1.0 else z
+
+
+def _bounds(n: int, rows: int):
+    return [(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+def _make(beta: float, inv_t: float, rows: int | None, weight_grad: bool):
+    @mx.custom_function
+    def fn(hs, ws, ht, wt):
+        ws32, wt32 = ws.astype(mx.float32), wt.astype(mx.float32)
+        step = rows or divergence_chunk_rows(ws.shape[0])
+        ds, hs_ = [], []
+        for s, e in _bounds(hs.shape[0], step):
+            a, b = hs[s:e], ht[s:e]
+            if ds:  # the next chunk waits for the previous one's results: one chunk's logits alive at a time
+                a, b = mx.depends(a, [ds[-1], hs_[-1]]), mx.depends(b, [ds[-1], hs_[-1]])
+            d, h, _ = _divergence(_logits(a, ws32, inv_t), _logits(b, wt32, inv_t), beta, grad=False)
+            ds.append(d)
+            hs_.append(h)
+        return mx.concatenate(ds), mx.concatenate(hs_)
+
+    @fn.vjp
+    def fn_vjp(primals, cotangents, outputs):
+        hs, ws, ht, wt = primals
+        g = cotangents[0]
+        ws32, wt32 = ws.astype(mx.float32), wt.astype(mx.float32)
+        step = rows or divergence_chunk_rows(ws.shape[0])
+        dhs, dw = [], mx.zeros(ws.shape, mx.float32) if weight_grad else None
+        for s, e in _bounds(hs.shape[0], step):
+            a, b = hs[s:e], ht[s:e]
+            if dhs:
+                after = [dhs[-1]] + ([dw] if weight_grad else [])
+                a, b = mx.depends(a, after), mx.depends(b, after)
+            _, _, dz = _divergence(_logits(a, ws32, inv_t), _logits(b, wt32, inv_t), beta, grad=True)
+            dz = dz * (g[s:e, None].astype(mx.float32) * inv_t)  # through z = W h / T
+            dhs.append((dz @ ws32).astype(hs.dtype))
+            if weight_grad:
+                dw = dw + dz.T @ a.astype(mx.float32)
+        d_ws = dw.astype(ws.dtype) if weight_grad else mx.zeros_like(ws)
+        return mx.concatenate(dhs), d_ws, mx.zeros_like(ht), mx.zeros_like(wt)
+
+    return fn
+
+
+_CACHE: dict = {}
+
+
+def generalized_jsd(student_hidden: mx.array, student_weight: mx.array, teacher_hidden: mx.array,
+                    teacher_weight: mx.array, *, beta: float = 1.0, temperature: float = 1.0,
+                    chunk_rows: int | None = None, weight_grad: bool = True) -> tuple[mx.array, mx.array]:
+    """Per-row divergence D [N] and the student's entropy H [N] (module docstring) of student_hidden [N, D_s] under
+    student_weight [V, D_s] against teacher_hidden [N, D_t] under teacher_weight [V, D_t]. Differentiable in the
+    student's hidden states and (weight_grad) its head; the teacher's inputs get zero gradients, H none."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"the student's vocabulary ({student_weight.shape[0]}) and the teacher's "
+                         f"({teacher_weight.shape[0]}) differ: distillation compares distributions over one vocabulary")
+    key = (float(beta), 1.0 / float(temperature), chunk_rows, weight_grad)
+    if key not in _CACHE:
+        _CACHE[key] = _make(*key)
+    d, h = _CACHE[key](student_hidden, student_weight, mx.stop_gradient(teacher_hidden),
+                       mx.stop_gradient(teacher_weight))
+    return d, mx.stop_gradient(h)
