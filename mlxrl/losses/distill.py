@@ -18,8 +18,9 @@ and the gradient with respect to the student's logits (the teacher gets none):
 
 `generalized_jsd` runs over chunks of rows, each chunk's two [rows, V] logit blocks computed, reduced and dropped
 before the next (the chunks chained with `mx.depends`, so MLX runs them one after another), forward and backward;
-the backward recomputes each chunk's logits. Peak memory: a few [rows, V] float32 blocks and, with a trained head,
-the [V, D] weight gradient; flat in the number of tokens. A weight that is not float32 is cast once for the op.
+the backward recomputes each chunk's logits. Peak memory: some twenty [rows, V] float32 blocks of BLOCK_BYTES (a
+chunk's intermediates, and the next chunk's as MLX's queue runs ahead) and, with a trained head, the [V, D] weight
+gradient; flat in the number of tokens. A weight that is not float32 is cast once for the op.
 
 Tests: pytest tests/test_distill_loss.py (against the naive computation and TRL's own ChunkedDivergenceFunction)
 """
@@ -32,12 +33,13 @@ import mlx.core as mx
 
 __all__ = ["generalized_jsd", "divergence_chunk_rows"]
 
-BLOCK_BYTES = 64 << 20  # one float32 [rows, V] logit block
+BLOCK_BYTES = 8 << 20  # one float32 [rows, V] logit block
 
 
-def divergence_chunk_rows(vocab_size: int, block_bytes: int = BLOCK_BYTES) -> int:
-    """Rows per chunk: one float32 [rows, vocab] block within `block_bytes` (at least 8 rows)."""
-    return max(8, block_bytes // (4 * max(vocab_size, 1)))
+def divergence_chunk_rows(vocab_size: int, block_bytes: int | None = None) -> int:
+    """Rows per chunk: one float32 [rows, vocab] block within `block_bytes` (default BLOCK_BYTES; at least 8 rows).
+    A chunk holds about ten such blocks while it runs, and MLX's queue runs a chunk or two ahead."""
+    return max(8, (block_bytes or BLOCK_BYTES) // (4 * max(vocab_size, 1)))
 
 
 def _log_softmax(z):
