@@ -38,10 +38,6 @@ class RLOOTrainer(GRPOTrainer):
     trainer_name = "rloo"
     config_class = RLOOConfig
     check_args = staticmethod(check_rloo_config)
-    metric_names = ("loss", "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-                    "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl",
-                    "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens")
-
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.needs_old_logps = True  # TRL's RLOO always takes its ratio against the generating weights' log-probs
