@@ -276,3 +276,28 @@ def test_qlora_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
     # a B one step from zero, are the smallest; every element stays within 5% of a step)
     for k in a:
         assert_same_adam_weights(b[k], a[k], err_msg=k, close=0.995)
+
+
+@pytest.mark.parametrize("trainer", ["kto", "reward"])
+def test_offline_trainers_two_ranks_equal_one_process(tiny_checkpoint, tmp_path, trainer):
+    """KTO (its KL term averaged over the ranks before the clamp, as TRL's; with batches of 2 per rank the KL pairs
+    are formed within each rank's chunk, so the comparison is with one process on batches of 2 and 2 accumulation
+    steps) and the reward model: the same losses as one process."""
+    folder = tiny_checkpoint("qwen3")
+    data = tmp_path / "pairs.jsonl"
+    rng = np.random.default_rng(2)
+    with open(data, "w") as fh:
+        for i in range(16):
+            good, bad = (" ".join(rng.choice(WORDS, size=int(rng.integers(2, 8)))) for _ in range(2))
+            fh.write(json.dumps({"prompt": f"Question {i}:", "chosen": " " + good, "rejected": " " + bad}) + "\n")
+
+    def args(out, accum):
+        extra = ["--loss_type", "apo_zero_unpaired"] if trainer == "kto" else ["--lora_task_type", "SEQ_CLS"]
+        return ["-m", f"mlxrl.{trainer}", "--model", str(folder), "--dataset", str(data), "--output_dir", str(out),
+                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", str(accum), "--max_steps", "2",
+                "--learning_rate", "1e-3", "--compile", "false", "--gradient_checkpointing", "false",
+                "--disable_tqdm", "true", "--logging_steps", "1", "--save_steps", "0", "--max_length", "64",
+                "--use_peft", "true", *extra]
+
+    for a, b in run_one_and_two(args, tmp_path, 2, 1):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

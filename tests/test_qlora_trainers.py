@@ -7,6 +7,7 @@ GRPO generates on the quantized model, only the adapters move and DPO's preferen
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 
 import mlxrl
@@ -67,3 +68,34 @@ def test_grpo_over_a_4bit_base_generates_on_the_quantized_model(tiny_checkpoint,
     after = _frozen(model)
     assert all(np.array_equal(base[k], after[k]) for k in base)
     assert any(not np.array_equal(v, _adapters(model)[k]) for k, v in adapters.items())
+
+
+@pytest.mark.parametrize("name", ["kto", "orpo", "cpo", "reward", "rloo"])
+def test_the_other_trainers_over_a_4bit_base(tiny_checkpoint, tmp_path, name):
+    """KTO, ORPO, CPO, the reward model (its float score head trained whole beside the adapters) and RLOO: the base
+    quantized to 4 bits before LoRA, never moving; the adapters move; the preference trainers' loss falls."""
+    from mlxrl import registry
+
+    model, processor = mlxrl.load(tiny_checkpoint("qwen3"), dtype="float32",
+                                  **({"num_labels": 1} if name == "reward" else {}))
+    if name == "rloo":
+        rows = [{"prompt": f"Say {i}"} for i in range(8)]
+        extra = dict(reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions])
+        fields = dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=4, max_steps=2)
+    else:
+        rows = [{"prompt": f"Pick {i}:", "chosen": " yes", "rejected": " no"} for i in range(8)]
+        extra = {}
+        fields = dict(per_device_train_batch_size=4, max_length=32, max_steps=8, learning_rate=5e-3)
+    args = registry.config_class(name)(output_dir=str(tmp_path / name), **fields, **COMMON)
+    trainer = registry.trainer_class(name)(model, processor, args, train_dataset=rows, **extra)
+    layers = quantize_lib.quantized_layers(model)
+    assert layers and all(m.bits == 4 for _, m in layers)
+    base, adapters = _frozen(model), _adapters(model)
+    trainer.train()
+    after = _frozen(model)
+    moved = {k for k in base if not np.array_equal(base[k], after[k])}
+    assert moved <= ({"score.weight"} if name == "reward" else set()), sorted(moved)
+    assert any(not np.array_equal(v, _adapters(model)[k]) for k, v in adapters.items())
+    history = [h for h in trainer.log_history if "loss" in h]
+    if name != "rloo":
+        assert history[-1]["loss"] < history[0]["loss"], [h["loss"] for h in history]

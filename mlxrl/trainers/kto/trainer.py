@@ -17,7 +17,7 @@ once before training.
 The loss is `mlxrl.losses.kto_loss` (kto, apo_zero_unpaired; desirable / undesirable weights), a mean over the
 micro-batch's examples; the engine normalises by the example count, so with gradient accumulation the step's
 loss is the mean over its micro-batches' means (TRL's division by the accumulation steps, for equal ones). The KL
-term is this process's micro-batch mean (TRL also averages it over the processes).
+term is this process's micro-batch mean, averaged over the data-parallel processes before the clamp (TRL's).
 
 Metrics (TRL's names): kl, rewards/chosen|rejected|margins, logps/chosen|rejected, logits/chosen|rejected (the
 mean logit over the vocabulary at each label's completion tokens, exact via the mean weight row), entropy,
@@ -153,7 +153,12 @@ class KTOTrainer(Trainer):
         if self.kl:
             # the policy as it trains (TRL's no_grad forward in the same mode)
             policy_kl = self.completion_logps(self.model, _kl_arrays(arrays))
-            arrays["kl"] = kl_term(policy_kl, arrays["ref_kl_logps"])
+            if self.world_size > 1:  # TRL: each process's mean log-ratio, averaged over the processes, then clamped
+                local = (policy_kl - arrays["ref_kl_logps"]).mean().item()
+                mean = self.parallel.all_sum(np.array([local], np.float64))[0] / self.world_size
+                arrays["kl"] = mx.array(max(float(mean), 0.0), dtype=mx.float32)
+            else:
+                arrays["kl"] = kl_term(policy_kl, arrays["ref_kl_logps"])
         return {k: v for k, v in arrays.items() if not k.startswith("kl_") and k != "ref_kl_logps"}
 
     def precompute_ref_log_probs(self, examples, batch_size):
