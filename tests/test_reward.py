@@ -467,7 +467,7 @@ def test_refusals_are_one_line(tiny_checkpoint, classifier, tmp_path):
     with pytest.raises(MlxrlError, match="no sequence-classification head"):
         RewardTrainer(causal, processor, args, train_dataset=STRINGS)
     model, processor = mlxrl.load(classifier)
-    with pytest.raises(MlxrlError, match="on images is not supported"):
+    with pytest.raises(MlxrlError, match="has images but the processor has no image processor"):
         RewardTrainer(model, processor, args, train_dataset=[{**STRINGS[0], "images": ["x.png"]}])
     with pytest.raises(MlxrlError, match="give every row a margin, or none"):
         RewardTrainer(model, processor, args, train_dataset=[STRINGS[0], IMPLICIT[0]])

@@ -120,7 +120,8 @@ def _is_vision(path: str) -> bool:
 
 
 def _is_head_or_embedding(path: str) -> bool:
-    return path == "lm_head" or path.endswith("embed_tokens")
+    # `score`: a sequence classifier's head (a reward model), trained whole beside the adapters, stays float
+    return path in ("lm_head", "score") or path.endswith("embed_tokens")
 
 
 def check_quantization(bits: int, group_size: int) -> None:
