@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import tiny_checkpoints_module
 from safetensors.numpy import load_file
-from test_trl_runs import assert_same_weights  # the weight comparison of the SFT runs
+from test_trl_runs import assert_same_logs, assert_same_weights  # the SFT runs' comparisons
 
 import mlxrl
 from mlxrl import KTOConfig, KTOTrainer
@@ -73,15 +73,6 @@ def ours_run(folder, tmp_path, rows, hyper, **kw):
     return load_file(str(tmp_path / "ours" / "model.safetensors")), [e for e in trainer.log_history if "loss" in e]
 
 
-def assert_same_logs(ours_log, trl_log, steps):
-    """Every value TRL logs (KEYS) in each of our step's entries, within float32 rounding."""
-    assert len(ours_log) == len(trl_log) == steps
-    for mine, want in zip(ours_log, trl_log, strict=True):
-        assert set(want) & set(KEYS) <= set(mine), (sorted(want), sorted(mine))
-        for key in set(want) & set(KEYS):
-            assert mine[key] == pytest.approx(want[key], rel=2e-4, abs=2e-5), (key, mine[key], want[key])
-
-
 @pytest.mark.parametrize("rows, extra", [
     ("unpaired", dict(per_device_train_batch_size=3, beta=0.2, desirable_weight=1.3)),
     ("unpaired", dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, beta=0.5,
@@ -96,7 +87,7 @@ def test_a_whole_run_ends_at_trls_weights(tiny_checkpoint, tmp_path, rows, extra
     start = load_file(str(folder / "model.safetensors"))
     ours, ours_log = ours_run(folder, tmp_path, data, hyper)
     theirs, trl_log = trl_run(folder, tmp_path, data, hyper)
-    assert_same_logs(ours_log, trl_log, HYPER["max_steps"])
+    assert_same_logs(ours_log, trl_log, HYPER["max_steps"], KEYS)
     assert_same_weights(start, ours, theirs)
 
 
@@ -124,7 +115,7 @@ def test_a_vision_run_ends_at_trls_weights(tiny_checkpoint, tmp_path, extra):
     start = load_file(str(folder / "model.safetensors"))
     ours, ours_log = ours_run(folder, tmp_path, rows, hyper)
     theirs, trl_log = trl_run(folder, tmp_path, rows, hyper, vision=True)
-    assert_same_logs(ours_log, trl_log, hyper["max_steps"])
+    assert_same_logs(ours_log, trl_log, hyper["max_steps"], KEYS)
     assert_same_weights(start, ours, theirs)
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from test_trl_runs import assert_same_weights  # the weight comparison of the SFT runs
+from test_trl_runs import assert_same_logs, assert_same_weights  # the SFT runs' comparisons
 
 import mlxrl
 from mlxrl import RewardConfig, RewardTrainer
@@ -271,14 +271,6 @@ def ours_run(folder, tmp_path, rows, hyper, **kw):
     return trainer, [e for e in trainer.log_history if "loss" in e]
 
 
-def assert_same_logs(ours_log, trl_log, steps):
-    assert len(ours_log) == len(trl_log) == steps
-    for mine, want in zip(ours_log, trl_log, strict=True):
-        assert set(want) & set(KEYS) <= set(mine), (sorted(want), sorted(mine))
-        for key in set(want) & set(KEYS):
-            assert mine[key] == pytest.approx(want[key], rel=2e-4, abs=2e-5), (key, mine[key], want[key])
-
-
 @pytest.mark.parametrize("rows, extra", [
     ("conversations", dict(per_device_train_batch_size=3)),
     ("strings", dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, center_rewards_coefficient=0.1)),
@@ -292,7 +284,7 @@ def test_a_whole_run_ends_at_trls_weights(classifier, tmp_path, rows, extra):
     start = load_file(str(classifier / "model.safetensors"))
     trainer, ours_log = ours_run(classifier, tmp_path, data, hyper)
     theirs, trl_log = trl_run(classifier, tmp_path, data, hyper)
-    assert_same_logs(ours_log, trl_log, HYPER["max_steps"])
+    assert_same_logs(ours_log, trl_log, HYPER["max_steps"], KEYS)
     ours = load_file(str(tmp_path / "ours" / "model.safetensors"))
     assert_same_weights(start, ours, theirs)
     assert np.linalg.norm(ours["score.weight"] - theirs["score.weight"]) <= 2e-3 * np.linalg.norm(
@@ -418,7 +410,7 @@ def test_a_lora_run_with_the_head_trained_whole_is_trls_and_peft_loads_it(classi
     ours_log = [e for e in trainer.log_history if "loss" in e]
     theirs, trl_log = trl_run(classifier, tmp_path, CONVERSATIONS, hyper,
                               peft_config=peft.LoraConfig(task_type="SEQ_CLS", **lora), adapters=initial)
-    assert_same_logs(ours_log, trl_log, HYPER["max_steps"])
+    assert_same_logs(ours_log, trl_log, HYPER["max_steps"], KEYS)
     cfg = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     assert cfg["task_type"] == "SEQ_CLS" and cfg["modules_to_save"] == ["score"]
     base = transformers.AutoModelForSequenceClassification.from_pretrained(str(classifier), dtype=torch.float32)

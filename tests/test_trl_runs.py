@@ -121,6 +121,15 @@ def test_moe_full_fine_tuning_with_the_router_loss_ends_at_trls_weights(tiny_che
     assert_same_weights(start, ours, theirs)
 
 
+def assert_same_logs(ours_log, trl_log, steps, keys):
+    """Every value TRL logs among `keys` in each of our step's entries, within float32 rounding."""
+    assert len(ours_log) == len(trl_log) == steps
+    for mine, want in zip(ours_log, trl_log, strict=True):
+        assert set(want) & set(keys) <= set(mine), (sorted(want), sorted(mine))
+        for key in set(want) & set(keys):
+            assert mine[key] == pytest.approx(want[key], rel=2e-4, abs=2e-5), (key, mine[key], want[key])
+
+
 def assert_same_weights(start, ours, theirs):
     exempt = [k for k in start if k.endswith(".bias") or "norm" in k]
     assert exempt  # what transformers leaves undecayed is in this model
