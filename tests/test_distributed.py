@@ -160,6 +160,14 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error(tiny_checkpoint, tmp_
     assert not list(out.glob(".checkpoint-*"))  # no half-written checkpoint left behind
 
 
+def preference_args(trainer, folder, data, out, *flags):
+    """`python -m mlxrl.<trainer>` on a preference file: the flags the data-parallel runs share, then `flags`."""
+    return ["-m", f"mlxrl.{trainer}", "--model", str(folder), "--dataset", str(data), "--output_dir", str(out),
+            "--learning_rate", "1e-3", "--compile", "false", "--gradient_checkpointing", "false",
+            "--disable_tqdm", "true", "--logging_steps", "1", "--save_steps", "0", "--max_length", "64",
+            *map(str, flags)]
+
+
 def test_dpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("qwen3")
     data = tmp_path / "pairs.jsonl"
@@ -170,10 +178,7 @@ def test_dpo_two_ranks_equal_one_process(tiny_checkpoint, tmp_path):
             fh.write(json.dumps({"prompt": f"Question {i}:", "chosen": " " + good, "rejected": " " + bad}) + "\n")
 
     def args(out, batch):
-        return ["-m", "mlxrl.dpo", "--model", str(folder), "--dataset", str(data), "--output_dir", str(out),
-                "--per_device_train_batch_size", str(batch), "--max_steps", "3", "--learning_rate", "1e-3",
-                "--compile", "false", "--gradient_checkpointing", "false", "--disable_tqdm", "true",
-                "--logging_steps", "1", "--save_steps", "0", "--max_length", "64"]
+        return preference_args("dpo", folder, data, out, "--per_device_train_batch_size", batch, "--max_steps", 3)
 
     for a, b in run_one_and_two(args, tmp_path, 4, 2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -293,11 +298,8 @@ def test_offline_trainers_two_ranks_equal_one_process(tiny_checkpoint, tmp_path,
 
     def args(out, accum):
         extra = ["--loss_type", "apo_zero_unpaired"] if trainer == "kto" else ["--lora_task_type", "SEQ_CLS"]
-        return ["-m", f"mlxrl.{trainer}", "--model", str(folder), "--dataset", str(data), "--output_dir", str(out),
-                "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", str(accum), "--max_steps", "2",
-                "--learning_rate", "1e-3", "--compile", "false", "--gradient_checkpointing", "false",
-                "--disable_tqdm", "true", "--logging_steps", "1", "--save_steps", "0", "--max_length", "64",
-                "--use_peft", "true", *extra]
+        return preference_args(trainer, folder, data, out, "--per_device_train_batch_size", 2,
+                               "--gradient_accumulation_steps", accum, "--max_steps", 2, "--use_peft", "true", *extra)
 
     for a, b in run_one_and_two(args, tmp_path, 2, 1):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
