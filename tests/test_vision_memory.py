@@ -187,7 +187,9 @@ def test_peak_linear_in_images(arch, kernel_path):
 def test_peak_follows_the_images_not_the_batch(arch, kernel_path):
     """One 448 px image with 15 small ones (N ~ 2000 patches) peaks no higher than two 448 px images
     (N = 2048 / 1568): attention costs sum(L_i**2) over the images. Choosing the cheaper of one dense
-    mask and segments padded to the longest (the old Qwen2/2.5-VL rule) costs N**2 here, ~2x."""
+    mask and segments padded to the longest (the old Qwen2/2.5-VL rule) costs N**2 here, ~1.7x on the graph
+    path. The bound allows 10%: the linear terms (1984 against 2048 patches, the per-segment gathers) are
+    within a few percent of each other and move with the machine (0.95x here, 1.01x on CI's, native path)."""
     model = tower(arch)
     side = 448 // PATCH[arch]
     small = 8  # 8 x 8 patches: 112 px (patch 14), 128 px (patch 16)
@@ -196,7 +198,7 @@ def test_peak_follows_the_images_not_the_batch(arch, kernel_path):
     mixed = peak_bytes(model, px, model.metadata(grid))
     px, grid = images_448(arch, 2)
     two = peak_bytes(model, px, model.metadata(grid))
-    assert mixed <= two, (mixed, two)
+    assert mixed <= 1.1 * two, (mixed, two)
 
 
 # ---------------------------------------------------------------- 3. gradient checkpointing
