@@ -15,3 +15,8 @@ class ConfigError(MlxrlError, ValueError):
 
 class DataError(MlxrlError, ValueError):
     """A bad dataset, file, row or image: one line naming the file and line, or the row."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (a user's function's, a library's), for a one-line error."""
+    return (str(e).strip().splitlines() or [""])[0]

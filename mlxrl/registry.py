@@ -7,7 +7,8 @@ checks and its trainer live, and the memory planner's model of one step (`shape`
 * ``"rows"``: B sequences, every completion token scored (SFT);
 * ``"pairs"``: preference rows, only completions scored: 2B sequences per B rows with a gradient (chosen then
   rejected: ``per_row`` 2), or KTO's B completions with a gradient and its B mismatched KL completions without;
-* ``"groups"``: GRPO's and RLOO's rounds (prompts x num_generations completions).
+* ``"groups"``: GRPO's, RLOO's and Distillation's rounds (prompts x num_generations completions; one each for
+  Distillation, whose teacher the planner does not count yet).
 
 ``head``: ``"lm"`` (the streamed LM head over the scored tokens) or ``"score"`` (a sequence classifier's head at one
 position per sequence: the reward model). ``reference`` says when a run holds a reference policy
@@ -55,6 +56,7 @@ TRAINERS: tuple[TrainerEntry, ...] = (
     TrainerEntry("reward", "reward", "Reward", "pairs", "never", "check_reward_config", per_row=2, head="score"),
     TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
     TrainerEntry("rloo", "rloo", "RLOO", "groups", "beta", "check_rloo_config"),
+    TrainerEntry("distill", "distill", "Distillation", "groups", "never", "check_distillation_config"),
 )
 
 

@@ -8,7 +8,7 @@ logging, evaluation and checkpoint cadence. Two kinds exist:
   sharded over the ranks); batches are prepared ahead on a worker thread; an epoch ends with its last
   micro-batch (a last step on fewer than gradient_accumulation_steps micro-batches, as transformers'
   Trainer takes it).
-- `trainers.grpo.rounds.GenerationRounds` (GRPO): a round is generated, scored and cut into
+- `trainers.rollout.rounds.GenerationRounds` (GRPO, RLOO, Distillation): a round is generated, scored and cut into
   micro-batches on the training thread, with the current weights, when the loop reaches it; a step
   may take micro-batches of two epochs.
 

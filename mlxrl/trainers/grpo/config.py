@@ -5,18 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...losses.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SEQUENCE_COUPLED_LOSS_TYPES
-from ..config import TrainConfig, _f, check_config, refused
+from ..config import _f, refused
+from ..rollout.config import OWN_ENGINE, RolloutConfig, check_rollout_config
 
 __all__ = ["GRPOConfig", "check_grpo_config", "resolve_batching"]
 
-NO_VLLM = "vLLM is not used (mlxrl generates with its own shared-prefill engine)"
-OWN_ENGINE = "mlxrl generates with its own shared-prefill engine"
-
 
 @dataclass
-class GRPOConfig(TrainConfig):
-    """TRL 1.16's GRPOConfig fields (names and defaults). Fields TRL has that mlxrl does not support raise a
-    ValueError when set to anything but their default (`refused`, checked by `config.check_config`)."""
+class GRPOConfig(RolloutConfig):
+    """TRL 1.16's GRPOConfig fields (names and defaults): the on-policy fields it shares with RLOO and Distillation
+    (`rollout.config.RolloutConfig`) and GRPO's own. Fields TRL has that mlxrl does not support raise a ValueError
+    when set to anything but their default (`refused`, checked by `config.check_config`)."""
 
     learning_rate: float = _f(1e-6, "peak learning rate of AdamW (TRL's GRPO default)")
     head_mode: str = _f("auto", "(mlxrl) auto | fused | differentiable: how the streamed LM head runs in training. "
@@ -25,49 +24,17 @@ class GRPOConfig(TrainConfig):
                                 "with a streamed VJP (4 matmuls, two exps; any loss); auto: fused at token level, else "
                                 "differentiable",
                         choices=("auto", "fused", "differentiable"))
-    per_device_train_batch_size: int = _f(8, "completions per micro-batch (TRL counts completions, not prompts)")
-    # model
-    keep_frozen_dtype: bool = _f(False, "(mlxrl) as SFT's, off by default here. Generation would widen every "
-                                        "kept weight once per decoded token")
-    disable_dropout: bool = _f(False, "disable dropout (LoRA dropout included) in the model")
     cast_lm_head_to_fp32: bool = _f(False, "accepted; the streamed head always accumulates in float32")
     ref_model: str | None = _f(None, "(mlxrl) path or Hub id of a separate frozen reference model (beta > 0)")
-    # data and generation
     remove_unused_columns: bool = refused(False, "every dataset column is passed to the reward functions")
     dataloader_drop_last: bool = refused(False, "a generation round always takes whole groups of prompts")
     num_generations: int = _f(8, "completions sampled per prompt (G)")
     num_generations_eval: int | None = refused(None, "GRPO has no evaluation loop in mlxrl yet")
-    max_completion_length: int = _f(512, "maximum tokens per completion")
-    ds3_gather_for_generation: bool = _f(True, "DeepSpeed only: ignored")
-    shuffle_dataset: bool = _f(True, "shuffle the prompts every epoch")
-    pad_to_multiple_of: str | None = _f("auto", "not supported beyond 'auto' (completions are padded to "
-                                                "powers of two)")
     generation_batch_size: int | None = _f(None, "completions per generation round, all processes together. As "
                                                  "TRL counts them; default: per_device_train_batch_size x "
                                                  "processes x steps_per_generation")
     steps_per_generation: int | None = _f(None, "micro-batches per generation round (default: "
                                                 "gradient_accumulation_steps)")
-    temperature: float = _f(1.0, "sampling temperature (the training log-probs use it too)")
-    top_p: float = _f(1.0, "nucleus sampling")
-    top_k: int = _f(0, "top-k sampling (0: off)")
-    min_p: float | None = _f(None, "min-p sampling")
-    generation_kwargs: str | None = refused(None, "use temperature / top_p / top_k / min_p")
-    chat_template_kwargs: str | None = refused(None, "put chat_template_kwargs in a dataset column")
-    repetition_penalty: float = refused(1.0, "mlxrl's sampler has no repetition penalty")
-    cache_implementation: str | None = refused(None, "generation uses mlx-lm KV caches")
-    use_vllm: bool = refused(False, OWN_ENGINE)
-    vllm_mode: str = refused("colocate", NO_VLLM)
-    vllm_model_impl: str = refused("vllm", NO_VLLM)
-    vllm_enable_sleep_mode: bool = refused(False, NO_VLLM)
-    vllm_structured_outputs_regex: str | None = refused(None, NO_VLLM)
-    vllm_server_base_url: str | None = refused(None, NO_VLLM)
-    vllm_server_host: str = refused("0.0.0.0", NO_VLLM)
-    vllm_server_port: int = refused(8000, NO_VLLM)
-    vllm_server_timeout: float = refused(240.0, NO_VLLM)
-    vllm_group_port: int = refused(51216, NO_VLLM)
-    vllm_gpu_memory_utilization: float = refused(0.3, NO_VLLM)
-    vllm_max_model_length: int | None = refused(None, NO_VLLM)
-    vllm_tensor_parallel_size: int = refused(1, NO_VLLM)
     vllm_importance_sampling_correction: bool = _f(True, "vLLM only: no effect without use_vllm")
     vllm_importance_sampling_mode: str = _f("sequence_mask", "vLLM only: no effect without use_vllm")
     vllm_importance_sampling_clip_max: float | None = _f(3.0, "vLLM only: no effect without use_vllm")
@@ -104,19 +71,11 @@ class GRPOConfig(TrainConfig):
     entropy_coef_max: float = refused(1.0, "it only applies with use_adaptive_entropy, which is not implemented")
     entropy_coef_delta: float = refused(0.005, "it only applies with use_adaptive_entropy, which is not implemented")
     entropy_target: float = refused(0.2, "it only applies with use_adaptive_entropy, which is not implemented")
-    max_tool_calling_iterations: int | None = refused(None, "tool calling is not implemented")
     off_policy_mask_threshold: float | None = refused(None, "off-policy sequence masking is not implemented")
     use_bias_correction_kl: bool = _f(True, "multiply the k3 KL by the importance ratio (TRL's default)")
     # logging
-    log_completions: bool = refused(False, "completions are not logged yet")
     log_multimodal: bool = _f(True, "only with log_completions: ignored")
-    num_completions_to_print: int | None = refused(None, "completions are not logged yet")
-    log_unique_prompts: bool = refused(False, "completions are not logged yet")
     log_completions_hub_repo: str | None = refused(None, "completions are not logged yet")
-    # mlxrl
-    shared_prompt: bool = _f(True, "(mlxrl) training forward with each prompt once per group. False: every "
-                                   "prompt+completion row separately, the baseline")
-    shared_prefill: bool = _f(True, "(mlxrl) generation with each prompt prefilled once and its KV cache shared")
 
     def __post_init__(self):
         super().__post_init__()
@@ -151,10 +110,7 @@ def resolve_batching(args: GRPOConfig, world_size: int | None = None) -> tuple[i
 
 def check_grpo_config(args: GRPOConfig) -> None:
     """One-line ValueErrors for unsupported or inconsistent settings (TRL's checks plus ours)."""
-    check_config(args)  # types, ranges, choices and the refused TRL fields
-    if args.pad_to_multiple_of not in ("auto", None, "none", "None"):
-        raise ValueError(f"pad_to_multiple_of={args.pad_to_multiple_of!r} is not supported: completions are padded "
-                         "to powers of two")
+    check_rollout_config(args)  # the sampling settings, the types, ranges, choices and refused TRL fields
     if args.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type {args.loss_type!r} is not supported; valid: {', '.join(LOSS_TYPES)}")
     if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -167,12 +123,8 @@ def check_grpo_config(args: GRPOConfig) -> None:
     g = args.num_generations
     if g is None or g < 2:
         raise ValueError(f"num_generations must be >= 2 (group-relative advantages need a group), got {g}")
-    if args.max_completion_length is None or args.max_completion_length < 1:
-        raise ValueError(f"max_completion_length must be >= 1, got {args.max_completion_length}")
     if args.num_iterations < 1:
         raise ValueError(f"num_iterations must be >= 1, got {args.num_iterations}")
-    if args.temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for GRPO (it divides the logits), got {args.temperature}")
     w = processes()
     spg, gbs = resolve_batching(args, w)
     if gbs % g:
@@ -188,12 +140,6 @@ def check_grpo_config(args: GRPOConfig) -> None:
                          "prompt")
     if args.beta < 0:
         raise ValueError(f"beta must be >= 0, got {args.beta}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {args.top_p}")
-    if args.min_p is not None and not 0.0 <= args.min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {args.min_p}")
-    if args.top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0: off), got {args.top_k}")
     if args.head_mode == "fused" and args.importance_sampling_level != "token":
         raise ValueError("head_mode=fused needs importance_sampling_level='token' (a sequence-level ratio couples "
                          "the tokens of a sequence): use head_mode auto or differentiable")

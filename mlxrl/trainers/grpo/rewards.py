@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from ...errors import MlxrlError
+from ...errors import MlxrlError, first_line
 
 __all__ = ["RewardError", "RewardModel", "check_reward_signature", "load_reward_func", "load_reward_model",
            "reward_entry", "reward_values"]
@@ -55,10 +55,6 @@ def load_reward_func(spec: str):
     if not callable(fn):
         raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
 
 
 REWARD_KWARGS = ("trainer_state", "log_metric", "log_extra")  # what TRL passes besides the dataset columns

@@ -45,10 +45,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from ...data.files import naming_rows, origins_of, rows_fingerprint
-from ...data.formats import DataError, chatml, check_prompt_rows, template_kwargs
-from ...data.images import fill_images, row_images
-from ...errors import MlxrlError
+from ...errors import MlxrlError, first_line
 from ...losses.fused_head import fused_head_loss
 from ...losses.grpo import (
     TOKEN_SUM_LOSS_TYPES,
@@ -58,24 +55,19 @@ from ...losses.grpo import (
     grpo_token_weights,
     uses_fused_head,
 )
-from ...models.dropout import eval_mode
-from ...processing.tokens import IGNORE_INDEX, QWEN_STOP_TOKEN_IDS
+from ...processing.tokens import IGNORE_INDEX
 from .. import trl_api
-from ..engine import Trainer, step_seed
 from ..forward import with_router_aux
 from ..reference import Reference
+from ..rollout.trainer import RolloutTrainer
 from .config import GRPOConfig, check_grpo_config, resolve_batching
 from .rewards import (
     RewardError,
     check_reward_signature,
-    first_line,
     load_reward_func,
     reward_entry,
     reward_values,
 )
-from .rounds import GenerationRounds
-
-PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "RewardError", "check_grpo_config", "check_reward_signature",
            "load_reward_func", "reward_values"]
@@ -87,14 +79,9 @@ def finite_items(metrics: dict) -> dict:
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
-def _bucket(n: int, limit: int) -> int:
-    """Next power of two >= n (at least 8), capped at limit: completion widths the compiled step sees."""
-    return min(max(8, 1 << max(0, math.ceil(math.log2(max(n, 1))))), max(limit, n))
-
-
 # --------------------------------------------------------------------------------------- trainer
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(RolloutTrainer):
     trainer_name = "grpo"
     config_class = GRPOConfig
     check_args = staticmethod(check_grpo_config)
@@ -113,10 +100,6 @@ class GRPOTrainer(Trainer):
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
             self, name, self.config_class, model, processor, args, train_dataset, eval_dataset, trl)
         self.check_args(args)
-        if train_dataset is None or len(train_dataset) == 0:
-            raise ValueError(f"{name} needs a train_dataset of rows with a 'prompt' column")
-        if eval_dataset is not None:
-            raise ValueError(f"eval_dataset is not supported by mlxrl's {name} yet")
         if reward_funcs is None:
             raise ValueError(f"{name} needs reward_funcs: a callable or a list of callables "
                              "f(prompts, completions, completion_ids, **columns) -> list[float | None]")
@@ -131,81 +114,25 @@ class GRPOTrainer(Trainer):
         Reference.check_distinct(model, ref_model)
         if args.disable_dropout and args.use_peft and args.lora_dropout:
             args = dataclasses.replace(args, lora_dropout=0.0)
-        with naming_rows(origins_of(train_dataset)):
-            check_prompt_rows(train_dataset)
         names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
-        columns = [k for k in train_dataset[0] if k not in ("prompt", "completion", "completion_ids")]
-        for f, name in zip(funcs, names, strict=True):
-            check_reward_signature(f, name, columns)
-        super().__init__(model, processor, args)
+        if train_dataset is not None and len(train_dataset):
+            columns = [k for k in train_dataset[0] if k not in ("prompt", "completion", "completion_ids")]
+            for f, fname in zip(funcs, names, strict=True):
+                check_reward_signature(f, fname, columns)
+        self.G = args.num_generations
+        self._init_rollout(name, model, processor, args, train_dataset, eval_dataset)
         self.reward_funcs = funcs
         self.reward_func_names = names
-        self.rows = list(train_dataset)
-        self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
-        self.row_origins = origins_of(train_dataset)
-        self.G = args.num_generations
-        # generation_batch_size counts every process's completions (TRL's); prompts_per_round is this rank's
-        self.steps_per_generation, self.generation_batch_size = resolve_batching(args, self.world_size)
-        self.prompts_per_round = self.generation_batch_size // self.world_size // self.G
-        if self.prompts_per_round * self.world_size > len(self.rows):
-            raise ValueError(f"a generation round needs {self.prompts_per_round * self.world_size} prompts "
-                             f"(generation_batch_size / num_generations) but the dataset has {len(self.rows)}")
         # TRL computes old log-probs only when generation is not aligned with the optimizer step
         generate_every = self.steps_per_generation * args.num_iterations
         self.needs_old_logps = args.gradient_accumulation_steps % generate_every != 0
         self.reference = Reference(model, ref_model, path=args.ref_model, dtype=args.dtype, lora=args.use_peft,
                                    needed=args.beta != 0)
         self.ref_model = self.reference.model
-        self.stop_token_ids = sorted({*QWEN_STOP_TOKEN_IDS, int(processor.eos_token_id)})
         self._pending_metrics: dict[str, list[float]] = {}
-        self._round_epoch = 0  # the epoch of the round being generated (reward functions see it)
-        self.generation_time = 0.0
-        self._head_trainable = self.head_trainable
 
-    def plan_shape(self) -> tuple[dict, str]:
-        """The planner's prompt length: the longest of the first 64 prompts, rendered and tokenised
-        (an image counts as its one placeholder token: image tokens are not counted)."""
-        n = 0
-        for i, row in enumerate(self.rows[:64]):
-            text = self._render(row, i)[0]
-            n = max(n, len(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]))
-        return {"prompt_length": n}, f"prompts of {n} tokens and every completion at max_completion_length"
-
-    # ------------------------------------------------------------------ prompts
-    def _render(self, row: dict, index: int) -> tuple[str, list, object]:
-        """(prompt text, images, the prompt as reward functions see it); the row was checked by
-        `check_prompt_rows`, and what the chat template still cannot render is one line naming it."""
-        check_prompt_rows([row], first_index=index)
-        prompt = row["prompt"]
-        images = row_images(row)
-        if isinstance(prompt, str):
-            return prompt, [], prompt
-        messages, ordered = fill_images(chatml(prompt), images, index)
-        kw = dict(template_kwargs(row, index))
-        kw["continue_final_message" if messages[-1].get("role") == "assistant" else "add_generation_prompt"] = True
-        try:
-            text = self.processor.apply_chat_template(messages, **kw)
-        except Exception as e:  # jinja's errors for what the template cannot render
-            raise DataError(f"row {index}: the chat template cannot render its prompt ({type(e).__name__}: "
-                            f"{first_line(e)})") from None
-        return text, ordered, messages
-
-    def _round_indices(self, round_index: int) -> tuple[list[int], int, int]:
-        """(this rank's prompts of the round, epoch, global position of its first prompt). A round
-        holds prompts_per_round prompts per rank; rank r takes the r-th slice of the global round."""
-        n, k = len(self.rows), self.prompts_per_round
-        per_epoch = n // (k * self.world_size)
-        epoch, pos = divmod(round_index, per_epoch)
-        order = (np.random.default_rng((self.data_seed, epoch)).permutation(n) if self.args.shuffle_dataset
-                 else np.arange(n))
-        first = (pos * self.world_size + self.rank) * k
-        return order[first:first + k].tolist(), epoch, self.rank * k
-
-    def _gather(self, x: np.ndarray) -> np.ndarray:
-        """Concatenate an [N, ...] float array over the ranks in rank order (identity with one)."""
-        if self.world_size == 1:
-            return x
-        return self.parallel.all_gather(x)
+    def batching(self) -> tuple[int, int]:
+        return resolve_batching(self.args, self.world_size)
 
     # ------------------------------------------------------------------ rewards
     def _log_metric(self, name, value):
@@ -241,13 +168,6 @@ class GRPOTrainer(Trainer):
                   "it gets advantage 0", flush=True)
         return out
 
-    # ------------------------------------------------------------------ generation round
-    def _model_kwargs(self, batch):
-        if "pixel_values" not in batch:
-            return {}
-        return {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
-                "vision_meta": batch.get("vision_meta")}
-
     def _logps_no_grad(self, model, arrays):
         from ...generation.shared_prompt import shared_prompt_logprobs
 
@@ -277,40 +197,6 @@ class GRPOTrainer(Trainer):
         metrics["scoring_seconds"] = time.perf_counter() - t0 - t_gen
         return micro, metrics
 
-    @property
-    def _prompts_per_micro_batch(self) -> int:
-        return max(1, self.args.per_device_train_batch_size // self.G)
-
-    def _generate(self, round_index: int) -> tuple[list[dict], list, list]:
-        """The round's prompts (this rank's share), rendered, and their completions: (rows, rendered,
-        [(the encoded prompts, the generation)] per micro-batch of prompts)."""
-        from ...generation.engine import generate
-
-        a, G = self.args, self.G
-        indices, self._round_epoch, offset = self._round_indices(round_index)
-        rows = [self.rows[i] for i in indices]
-        rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
-        prompts_per_mb = self._prompts_per_micro_batch
-        chunks = []
-        with eval_mode(self.model):
-            for start in range(0, len(rows), prompts_per_mb):
-                part = rendered[start:start + prompts_per_mb]
-                images = [im for _, im, _ in part]
-                enc = self.processor(text=[t for t, _, _ in part], images=images if any(images) else None,
-                                     padding_side="left", return_tensors="np")
-                gen = generate(self.model, mx.array(enc["input_ids"].astype(np.int32)),
-                               mx.array(enc["attention_mask"].astype(np.int32)),
-                               pixel_values=mx.array(enc["pixel_values"]) if "pixel_values" in enc else None,
-                               image_grid_thw=mx.array(enc["image_grid_thw"].astype(np.int32))
-                               if "image_grid_thw" in enc else None,
-                               num_generations=G, max_tokens=a.max_completion_length, temperature=a.temperature,
-                               top_p=a.top_p, top_k=a.top_k, min_p=a.min_p or 0.0,
-                               stop_token_ids=self.stop_token_ids, pad_token_id=self.processor.pad_token_id,
-                               seed=step_seed(a.seed, offset + start, round_index),
-                               shared_prefill=a.shared_prefill)
-                chunks.append((enc, gen))
-        return rows, rendered, chunks
-
     def _score(self, rows: list[dict], rendered: list, chunks: list):
         """Decode and score the round: (this rank's [N, F] rewards, completion lengths, prompt lengths, the
         round's length metrics over every rank's completions)."""
@@ -318,8 +204,7 @@ class GRPOTrainer(Trainer):
         prompts_per_mb = self._prompts_per_micro_batch
         prompts, completions, completion_ids, columns = [], [], [], {}
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
-        lengths, truncated, prompt_lens = [], [], []
-        for c, (enc, gen) in enumerate(chunks):
+        for c, (_, gen) in enumerate(chunks):
             ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
             for r in range(ids.shape[0]):
                 j = c * prompts_per_mb + r // G
@@ -331,20 +216,9 @@ class GRPOTrainer(Trainer):
                 completion_ids.append(seq)
                 for k in keys:
                     columns.setdefault(k, []).append(rows[j][k])
-            lengths.extend(mask.sum(1).tolist())
-            truncated.extend(np.array(gen.truncated).tolist())
-            prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1), G).tolist())
         rewards = self.score(prompts, completions, completion_ids, columns)
-        metrics = {}
-        all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
-        all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
-        lengths = np.array(lengths, dtype=np.float64)
-        term = all_lengths[~all_truncated] if (~all_truncated).any() else np.zeros(1)
-        metrics.update({"completions/mean_length": all_lengths.mean(), "completions/min_length": all_lengths.min(),
-                        "completions/max_length": all_lengths.max(), "completions/clipped_ratio": all_truncated.mean(),
-                        "completions/mean_terminated_length": term.mean(),
-                        "completions/min_terminated_length": term.min(),
-                        "completions/max_terminated_length": term.max()})
+        lengths, prompt_lens = self._lengths(chunks)
+        metrics = self._length_metrics(chunks)
         for name, values in self._pending_metrics.items():
             metrics[name] = float(np.mean(values))
         self._pending_metrics.clear()
@@ -365,41 +239,6 @@ class GRPOTrainer(Trainer):
     def token_sum_loss(self) -> bool:
         """Whether the loss is a token sum over the round (dapo, cispo) rather than a mean per micro-batch."""
         return self.args.loss_type in TOKEN_SUM_LOSS_TYPES
-
-    def _cut(self, chunks: list, lengths: np.ndarray, prompt_lens: list) -> tuple[list[dict], list[slice]]:
-        """The round's micro-batches: whole groups (b >= G: one chunk) or b-row slices of one prompt's group
-        (b < G), completions padded to a bucket and prompts left-padded to a multiple (fewer compiled shapes),
-        each with its share of the loss normaliser; and each one's rows of the round (where its advantages are)."""
-        a, G, b = self.args, self.G, self.args.per_device_train_batch_size
-        prompts_per_mb = self._prompts_per_micro_batch
-        total_tokens, micro, slices, pad = 0, [], [], self.processor.pad_token_id
-        for c, (enc, gen) in enumerate(chunks):
-            ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
-            if a.mask_truncated_completions:
-                mask = mask * ~np.array(gen.truncated)[:, None]
-            width = _bucket(ids.shape[1], a.max_completion_length)
-            ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad)
-            mask = np.pad(mask, ((0, 0), (0, width - mask.shape[1])))
-            total_tokens += int(mask.sum())
-            p_ids, p_mask = enc["input_ids"], enc["attention_mask"]
-            extra = (-p_ids.shape[1]) % PROMPT_MULTIPLE  # left padding to a multiple: fewer compiled shapes
-            p_ids = np.pad(p_ids, ((0, 0), (extra, 0)), constant_values=pad).astype(np.int32)
-            p_mask = np.pad(p_mask, ((0, 0), (extra, 0))).astype(np.int32)
-            base, step = c * prompts_per_mb * G, min(b, ids.shape[0])
-            for s in range(0, ids.shape[0], step):
-                sl = slice(base + s, base + s + step)
-                mb = {"prompt_ids": p_ids, "prompt_mask": p_mask,
-                      "completion_ids": ids[s:s + step].astype(np.int32),
-                      "completion_mask": mask[s:s + step].astype(np.int32),
-                      "num_tokens": int(sum(prompt_lens[sl]) + sum(lengths[sl]))}
-                if "pixel_values" in enc:
-                    mb["pixel_values"] = enc["pixel_values"]
-                    mb["image_grid_thw"] = enc["image_grid_thw"].astype(np.int32)
-                micro.append(mb)
-                slices.append(sl)
-        for mb in micro:  # TRL: the round's tokens x grad_accum / steps_per_generation, over one window
-            mb["normalizer"] = max(total_tokens, 1) / self.steps_per_generation if self.token_sum_loss else 1.0
-        return micro, slices
 
     def _add_logps(self, micro: list[dict]) -> None:
         """Reference and old log-probs: gradient-free, right after generation, with the weights that generated."""
@@ -425,23 +264,6 @@ class GRPOTrainer(Trainer):
                                    batch["completion_mask"], temperature=a.temperature,
                                    return_entropy=return_entropy, chunk_size=a.chunk_size,
                                    skip_ignored=not a.compile)
-
-    def _completion_hidden(self, model, batch, aux: list | None = None):
-        """aux: a list receiving an MoE model's load-balancing loss over each row's prompt + completion, as TRL
-        computes it, when the batch carries the engine's weight of it (`forward.with_router_aux`)."""
-        from ...generation.shared_prompt import repeated_hidden, shared_prompt_hidden
-
-        kw = self._model_kwargs(batch)
-        if aux is not None and "router_aux_scale" in batch:
-            kw["router_aux"] = aux
-        if self.args.shared_prompt:
-            if "router_aux" in kw:
-                kw["completion_mask"] = batch["completion_mask"]
-            return shared_prompt_hidden(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                        **kw)
-        kw.pop("vision_meta", None)
-        return repeated_hidden(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                               batch["completion_mask"], **kw)
 
     def _loss_kwargs(self):
         a = self.args
@@ -498,8 +320,3 @@ class GRPOTrainer(Trainer):
                                   **self._loss_kwargs(), **self._vespo_kwargs())
         # mean-type losses: TRL divides each micro-batch's mean by grad_accum (the normaliser sums 1 per micro-batch)
         return with_router_aux(loss if token_sum else loss / normalizer, metrics, aux, batch)
-
-    # ------------------------------------------------------------------ the batch source
-    def make_source(self):
-        return GenerationRounds(self)
-

@@ -1,4 +1,4 @@
-"""GRPO's batch source (`sources`' interface): generation rounds, each made by the trainer's
+"""The rollout trainers' batch source (`sources`' interface): generation rounds, each made by the trainer's
 `generate_round` (generate, score, cut, the gradient-free log-probs) when the loop reaches it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 
 
 class GenerationRounds:
-    """GRPO's batch source: generation rounds, each generated, scored and cut into steps_per_generation
+    """The rollout trainers' batch source: generation rounds, each generated, scored and cut into steps_per_generation
     micro-batches on the training thread with the current weights when the loop reaches it, then
     trained on num_iterations times. An epoch is every prompt once (incomplete rounds dropped); a
     step may take micro-batches of two epochs (nothing is dropped at an epoch's end)."""
@@ -20,7 +20,7 @@ class GenerationRounds:
         a = trainer.args
         self.trainer = trainer
         self.steps_per_generation = trainer.steps_per_generation
-        self.generate_every = trainer.steps_per_generation * a.num_iterations
+        self.generate_every = trainer.steps_per_generation * getattr(a, "num_iterations", 1)
         rounds_per_epoch = len(trainer.rows) // (trainer.prompts_per_round * trainer.world_size)
         self.length = rounds_per_epoch * self.generate_every
         self.round: list[dict] | None = None  # the micro-batches of the round being trained on

@@ -1,0 +1,1 @@
+"""Distillation: TRL 1.16's on-policy DistillationTrainer (config, teacher, trainer)."""

@@ -1,0 +1,250 @@
+"""RolloutTrainer: what TRL's on-policy trainers (GRPO, RLOO, Distillation) share, on the shared engine: the prompt
+rows, the generation rounds, the micro-batches they are cut into and the training forward over them.
+
+A round (TRL's `_generate_and_score_completions`), on the MAIN thread with the current weights: this rank's share
+of `generation_batch_size / num_generations` prompts is sampled (each epoch a new shuffle, incomplete rounds
+dropped, as TRL's RepeatSampler), rendered (plain string as is; conversations with the chat template; an `images`
+column filled into the first user message), left-padded, and `mlxrl.generation.engine.generate` draws G
+completions per prompt with the prompt prefilled ONCE and its KV cache shared (G = 1: one per prompt). The round
+is cut into `steps_per_generation` micro-batches of `per_device_train_batch_size` completions that keep whole
+groups together, so the training forward can share each prompt: `shared_prompt_hidden`, each prompt (and its
+images) once per group, the completions attending to its keys / values with the gradient flowing through them.
+
+A subclass says what a round is trained on (`generate_round`: GRPO's rewards and advantages, Distillation's
+nothing more) and its loss; `token_sum_loss` says how each micro-batch's share of the normaliser is counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ...data.files import naming_rows, origins_of, rows_fingerprint
+from ...data.formats import DataError, chatml, check_prompt_rows, template_kwargs
+from ...data.images import fill_images, row_images
+from ...errors import first_line
+from ...models.dropout import eval_mode
+from ...processing.tokens import QWEN_STOP_TOKEN_IDS
+from ..engine import Trainer, step_seed
+from .rounds import GenerationRounds
+
+PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
+
+__all__ = ["RolloutTrainer", "PROMPT_MULTIPLE"]
+
+
+def _bucket(n: int, limit: int) -> int:
+    """Next power of two >= n (at least 8), capped at limit: completion widths the compiled step sees."""
+    return min(max(8, 1 << max(0, math.ceil(math.log2(max(n, 1))))), max(limit, n))
+
+
+class RolloutTrainer(Trainer):
+    """The rollout machinery; subclasses set `config_class`, `check_args`, `G` (completions per prompt) and
+    `batching()`, and implement `generate_round` and `loss`."""
+
+    G = 1
+
+    def _init_rollout(self, name: str, model, processor, args, train_dataset, eval_dataset) -> None:
+        """The shared part of a rollout trainer's constructor, after its own argument checks."""
+        if train_dataset is None or len(train_dataset) == 0:
+            raise ValueError(f"{name} needs a train_dataset of rows with a 'prompt' column")
+        if eval_dataset is not None:
+            raise ValueError(f"eval_dataset is not supported by mlxrl's {name} yet")
+        with naming_rows(origins_of(train_dataset)):
+            check_prompt_rows(train_dataset)
+        Trainer.__init__(self, model, processor, args)
+        self.rows = list(train_dataset)
+        self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
+        self.row_origins = origins_of(train_dataset)
+        # generation_batch_size counts every process's completions (TRL's); prompts_per_round is this rank's
+        self.steps_per_generation, self.generation_batch_size = self.batching()
+        self.prompts_per_round = self.generation_batch_size // self.world_size // self.G
+        if self.prompts_per_round * self.world_size > len(self.rows):
+            raise ValueError(f"a generation round needs {self.prompts_per_round * self.world_size} prompts "
+                             f"(generation_batch_size / num_generations) but the dataset has {len(self.rows)}")
+        self.stop_token_ids = sorted({*QWEN_STOP_TOKEN_IDS, int(processor.eos_token_id)})
+        self._round_epoch = 0  # the epoch of the round being generated (reward functions see it)
+        self.generation_time = 0.0
+        self._head_trainable = self.head_trainable
+
+    def batching(self) -> tuple[int, int]:
+        """(steps_per_generation, generation_batch_size: completions a round over every rank)."""
+        a = self.args
+        spg = a.gradient_accumulation_steps
+        return spg, a.per_device_train_batch_size * self.world_size * spg
+
+    def plan_shape(self) -> tuple[dict, str]:
+        """The planner's prompt length: the longest of the first 64 prompts, rendered and tokenised
+        (an image counts as its one placeholder token: image tokens are not counted)."""
+        n = 0
+        for i, row in enumerate(self.rows[:64]):
+            text = self._render(row, i)[0]
+            n = max(n, len(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return {"prompt_length": n}, f"prompts of {n} tokens and every completion at max_completion_length"
+
+    # ------------------------------------------------------------------ prompts
+    def _render(self, row: dict, index: int) -> tuple[str, list, object]:
+        """(prompt text, images, the prompt as reward functions see it); the row was checked by
+        `check_prompt_rows`, and what the chat template still cannot render is one line naming it."""
+        check_prompt_rows([row], first_index=index)
+        prompt = row["prompt"]
+        images = row_images(row)
+        if isinstance(prompt, str):
+            return prompt, [], prompt
+        messages, ordered = fill_images(chatml(prompt), images, index)
+        kw = dict(template_kwargs(row, index))
+        kw["continue_final_message" if messages[-1].get("role") == "assistant" else "add_generation_prompt"] = True
+        try:
+            text = self.processor.apply_chat_template(messages, **kw)
+        except Exception as e:  # jinja's errors for what the template cannot render
+            raise DataError(f"row {index}: the chat template cannot render its prompt ({type(e).__name__}: "
+                            f"{first_line(e)})") from None
+        return text, ordered, messages
+
+    def _round_indices(self, round_index: int) -> tuple[list[int], int, int]:
+        """(this rank's prompts of the round, epoch, global position of its first prompt). A round
+        holds prompts_per_round prompts per rank; rank r takes the r-th slice of the global round."""
+        n, k = len(self.rows), self.prompts_per_round
+        per_epoch = n // (k * self.world_size)
+        epoch, pos = divmod(round_index, per_epoch)
+        order = (np.random.default_rng((self.data_seed, epoch)).permutation(n) if self.args.shuffle_dataset
+                 else np.arange(n))
+        first = (pos * self.world_size + self.rank) * k
+        return order[first:first + k].tolist(), epoch, self.rank * k
+
+    def _gather(self, x: np.ndarray) -> np.ndarray:
+        """Concatenate an [N, ...] float array over the ranks in rank order (identity with one)."""
+        if self.world_size == 1:
+            return x
+        return self.parallel.all_gather(x)
+
+    # ------------------------------------------------------------------ generation round
+    def _model_kwargs(self, batch):
+        if "pixel_values" not in batch:
+            return {}
+        return {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"],
+                "vision_meta": batch.get("vision_meta")}
+
+    def generate_round(self, round_index: int) -> tuple[list[dict], dict]:
+        raise NotImplementedError
+
+    @property
+    def _prompts_per_micro_batch(self) -> int:
+        return max(1, self.args.per_device_train_batch_size // self.G)
+
+    def _generate(self, round_index: int) -> tuple[list[dict], list, list]:
+        """The round's prompts (this rank's share), rendered, and their completions: (rows, rendered,
+        [(the encoded prompts, the generation)] per micro-batch of prompts)."""
+        from ...generation.engine import generate
+
+        a, G = self.args, self.G
+        indices, self._round_epoch, offset = self._round_indices(round_index)
+        rows = [self.rows[i] for i in indices]
+        rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
+        prompts_per_mb = self._prompts_per_micro_batch
+        chunks = []
+        with eval_mode(self.model):
+            for start in range(0, len(rows), prompts_per_mb):
+                part = rendered[start:start + prompts_per_mb]
+                images = [im for _, im, _ in part]
+                enc = self.processor(text=[t for t, _, _ in part], images=images if any(images) else None,
+                                     padding_side="left", return_tensors="np")
+                gen = generate(self.model, mx.array(enc["input_ids"].astype(np.int32)),
+                               mx.array(enc["attention_mask"].astype(np.int32)),
+                               pixel_values=mx.array(enc["pixel_values"]) if "pixel_values" in enc else None,
+                               image_grid_thw=mx.array(enc["image_grid_thw"].astype(np.int32))
+                               if "image_grid_thw" in enc else None,
+                               num_generations=G, max_tokens=a.max_completion_length, temperature=a.temperature,
+                               top_p=a.top_p, top_k=a.top_k, min_p=a.min_p or 0.0,
+                               stop_token_ids=self.stop_token_ids, pad_token_id=self.processor.pad_token_id,
+                               seed=step_seed(a.seed, offset + start, round_index),
+                               shared_prefill=a.shared_prefill)
+                chunks.append((enc, gen))
+        return rows, rendered, chunks
+
+    def _lengths(self, chunks: list) -> tuple[list, list]:
+        """(completion lengths, prompt lengths) of this rank's round, one per completion."""
+        lengths, prompt_lens = [], []
+        for enc, gen in chunks:
+            lengths.extend(np.array(gen.completion_mask).sum(1).tolist())
+            prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1), self.G).tolist())
+        return lengths, prompt_lens
+
+    def _length_metrics(self, chunks: list) -> dict:
+        """TRL's completions/* metrics over every rank's completions of the round."""
+        lengths = [n for _, gen in chunks for n in np.array(gen.completion_mask).sum(1).tolist()]
+        truncated = [t for _, gen in chunks for t in np.array(gen.truncated).tolist()]
+        all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
+        all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
+        term = all_lengths[~all_truncated] if (~all_truncated).any() else np.zeros(1)
+        return {"completions/mean_length": all_lengths.mean(), "completions/min_length": all_lengths.min(),
+                "completions/max_length": all_lengths.max(), "completions/clipped_ratio": all_truncated.mean(),
+                "completions/mean_terminated_length": term.mean(),
+                "completions/min_terminated_length": term.min(),
+                "completions/max_terminated_length": term.max()}
+
+    @property
+    def token_sum_loss(self) -> bool:
+        """Whether the loss is a token sum over the round normalised by its completion tokens (each micro-batch's
+        normaliser its share of them) rather than a mean per micro-batch (each normaliser 1)."""
+        return True
+
+    def _cut(self, chunks: list, lengths, prompt_lens: list) -> tuple[list[dict], list[slice]]:
+        """The round's micro-batches: whole groups (b >= G: one chunk) or b-row slices of one prompt's group
+        (b < G), completions padded to a bucket and prompts left-padded to a multiple (fewer compiled shapes),
+        each with its share of the loss normaliser; and each one's rows of the round."""
+        a, G, b = self.args, self.G, self.args.per_device_train_batch_size
+        prompts_per_mb = self._prompts_per_micro_batch
+        total_tokens, micro, slices, pad = 0, [], [], self.processor.pad_token_id
+        for c, (enc, gen) in enumerate(chunks):
+            ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
+            if getattr(a, "mask_truncated_completions", False):
+                mask = mask * ~np.array(gen.truncated)[:, None]
+            width = _bucket(ids.shape[1], a.max_completion_length)
+            ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad)
+            mask = np.pad(mask, ((0, 0), (0, width - mask.shape[1])))
+            total_tokens += int(mask.sum())
+            p_ids, p_mask = enc["input_ids"], enc["attention_mask"]
+            extra = (-p_ids.shape[1]) % PROMPT_MULTIPLE  # left padding to a multiple: fewer compiled shapes
+            p_ids = np.pad(p_ids, ((0, 0), (extra, 0)), constant_values=pad).astype(np.int32)
+            p_mask = np.pad(p_mask, ((0, 0), (extra, 0))).astype(np.int32)
+            base, step = c * prompts_per_mb * G, min(b, ids.shape[0])
+            for s in range(0, ids.shape[0], step):
+                sl = slice(base + s, base + s + step)
+                mb = {"prompt_ids": p_ids, "prompt_mask": p_mask,
+                      "completion_ids": ids[s:s + step].astype(np.int32),
+                      "completion_mask": mask[s:s + step].astype(np.int32),
+                      "num_tokens": int(sum(prompt_lens[sl]) + sum(lengths[sl]))}
+                if "pixel_values" in enc:
+                    mb["pixel_values"] = enc["pixel_values"]
+                    mb["image_grid_thw"] = enc["image_grid_thw"].astype(np.int32)
+                micro.append(mb)
+                slices.append(sl)
+        for mb in micro:  # TRL: the round's tokens x grad_accum / steps_per_generation, over one window
+            mb["normalizer"] = max(total_tokens, 1) / self.steps_per_generation if self.token_sum_loss else 1.0
+        return micro, slices
+
+    # ------------------------------------------------------------------ the training forward
+    def _completion_hidden(self, model, batch, aux: list | None = None):
+        """The final hidden states [n, C, D] at the completion positions (each predicting the next token). aux: a
+        list receiving an MoE model's load-balancing loss over each row's prompt + completion, as TRL computes it,
+        when the batch carries the engine's weight of it (`forward.with_router_aux`)."""
+        from ...generation.shared_prompt import repeated_hidden, shared_prompt_hidden
+
+        kw = self._model_kwargs(batch)
+        if aux is not None and "router_aux_scale" in batch:
+            kw["router_aux"] = aux
+        if self.args.shared_prompt:
+            if "router_aux" in kw:
+                kw["completion_mask"] = batch["completion_mask"]
+            return shared_prompt_hidden(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                        **kw)
+        kw.pop("vision_meta", None)
+        return repeated_hidden(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                               batch["completion_mask"], **kw)
+
+    # ------------------------------------------------------------------ the batch source
+    def make_source(self):
+        return GenerationRounds(self)
