@@ -256,3 +256,33 @@ def test_a_4bit_teacher_from_its_folder_and_trls_positional_order(tiny_checkpoin
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in trainer.teacher_model.named_modules())
     trainer.train()
     assert np.isfinite(trainer.log_history[-1]["train_loss"])
+
+
+def test_the_command_line_trains_from_files_and_refuses_a_missing_teacher(tiny_checkpoint, teacher, tmp_path,
+                                                                         capsys):
+    """`python -m mlxrl.distill --model ... --teacher_model_name_or_path ... --dataset prompts.jsonl`: a run saved;
+    without the teacher, one line and status 2."""
+    import json
+
+    from mlxrl.cli.distill import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    common = ["--model", str(tiny_checkpoint("qwen3")), "--dataset", str(data), "--max_steps", "1",
+              "--per_device_train_batch_size", "4", "--max_completion_length", "4", "--disable_tqdm", "true",
+              "--save_steps", "0"]
+    assert main([*common, "--output_dir", str(tmp_path / "none")]) == 2
+    assert "--teacher_model_name_or_path is required" in capsys.readouterr().err
+    out = tmp_path / "o"
+    assert main([*common, "--teacher_model_name_or_path", str(teacher), "--output_dir", str(out)]) == 0
+    assert (out / "model.safetensors").exists()
+
+
+def test_the_embedded_demo_runs_short(tmp_path):
+    """The embedded default end to end, shortened: a teacher and a student made, distilled, scored."""
+    from mlxrl.cli.distill import run_demo
+
+    args = DistillationConfig(output_dir=str(tmp_path / "demo"))
+    out = run_demo(args, {"output_dir"}, overrides={"max_steps": 2, "per_device_train_batch_size": 4},
+                   teacher_steps=2, student_steps=1, n_test=8)
+    assert len(out["history"]) >= 1 and 0.0 <= out["after"] <= 1.0

@@ -1,7 +1,7 @@
 """`python -m mlxrl`: load a model (or the embedded default), run one image+text forward, print
 the next-token prediction, and optionally save the model as a Hugging Face folder. With a command
-first, the `mlxrl` console command (as `trl sft ...`): `mlxrl sft|dpo|orpo|cpo|kto|reward|grpo|generate|chat|plan
-...` is `python -m mlxrl.sft ...` and so on.
+first, the `mlxrl` console command (as `trl sft ...`): `mlxrl sft|dpo|orpo|cpo|kto|reward|grpo|rloo|distill|generate|
+chat|plan ...` is `python -m mlxrl.sft ...` and so on.
 
     mlxrl sft --model Qwen/Qwen3-0.6B --dataset data.jsonl --use_peft true
     mlxrl chat --model out/merged

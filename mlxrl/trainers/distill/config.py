@@ -25,14 +25,15 @@ class DistillationConfig(RolloutConfig):
     teacher_model_name_or_path: str | None = _f(None, "Hub id or folder of the teacher (when the trainer is not "
                                                       "given a teacher_model)")
     teacher_model_revision: str | None = _f(None, "the teacher's Hub revision (branch, tag or commit)")
-    teacher_model_init_kwargs: str | None = _f(None, "how the teacher loads, as TRL's from_pretrained keywords: "
-                                                     '{"dtype": "bfloat16"}, {"load_in_4bit": true} or '
+    teacher_model_init_kwargs: str | None = _f(None, "how the teacher loads (TRL's from_pretrained keywords). "
+                                                     'For example {"dtype": "bfloat16"}, {"load_in_4bit": true} or '
                                                      '{"quantization_config": {"load_in_8bit": true}} (group size: '
                                                      "q_group_size); default: the student's dtype, float")
-    beta: float = _f(1.0, "the generalized JSD's interpolation: 0 forward KL(teacher || student), 1 reverse "
-                          "KL(student || teacher), 0.5 the symmetric JSD (not a KL penalty: there is no reference)")
-    shared_prompt: bool = _f(True, "(mlxrl) training forward with each prompt and its completion in one row "
-                                   "(False: the repeated-rows baseline; with one completion per prompt they agree)")
+    beta: float = _f(1.0, "the generalized JSD's interpolation (0: forward KL, 1: reverse KL). With 0 it is "
+                          "KL(teacher || student), 1 KL(student || teacher), 0.5 the symmetric JSD (not a KL penalty: "
+                          "there is no reference)")
+    shared_prompt: bool = _f(True, "(mlxrl) the shared-prompt training forward. With one completion per prompt it "
+                                   "computes what the repeated-rows baseline (False) does")
 
     num_generations = 1  # one completion per prompt (TRL's distillation is n = 1): not a field
 
