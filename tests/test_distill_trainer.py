@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from test_trl_runs import assert_same_logs
+from test_trl_runs import assert_same_logs, train_recording_rounds, trl_train_on_rounds
 
 import mlxrl
 from mlxrl import DistillationConfig, DistillationTrainer
@@ -42,19 +42,7 @@ def ours_run(folder, teacher, tmp_path, hyper):
     args = DistillationConfig(output_dir=str(tmp_path / "ours"), disable_tqdm=True, save_steps=0, logging_steps=1,
                               gradient_checkpointing=False, shuffle_dataset=False, **hyper)
     trainer = DistillationTrainer(model, processor, args, train_dataset=PROMPTS, teacher_model=str(teacher))
-    rounds = []
-    generate_round = trainer.generate_round
-
-    def recorded(index):
-        micro, metrics = generate_round(index)
-        rounds.append([ids[m > 0].tolist() for mb in micro
-                       for ids, m in zip(mb["completion_ids"], mb["completion_mask"], strict=True)])
-        return micro, metrics
-
-    trainer.generate_round = recorded
-    trainer.train()
-    return load_file(str(tmp_path / "ours" / "model.safetensors")), [e for e in trainer.log_history if "loss" in e], \
-        rounds
+    return train_recording_rounds(trainer, tmp_path / "ours")
 
 
 def naive_divergence(hs, ws, bs, ht, wt, bt, beta, temperature, *scales):
@@ -92,12 +80,7 @@ def trl_run(folder, teacher, tmp_path, hyper, rounds, monkeypatch, dtype=None):
     teacher_hf = transformers.AutoModelForCausalLM.from_pretrained(str(teacher), dtype=dtype)
     trainer = trl.DistillationTrainer(model=hf, teacher_model=teacher_hf, args=args,
                                       train_dataset=Dataset.from_list(PROMPTS), processing_class=tok)
-    queue = list(rounds)
-    trainer._generate_single_turn = lambda prompt_ids, *a, **k: queue.pop(0)
-    trainer.train()
-    assert not queue
-    return {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}, \
-        [e for e in trainer.state.log_history if "loss" in e]
+    return trl_train_on_rounds(trainer, hf, rounds)
 
 
 KEYS = ("loss", "grad_norm", "learning_rate", "entropy", "completions/mean_length", "completions/min_length",

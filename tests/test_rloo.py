@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from test_trl_runs import assert_same_weights  # the weight comparison of the SFT runs
+from test_trl_runs import assert_same_weights, train_recording_rounds, trl_train_on_rounds
 
 import mlxrl
 from mlxrl import RLOOConfig, RLOOTrainer
@@ -105,19 +105,7 @@ def ours_run(folder, tmp_path, hyper, reward_funcs):
     args = RLOOConfig(output_dir=str(tmp_path / "ours"), disable_tqdm=True, save_steps=0, logging_steps=1,
                       gradient_checkpointing=False, shuffle_dataset=False, **hyper)
     trainer = RLOOTrainer(model, processor, args, train_dataset=PROMPTS, reward_funcs=reward_funcs)
-    rounds = []
-    generate_round = trainer.generate_round
-
-    def recorded(index):
-        micro, metrics = generate_round(index)
-        rounds.append([ids[m > 0].tolist() for mb in micro
-                       for ids, m in zip(mb["completion_ids"], mb["completion_mask"], strict=True)])
-        return micro, metrics
-
-    trainer.generate_round = recorded
-    trainer.train()
-    return load_file(str(tmp_path / "ours" / "model.safetensors")), [e for e in trainer.log_history if "loss" in e], \
-        rounds
+    return train_recording_rounds(trainer, tmp_path / "ours")
 
 
 def trl_run(folder, tmp_path, hyper, reward_funcs, rounds):
@@ -132,12 +120,7 @@ def trl_run(folder, tmp_path, hyper, reward_funcs, rounds):
                           shuffle_dataset=False, **hyper)
     trainer = trl.RLOOTrainer(model=hf, reward_funcs=reward_funcs, args=args,
                               train_dataset=Dataset.from_list(PROMPTS), processing_class=tok)
-    queue = list(rounds)
-    trainer._generate_single_turn = lambda prompt_ids, *a, **k: queue.pop(0)
-    trainer.train()
-    assert not queue
-    return {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}, \
-        [e for e in trainer.state.log_history if "loss" in e]
+    return trl_train_on_rounds(trainer, hf, rounds)
 
 
 KEYS = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",

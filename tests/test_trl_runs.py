@@ -130,6 +130,33 @@ def assert_same_logs(ours_log, trl_log, steps, keys):
             assert mine[key] == pytest.approx(want[key], rel=2e-4, abs=2e-5), (key, mine[key], want[key])
 
 
+def train_recording_rounds(trainer, out) -> tuple[dict, list, list]:
+    """A rollout trainer's run with each generation round's completions recorded (token ids, padding removed, in
+    the round's order: what TRL's `_generate_single_turn` is replaced by): (final weights, logged steps, rounds)."""
+    rounds, generate_round = [], trainer.generate_round
+
+    def recorded(index):
+        micro, metrics = generate_round(index)
+        rounds.append([ids[m > 0].tolist() for mb in micro
+                       for ids, m in zip(mb["completion_ids"], mb["completion_mask"], strict=True)])
+        return micro, metrics
+
+    trainer.generate_round = recorded
+    trainer.train()
+    return load_file(str(out / "model.safetensors")), [e for e in trainer.log_history if "loss" in e], rounds
+
+
+def trl_train_on_rounds(trainer, hf, rounds) -> tuple[dict, list]:
+    """A TRL rollout trainer's run with its generation replaced by `rounds` (`train_recording_rounds`), one a
+    round: (final weights, logged steps)."""
+    queue = list(rounds)
+    trainer._generate_single_turn = lambda prompt_ids, *a, **k: queue.pop(0)
+    trainer.train()
+    assert not queue
+    return {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}, \
+        [e for e in trainer.state.log_history if "loss" in e]
+
+
 def assert_same_weights(start, ours, theirs):
     exempt = [k for k in start if k.endswith(".bias") or "norm" in k]
     assert exempt  # what transformers leaves undecayed is in this model
