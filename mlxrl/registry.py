@@ -8,7 +8,7 @@ checks and its trainer live, and the memory planner's model of one step (`shape`
 * ``"pairs"``: preference rows, only completions scored: 2B sequences per B rows with a gradient (chosen then
   rejected: ``per_row`` 2), or KTO's B completions with a gradient and its B mismatched KL completions without;
 * ``"groups"``: GRPO's, RLOO's and Distillation's rounds (prompts x num_generations completions; one each for
-  Distillation, whose teacher the planner does not count yet).
+  Distillation, whose teacher's weights the trainer passes the planner).
 
 ``head``: ``"lm"`` (the streamed LM head over the scored tokens) or ``"score"`` (a sequence classifier's head at one
 position per sequence: the reward model). ``reference`` says when a run holds a reference policy

@@ -104,6 +104,9 @@ def test_a_whole_run_on_the_same_completions_ends_at_trls_weights(tiny_checkpoin
     f64, _ = trl_run(folder, teacher, tmp_path / "f64", hyper, rounds, monkeypatch, dtype=torch.float64)
     assert len(rounds) == hyper["max_steps"]
     assert_same_logs(ours_log, log32, hyper["max_steps"], KEYS)
+    # the planner counts the teacher's weights: the second step's peak (the optimizer's state made) within 15%
+    last = ours_log[-1]
+    assert abs(last["predicted_peak_memory_gb"] - last["peak_memory_gb"]) <= 0.15 * last["peak_memory_gb"], last
     # the weights: no further from float64 than 1e-3 of the update or twice TRL's float32 (Adam's first steps scale
     # near-zero gradients' rounding up to whole steps; measured: ours at most 7.7e-4 of the update, TRL's 1.5e-3)
     checked = 0
@@ -237,6 +240,16 @@ def test_a_4bit_teacher_from_its_folder_and_trls_positional_order(tiny_checkpoin
                               teacher_model_init_kwargs={"quantization_config": {"load_in_4bit": True}})
     trainer = DistillationTrainer(str(tiny_checkpoint("qwen3")), None, args, train_dataset=PROMPTS)
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in trainer.teacher_model.named_modules())
+    # the planner's teacher row (`mlxrl plan --trainer distill`) counts what loaded, float and quantized
+    from mlx.utils import tree_flatten
+
+    from mlxrl.plan.config_json import load_config
+    from mlxrl.plan.model import frozen_weight_bytes
+
+    cfg = load_config(str(teacher))
+    for model, quantize in ((trainer.teacher_model, (4, 64)), (mlxrl.load(str(teacher))[0], None)):
+        loaded = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        assert frozen_weight_bytes(cfg, 4, quantize) == pytest.approx(loaded, rel=0.01), quantize
     trainer.train()
     assert np.isfinite(trainer.log_history[-1]["train_loss"])
 

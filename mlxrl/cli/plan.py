@@ -140,13 +140,28 @@ def check_images(ns, cfg: dict) -> None:
                          f"patch_size {patch} x spatial_merge_size {merge}: one image token)")
 
 
+def _teacher_bytes(args, trainer: str) -> int:
+    """A distillation run's teacher (--teacher_model_name_or_path: its config.json), as it loads; 0 otherwise."""
+    path = getattr(args, "teacher_model_name_or_path", None) if trainer == "distill" else None
+    if path is None:
+        return 0
+    from ..plan.config_json import load_config
+    from ..plan.model import frozen_weight_bytes
+    from ..plan.report import dtype_bytes
+    from ..trainers.distill.config import teacher_load_options
+
+    options = teacher_load_options(args, args.compute_dtype())
+    element = 2 if str(options["dtype"]).endswith("bfloat16") else dtype_bytes(args)
+    return frozen_weight_bytes(load_config(path), element, options["quantize"])
+
+
 def _predict(cfg: dict, args, trainer: str, ns):
     """`predict`, with a config.json the model's constructor still refuses named by its --model."""
     from ..models import UnsupportedModelError
 
     try:
         return predict(cfg, args, trainer, images=ns.images, image_size=ns.image_size,
-                       prompt_length=ns.prompt_length)
+                       prompt_length=ns.prompt_length, teacher_bytes=_teacher_bytes(args, trainer))
     except UnsupportedModelError as e:
         raise MlxrlError(f"--model {ns.model}: {e}") from None
 

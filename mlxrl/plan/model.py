@@ -359,9 +359,30 @@ def _limit(args, machine: int | None, memory_limit=None) -> tuple[int | None, st
     return None, "unknown"
 
 
+def frozen_weight_bytes(cfg: dict, element_bytes: int, quantize: tuple[int, int] | None = None) -> int:
+    """Bytes of a frozen model of `cfg` (a distillation teacher) in `element_bytes` per weight, its decoder's
+    linears at `quantize` (bits, group size) as `load` quantizes them: bits / 8 a weight plus a scale and a bias
+    per group. Built lazily: nothing is allocated."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from ..models import build_model
+
+    model = build_model(cfg)
+    total = sum(v.size for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    total *= element_bytes
+    if quantize is not None:
+        bits, group = quantize
+        for path, m in model.named_modules():
+            if isinstance(m, nn.Linear) and ".layers." in f".{path}" and "visual" not in path:
+                n = m.weight.size
+                total += int(n * bits / 8 + 2 * (n // group) * element_bytes) - n * element_bytes
+    return int(total)
+
+
 def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
             image_size: int | None = None, prompt_length: int | None = None, suggest: bool = True,
-            _arch: Arch | None = None) -> Plan:
+            teacher_bytes: int = 0, _arch: Arch | None = None) -> Plan:
     """Predicted peak memory of training with `args` (an SFTConfig / DPOConfig / GRPOConfig) on the model
     of `config` (a parsed config.json, a model id / folder, or None for the embedded default).
 
@@ -369,6 +390,7 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     prompt_length: GRPO prompt tokens (default 512); DPO: prompt tokens per pair, not scored by the head
     (default 0: every token scored, an upper bound).
     memory_limit: overrides args.memory_limit ('8GB', bytes or a fraction of memory).
+    teacher_bytes: a distillation teacher's frozen weights (`frozen_weight_bytes`), held through the run.
     """
     cfg = config if isinstance(config, dict) else load_config(config)
     s = dtype_bytes(args)
@@ -400,6 +422,9 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
         ref = T
         out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
+    if teacher_bytes:
+        ref += teacher_bytes
+        out.append(Row("teacher model", teacher_bytes, "the distillation teacher's frozen weights"))
     segments = f" in {args.checkpoint_segments} segments" if ckpt and getattr(args, "checkpoint_segments", 0) else ""
     out.append(Row("activations", act[ckpt], f"{sh.label}, gradient_checkpointing={'on' + segments if ckpt else 'off'} "
                                              f"(on: {fmt(act[True])}, off: {fmt(act[False])})"))
@@ -471,7 +496,8 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
         plan.quantized_total = int(total - frozen + frozen * 4.5 / (8 * s))
     if suggest and not plan.fits:
         plan.suggestion, plan.suggestion_total = suggest_change(predict, cfg, args, trainer, limit, images=images,
-                                                                image_size=image_size, prompt_length=prompt_length)
+                                                                image_size=image_size, prompt_length=prompt_length,
+                                                                teacher_bytes=teacher_bytes)
     return plan
 
 

@@ -96,6 +96,14 @@ class DistillationTrainer(RolloutTrainer):
         teacher.eval()
         return teacher
 
+    def plan_shape(self) -> tuple[dict, str]:
+        """The rollout's prompt length, and the teacher's weights as they are held (`plan.predict`)."""
+        from mlx.utils import tree_flatten
+
+        kw, shape = super().plan_shape()
+        kw["teacher_bytes"] = sum(v.nbytes for _, v in tree_flatten(self.teacher_model.parameters()))
+        return kw, shape + " and the teacher's weights"
+
     # ------------------------------------------------------------------ the round
     def generate_round(self, round_index: int) -> tuple[list[dict], dict]:
         """One round: a completion per prompt from the student as it is now, cut into steps_per_generation
