@@ -23,7 +23,7 @@ import importlib
 from dataclasses import dataclass
 
 __all__ = ["TRAINERS", "TrainerEntry", "entry", "names", "config_class", "trainer_class", "check_config",
-           "exports", "holds_reference", "sequences_per_row", "shape_of", "scores_sequences"]
+           "exports", "holds_reference", "holds_teacher", "sequences_per_row", "shape_of", "scores_sequences"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class TrainerEntry:
     per_row: int = 1    # sequences per batch row in the forward with a gradient (pairs: 2; KTO: its KL half has none)
     head: str = "lm"    # lm: the streamed LM head over the scored tokens | score: a classifier's [D, 1] head, one
                         # position per sequence (a reward model, `models.score`)
+    teacher: bool = False  # holds a frozen teacher model through the run (distillation)
 
     @property
     def config_name(self) -> str:
@@ -56,7 +57,7 @@ TRAINERS: tuple[TrainerEntry, ...] = (
     TrainerEntry("reward", "reward", "Reward", "pairs", "never", "check_reward_config", per_row=2, head="score"),
     TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
     TrainerEntry("rloo", "rloo", "RLOO", "groups", "beta", "check_rloo_config"),
-    TrainerEntry("distill", "distill", "Distillation", "groups", "never", "check_distillation_config"),
+    TrainerEntry("distill", "distill", "Distillation", "groups", "never", "check_distillation_config", teacher=True),
 )
 
 
@@ -105,6 +106,11 @@ def holds_reference(name: str, args) -> bool:
     """Whether a run of trainer `name` with `args` computes reference log-probs (the planner's question)."""
     rule = entry(name).reference
     return rule == "always" or (rule == "beta" and getattr(args, "beta", 0.0) != 0)
+
+
+def holds_teacher(name: str) -> bool:
+    """Whether trainer `name` holds a frozen teacher model through the run (the planner's question)."""
+    return entry(name).teacher
 
 
 def shape_of(name: str) -> str:

@@ -15,7 +15,7 @@ from ..plan.measure import check_trainer_config, config_class, measure, sweep
 from ..plan.model import load_config, predict
 from ..plan.report import fmt
 from ..plan.shapes import DEFAULT_PROMPT_LENGTH
-from ..registry import names, shape_of
+from ..registry import holds_teacher, names, shape_of
 from .common import run
 
 TRAINERS = names()
@@ -140,11 +140,12 @@ def check_images(ns, cfg: dict) -> None:
                          f"patch_size {patch} x spatial_merge_size {merge}: one image token)")
 
 
-def _teacher_bytes(args, trainer: str) -> int:
-    """A distillation run's teacher (--teacher_model_name_or_path: its config.json), as it loads; 0 otherwise."""
-    path = getattr(args, "teacher_model_name_or_path", None) if trainer == "distill" else None
-    if path is None:
-        return 0
+def _teacher_bytes(args, trainer: str) -> int | None:
+    """A distillation run's teacher (--teacher_model_name_or_path: its config.json), as it loads; None otherwise
+    (the planner's default: a teacher of the student's config)."""
+    path = getattr(args, "teacher_model_name_or_path", None)
+    if not holds_teacher(trainer) or path is None:
+        return None
     from ..plan.config_json import load_config
     from ..plan.model import frozen_weight_bytes
     from ..plan.report import dtype_bytes

@@ -180,7 +180,10 @@ def measure(config: dict | str | None, args, trainer: str = "sft", steps: int = 
         kw = {}
         if shape_of(trainer) == "groups":  # enough prompts for every round of `steps` steps
             n = n // int(args.num_generations) + 4 * steps * args.gradient_accumulation_steps
-            kw["reward_funcs"] = [_reward_length]
+            if not registry.holds_teacher(trainer):
+                kw["reward_funcs"] = [_reward_length]
+        if registry.holds_teacher(trainer):  # a teacher of the student's config (`predict`'s default)
+            kw["teacher_model"] = random_model(cfg, args.compute_dtype(), getattr(args, "seed", 0) + 1)
         rows = (image_rows(trainer, text_args, n, images, image_size, prompt_length=prompt_length) if images
                 else synthetic_rows(trainer, args, n, vocab, prompt_length=prompt_length))
         cls = _trainer_class(trainer)

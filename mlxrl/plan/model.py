@@ -16,7 +16,7 @@ from ..models import score as score_lib
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..optim import optimizers as optim_lib
-from ..registry import holds_reference, scores_sequences, sequences_per_row, shape_of
+from ..registry import holds_reference, holds_teacher, scores_sequences, sequences_per_row, shape_of
 from .config_json import load_config, quantization_of
 from .layers import (
     SCORE_COPIES,
@@ -382,7 +382,7 @@ def frozen_weight_bytes(cfg: dict, element_bytes: int, quantize: tuple[int, int]
 
 def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_limit=None, images: int = 0,
             image_size: int | None = None, prompt_length: int | None = None, suggest: bool = True,
-            teacher_bytes: int = 0, _arch: Arch | None = None) -> Plan:
+            teacher_bytes: int | None = None, _arch: Arch | None = None) -> Plan:
     """Predicted peak memory of training with `args` (an SFTConfig / DPOConfig / GRPOConfig) on the model
     of `config` (a parsed config.json, a model id / folder, or None for the embedded default).
 
@@ -390,7 +390,8 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     prompt_length: GRPO prompt tokens (default 512); DPO: prompt tokens per pair, not scored by the head
     (default 0: every token scored, an upper bound).
     memory_limit: overrides args.memory_limit ('8GB', bytes or a fraction of memory).
-    teacher_bytes: a distillation teacher's frozen weights (`frozen_weight_bytes`), held through the run.
+    teacher_bytes: a distillation teacher's frozen weights (`frozen_weight_bytes`), held through the run;
+    default: a teacher of the student's config in the run's dtype.
     """
     cfg = config if isinstance(config, dict) else load_config(config)
     s = dtype_bytes(args)
@@ -422,6 +423,8 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     if needs_ref and not getattr(args, "use_peft", False) and not getattr(args, "precompute_ref_log_probs", False):
         ref = T
         out.append(Row("reference model", ref, "frozen copy of the trained weights (full fine-tuning)"))
+    if teacher_bytes is None and holds_teacher(trainer):
+        teacher_bytes = frozen_weight_bytes(cfg, s)
     if teacher_bytes:
         ref += teacher_bytes
         out.append(Row("teacher model", teacher_bytes, "the distillation teacher's frozen weights"))
