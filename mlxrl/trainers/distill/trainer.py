@@ -30,6 +30,7 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ...errors import MlxrlError
 from ...losses.distill import generalized_jsd
@@ -113,7 +114,7 @@ class DistillationTrainer(RolloutTrainer):
         t_gen = time.perf_counter() - t0
         lengths, prompt_lens = self._lengths(chunks)
         micro, _ = self._cut(chunks, lengths, prompt_lens)
-        metrics = self._length_metrics(chunks)
+        metrics = self._length_metrics(chunks, lengths)
         self.generation_time += t_gen
         metrics["generation_seconds"] = t_gen
         return micro, metrics
@@ -124,8 +125,6 @@ class DistillationTrainer(RolloutTrainer):
         teacher = self.teacher_model
         batch = arrays
         if "image_grid_thw" in arrays and hasattr(teacher, "vision_metadata"):
-            import numpy as np
-
             batch = {**arrays, "vision_meta": teacher.vision_metadata(np.array(arrays["image_grid_thw"]))}
         with eval_mode(teacher):
             hidden = mx.stop_gradient(self._completion_hidden(teacher, batch))

@@ -218,7 +218,7 @@ class GRPOTrainer(RolloutTrainer):
                     columns.setdefault(k, []).append(rows[j][k])
         rewards = self.score(prompts, completions, completion_ids, columns)
         lengths, prompt_lens = self._lengths(chunks)
-        metrics = self._length_metrics(chunks)
+        metrics = self._length_metrics(chunks, lengths)
         for name, values in self._pending_metrics.items():
             metrics[name] = float(np.mean(values))
         self._pending_metrics.clear()

@@ -172,9 +172,9 @@ class RolloutTrainer(Trainer):
             prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1), self.G).tolist())
         return lengths, prompt_lens
 
-    def _length_metrics(self, chunks: list) -> dict:
-        """TRL's completions/* metrics over every rank's completions of the round."""
-        lengths = [n for _, gen in chunks for n in np.array(gen.completion_mask).sum(1).tolist()]
+    def _length_metrics(self, chunks: list, lengths: list) -> dict:
+        """TRL's completions/* metrics over every rank's completions of the round (`lengths`: this rank's, from
+        `_lengths`)."""
         truncated = [t for _, gen in chunks for t in np.array(gen.truncated).tolist()]
         all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
         all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
