@@ -199,7 +199,6 @@ def test_the_configs_fields_have_trls_defaults(tmp_path):
 
 
 def test_bad_settings_and_teachers_are_one_line_errors(tiny_checkpoint, teacher, tmp_path):
-    from mlxrl.errors import MlxrlError
 
     folder = str(tiny_checkpoint("qwen3"))
 
@@ -215,9 +214,13 @@ def test_bad_settings_and_teachers_are_one_line_errors(tiny_checkpoint, teacher,
             make(**kw)
     with pytest.raises(ValueError, match="needs a teacher"):
         make(teacher_model=None)
-    with pytest.raises(MlxrlError, match="tools"):
+    with pytest.raises(ValueError, match="conversational prompts"):  # tools are described by the chat template
         DistillationTrainer(model=folder, teacher_model=str(teacher), tools=[len],
                             args=DistillationConfig(output_dir=str(tmp_path)), train_dataset=PROMPTS)
+    chats = [{"prompt": [{"role": "user", "content": p["prompt"]}]} for p in PROMPTS]
+    with pytest.raises(ValueError, match="cannot be described"):  # a tool needs type hints and a docstring
+        DistillationTrainer(model=folder, teacher_model=str(teacher), tools=[len],
+                            args=DistillationConfig(output_dir=str(tmp_path)), train_dataset=chats)
     model, processor = mlxrl.load(folder)
     with pytest.raises(ValueError, match="same object"):
         DistillationTrainer(model, processor, DistillationConfig(output_dir=str(tmp_path)), train_dataset=PROMPTS,

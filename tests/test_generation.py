@@ -93,6 +93,52 @@ def test_greedy_cached_batched_equals_uncached(arch_model):
     assert np.array(out.prompt_index).tolist() == [r // G for r in range(ids.shape[0])]
 
 
+def test_continuing_from_the_caches_equals_the_whole_conversation_as_a_prompt(arch_model):
+    """Two further turns of some rows (new tokens of different lengths after completions that stopped at
+    different steps, one at the last step) from the kept caches == generating from scratch over the whole
+    conversation as one prompt: the same greedy tokens and log-probs (Gated DeltaNet's recurrent and
+    convolution states, prompt-shared caches and M-RoPE positions included)."""
+    from mlxrl.generation.engine import continue_generation
+
+    arch, model, processor = arch_model
+    vl = is_vl(arch)
+    texts, images = rows(processor, vl)
+    batch = prompts(processor, vl)
+    G, steps = 2, 5
+    first = generate(model, **batch, num_generations=G, max_tokens=steps, temperature=0.0, keep_state=True)
+    ids, mask = np.array(first.completion_ids), np.array(first.completion_mask)
+    stop = int(ids[2, 1])  # rows stop at different steps: stop where row 2 drew its second token
+    first = generate(model, **batch, num_generations=G, max_tokens=steps, temperature=0.0, keep_state=True,
+                     stop_token_ids=[stop])
+    ids, mask = np.array(first.completion_ids), np.array(first.completion_mask)
+    tokenizer = processor.tokenizer
+    turn = [tokenizer("\n<|im_start|>user\nresult: 42<|im_end|>\n<|im_start|>assistant\n")["input_ids"],
+            tokenizer("\nok")["input_ids"], tokenizer(" and then?")["input_ids"]]
+    picked = [0, 3, 5]
+    histories = {}
+    for r in picked:
+        one = processor(text=[texts[r // G]], images=[images[r // G]] if images[r // G] else None)
+        histories[r] = (np.array(one["input_ids"])[0].tolist() + ids[r][mask[r] > 0].tolist(),
+                        {k: one[k] for k in ("pixel_values", "image_grid_thw") if k in one})
+    gen = first
+    for round_ in range(2):
+        new = [turn[(i + round_) % 3] for i in range(len(picked))]
+        gen = continue_generation(model, gen, list(range(len(picked))) if round_ else picked, new, max_tokens=4,
+                                  temperature=0.0, stop_token_ids=[stop])
+        out_ids, out_mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
+        for i, r in enumerate(picked):
+            history, extra = histories[r]
+            history = history + list(new[i])
+            ref = generate(model, mx.array([history]), num_generations=1, max_tokens=4, temperature=0.0,
+                           stop_token_ids=[stop], **extra)
+            n = int(out_mask[i].sum())
+            assert n == int(np.array(ref.completion_mask)[0].sum()), f"{arch} turn {round_} row {r}"
+            assert out_ids[i, :n].tolist() == np.array(ref.completion_ids)[0, :n].tolist()
+            assert np.abs(np.array(gen.logps)[i, :n] - np.array(ref.logps)[0, :n]).max() < TOL
+            histories[r] = (history + out_ids[i, :n].tolist(), extra)
+    assert len(set(mask.sum(axis=1).tolist())) > 1  # the first turn's rows did stop at different steps
+
+
 @pytest.mark.usefixtures("kernel_path")
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl"])
 def test_sampling_shared_prefill_matches_per_sample_and_training_logps(tiny_checkpoint, arch):

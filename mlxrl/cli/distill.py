@@ -27,6 +27,7 @@ from ..trainers.distill.config import DistillationConfig, check_distillation_con
 from ..trainers.flags import build_parser, config_from_args
 from .common import apply_overrides, load_model_and_rows, run
 from .demos import DEMO_SFT, add_demo_flag, briefly_sft_default, check_demo_flag
+from .grpo import add_tools_flag, tools_of
 
 __all__ = ["main", "run_demo"]
 
@@ -46,6 +47,7 @@ def _extra(parser):
                                                       "demo)")
     parser.add_argument("--dataset", default=None, help="local .json/.jsonl/.parquet file or folder, or a Hub dataset")
     parser.add_argument("--dataset_split", default="train", help="split of a Hub dataset")
+    add_tools_flag(parser)
 
 
 def run_demo(args: DistillationConfig, explicit: set, demo: str = "qwen3_vl", overrides: dict | None = None,
@@ -98,7 +100,10 @@ def _main(ns) -> None:
     args = config_from_args(DistillationConfig, ns)
     check_distillation_config(args)  # before any model is loaded or trained
     demo = check_demo_flag(ns)
+    tools = tools_of(ns)
     if ns.dataset is None:
+        if tools:
+            raise MlxrlError("--tools needs --model and --dataset (the embedded demo has its own task)")
         if ns.model is not None:
             raise MlxrlError("--model needs --dataset (prompt rows); without both the embedded demo runs")
         run_demo(args, ns.explicit_fields, demo)
@@ -108,5 +113,6 @@ def _main(ns) -> None:
     if args.teacher_model_name_or_path is None:
         raise MlxrlError("--teacher_model_name_or_path is required with --dataset (the teacher's Hub id or folder)")
     model, processor, train, _ = load_model_and_rows(ns, args, with_eval=False, check_rows=check_prompt_rows)
-    DistillationTrainer(model=model, processor=processor, args=args, train_dataset=train).train()
+    DistillationTrainer(model=model, processor=processor, args=args, train_dataset=train,
+                        **({"tools": tools} if tools else {})).train()
     print(f"saved to {args.output_dir}", flush=True)

@@ -63,6 +63,19 @@ def prompt_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
+def add_tools_flag(parser) -> None:
+    parser.add_argument("--tools", nargs="+", default=None,
+                        help="module:function (or path/to/file.py:function) Python functions the model may call "
+                             "while it generates (TRL's tools=; needs conversational prompts)")
+
+
+def tools_of(ns) -> list | None:
+    """The --tools functions, loaded (one line for a spec that does not name one)."""
+    from ..trainers.grpo.rewards import load_reward_func
+
+    return [load_reward_func(s, "tool") for s in ns.tools] if getattr(ns, "tools", None) else None
+
+
 def _extra(parser, title: str = "GRPO"):
     from .demos import add_demo_flag
 
@@ -73,6 +86,8 @@ def _extra(parser, title: str = "GRPO"):
     parser.add_argument("--reward_funcs", nargs="+", default=None,
                         help="module:function reward functions and reward model folders "
                              "(default: the demo's colour_reward)")
+    if title == "GRPO":
+        add_tools_flag(parser)
     parser.add_argument("--sft_steps", type=int, default=None,
                         help=f"embedded default only: SFT steps before {title} when starting from the tiny model "
                              f"(default: {DEMO_SFT_STEPS}; {QWEN3_5_SFT_STEPS} for the tiny Qwen3.5)")
@@ -147,11 +162,14 @@ def _main(ns, trainer: str = "grpo") -> None:
     if ns.sft_steps is not None and ns.sft_steps < 0:
         raise MlxrlError(f"--sft_steps {ns.sft_steps}: must be >= 0")
     funcs = [reward_entry(s) for s in ns.reward_funcs] if ns.reward_funcs else None
+    tools = tools_of(ns)
     explicit = ns.explicit_fields
     demo = check_demo_flag(ns)
     if ns.dataset is None:
         if ns.model is not None and ns.sft_steps is not None:
             raise MlxrlError("--sft_steps applies to the embedded default without --model")
+        if tools:
+            raise MlxrlError("--tools needs --model and --dataset (the embedded demo has its own task)")
         run_demo(args, explicit, ns.model, ns.sft_steps, reward_funcs=funcs, demo=demo, trainer=trainer)
         return
     if ns.model is None:
@@ -161,5 +179,5 @@ def _main(ns, trainer: str = "grpo") -> None:
     model, processor, train, _ = load_model_and_rows(ns, args, with_eval=False,
                                                      check_rows=check_prompt_rows)
     registry.trainer_class(trainer)(model=model, processor=processor, args=args, train_dataset=train,
-                                    reward_funcs=funcs).train()
+                                    reward_funcs=funcs, **({"tools": tools} if tools else {})).train()
     print(f"saved to {args.output_dir}", flush=True)

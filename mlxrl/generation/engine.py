@@ -216,6 +216,17 @@ def sample_tokens(logits: mx.array, key: mx.array | None = None, *, temperature:
 
 # ----------------------------------------------------------------------------------- generation
 @dataclass
+class DecodeState:
+    """Where a generation stopped: the layers' caches, which cached positions are real [n, S], each row's
+    position after its prompt [n] and how many completion tokens every row has fed through the model."""
+
+    cache: list
+    mask: mx.array
+    next_pos: mx.array
+    fed: int
+
+
+@dataclass
 class Generation:
     """Output of `generate`. Rows are prompt-major: row r is sample r % G of prompt r // G."""
 
@@ -226,6 +237,7 @@ class Generation:
     finished: mx.array  # [P*G] bool; ended with a stop token
     truncated: mx.array  # [P*G] bool; hit max_tokens before any stop token
     prompt_index: mx.array  # [P*G] int32; r // G
+    state: DecodeState | None = None  # the caches after the last fed token (keep_state=True)
 
     @property
     def lengths(self) -> mx.array:
@@ -313,6 +325,7 @@ def generate(
     pad_token_id: int = END_OF_TEXT,
     seed: int | None = None,
     shared_prefill: bool = True,
+    keep_state: bool = False,
     **_ignored,
 ) -> Generation:
     """Sample `num_generations` (G) completions for each of the P prompts in `input_ids` [P, L].
@@ -324,6 +337,7 @@ def generate(
     global random state (reproducible under `mx.random.seed`).
     shared_prefill=False repeats every prompt (and its images) G times before the prefill instead
     of sharing its cache: the per-sample baseline, same outputs.
+    keep_state=True keeps the caches in the result, for `continue_generation` (a further turn).
     """
     G = int(num_generations)
     if max_tokens < 1:
@@ -331,11 +345,8 @@ def generate(
     if attention_mask is None:
         attention_mask = mx.ones(input_ids.shape, dtype=mx.int32)
     input_ids, attention_mask = left_align(input_ids, attention_mask, pad_token_id)
-    P = input_ids.shape[0]
     if seed is None:
         seed = int(mx.random.randint(0, 2**31 - 1).item())
-    keys = mx.random.split(mx.random.key(seed), max(max_tokens, 1))
-    stops = mx.array(sorted(set(int(s) for s in stop_token_ids)), dtype=mx.int32)
 
     if not shared_prefill and G > 1:
         input_ids, attention_mask, pixel_values, image_grid_thw = repeat_prompts(
@@ -356,10 +367,24 @@ def generate(
         logits = mx.repeat(logits, rep, axis=0)
         attention_mask = mx.repeat(attention_mask, rep, axis=0)
         next_pos = mx.repeat(next_pos, rep, axis=0)
-    mask = attention_mask.astype(mx.int32)
-    n = P * G
+    out = _decode(model, cache, logits, attention_mask.astype(mx.int32), next_pos, max_tokens=max_tokens,
+                  seed=seed, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, temperature=temperature,
+                  top_k=top_k, top_p=top_p, min_p=min_p, group=G)
+    if not keep_state:
+        out.state = None
+    return out
+
+
+def _decode(model, cache, logits, mask, next_pos, *, max_tokens, seed, stop_token_ids, pad_token_id, temperature,
+            top_k, top_p, min_p, group) -> Generation:
+    """The sampling loop from the first completion token's logits [n, V]: each step draws a token per row and
+    feeds it (a finished row feeds padding, masked) until every row has stopped or max_tokens are drawn."""
+    keys = mx.random.split(mx.random.key(seed), max(max_tokens, 1))
+    stops = mx.array(sorted(set(int(s) for s in stop_token_ids)), dtype=mx.int32)
+    n = logits.shape[0]
     finished = mx.zeros((n,), dtype=mx.bool_)
     toks, lps, slps, valid = [], [], [], []
+    fed = 0
     for t in range(max_tokens):
         tok, slp, lp = sample_tokens(logits, keys[t], temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         live = ~finished
@@ -372,6 +397,7 @@ def generate(
         mask = mx.concatenate([mask, live.astype(mx.int32)[:, None]], axis=1)
         hidden = model(tok[:, None], attention_mask=mask, position_ids=continue_positions(model, next_pos + t, 1),
                        cache=cache, return_hidden=True)
+        fed += 1
         logits = _next_logits(model, hidden)
         mx.async_eval(logits, finished, tok, lp, slp)
         if finished.all().item():  # the next step's forward is already queued; stop after this one
@@ -383,7 +409,91 @@ def generate(
         sampling_logps=mx.stack(slps, axis=1),
         finished=finished,
         truncated=~finished,
-        prompt_index=mx.arange(n, dtype=mx.int32) // G,
+        prompt_index=mx.arange(n, dtype=mx.int32) // group,
+        state=DecodeState(cache, mask, next_pos, fed),
     )
     mx.eval(out.completion_ids, out.completion_mask, out.logps, out.sampling_logps, out.finished, out.truncated)
     return out
+
+
+def _select_rows(cache, rows: mx.array) -> list:
+    """Each layer's cache cut to `rows` (a prompt-shared cache becomes a plain per-row one: after a turn every
+    row has its own history)."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for c in cache:
+        if hasattr(c, "recurrent_state"):
+            d = type(c)()
+            d.cache = [None if a is None else a[rows] for a in c.cache]
+            d.offset = c.offset
+        else:
+            if isinstance(c, SharedPrefixCache):
+                own_k, own_v = c.samples.keys_and_values()
+                groups = rows // c.group
+                keys = mx.concatenate([c.prefix_keys[groups], own_k[rows]], axis=2)
+                values = mx.concatenate([c.prefix_values[groups], own_v[rows]], axis=2)
+            else:
+                keys, values = (a[rows] for a in c.keys_and_values())
+            d = KVCache()
+            d.keys, d.values, d.offset = keys, values, keys.shape[2]
+        out.append(d)
+    return out
+
+
+def continue_generation(
+    model,
+    previous: Generation,
+    rows,
+    new_tokens: list[list[int]],
+    *,
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    stop_token_ids=DEFAULT_STOP_TOKEN_IDS,
+    pad_token_id: int = END_OF_TEXT,
+    seed: int | None = None,
+) -> Generation:
+    """The next turn of `rows` of a `generate` (or `continue_generation`) made with keep_state=True: each row's
+    history stays in its KV / recurrent caches, the row's `new_tokens` (a tool's answer and the next assistant
+    header, say) are forwarded after it and one completion per row is sampled from there; nothing of the history
+    is forwarded again. Returns a Generation of len(rows) rows holding only the new completions (and the state
+    for a further turn). The output equals a `generate` over the whole conversation as one prompt (tested)."""
+    state = previous.state
+    if state is None:
+        raise ValueError("continue_generation needs a Generation made with keep_state=True")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if seed is None:
+        seed = int(mx.random.randint(0, 2**31 - 1).item())
+    rows = [int(r) for r in rows]
+    if len(rows) != len(new_tokens) or not rows:
+        raise ValueError("continue_generation needs one list of new tokens per row (and at least one row)")
+    ids, lengths = np.array(previous.completion_ids), np.array(previous.completion_mask).sum(axis=1)
+    # a row's completion tokens the loop drew but never fed (its last, when it stopped at the final step)
+    chunks = [ids[r, state.fed:lengths[r]].tolist() + list(map(int, t)) for r, t in zip(rows, new_tokens,
+                                                                                           strict=True)]
+    width = max(len(c) for c in chunks)
+    if width == 0:
+        raise ValueError("continue_generation needs at least one new token per row")
+    index = mx.array(rows, dtype=mx.int32)
+    cache = _select_rows(state.cache, index)
+    chunk_ids = np.full((len(rows), width), pad_token_id, dtype=np.int32)
+    chunk_mask = np.zeros((len(rows), width), dtype=np.int32)
+    for i, c in enumerate(chunks):
+        chunk_ids[i, :len(c)], chunk_mask[i, :len(c)] = c, 1
+    fed_so_far = mx.array(np.minimum(lengths[rows], state.fed).astype(np.int32))
+    next_pos = state.next_pos[index] + fed_so_far
+    mask = mx.concatenate([state.mask[index], mx.array(chunk_mask)], axis=1)
+    hidden = model(mx.array(chunk_ids), attention_mask=mask, position_ids=continue_positions(model, next_pos, width),
+                   cache=cache, return_hidden=True)
+    count = mx.array(chunk_mask.sum(axis=1))
+    last = mx.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)  # each row's last real position
+    logits = model.apply_lm_head(last[:, 0]).astype(mx.float32)
+    # the sampling loop feeds token t at next_pos + t and masks the chunk's right padding: positions of the
+    # real tokens continue from each row's own length
+    return _decode(model, cache, logits, mask, next_pos + count, max_tokens=max_tokens, seed=seed,
+                   stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, temperature=temperature, top_k=top_k,
+                   top_p=top_p, min_p=min_p, group=1)

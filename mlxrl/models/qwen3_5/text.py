@@ -206,6 +206,17 @@ def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
     return conv_qkv
 
 
+def last_real_inputs(state: mx.array, x: mx.array, real: mx.array) -> mx.array:
+    """The convolution's window after x [B, L, C]: the K - 1 inputs [B, K - 1, C] up to each row's last real
+    position (real [B, L]; the window of `state` before x when a row has none): left padding before a prompt
+    and right padding after a row's end (a finished row, a shorter turn) leave it as the real tokens left it."""
+    K1, L = state.shape[1], x.shape[1]
+    full = mx.concatenate([state.astype(x.dtype), x], axis=1)
+    end = (real.astype(mx.int32) * mx.arange(1, L + 1, dtype=mx.int32)).max(axis=1)  # last real position + 1
+    index = end[:, None] + mx.arange(K1, dtype=mx.int32)[None]
+    return mx.take_along_axis(full, index[..., None], axis=1)
+
+
 def conv_qkv(x: mx.array, weight: mx.array, state: mx.array, starts: mx.array | None, hk: int, dk: int, hv: int,
              dv: int):
     """q, k [B, L, Hk, dk], v [B, L, Hv, dv] (the SiLU of the causal convolution of x [B, L, C], split) and the
@@ -292,7 +303,9 @@ class GatedDeltaNet(nn.Module):
         if hasattr(cache, "keep_prompt_states"):
             cache.keep_prompt_states(projected, final, self.conv1d.weight.shape[-1])
         elif hasattr(cache, "recurrent_state"):
-            cache.conv_state, cache.recurrent_state = new_conv, final
+            if real is not None:  # the last K - 1 REAL inputs: padding after a row's end neither enters the window
+                new_conv = last_real_inputs(conv_state, projected, real)  # nor pushes it out (a later turn's
+            cache.conv_state, cache.recurrent_state = new_conv, final     # tokens continue from the real ones)
             cache.offset += L
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(B, L, -1))

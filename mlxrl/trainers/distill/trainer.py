@@ -32,7 +32,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...errors import MlxrlError
 from ...losses.distill import generalized_jsd
 from ...models.dropout import eval_mode
 from .. import trl_api
@@ -58,15 +57,13 @@ class DistillationTrainer(RolloutTrainer):
         if isinstance(processor, (nn.Module, str)) and teacher_model is None and not hasattr(processor, "tokenizer"):
             processor, teacher_model = None, processor  # TRL's order: the teacher second
         tools = trl.pop("tools", None)
-        if tools:
-            raise MlxrlError(f"{name}(tools=...) is not supported by mlxrl yet: tool calling is not implemented")
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
             self, name, self.config_class, model, processor, args, train_dataset, eval_dataset, trl)
         self.check_args(args)
         if args.disable_dropout and args.use_peft and args.lora_dropout:
             args = dataclasses.replace(args, lora_dropout=0.0)
         teacher = self._load_teacher(name, model, teacher_model, args)
-        self._init_rollout(name, model, processor, args, train_dataset, eval_dataset)
+        self._init_rollout(name, model, processor, args, train_dataset, eval_dataset, tools=tools)
         self.teacher_model = teacher
 
     def _load_teacher(self, name: str, student, teacher, args):
@@ -142,7 +139,7 @@ class DistillationTrainer(RolloutTrainer):
         d, h = generalized_jsd(hidden.reshape(n * C, D), model.lm_head_weight(), teacher.reshape(n * C, -1),
                                batch["teacher_weight"], beta=a.beta, temperature=a.temperature,
                                chunk_rows=None, weight_grad=self._head_trainable)
-        mask = batch["completion_mask"].reshape(-1).astype(mx.float32)
+        mask = self.loss_mask(batch).reshape(-1).astype(mx.float32)
         loss = (d * mask).sum() / normalizer
         metrics = {"entropy": (h * mask).sum() / mx.maximum(mask.sum(), 1.0)}
         return with_router_aux(loss, metrics, aux, batch)

@@ -24,16 +24,17 @@ class RewardError(MlxrlError, ValueError):
     naming it (and the completion where one is at fault)."""
 
 
-def load_reward_func(spec: str):
-    """'module:function' (or 'path/to/file.py:function') -> the callable; a module that cannot be found or
-    fails while importing (a syntax error, an exception at its top level) is one line naming it."""
+def load_reward_func(spec: str, what: str = "reward function"):
+    """'module:function' (or 'path/to/file.py:function') -> the callable (`what` names it in errors: a reward
+    function, a tool); a module that cannot be found or fails while importing (a syntax error, an exception at its
+    top level) is one line naming it."""
     if not isinstance(spec, str) or ":" not in spec:
-        raise RewardError(f"reward function {spec!r}: expected module:function")
+        raise RewardError(f"{what} {spec!r}: expected module:function")
     mod_name, _, fn_name = spec.rpartition(":")
     try:
         if mod_name.endswith(".py"):
             if not os.path.isfile(mod_name):
-                raise RewardError(f"reward function {spec!r}: no such file {mod_name!r}")
+                raise RewardError(f"{what} {spec!r}: no such file {mod_name!r}")
             loader = importlib.util.spec_from_file_location(f"_reward_{abs(hash(mod_name))}", mod_name)
             if loader is None:
                 raise ImportError(mod_name)
@@ -44,16 +45,16 @@ def load_reward_func(spec: str):
     except RewardError:
         raise
     except ImportError as e:
-        raise RewardError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from e
+        raise RewardError(f"{what} {spec!r}: cannot import {mod_name!r} ({e})") from e
     except SyntaxError as e:
-        raise RewardError(f"reward function {spec!r}: {e.filename or mod_name} line {e.lineno}: syntax error "
+        raise RewardError(f"{what} {spec!r}: {e.filename or mod_name} line {e.lineno}: syntax error "
                          f"({e.msg})") from e
     except Exception as e:  # the module's own code failed while importing
-        raise RewardError(f"reward function {spec!r}: importing {mod_name!r} raised {type(e).__name__}: "
+        raise RewardError(f"{what} {spec!r}: importing {mod_name!r} raised {type(e).__name__}: "
                          f"{first_line(e)}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
+        raise RewardError(f"{what} {spec!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
 
 

@@ -90,7 +90,7 @@ class GRPOTrainer(RolloutTrainer):
                     "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens")
 
     def __init__(self, model, processor=None, args: GRPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, reward_funcs=None, ref_model=None, **trl):
+                 eval_dataset=None, reward_funcs=None, ref_model=None, tools=None, **trl):
         """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
         processing_class, peft_config)."""
         name = type(self).__name__
@@ -120,7 +120,7 @@ class GRPOTrainer(RolloutTrainer):
             for f, fname in zip(funcs, names, strict=True):
                 check_reward_signature(f, fname, columns)
         self.G = args.num_generations
-        self._init_rollout(name, model, processor, args, train_dataset, eval_dataset)
+        self._init_rollout(name, model, processor, args, train_dataset, eval_dataset, tools=tools)
         self.reward_funcs = funcs
         self.reward_func_names = names
         # TRL computes old log-probs only when generation is not aligned with the optimizer step
@@ -209,10 +209,13 @@ class GRPOTrainer(RolloutTrainer):
             for r in range(ids.shape[0]):
                 j = c * prompts_per_mb + r // G
                 seq = ids[r][mask[r] > 0].tolist()
-                text = self.processor.batch_decode([seq], skip_special_tokens=True)[0]
                 conv = not isinstance(rows[j]["prompt"], str)
                 prompts.append(rendered[j][2])
-                completions.append([{"role": "assistant", "content": text}] if conv else text)
+                if getattr(gen, "messages", None):  # the tool loop's turns: assistant, tool, ..., assistant
+                    completions.append(gen.messages[r])
+                else:
+                    text = self.processor.batch_decode([seq], skip_special_tokens=True)[0]
+                    completions.append([{"role": "assistant", "content": text}] if conv else text)
                 completion_ids.append(seq)
                 for k in keys:
                     columns.setdefault(k, []).append(rows[j][k])
@@ -284,7 +287,7 @@ class GRPOTrainer(RolloutTrainer):
         aux = []  # an MoE model's load-balancing loss (`forward.with_router_aux`)
         hidden = self._completion_hidden(model, batch, aux)
         n, C, D = hidden.shape
-        mask = batch["completion_mask"].astype(mx.float32)
+        mask = self.loss_mask(batch).astype(mx.float32)
         targets = mx.where(mask > 0, batch["completion_ids"], IGNORE_INDEX).reshape(-1)
         token_sum = self.token_sum_loss
         weights = grpo_token_weights(mask, a.loss_type, max_completion_length=a.max_completion_length,
@@ -314,7 +317,7 @@ class GRPOTrainer(RolloutTrainer):
         logps, entropy = self.policy_logps(model, batch, aux=aux)
         token_sum = self.token_sum_loss
         loss, metrics = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
-                                  batch["completion_mask"], importance_sampling_level=a.importance_sampling_level,
+                                  self.loss_mask(batch), importance_sampling_level=a.importance_sampling_level,
                                   max_completion_length=a.max_completion_length,
                                   normalizer=normalizer if token_sum else None, entropy=mx.stop_gradient(entropy),
                                   **self._loss_kwargs(), **self._vespo_kwargs())

@@ -52,7 +52,11 @@ class RolloutConfig(TrainConfig):
     vllm_gpu_memory_utilization: float = refused(0.3, NO_VLLM)
     vllm_max_model_length: int | None = refused(None, NO_VLLM)
     vllm_tensor_parallel_size: int = refused(1, NO_VLLM)
-    max_tool_calling_iterations: int | None = refused(None, "tool calling is not implemented")
+    max_tool_calling_iterations: int | None = _f(None, "most tool-calling turns per completion when the trainer "
+                                                       "has tools= (None: as long as the model calls tools and "
+                                                       "max_completion_length leaves room)")
+    tool_call_timeout: float = _f(60.0, "(mlxrl) seconds a tool call may run; past it the model gets an error "
+                                        "result and the rollout goes on")
     # logging
     log_completions: bool = refused(False, "completions are not logged yet")
     num_completions_to_print: int | None = refused(None, "completions are not logged yet")
@@ -79,3 +83,8 @@ def check_rollout_config(args: RolloutConfig) -> None:
         raise ValueError(f"min_p must be in [0, 1], got {args.min_p}")
     if args.top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: off), got {args.top_k}")
+    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
+        raise ValueError(f"max_tool_calling_iterations must be >= 0 (None: no limit), got "
+                         f"{args.max_tool_calling_iterations}")
+    if not args.tool_call_timeout > 0:
+        raise ValueError(f"tool_call_timeout must be > 0 seconds, got {args.tool_call_timeout}")

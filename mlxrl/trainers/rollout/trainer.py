@@ -29,6 +29,7 @@ from ...models.dropout import eval_mode
 from ...processing.tokens import QWEN_STOP_TOKEN_IDS
 from ..engine import Trainer, step_seed
 from .rounds import GenerationRounds
+from .tools import ToolBox, ToolRollout
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
 
@@ -46,14 +47,21 @@ class RolloutTrainer(Trainer):
 
     G = 1
 
-    def _init_rollout(self, name: str, model, processor, args, train_dataset, eval_dataset) -> None:
-        """The shared part of a rollout trainer's constructor, after its own argument checks."""
+    def _init_rollout(self, name: str, model, processor, args, train_dataset, eval_dataset, tools=None) -> None:
+        """The shared part of a rollout trainer's constructor, after its own argument checks. tools: Python
+        functions the model may call while it generates (`tools.ToolBox`)."""
         if train_dataset is None or len(train_dataset) == 0:
             raise ValueError(f"{name} needs a train_dataset of rows with a 'prompt' column")
         if eval_dataset is not None:
             raise ValueError(f"eval_dataset is not supported by mlxrl's {name} yet")
         with naming_rows(origins_of(train_dataset)):
             check_prompt_rows(train_dataset)
+        if not tools and args.max_tool_calling_iterations is not None:
+            raise ValueError("max_tool_calling_iterations is set but no tools= were given to the trainer")
+        if tools and any(isinstance(train_dataset[i]["prompt"], str) for i in range(min(64, len(train_dataset)))):
+            raise ValueError("tools= needs conversational prompts (lists of messages): a plain-text prompt has no "
+                             "chat template to describe the tools in")
+        self.toolbox = ToolBox(tools, processor, args.tool_call_timeout) if tools else None
         Trainer.__init__(self, model, processor, args)
         self.rows = list(train_dataset)
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
@@ -95,6 +103,8 @@ class RolloutTrainer(Trainer):
             return prompt, [], prompt
         messages, ordered = fill_images(chatml(prompt), images, index)
         kw = dict(template_kwargs(row, index))
+        if self.toolbox is not None:
+            kw["tools"] = self.toolbox.schemas
         kw["continue_final_message" if messages[-1].get("role") == "assistant" else "add_generation_prompt"] = True
         try:
             text = self.processor.apply_chat_template(messages, **kw)
@@ -160,15 +170,106 @@ class RolloutTrainer(Trainer):
                                top_p=a.top_p, top_k=a.top_k, min_p=a.min_p or 0.0,
                                stop_token_ids=self.stop_token_ids, pad_token_id=self.processor.pad_token_id,
                                seed=step_seed(a.seed, offset + start, round_index),
-                               shared_prefill=a.shared_prefill)
+                               shared_prefill=a.shared_prefill, keep_state=self.toolbox is not None)
+                if self.toolbox is not None:
+                    kws = [template_kwargs(r, i) for r, i in zip(rows[start:start + prompts_per_mb],
+                                                                   indices[start:start + prompts_per_mb], strict=True)
+                           for _ in range(G)]
+                    thinking = [self.toolbox.opens_thinking(t) for t, _, _ in part for _ in range(G)]
+                    gen = self._tool_turns(enc, gen, step_seed(a.seed, offset + start, round_index), thinking, kws)
                 chunks.append((enc, gen))
         return rows, rendered, chunks
 
+    def _tool_turns(self, enc, gen, seed: int, thinking: list[bool], kws: list[dict]) -> ToolRollout:
+        """TRL's tool loop over one micro-batch of prompts' completions: parse each row's calls, run them, append
+        the tool messages' tokens and continue those rows from the engine's caches, until no row calls a tool or
+        max_tool_calling_iterations turns have run (the module docstring of `tools`)."""
+        from ...generation.engine import continue_generation
+
+        a, box, tok = self.args, self.toolbox, self.processor.tokenizer
+        box.warned.clear()
+        ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
+        n = ids.shape[0]
+        prompt_len = np.repeat(enc["attention_mask"].sum(1), n // enc["attention_mask"].shape[0])
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None) or 1 << 62
+        seqs = [ids[r][mask[r] > 0].tolist() for r in range(n)]
+        tool_mask = [[1] * len(s) for s in seqs]
+        truncated = np.array(gen.truncated).copy()
+        messages, active = [], []
+        for r in range(n):
+            message, problem = box.parse(tok.decode(seqs[r], skip_special_tokens=False), thinking[r])
+            if problem:
+                box.warn(f"completion {r}: {problem}")
+            messages.append([message])
+            if message.get("tool_calls"):
+                active.append(r)
+        calls = failures = 0
+        turns = a.max_tool_calling_iterations if a.max_tool_calling_iterations is not None else 1 << 30
+        previous, previous_rows, turn = gen, list(range(n)), 0
+        while active and turn < turns:
+            keep, new_tokens = [], []
+            for r in active:
+                results = [box.call(c) for c in messages[r][-1]["tool_calls"]]
+                calls += len(results)
+                tool_messages = []
+                for name, result, failure in results:
+                    if failure:
+                        failures += 1
+                        box.warn(failure)
+                    tool_messages.append({"role": "tool", "name": name,
+                                          "content": result if isinstance(result, list) else str(result)})
+                suffix = box.suffix_ids(tool_messages, kws[r])
+                # TRL: a tool result that would pass the completion budget (or the model's context) is rolled back
+                if (len(seqs[r]) + len(suffix) > a.max_completion_length
+                        or prompt_len[r] + len(seqs[r]) + len(suffix) >= limit):
+                    continue
+                messages[r].extend(tool_messages)
+                seqs[r] += suffix
+                tool_mask[r] += [0] * len(suffix)
+                keep.append(r)
+                new_tokens.append(suffix)
+                thinking[r] = box.opens_thinking(tok.decode(suffix, skip_special_tokens=False))
+            if not keep:
+                break
+            where = {r: i for i, r in enumerate(previous_rows)}
+            budget = max(a.max_completion_length - len(seqs[r]) for r in keep)
+            nxt = continue_generation(self.model, previous, [where[r] for r in keep], new_tokens, max_tokens=budget,
+                                      temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p or 0.0,
+                                      stop_token_ids=self.stop_token_ids, pad_token_id=self.processor.pad_token_id,
+                                      seed=(seed + 7919 * (turn + 1)) % (2**31 - 1))
+            out_ids, out_mask, done = (np.array(x) for x in (nxt.completion_ids, nxt.completion_mask, nxt.finished))
+            active = []
+            for i, r in enumerate(keep):
+                drawn = out_ids[i][out_mask[i] > 0].tolist()
+                room = a.max_completion_length - len(seqs[r])
+                cut = len(drawn) > room
+                drawn = drawn[:room]
+                seqs[r] += drawn
+                tool_mask[r] += [1] * len(drawn)
+                truncated[r] = cut or not bool(done[i])
+                if not drawn:
+                    continue
+                message, problem = box.parse(tok.decode(drawn, skip_special_tokens=False), thinking[r])
+                if problem:
+                    box.warn(f"completion {r}: {problem}")
+                messages[r].append(message)
+                if message.get("tool_calls") and not cut:  # a cut turn's cache holds tokens past the cut
+                    active.append(r)
+            previous, previous_rows, turn = nxt, keep, turn + 1
+        width = max(1, max(len(s) for s in seqs))
+        pad = self.processor.pad_token_id
+        out = ToolRollout(np.full((n, width), pad, np.int32), np.zeros((n, width), np.int32),
+                          np.zeros((n, width), np.int32), truncated, messages, calls, failures)
+        for r, (s, m) in enumerate(zip(seqs, tool_mask, strict=True)):
+            out.completion_ids[r, :len(s)], out.completion_mask[r, :len(s)], out.tool_mask[r, :len(m)] = s, 1, m
+        return out
+
     def _lengths(self, chunks: list) -> tuple[list, list]:
-        """(completion lengths, prompt lengths) of this rank's round, one per completion."""
+        """(completion lengths, prompt lengths) of this rank's round, one per completion; with tools a completion's
+        length counts the model's own tokens, not the tool output in it (TRL's)."""
         lengths, prompt_lens = [], []
         for enc, gen in chunks:
-            lengths.extend(np.array(gen.completion_mask).sum(1).tolist())
+            lengths.extend(np.array(getattr(gen, "tool_mask", gen.completion_mask)).sum(1).tolist())
             prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1), self.G).tolist())
         return lengths, prompt_lens
 
@@ -179,7 +280,13 @@ class RolloutTrainer(Trainer):
         all_lengths = self._gather(np.array(lengths, dtype=np.float64)).astype(np.float64)
         all_truncated = self._gather(np.array(truncated, dtype=np.float64)) > 0.5
         term = all_lengths[~all_truncated] if (~all_truncated).any() else np.zeros(1)
-        return {"completions/mean_length": all_lengths.mean(), "completions/min_length": all_lengths.min(),
+        tools = {}
+        if self.toolbox is not None:  # TRL's: calls per completion, failures per call, over every rank
+            calls, failures = self._gather(np.array([[sum(g.calls for _, g in chunks),
+                                                      sum(g.failures for _, g in chunks)]], np.float64)).sum(0)
+            tools = {"tools/call_frequency": calls / len(all_lengths),
+                     "tools/failure_frequency": failures / calls if calls else 0.0}
+        return {**tools, "completions/mean_length": all_lengths.mean(), "completions/min_length": all_lengths.min(),
                 "completions/max_length": all_lengths.max(), "completions/clipped_ratio": all_truncated.mean(),
                 "completions/mean_terminated_length": term.mean(),
                 "completions/min_terminated_length": term.min(),
@@ -200,12 +307,15 @@ class RolloutTrainer(Trainer):
         total_tokens, micro, slices, pad = 0, [], [], self.processor.pad_token_id
         for c, (enc, gen) in enumerate(chunks):
             ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
+            tool_mask = getattr(gen, "tool_mask", None)  # 0 on tool output: context, never trained
             if getattr(a, "mask_truncated_completions", False):
                 mask = mask * ~np.array(gen.truncated)[:, None]
             width = _bucket(ids.shape[1], a.max_completion_length)
             ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])), constant_values=pad)
             mask = np.pad(mask, ((0, 0), (0, width - mask.shape[1])))
-            total_tokens += int(mask.sum())
+            if tool_mask is not None:
+                tool_mask = np.pad(tool_mask, ((0, 0), (0, width - tool_mask.shape[1])))
+            total_tokens += int((mask if tool_mask is None else mask * tool_mask).sum())
             p_ids, p_mask = enc["input_ids"], enc["attention_mask"]
             extra = (-p_ids.shape[1]) % PROMPT_MULTIPLE  # left padding to a multiple: fewer compiled shapes
             p_ids = np.pad(p_ids, ((0, 0), (extra, 0)), constant_values=pad).astype(np.int32)
@@ -217,6 +327,8 @@ class RolloutTrainer(Trainer):
                       "completion_ids": ids[s:s + step].astype(np.int32),
                       "completion_mask": mask[s:s + step].astype(np.int32),
                       "num_tokens": int(sum(prompt_lens[sl]) + sum(lengths[sl]))}
+                if tool_mask is not None:
+                    mb["tool_mask"] = tool_mask[s:s + step].astype(np.int32)
                 if "pixel_values" in enc:
                     mb["pixel_values"] = enc["pixel_values"]
                     mb["image_grid_thw"] = enc["image_grid_thw"].astype(np.int32)
@@ -227,6 +339,13 @@ class RolloutTrainer(Trainer):
         return micro, slices
 
     # ------------------------------------------------------------------ the training forward
+    @staticmethod
+    def loss_mask(batch):
+        """The completion tokens a loss trains on: the model's own (`completion_mask`, less the tool output in
+        a tool-calling completion, `tool_mask`); `completion_mask` alone is the forward's context."""
+        mask = batch["completion_mask"]
+        return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
+
     def _completion_hidden(self, model, batch, aux: list | None = None):
         """The final hidden states [n, C, D] at the completion positions (each predicting the next token). aux: a
         list receiving an MoE model's load-balancing loss over each row's prompt + completion, as TRL computes it,
