@@ -320,3 +320,142 @@ def test_the_command_line_takes_tools(tiny_checkpoint, tmp_path):
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("tools/call_frequency" in e for e in logged)
     assert main(argv[:-14] + ["--tools", f"{tools}:divide", "--output_dir", str(out) + "2"]) == 2
+
+
+# ------------------------------------------------------------------------------ environments and rollout_func
+class Counter:
+    """TRL's environment shape: reset with the row, public methods as tools, get_reward scoring the rollout."""
+
+    made = 0
+
+    def __init__(self):
+        Counter.made += 1
+        self.id = Counter.made
+
+    def reset(self, target, **row):
+        if target < 0:
+            raise RuntimeError("no negative targets")
+        self.n, self.target = 0, target
+        return f" (the counter starts at 0; instance {self.id})" if row.get("vary") else " (the counter starts at 0)"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        self.n += by
+        return self.n
+
+    def get_reward(self) -> float:
+        if self.target == 99:
+            raise ValueError("cannot score 99")
+        return float(self.n == self.target)
+
+
+def naive_loss_any(model, batch, trainer):
+    """naive_loss for micro-batches whose prompts are shared by their group or given per completion."""
+    own = batch["prompt_ids"].shape[0] == batch["completion_ids"].shape[0]
+    g = trainer.G
+    trainer.G = 1 if own else g
+    try:
+        return naive_loss(model, batch, trainer)
+    finally:
+        trainer.G = g
+
+
+@pytest.mark.parametrize("vary", [False, True])
+def test_environment_factory_rollouts(tiny_checkpoint, tmp_path, monkeypatch, capsys, vary):
+    """One Counter per completion (drawn from a pool, reset with the row, its observation appended to the
+    prompt), its increment method a tool bound to that completion's instance, its get_reward a reward source
+    named after the class; reward functions get `environments=`. Observations that differ within a group give a
+    prompt per completion (vary). reset / get_reward raising: one line each, the rollout goes on."""
+    model, processor = processor_of(tiny_checkpoint, "qwen3")
+    tok = processor.tokenizer
+    by = [1, 3, 3, 2]
+    Script(monkeypatch, [lambda n: [ids_of(tok, call_text(False, "increment", {"by": by[i % 4]})) for i in range(n)],
+                         lambda n: [ids_of(tok, "done")] * n], tok.convert_tokens_to_ids("<|im_end|>"))
+    rows = [{"prompt": [{"role": "user", "content": "Count to 3"}], "target": 3, "vary": vary},
+            {"prompt": [{"role": "user", "content": "Count to 99"}], "target": 99, "vary": vary},
+            {"prompt": [{"role": "user", "content": "Count to -1"}], "target": -1, "vary": vary}]
+    seen = {}
+
+    def envs_seen(completions, environments, **kw):
+        seen.setdefault("environments", []).append(environments)
+        return [0.0] * len(completions)
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), gradient_checkpointing=False, compile=False,
+                      disable_tqdm=True, save_steps=0, per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                      num_generations=4, max_completion_length=64, seed=0, shuffle_dataset=False, loss_type="grpo")
+    trainer = GRPOTrainer(model, processor, args, train_dataset=rows, reward_funcs=[envs_seen],
+                          environment_factory=Counter)
+    assert trainer.reward_func_names == ["envs_seen", "Counter"]
+    micro, metrics = trainer.generate_round(0)
+    out = capsys.readouterr().out
+    assert "Counter.reset raised RuntimeError: no negative targets" in out
+    assert "Counter.get_reward raised ValueError: cannot score 99" in out
+    envs = seen["environments"][0]
+    assert len(envs) == 12 and len({id(e) for e in envs}) == 12  # one instance per completion
+    assert [e.n for e in envs[:8]] == [1, 3, 3, 2] * 2  # each call ran on its own completion's instance
+    assert metrics["rewards/Counter/mean"] == pytest.approx(0.5)  # row 0's: 2 of 4 reach 3; 99: None; -1: 0 calls
+    assert metrics["tools/call_frequency"] == pytest.approx(1.0)
+    text = tok.decode(micro[0]["prompt_ids"][0].tolist())
+    assert "Count to 3 (the counter starts at 0" in text and '"increment"' in text
+    own = micro[0]["prompt_ids"].shape[0] == micro[0]["completion_ids"].shape[0]
+    assert own == vary
+    if vary:
+        assert "instance" in text and text != tok.decode(micro[0]["prompt_ids"][1].tolist())
+    batch = trainer.to_device(micro[0])
+    loss, _ = trainer.loss(model, batch, 1.0)
+    assert abs(loss.item() - naive_loss_any(model, batch, trainer).item()) < 1e-5
+    made = Counter.made
+    trainer.generate_round(1)  # the pool is reused: no new instances for a round of the same size
+    assert Counter.made == made
+
+
+def test_rollout_func_episodes(tiny_checkpoint, tmp_path):
+    """TRL's rollout_func: the function makes each completion (prompt ids, completion ids, log-probs), env_mask
+    marks what the model did not write (context, not trained) and its other fields reach the reward functions."""
+    model, processor = processor_of(tiny_checkpoint, "qwen3")
+    tok = processor.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    calls = {}
+
+    def rollout(prompts, trainer):
+        calls["prompts"] = prompts
+        texts = [trainer.processor.apply_chat_template(p, add_generation_prompt=True) for p in prompts]
+        prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        completion_ids, masks = [], []
+        for i in range(len(prompts)):
+            mine, env, more = ids_of(tok, f"try {i}"), ids_of(tok, "\nfeedback: no\n"), ids_of(tok, "ok") + [end]
+            completion_ids.append(mine + env + more)
+            masks.append([1] * len(mine) + [0] * len(env) + [1] * len(more))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+                "logprobs": [[0.0] * len(c) for c in completion_ids], "env_mask": masks,
+                "note": [f"n{i}" for i in range(len(prompts))]}
+
+    seen = {}
+
+    def reward(completions, note, **kw):
+        seen["note"], seen["completions"] = note, completions
+        return [float(i % 2) for i in range(len(completions))]
+
+    rows = [{"prompt": [{"role": "user", "content": "Guess"}]}, {"prompt": [{"role": "user", "content": "Again"}]}]
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), gradient_checkpointing=False, compile=False,
+                      disable_tqdm=True, save_steps=0, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=64, seed=0, shuffle_dataset=False, loss_type="grpo")
+    trainer = GRPOTrainer(model, processor, args, train_dataset=rows, reward_funcs=[reward], rollout_func=rollout)
+    (mb,), metrics = trainer.generate_round(0)
+    assert len(calls["prompts"]) == 8 and calls["prompts"][0] == calls["prompts"][3] == rows[0]["prompt"]
+    assert seen["note"] == [f"n{i}" for i in range(8)] and seen["completions"][1][0]["content"].startswith("try 1")
+    n = int(mb["completion_mask"][1].sum())
+    mine = len(ids_of(tok, "try 1"))
+    env = len(ids_of(tok, "\nfeedback: no\n"))
+    assert mb["tool_mask"][1, :n].tolist() == [1] * mine + [0] * env + [1] * (n - mine - env)
+    assert metrics["completions/mean_length"] == pytest.approx((mb["completion_mask"] * mb["tool_mask"]).sum(1).mean())
+    batch = trainer.to_device(mb)
+    loss, _ = trainer.loss(model, batch, 1.0)
+    assert abs(loss.item() - naive_loss(model, batch, trainer).item()) < 1e-5
+    with pytest.raises(mlxrl.errors.MlxrlError, match="must return keys"):
+        GRPOTrainer(model, processor, args, train_dataset=rows, reward_funcs=[reward],
+                    rollout_func=lambda p, t: {"prompt_ids": []}).generate_round(0)

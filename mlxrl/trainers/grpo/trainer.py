@@ -45,6 +45,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
+from ...data.images import row_images
 from ...errors import MlxrlError, first_line
 from ...losses.fused_head import fused_head_loss
 from ...losses.grpo import (
@@ -90,7 +91,8 @@ class GRPOTrainer(RolloutTrainer):
                     "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens")
 
     def __init__(self, model, processor=None, args: GRPOConfig | None = None, train_dataset=None,
-                 eval_dataset=None, reward_funcs=None, ref_model=None, tools=None, **trl):
+                 eval_dataset=None, reward_funcs=None, ref_model=None, tools=None, environment_factory=None,
+                 rollout_func=None, **trl):
         """mlxrl's (model, processor, args, ...) or TRL's keywords (`trl_api`: model as a Hub id or folder,
         processing_class, peft_config)."""
         name = type(self).__name__
@@ -100,10 +102,11 @@ class GRPOTrainer(RolloutTrainer):
         model, processor, args, train_dataset, eval_dataset, _ = trl_api.resolve(
             self, name, self.config_class, model, processor, args, train_dataset, eval_dataset, trl)
         self.check_args(args)
-        if reward_funcs is None:
+        if reward_funcs is None and environment_factory is None:
             raise ValueError(f"{name} needs reward_funcs: a callable or a list of callables "
                              "f(prompts, completions, completion_ids, **columns) -> list[float | None]")
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        funcs = [] if reward_funcs is None else (
+            list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         funcs = [reward_entry(f) for f in funcs]
         for f in funcs:
             if not callable(f):
@@ -115,14 +118,33 @@ class GRPOTrainer(RolloutTrainer):
         if args.disable_dropout and args.use_peft and args.lora_dropout:
             args = dataclasses.replace(args, lora_dropout=0.0)
         names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
-        if train_dataset is not None and len(train_dataset):
+        if train_dataset is not None and len(train_dataset) and rollout_func is None:  # its fields come later
             columns = [k for k in train_dataset[0] if k not in ("prompt", "completion", "completion_ids")]
+            columns += ["environments"] if environment_factory is not None else []
             for f, fname in zip(funcs, names, strict=True):
                 check_reward_signature(f, fname, columns)
         self.G = args.num_generations
-        self._init_rollout(name, model, processor, args, train_dataset, eval_dataset, tools=tools)
+        self._init_rollout(name, model, processor, args, train_dataset, eval_dataset, tools=tools,
+                           environment_factory=environment_factory)
+        if self.environments is not None:  # an environment's get_reward: one more reward source, weight 1 (TRL's)
+            for env_name, f in self.environments.reward_funcs(self._warn):
+                funcs, names = [*funcs, f], [*names, env_name]
+                if self.args.reward_weights is not None:
+                    self.args = dataclasses.replace(self.args, reward_weights=[*self.args.reward_weights, 1.0])
+            if not funcs:
+                raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` "
+                                 "whose environment defines `get_reward`")
         self.reward_funcs = funcs
         self.reward_func_names = names
+        if rollout_func is not None:
+            if not callable(rollout_func):
+                raise ValueError("rollout_func must be a callable rollout_func(prompts, trainer) -> dict")
+            if tools or environment_factory is not None:
+                raise MlxrlError(f"{name}(rollout_func=...) with tools or environment_factory is not supported by "
+                                 "mlxrl: the rollout function generates the whole episode itself")
+            if any(row_images(r) for r in self.rows):
+                raise MlxrlError(f"{name}(rollout_func=...) with image rows: TRL's rollout functions take no images")
+        self.rollout_func = rollout_func
         # TRL computes old log-probs only when generation is not aligned with the optimizer step
         generate_every = self.steps_per_generation * args.num_iterations
         self.needs_old_logps = args.gradient_accumulation_steps % generate_every != 0
@@ -138,6 +160,12 @@ class GRPOTrainer(RolloutTrainer):
     def _log_metric(self, name, value):
         self._pending_metrics.setdefault(name, []).append(float(value))
 
+    def _warn(self, problem: str) -> None:
+        if self.toolbox is not None:
+            self.toolbox.warn(problem)
+        else:
+            print(f"warning: {problem}; the rollout goes on with it as its data", flush=True)
+
     def score(self, prompts, completions, completion_ids, columns: dict) -> np.ndarray:
         """[N, F] rewards (NaN where a function returned None), TRL's calling convention. A function that
         raises or returns something that is not one number or None per completion stops training with one
@@ -147,6 +175,8 @@ class GRPOTrainer(RolloutTrainer):
         out = np.zeros((len(prompts), len(self.reward_funcs)), dtype=np.float32)
         for k, (f, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
             kwargs = dict(columns, trainer_state=state, log_metric=self._log_metric, log_extra=lambda *a, **k: None)
+            if self._round_environments is not None:
+                kwargs["environments"] = self._round_environments
             try:
                 values = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
                 if inspect.isawaitable(values):
@@ -210,7 +240,8 @@ class GRPOTrainer(RolloutTrainer):
                 j = c * prompts_per_mb + r // G
                 seq = ids[r][mask[r] > 0].tolist()
                 conv = not isinstance(rows[j]["prompt"], str)
-                prompts.append(rendered[j][2])
+                prompts.append(rendered[j][2] if self._completion_prompts is None
+                               else self._completion_prompts[c * prompts_per_mb * G + r])
                 if getattr(gen, "messages", None):  # the tool loop's turns: assistant, tool, ..., assistant
                     completions.append(gen.messages[r])
                 else:
@@ -219,6 +250,8 @@ class GRPOTrainer(RolloutTrainer):
                 completion_ids.append(seq)
                 for k in keys:
                     columns.setdefault(k, []).append(rows[j][k])
+        for k, v in (getattr(self, "_round_extra", None) or {}).items():  # rollout_func's own fields
+            columns[k] = v
         rewards = self.score(prompts, completions, completion_ids, columns)
         lengths, prompt_lens = self._lengths(chunks)
         metrics = self._length_metrics(chunks, lengths)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ...errors import MlxrlError
 from ...losses.rloo import rloo_advantages, rloo_loss
 from ..forward import with_router_aux
 from ..grpo.trainer import GRPOTrainer, finite_items
@@ -39,6 +40,9 @@ class RLOOTrainer(GRPOTrainer):
     config_class = RLOOConfig
     check_args = staticmethod(check_rloo_config)
     def __init__(self, *a, **kw):
+        for name in ("tools", "environment_factory", "rollout_func"):
+            if kw.get(name) is not None:
+                raise MlxrlError(f"RLOOTrainer({name}=...): TRL's RLOOTrainer has no {name}; GRPOTrainer takes it")
         super().__init__(*a, **kw)
         self.needs_old_logps = True  # TRL's RLOO always takes its ratio against the generating weights' log-probs
 

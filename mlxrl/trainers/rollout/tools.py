@@ -207,11 +207,12 @@ class ToolBox:
         return {"type": "function", "function": {"name": call["name"], "arguments": args}}
 
     # ------------------------------------------------------------------ execution
-    def call(self, tool_call: dict) -> tuple[str, object, str | None]:
-        """(name, result, failure or None) of one parsed call; a failure's result is TRL's {'error': ...}."""
+    def call(self, tool_call: dict, bound: dict | None = None) -> tuple[str, object, str | None]:
+        """(name, result, failure or None) of one parsed call; a failure's result is TRL's {'error': ...}.
+        bound: the completion's own tools by name (its environment's methods), instead of the run's."""
         function = tool_call.get("function") or {}
         name = str(function.get("name", "unknown"))
-        func = self.by_name.get(name)
+        func = (self.by_name if bound is None else bound).get(name)
         if func is None:
             return name, {"error": f"Tool {name} not found."}, f"the model called {name!r}, which is not a tool"
         try:

@@ -24,12 +24,13 @@ import numpy as np
 from ...data.files import naming_rows, origins_of, rows_fingerprint
 from ...data.formats import DataError, chatml, check_prompt_rows, template_kwargs
 from ...data.images import fill_images, row_images
-from ...errors import first_line
+from ...errors import MlxrlError, first_line
 from ...models.dropout import eval_mode
 from ...processing.tokens import QWEN_STOP_TOKEN_IDS
 from ..engine import Trainer, step_seed
+from .environments import Environments
 from .rounds import GenerationRounds
-from .tools import ToolBox, ToolRollout
+from .tools import ToolBox, ToolRollout, tool_schema
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
 
@@ -47,21 +48,30 @@ class RolloutTrainer(Trainer):
 
     G = 1
 
-    def _init_rollout(self, name: str, model, processor, args, train_dataset, eval_dataset, tools=None) -> None:
+    def _init_rollout(self, name: str, model, processor, args, train_dataset, eval_dataset, tools=None,
+                      environment_factory=None) -> None:
         """The shared part of a rollout trainer's constructor, after its own argument checks. tools: Python
-        functions the model may call while it generates (`tools.ToolBox`)."""
+        functions the model may call while it generates (`tools.ToolBox`); environment_factory: TRL's
+        per-rollout environments whose methods are tools too (`environments.Environments`)."""
         if train_dataset is None or len(train_dataset) == 0:
             raise ValueError(f"{name} needs a train_dataset of rows with a 'prompt' column")
         if eval_dataset is not None:
             raise ValueError(f"eval_dataset is not supported by mlxrl's {name} yet")
         with naming_rows(origins_of(train_dataset)):
             check_prompt_rows(train_dataset)
+        self.environments = None
+        if environment_factory is not None:
+            self.environments = Environments(environment_factory, tools or [])
+            tools = self.environments.all_tools()
         if not tools and args.max_tool_calling_iterations is not None:
             raise ValueError("max_tool_calling_iterations is set but no tools= were given to the trainer")
         if tools and any(isinstance(train_dataset[i]["prompt"], str) for i in range(min(64, len(train_dataset)))):
             raise ValueError("tools= needs conversational prompts (lists of messages): a plain-text prompt has no "
                              "chat template to describe the tools in")
         self.toolbox = ToolBox(tools, processor, args.tool_call_timeout) if tools else None
+        if self.environments is not None and self.toolbox is not None:
+            self._env_schemas = {k: [tool_schema(t) for t in v] for k, v in self.environments.tools.items()}
+        self._completion_prompts = self._round_environments = None  # a round's, with environments
         Trainer.__init__(self, model, processor, args)
         self.rows = list(train_dataset)
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
@@ -93,17 +103,20 @@ class RolloutTrainer(Trainer):
         return {"prompt_length": n}, f"prompts of {n} tokens and every completion at max_completion_length"
 
     # ------------------------------------------------------------------ prompts
-    def _render(self, row: dict, index: int) -> tuple[str, list, object]:
+    def _render(self, row: dict, index: int, prompt=None) -> tuple[str, list, object]:
         """(prompt text, images, the prompt as reward functions see it); the row was checked by
-        `check_prompt_rows`, and what the chat template still cannot render is one line naming it."""
+        `check_prompt_rows`, and what the chat template still cannot render is one line naming it. prompt:
+        the row's prompt with its environment's observation (`environments`)."""
         check_prompt_rows([row], first_index=index)
-        prompt = row["prompt"]
+        prompt = row["prompt"] if prompt is None else prompt
         images = row_images(row)
         if isinstance(prompt, str):
             return prompt, [], prompt
         messages, ordered = fill_images(chatml(prompt), images, index)
         kw = dict(template_kwargs(row, index))
-        if self.toolbox is not None:
+        if self.environments is not None and self.toolbox is not None:
+            kw["tools"] = self._env_schemas[self.environments.name_of(row, index)] or None
+        elif self.toolbox is not None:
             kw["tools"] = self.toolbox.schemas
         kw["continue_final_message" if messages[-1].get("role") == "assistant" else "add_generation_prompt"] = True
         try:
@@ -152,12 +165,20 @@ class RolloutTrainer(Trainer):
         a, G = self.args, self.G
         indices, self._round_epoch, offset = self._round_indices(round_index)
         rows = [self.rows[i] for i in indices]
-        rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
+        if getattr(self, "rollout_func", None) is not None:
+            return self._rollout_func_round(rows, indices)
+        per_completion = bound = None
+        if self.environments is not None:
+            rendered, per_completion, bound = self._environment_prompts(rows, indices)
+        else:
+            rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
         prompts_per_mb = self._prompts_per_micro_batch
         chunks = []
         with eval_mode(self.model):
             for start in range(0, len(rows), prompts_per_mb):
-                part = rendered[start:start + prompts_per_mb]
+                part, samples = rendered[start:start + prompts_per_mb], G
+                if per_completion is not None:  # observations differ within a group: a prompt per completion
+                    part, samples = per_completion[start * G:(start + prompts_per_mb) * G], 1
                 images = [im for _, im, _ in part]
                 enc = self.processor(text=[t for t, _, _ in part], images=images if any(images) else None,
                                      padding_side="left", return_tensors="np")
@@ -166,7 +187,8 @@ class RolloutTrainer(Trainer):
                                pixel_values=mx.array(enc["pixel_values"]) if "pixel_values" in enc else None,
                                image_grid_thw=mx.array(enc["image_grid_thw"].astype(np.int32))
                                if "image_grid_thw" in enc else None,
-                               num_generations=G, max_tokens=a.max_completion_length, temperature=a.temperature,
+                               num_generations=samples, max_tokens=a.max_completion_length,
+                               temperature=a.temperature,
                                top_p=a.top_p, top_k=a.top_k, min_p=a.min_p or 0.0,
                                stop_token_ids=self.stop_token_ids, pad_token_id=self.processor.pad_token_id,
                                seed=step_seed(a.seed, offset + start, round_index),
@@ -175,15 +197,95 @@ class RolloutTrainer(Trainer):
                     kws = [template_kwargs(r, i) for r, i in zip(rows[start:start + prompts_per_mb],
                                                                    indices[start:start + prompts_per_mb], strict=True)
                            for _ in range(G)]
-                    thinking = [self.toolbox.opens_thinking(t) for t, _, _ in part for _ in range(G)]
-                    gen = self._tool_turns(enc, gen, step_seed(a.seed, offset + start, round_index), thinking, kws)
+                    thinking = [self.toolbox.opens_thinking(t) for t, _, _ in part for _ in range(samples)]
+                    gen = self._tool_turns(enc, gen, step_seed(a.seed, offset + start, round_index), thinking, kws,
+                                           None if bound is None else bound[start * G:(start + prompts_per_mb) * G])
                 chunks.append((enc, gen))
         return rows, rendered, chunks
 
-    def _tool_turns(self, enc, gen, seed: int, thinking: list[bool], kws: list[dict]) -> ToolRollout:
+    def _rollout_func_round(self, rows: list[dict], indices: list[int]):
+        """TRL's rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", optional "env_mask"
+        (0 on tokens the model did not write: context, not trained) and more fields (passed to the reward
+        functions)}: the round's episodes made by the user's function instead of the engine; one prompt per
+        completion in the round's order (each row's prompt G times)."""
+        G, pad = self.G, self.processor.pad_token_id
+        rendered = [self._render(r, i) for r, i in zip(rows, indices, strict=True)]
+        prompts = [r["prompt"] for r in rows for _ in range(G)]
+        try:
+            out = self.rollout_func(prompts, self)
+        except Exception as e:
+            raise MlxrlError(f"rollout_func raised {type(e).__name__}: {first_line(e)} (step "
+                             f"{self.global_step + 1}; MLXRL_DEBUG=1 shows the traceback)") from e
+        missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - set(out or {}))
+        if missing:
+            raise MlxrlError(f"rollout_func must return keys {missing} in its output dict.")
+        n = len(prompts)
+        for k, v in out.items():
+            if len(v) != n:
+                raise MlxrlError(f"rollout_func returned {len(v)} {k!r} for {n} prompts (each row's prompt "
+                                 f"num_generations times): one per completion")
+        env_mask = out.get("env_mask")
+        self._round_extra = {k: list(v) for k, v in out.items()
+                             if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        stops = set(self.stop_token_ids) | {pad}
+        chunks, per_mb = [], self._prompts_per_micro_batch * G
+        for start in range(0, n, per_mb):
+            p_list = [list(map(int, p)) for p in out["prompt_ids"][start:start + per_mb]]
+            c_list = [list(map(int, c))[:self.args.max_completion_length]
+                      for c in out["completion_ids"][start:start + per_mb]]
+            shared = all(p_list[i] == p_list[i - i % G] for i in range(len(p_list)))
+            p_rows = p_list[::G] if shared else p_list
+            width = max(len(p) for p in p_rows)
+            enc = {"input_ids": np.full((len(p_rows), width), pad, np.int64),
+                   "attention_mask": np.zeros((len(p_rows), width), np.int64)}
+            for i, p in enumerate(p_rows):
+                enc["input_ids"][i, width - len(p):], enc["attention_mask"][i, width - len(p):] = p, 1
+            cw = max(1, max(len(c) for c in c_list))
+            ids, mask, tmask = np.full((len(c_list), cw), pad, np.int32), np.zeros((len(c_list), cw), np.int32), \
+                np.zeros((len(c_list), cw), np.int32)
+            for i, c in enumerate(c_list):
+                ids[i, :len(c)], mask[i, :len(c)] = c, 1
+                tmask[i, :len(c)] = 1 if env_mask is None else list(env_mask[start + i])[:len(c)]
+            truncated = np.array([not c or c[-1] not in stops for c in c_list])
+            messages = [[{"role": "assistant", "content": self.processor.tokenizer.decode(c, skip_special_tokens=True)}]
+                        if not isinstance(prompts[start + i], str) else [] for i, c in enumerate(c_list)]
+            chunks.append((enc, ToolRollout(ids, mask, tmask if env_mask is not None else None, truncated,
+                                            messages if all(messages) else [])))
+        return rows, rendered, chunks
+
+    def _environment_prompts(self, rows: list[dict], indices: list[int]):
+        """With environment_factory: one environment per completion, drawn and reset with its row; (rendered
+        prompts, one per row; a rendering per completion when the observations of a group differ, else None;
+        each completion's tools by name). Sets the round's environments and prompts, as reward functions see
+        them."""
+        env, G = self.environments, self.G
+        warn = self.toolbox.warn if self.toolbox is not None else (
+            lambda m: print(f"warning: {m}; the rollout goes on with it as its data", flush=True))
+        names = [env.name_of(r, i) for r, i in zip(rows, indices, strict=True) for _ in range(G)]
+        instances = env.draw(names)
+        prompts = [env.observed(chatml(rows[k // G]["prompt"]), env.reset(inst, rows[k // G], warn))
+                   for k, inst in enumerate(instances)]
+        shared = all(prompts[j * G + g] == prompts[j * G] for j in range(len(rows)) for g in range(G))
+        if shared:
+            rendered = [self._render(r, i, prompts[j * G]) for j, (r, i) in enumerate(zip(rows, indices,
+                                                                                         strict=True))]
+            per_completion = None
+        else:
+            if any(row_images(r) for r in rows):
+                raise DataError("environment observations differ between the completions of one prompt that has "
+                                "images: mlxrl shares a prompt's images across its num_generations completions")
+            per_completion = [self._render(rows[k // G], indices[k // G], p) for k, p in enumerate(prompts)]
+            rendered = per_completion[::G]
+        self._round_environments = instances
+        self._completion_prompts = [r[2] for r in per_completion] if per_completion is not None else None
+        return rendered, per_completion, [env.bound(inst) for inst in instances]
+
+    def _tool_turns(self, enc, gen, seed: int, thinking: list[bool], kws: list[dict],
+                    bound: list[dict] | None = None) -> ToolRollout:
         """TRL's tool loop over one micro-batch of prompts' completions: parse each row's calls, run them, append
         the tool messages' tokens and continue those rows from the engine's caches, until no row calls a tool or
-        max_tool_calling_iterations turns have run (the module docstring of `tools`)."""
+        max_tool_calling_iterations turns have run (the module docstring of `tools`). bound: each completion's tools
+        by name (its environment's methods)."""
         from ...generation.engine import continue_generation
 
         a, box, tok = self.args, self.toolbox, self.processor.tokenizer
@@ -209,7 +311,8 @@ class RolloutTrainer(Trainer):
         while active and turn < turns:
             keep, new_tokens = [], []
             for r in active:
-                results = [box.call(c) for c in messages[r][-1]["tool_calls"]]
+                results = [box.call(c, None if bound is None else bound[r])
+                           for c in messages[r][-1]["tool_calls"]]
                 calls += len(results)
                 tool_messages = []
                 for name, result, failure in results:
@@ -269,8 +372,10 @@ class RolloutTrainer(Trainer):
         length counts the model's own tokens, not the tool output in it (TRL's)."""
         lengths, prompt_lens = [], []
         for enc, gen in chunks:
-            lengths.extend(np.array(getattr(gen, "tool_mask", gen.completion_mask)).sum(1).tolist())
-            prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1), self.G).tolist())
+            own = getattr(gen, "tool_mask", None)
+            lengths.extend(np.array(gen.completion_mask if own is None else own).sum(1).tolist())
+            prompt_lens.extend(np.repeat(enc["attention_mask"].sum(1),
+                                         len(gen.completion_ids) // len(enc["attention_mask"])).tolist())
         return lengths, prompt_lens
 
     def _length_metrics(self, chunks: list, lengths: list) -> dict:
@@ -323,7 +428,9 @@ class RolloutTrainer(Trainer):
             base, step = c * prompts_per_mb * G, min(b, ids.shape[0])
             for s in range(0, ids.shape[0], step):
                 sl = slice(base + s, base + s + step)
-                mb = {"prompt_ids": p_ids, "prompt_mask": p_mask,
+                own = p_ids.shape[0] == ids.shape[0] and G > 1  # a prompt per completion (environments)
+                mb = {"prompt_ids": p_ids[s:s + step] if own else p_ids,
+                      "prompt_mask": p_mask[s:s + step] if own else p_mask,
                       "completion_ids": ids[s:s + step].astype(np.int32),
                       "completion_mask": mask[s:s + step].astype(np.int32),
                       "num_tokens": int(sum(prompt_lens[sl]) + sum(lengths[sl]))}
