@@ -191,7 +191,8 @@ def test_a_round_with_tools_runs_the_calls_and_trains_only_the_models_tokens(tin
                  "'nowhere', which is not a tool", "'weird' returned a Unprintable that cannot be printed"):
         assert line in out, out
     if not xml:
-        assert "a tool call that does not parse" in out
+        assert "a tool call that does not parse (the turn is scored as text): invalid JSON" in out
+    assert out.count("warning:") == 4 + (not xml)
     comps = seen["completions"]
     assert comps[0][0]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 3, "b": 4}}
     assert comps[0][1] == {"role": "tool", "name": "multiply", "content": "12"}
@@ -392,8 +393,11 @@ def test_environment_factory_rollouts(tiny_checkpoint, tmp_path, monkeypatch, ca
     assert trainer.reward_func_names == ["envs_seen", "Counter"]
     micro, metrics = trainer.generate_round(0)
     out = capsys.readouterr().out
-    assert "Counter.reset raised RuntimeError: no negative targets" in out
-    assert "Counter.get_reward raised ValueError: cannot score 99" in out
+    # one line per kind of problem and round, with its count
+    assert "Counter.reset raised RuntimeError (4 times this round; the first: no negative targets)" in out
+    assert "Counter.get_reward raised ValueError (4 times this round; the first: cannot score 99)" in out
+    # the instance whose reset failed: its tool and its get_reward fail too (AttributeError), each one line
+    assert "tool 'increment' raised AttributeError (4 times" in out and out.count("warning:") == 4
     envs = seen["environments"][0]
     assert len(envs) == 12 and len({id(e) for e in envs}) == 12  # one instance per completion
     assert [e.n for e in envs[:8]] == [1, 3, 3, 2] * 2  # each call ran on its own completion's instance

@@ -127,7 +127,7 @@ class GRPOTrainer(RolloutTrainer):
         self._init_rollout(name, model, processor, args, train_dataset, eval_dataset, tools=tools,
                            environment_factory=environment_factory)
         if self.environments is not None:  # an environment's get_reward: one more reward source, weight 1 (TRL's)
-            for env_name, f in self.environments.reward_funcs(self._warn):
+            for env_name, f in self.environments.reward_funcs(self.problems.note):
                 funcs, names = [*funcs, f], [*names, env_name]
                 if self.args.reward_weights is not None:
                     self.args = dataclasses.replace(self.args, reward_weights=[*self.args.reward_weights, 1.0])
@@ -160,12 +160,6 @@ class GRPOTrainer(RolloutTrainer):
     def _log_metric(self, name, value):
         self._pending_metrics.setdefault(name, []).append(float(value))
 
-    def _warn(self, problem: str) -> None:
-        if self.toolbox is not None:
-            self.toolbox.warn(problem)
-        else:
-            print(f"warning: {problem}; the rollout goes on with it as its data", flush=True)
-
     def score(self, prompts, completions, completion_ids, columns: dict) -> np.ndarray:
         """[N, F] rewards (NaN where a function returned None), TRL's calling convention. A function that
         raises or returns something that is not one number or None per completion stops training with one
@@ -187,6 +181,7 @@ class GRPOTrainer(RolloutTrainer):
                 raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {first_line(e)} (step "
                                  f"{self.global_step + 1}; MLXRL_DEBUG=1 shows the traceback)") from e
             out[:, k] = reward_values(values, name, len(prompts))
+        self.problems.report()  # an environment's get_reward that raised
         unscorable = np.isnan(out).all(axis=1)
         if unscorable.all():
             raise RewardError(f"every reward function ({', '.join(self.reward_func_names)}) returned None for every "

@@ -112,12 +112,12 @@ class Environments:
 
     def reset(self, instance, row: dict, warn) -> object:
         """instance.reset(**row) (the row less its `environment` column with several environments): the
-        observation, or None (also when reset raises: one line through `warn`)."""
+        observation, or None (also when reset raises: noted through `warn(kind, detail)`)."""
         kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else dict(row)
         try:
             return instance.reset(**kwargs)
         except Exception as e:  # noqa: BLE001 - the rollout goes on without its observation
-            warn(f"environment {type(instance).__name__}.reset raised {type(e).__name__}: {first_line(e)}")
+            warn(f"environment {type(instance).__name__}.reset raised {type(e).__name__}", first_line(e))
             return None
 
     @staticmethod
@@ -151,8 +151,8 @@ class Environments:
                         value = e.get_reward()
                         scores.append(asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value)
                     except Exception as err:  # noqa: BLE001 - that completion is left unscored
-                        warn(f"environment {_type.__name__}.get_reward raised {type(err).__name__}: "
-                             f"{first_line(err)}")
+                        warn(f"environment {_type.__name__}.get_reward raised {type(err).__name__}",
+                             first_line(err))
                         scores.append(None)
                 return scores
 

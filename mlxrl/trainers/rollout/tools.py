@@ -48,7 +48,7 @@ import numpy as np
 
 from ...errors import first_line
 
-__all__ = ["ToolBox", "ToolRollout", "tool_schema"]
+__all__ = ["RoundProblems", "ToolBox", "ToolRollout", "tool_schema"]
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _FUNCTION = re.compile(r"^<function=([^\n>]+)>\s*(.*?)\s*(?:</function>)?$", re.S)
@@ -67,6 +67,26 @@ def tool_schema(func) -> dict:
         name = getattr(func, "__name__", repr(func))
         raise ValueError(f"tool {name!r} cannot be described to the model ({first_line(e)}): give it type hints "
                          "and a Google-style docstring with an 'Args:' line per argument") from None
+
+
+class RoundProblems:
+    """What went wrong in a round's rollouts (tools that failed, calls that did not parse, environments that
+    raised): collected while the round runs, then one log line per kind with its count and first instance."""
+
+    def __init__(self):
+        self.seen: dict[str, list] = {}
+
+    def note(self, kind: str, detail: str = "") -> None:
+        entry = self.seen.setdefault(kind, [0, detail])
+        entry[0] += 1
+
+    def report(self) -> None:
+        for kind, (count, detail) in self.seen.items():
+            what = f"{kind}: {detail}" if detail else kind
+            if count > 1:
+                what = f"{kind} ({count} times this round" + (f"; the first: {detail})" if detail else ")")
+            print(f"warning: {what}; the rollout goes on with it as its data", flush=True)
+        self.seen.clear()
 
 
 class _Timeout(Exception):
@@ -141,14 +161,13 @@ class ToolBox:
                                                       s["function"]["parameters"].get("properties", {}).items()}
                              for s in self.schemas}
         self._suffix_cache: dict[tuple, list[int]] = {}
-        self.warned: set[str] = set()
 
     def __bool__(self) -> bool:
         return bool(self.tools)
 
     # ------------------------------------------------------------------ parsing
     def parse(self, text: str, thinking: bool = False) -> tuple[dict, str | None]:
-        """(the assistant message, a one-line problem or None) of one turn's decoded text (special tokens
+        """(the assistant message, why a tool call did not parse or None) of one turn's decoded text (special tokens
         kept): content, reasoning_content, and tool_calls in TRL's shape [{"type": "function", "function":
         {"name", "arguments"}}]. thinking: the turn began inside a `<think>` block its template opened (then a
         turn that never closes it is all reasoning). A call that does not parse makes the whole turn plain
@@ -166,7 +185,7 @@ class ToolBox:
             try:
                 calls.append(self._parse_call(raw))
             except ValueError as e:
-                problem = f"a tool call that does not parse ({first_line(e)}): {raw[:80]!r}"
+                problem = f"{first_line(e)}: {raw[:80]!r}"
                 calls = []
                 break
         cut = body.find("<tool_call>")
@@ -207,38 +226,33 @@ class ToolBox:
         return {"type": "function", "function": {"name": call["name"], "arguments": args}}
 
     # ------------------------------------------------------------------ execution
-    def call(self, tool_call: dict, bound: dict | None = None) -> tuple[str, object, str | None]:
-        """(name, result, failure or None) of one parsed call; a failure's result is TRL's {'error': ...}.
+    def call(self, tool_call: dict, bound: dict | None = None) -> tuple[str, object, tuple | None]:
+        """(name, result, failure: (kind, detail) or None) of one parsed call; a failure's result is TRL's
+        {'error': ...}.
         bound: the completion's own tools by name (its environment's methods), instead of the run's."""
         function = tool_call.get("function") or {}
         name = str(function.get("name", "unknown"))
         func = (self.by_name if bound is None else bound).get(name)
         if func is None:
-            return name, {"error": f"Tool {name} not found."}, f"the model called {name!r}, which is not a tool"
+            return name, {"error": f"Tool {name} not found."}, (f"the model called {name!r}, which is not a tool", "")
         try:
             result = _run(func, dict(function.get("arguments") or {}), self.timeout)
         except _Timeout:
             msg = f"timed out after {self.timeout:g} s"
-            return name, {"error": f"Tool {name} {msg}"}, f"tool {name!r} {msg} (tool_call_timeout)"
+            return name, {"error": f"Tool {name} {msg}"}, (f"tool {name!r} {msg} (tool_call_timeout)", "")
         except Exception as e:  # noqa: BLE001 - returned to the model, as TRL does
-            return name, {"error": str(e)}, f"tool {name!r} raised {type(e).__name__}: {first_line(e)}"
+            return name, {"error": str(e)}, (f"tool {name!r} raised {type(e).__name__}", first_line(e))
         if isinstance(result, list):
             if any(isinstance(p, dict) and p.get("type") == "image" for p in result):
                 return name, {"error": "images in tool results are not supported"}, \
-                    f"tool {name!r} returned an image (mlxrl feeds tool results back as text only)"
+                    (f"tool {name!r} returned an image (mlxrl feeds tool results back as text only)", "")
             return name, result, None
         try:
             str(result)
         except Exception as e:  # noqa: BLE001
             return name, {"error": f"the result cannot be printed ({type(e).__name__})"}, \
-                f"tool {name!r} returned a {type(result).__name__} that cannot be printed: {first_line(e)}"
+                (f"tool {name!r} returned a {type(result).__name__} that cannot be printed", first_line(e))
         return name, result, None
-
-    def warn(self, problem: str) -> None:
-        """One line in the run's log per distinct problem per round."""
-        if problem not in self.warned:
-            self.warned.add(problem)
-            print(f"warning: {problem}; the rollout goes on with it as its data", flush=True)
 
     # ------------------------------------------------------------------ the tool turn's tokens
     @staticmethod

@@ -30,7 +30,7 @@ from ...processing.tokens import QWEN_STOP_TOKEN_IDS
 from ..engine import Trainer, step_seed
 from .environments import Environments
 from .rounds import GenerationRounds
-from .tools import ToolBox, ToolRollout, tool_schema
+from .tools import RoundProblems, ToolBox, ToolRollout, tool_schema
 
 PROMPT_MULTIPLE = 32  # prompts are left-padded to a multiple of this
 
@@ -72,6 +72,7 @@ class RolloutTrainer(Trainer):
         if self.environments is not None and self.toolbox is not None:
             self._env_schemas = {k: [tool_schema(t) for t in v] for k, v in self.environments.tools.items()}
         self._completion_prompts = self._round_environments = None  # a round's, with environments
+        self.problems = RoundProblems()  # what failed in a round's tools and environments: logged once per kind
         Trainer.__init__(self, model, processor, args)
         self.rows = list(train_dataset)
         self.rows_fingerprint = rows_fingerprint(train_dataset)  # what a checkpoint's data position refers to
@@ -201,6 +202,7 @@ class RolloutTrainer(Trainer):
                     gen = self._tool_turns(enc, gen, step_seed(a.seed, offset + start, round_index), thinking, kws,
                                            None if bound is None else bound[start * G:(start + prompts_per_mb) * G])
                 chunks.append((enc, gen))
+        self.problems.report()
         return rows, rendered, chunks
 
     def _rollout_func_round(self, rows: list[dict], indices: list[int]):
@@ -259,8 +261,7 @@ class RolloutTrainer(Trainer):
         each completion's tools by name). Sets the round's environments and prompts, as reward functions see
         them."""
         env, G = self.environments, self.G
-        warn = self.toolbox.warn if self.toolbox is not None else (
-            lambda m: print(f"warning: {m}; the rollout goes on with it as its data", flush=True))
+        warn = self.problems.note
         names = [env.name_of(r, i) for r, i in zip(rows, indices, strict=True) for _ in range(G)]
         instances = env.draw(names)
         prompts = [env.observed(chatml(rows[k // G]["prompt"]), env.reset(inst, rows[k // G], warn))
@@ -289,7 +290,6 @@ class RolloutTrainer(Trainer):
         from ...generation.engine import continue_generation
 
         a, box, tok = self.args, self.toolbox, self.processor.tokenizer
-        box.warned.clear()
         ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
         n = ids.shape[0]
         prompt_len = np.repeat(enc["attention_mask"].sum(1), n // enc["attention_mask"].shape[0])
@@ -301,7 +301,7 @@ class RolloutTrainer(Trainer):
         for r in range(n):
             message, problem = box.parse(tok.decode(seqs[r], skip_special_tokens=False), thinking[r])
             if problem:
-                box.warn(f"completion {r}: {problem}")
+                self.problems.note("a tool call that does not parse (the turn is scored as text)", problem)
             messages.append([message])
             if message.get("tool_calls"):
                 active.append(r)
@@ -318,7 +318,7 @@ class RolloutTrainer(Trainer):
                 for name, result, failure in results:
                     if failure:
                         failures += 1
-                        box.warn(failure)
+                        self.problems.note(*failure)
                     tool_messages.append({"role": "tool", "name": name,
                                           "content": result if isinstance(result, list) else str(result)})
                 suffix = box.suffix_ids(tool_messages, kws[r])
@@ -354,7 +354,7 @@ class RolloutTrainer(Trainer):
                     continue
                 message, problem = box.parse(tok.decode(drawn, skip_special_tokens=False), thinking[r])
                 if problem:
-                    box.warn(f"completion {r}: {problem}")
+                    self.problems.note("a tool call that does not parse (the turn is scored as text)", problem)
                 messages[r].append(message)
                 if message.get("tool_calls") and not cut:  # a cut turn's cache holds tokens past the cut
                     active.append(r)
