@@ -10,8 +10,9 @@ checks and its trainer live, and the memory planner's model of one step (`shape`
 * ``"groups"``: GRPO's, RLOO's and Distillation's rounds (prompts x num_generations completions; one each for
   Distillation, whose teacher's weights the trainer passes the planner).
 
-``head``: ``"lm"`` (the streamed LM head over the scored tokens) or ``"score"`` (a sequence classifier's head at one
-position per sequence: the reward model). ``reference`` says when a run holds a reference policy
+``head``: ``"lm"`` (the streamed LM head over the scored tokens), ``"score"`` (a sequence classifier's head at one
+position per sequence: the reward model) or ``"divergence"`` (the student's and the teacher's heads streamed together:
+distillation's `losses.distill`). ``reference`` says when a run holds a reference policy
 (`trainers.reference.Reference`): ``"always"``, ``"never"`` or ``"beta"`` (when ``args.beta != 0``).
 `mlxrl.__init__`, `cli.main.COMMANDS`, `cli.plan`, `plan.measure` and the architecture tests read this table, so a
 new trainer is one entry here plus its own modules.
@@ -36,7 +37,8 @@ class TrainerEntry:
     check: str | None   # the config's own check function in <package>.config (None: the shared checks alone)
     per_row: int = 1    # sequences per batch row in the forward with a gradient (pairs: 2; KTO: its KL half has none)
     head: str = "lm"    # lm: the streamed LM head over the scored tokens | score: a classifier's [D, 1] head, one
-                        # position per sequence (a reward model, `models.score`)
+                        # position per sequence (a reward model, `models.score`) | divergence: two heads streamed
+                        # together (distillation, `losses.distill`)
     teacher: bool = False  # holds a frozen teacher model through the run (distillation)
 
     @property
@@ -57,7 +59,8 @@ TRAINERS: tuple[TrainerEntry, ...] = (
     TrainerEntry("reward", "reward", "Reward", "pairs", "never", "check_reward_config", per_row=2, head="score"),
     TrainerEntry("grpo", "grpo", "GRPO", "groups", "beta", "check_grpo_config"),
     TrainerEntry("rloo", "rloo", "RLOO", "groups", "beta", "check_rloo_config"),
-    TrainerEntry("distill", "distill", "Distillation", "groups", "never", "check_distillation_config", teacher=True),
+    TrainerEntry("distill", "distill", "Distillation", "groups", "never", "check_distillation_config", teacher=True,
+                 head="divergence"),
 )
 
 
@@ -121,6 +124,11 @@ def shape_of(name: str) -> str:
 def sequences_per_row(name: str) -> int:
     """Sequences per batch row in the forward with a gradient (the planner's question)."""
     return entry(name).per_row
+
+
+def head_of(name: str) -> str:
+    """Trainer `name`'s head: lm | score | divergence (the planner's question)."""
+    return entry(name).head
 
 
 def scores_sequences(name: str) -> bool:

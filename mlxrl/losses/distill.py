@@ -18,9 +18,10 @@ and the gradient with respect to the student's logits (the teacher gets none):
 
 `generalized_jsd` runs over chunks of rows, each chunk's two [rows, V] logit blocks computed, reduced and dropped
 before the next (the chunks chained with `mx.depends`, so MLX runs them one after another), forward and backward;
-the backward recomputes each chunk's logits. Peak memory: some twenty [rows, V] float32 blocks of BLOCK_BYTES (a
-chunk's intermediates, and the next chunk's as MLX's queue runs ahead) and, with a trained head, the [V, D] weight
-gradient; flat in the number of tokens. A weight that is not float32 is cast once for the op.
+the backward recomputes each chunk's logits. Peak memory (`peak_bytes`): 9 to 15 [rows, V] float32 blocks of
+BLOCK_BYTES (a chunk's intermediates, and the next chunk's as MLX's queue runs ahead) and, with
+a trained head, the [V, D] weight gradient (one running sum, accumulated with `addmm`); flat in the number of
+tokens. A weight that is not float32 is cast once for the op.
 
 Tests: pytest tests/test_distill_loss.py (against the naive computation and TRL's own ChunkedDivergenceFunction)
 """
@@ -31,30 +32,57 @@ import math
 
 import mlx.core as mx
 
-__all__ = ["generalized_jsd", "divergence_chunk_rows"]
+__all__ = ["generalized_jsd", "divergence_chunk_rows", "peak_bytes"]
 
-BLOCK_BYTES = 8 << 20  # one float32 [rows, V] logit block
+BLOCK_BYTES = 4 << 20  # one float32 [rows, V] logit block
 
 
 def divergence_chunk_rows(vocab_size: int, block_bytes: int | None = None) -> int:
-    """Rows per chunk: one float32 [rows, vocab] block within `block_bytes` (default BLOCK_BYTES; at least 8 rows).
-    A chunk holds about ten such blocks while it runs, and MLX's queue runs a chunk or two ahead."""
-    return max(8, (block_bytes or BLOCK_BYTES) // (4 * max(vocab_size, 1)))
+    """Rows per chunk: one float32 [rows, vocab] block within `block_bytes` (default BLOCK_BYTES; at least 4 rows).
+    A chunk holds about ten such blocks while it runs, and MLX's queue runs a chunk ahead (`peak_bytes`)."""
+    return max(4, (block_bytes or BLOCK_BYTES) // (4 * max(vocab_size, 1)))
+
+
+# [rows, V] float32 blocks alive at the op's peak, measured (V = 151936 / 248320, D = 64-1024, 6-1024 rows): one
+# chunk 9; several 13 with the weight gradient's chain ordering them, up to 15 without it (MLX's queue runs ahead)
+ONE_CHUNK_BLOCKS, LIVE_BLOCKS, LIVE_BLOCKS_NO_WEIGHT_GRAD = 9, 13, 15
+
+
+def peak_bytes(rows: int, vocab: int, width: int, weight_grad: bool, elem: int = 4, teacher_width: int | None = None,
+               teacher_elem: int | None = None, tied: bool = False) -> float:
+    """The op's peak above its inputs over `rows` positions in a training step (the planner's model): the live
+    logit blocks, a trained head's [V, D] float32 gradient (one running sum, its `addmm` done in place: one [V, D]
+    array, the op's output) and, for a head `tied` to the embedding, its sum with the embedding's gradient (one
+    more [V, D]; measured in distillation steps: `mlxrl plan --trainer distill --measure`, the whole runs of
+    tests/test_distill_trainer.py), and a float32 copy of each head whose weights are not float32 (`elem`,
+    `teacher_elem` bytes per weight)."""
+    chunk = divergence_chunk_rows(vocab)
+    live = ONE_CHUNK_BLOCKS if rows <= chunk else (LIVE_BLOCKS if weight_grad else LIVE_BLOCKS_NO_WEIGHT_GRAD)
+    out = live * min(rows, chunk) * vocab * 4
+    if weight_grad:
+        out += (2 if tied else 1) * vocab * width * 4
+    if elem != 4:
+        out += vocab * width * 4
+    if (teacher_elem or elem) != 4:
+        out += vocab * (teacher_width or width) * 4
+    return float(out)
 
 
 SUM_BLOCK = 128  # columns per partial reduction over the vocabulary (see `_blocked`)
 
 
 def _blocked(reduce, combine, x):
-    """reduce(x, axis=-1, keepdims=True) over a long last axis in two levels: blocks of SUM_BLOCK columns, then
-    the blocks' results (and the remainder's). MLX's CPU reductions add a row's values one after another, so a
-    float32 log-sum-exp over 151936 logits is off by up to ~5e-6 (torch's, blocked: ~3e-7), which scales every
-    probability alike and, in the forward KL's gradient p_s - p_t, is 10x float32's rounding."""
+    """reduce(x, axis=-1, keepdims=True) over a long last axis in levels: blocks of SUM_BLOCK columns, then the
+    blocks' results in blocks again while there are more than 4 * SUM_BLOCK of them (and the remainder's). MLX's
+    CPU reductions add a row's values one after another, so a float32 log-sum-exp over 151936 logits in one
+    reduction is off by up to ~5e-6 (torch's, blocked: ~3e-7), which scales every probability alike and, in the
+    forward KL's gradient p_s - p_t, is 10x float32's rounding (two levels: 1.3x torch's weight gradient)."""
     n, V = x.shape
     k = V // SUM_BLOCK * SUM_BLOCK
     if k < 4 * SUM_BLOCK:
         return reduce(x, axis=-1, keepdims=True)
-    head = reduce(reduce(x[:, :k].reshape(n, k // SUM_BLOCK, SUM_BLOCK), axis=-1), axis=-1, keepdims=True)
+    # the blocks' results are reduced the same way (a second level of blocks past 512 of them: 1187 at V = 151936)
+    head = _blocked(reduce, combine, reduce(x[:, :k].reshape(n, k // SUM_BLOCK, SUM_BLOCK), axis=-1))
     return head if k == V else combine(head, reduce(x[:, k:], axis=-1, keepdims=True))
 
 
@@ -118,17 +146,18 @@ def _make(beta: float, inv_t: float, rows: int | None, weight_grad: bool):
         g = cotangents[0]
         ws32, wt32 = ws.astype(mx.float32), wt.astype(mx.float32)
         step = rows or divergence_chunk_rows(ws.shape[0])
-        dhs, dw = [], mx.zeros(ws.shape, mx.float32) if weight_grad else None
+        dhs, dw = [], None
         for s, e in _bounds(hs.shape[0], step):
             a, b = hs[s:e], ht[s:e]
-            if dhs:
-                after = [dhs[-1]] + ([dw] if weight_grad else [])
-                a, b = mx.depends(a, after), mx.depends(b, after)
+            if dhs:  # the running weight gradient orders itself (each sum takes the last): a dependency on it
+                # would keep every partial sum alive (measured: 4 [V, D] arrays instead of 1.5)
+                a, b = mx.depends(a, [dhs[-1]]), mx.depends(b, [dhs[-1]])
             _, _, dz = _divergence(_logits(a, ws32, inv_t), _logits(b, wt32, inv_t), beta, grad=True)
             dz = dz * (g[s:e, None].astype(mx.float32) * inv_t)  # through z = W h / T
             dhs.append((dz @ ws32).astype(hs.dtype))
-            if weight_grad:
-                dw = dw + dz.T @ a.astype(mx.float32)
+            if weight_grad:  # one fused multiply-add per chunk: no [V, D] product beside the running sum
+                a32 = a.astype(mx.float32)
+                dw = dz.T @ a32 if dw is None else mx.addmm(dw, dz.T, a32)
         d_ws = dw.astype(ws.dtype) if weight_grad else mx.zeros_like(ws)
         return mx.concatenate(dhs), d_ws, mx.zeros_like(ht), mx.zeros_like(wt)
 

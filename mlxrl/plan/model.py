@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from .. import runtime
 from ..cpu import drain_bytes, evaluates_depth_first, fastmath
+from ..losses import distill as divergence
 from ..losses import fused_head, head
 from ..losses.grpo import uses_fused_head
 from ..losses.tiles import default_chunk_size
@@ -16,7 +17,7 @@ from ..models import score as score_lib
 from ..models.checkpointing import kept_inputs
 from ..models.lora_experts import LoRAExperts
 from ..optim import optimizers as optim_lib
-from ..registry import holds_reference, holds_teacher, scores_sequences, sequences_per_row, shape_of
+from ..registry import head_of, holds_reference, holds_teacher, scores_sequences, sequences_per_row, shape_of
 from .config_json import load_config, quantization_of
 from .layers import (
     SCORE_COPIES,
@@ -304,6 +305,9 @@ def head_bytes(a: Arch, args, rows: int, s: int, trainer: str = "sft") -> float:
         mode = "fused" if uses_fused_head(args.head_mode, args.importance_sampling_level,
                                              getattr(args, "loss_type", None)) else "differentiable"
     fused = mode in ("fused", "two_phase")
+    if head_of(trainer) == "divergence":  # distillation: the student's and the teacher's heads together
+        return divergence.peak_bytes(rows, a.V, a.D, a.head_trainable, elem=2 if a.kept_bytes > 0 else s,
+                                     tied=a.tied)
     if native_sft_head(args, trainer):
         return fused_head.native_peak_bytes(rows, a.V, a.D, a.head_trainable)
     head_kept = a.kept_bytes > 0 and not a.head_trainable  # a bf16 head under float32 compute (models.widened)
@@ -437,6 +441,10 @@ def predict(config: dict | str | None, args, trainer: str = "sft", *, memory_lim
     if scores_sequences(trainer):
         out.append(Row("score head", head, f"{sh.rows} scored positions; the trunk's output gradient over "
                                            f"{sh.tokens} tokens"))
+    elif head_of(trainer) == "divergence":
+        out.append(Row("divergence heads", head, f"{sh.rows} rows, student and teacher logits in "
+                                                 f"{min(sh.rows, divergence.divergence_chunk_rows(a.V))}-row fp32 "
+                                                 f"blocks{', [V, D] weight grad' if a.head_trainable else ''}"))
     else:
         out.append(Row("streamed head", head, f"{sh.rows} rows x {min(chunk, a.V)}-column fp32 tiles"
                                               f"{', [V, D] weight grad' if a.head_trainable else ''}"))
