@@ -463,3 +463,45 @@ def test_rollout_func_episodes(tiny_checkpoint, tmp_path):
     with pytest.raises(mlxrl.errors.MlxrlError, match="must return keys"):
         GRPOTrainer(model, processor, args, train_dataset=rows, reward_funcs=[reward],
                     rollout_func=lambda p, t: {"prompt_ids": []}).generate_round(0)
+
+
+def test_distillation_with_a_tool_trains_only_the_students_tokens(tiny_checkpoint, tmp_path, monkeypatch):
+    """TRL's DistillationTrainer(tools=...): the student calls the tool while it generates; the divergence is summed
+    over its own tokens only (the tool output is context for both models), as the plain computation over each
+    whole conversation; RLOO refuses tools in one line (TRL's RLOO has none)."""
+    from mlxrl import DistillationConfig, DistillationTrainer, RLOOConfig, RLOOTrainer
+
+    model, processor = processor_of(tiny_checkpoint, "qwen3")
+    teacher, _ = processor_of(tiny_checkpoint, "qwen2")
+    tok = processor.tokenizer
+    Script(monkeypatch, [lambda n: [ids_of(tok, call_text(False, "multiply", {"a": 7, "b": 6}))] * n,
+                         lambda n: [ids_of(tok, "It is 42.")] * n], tok.convert_tokens_to_ids("<|im_end|>"))
+    rows = [{"prompt": [{"role": "user", "content": f"What is 7 times {i}?"}]} for i in range(4)]
+    args = DistillationConfig(output_dir=str(tmp_path / "run"), gradient_checkpointing=False, compile=False,
+                              disable_tqdm=True, save_steps=0, per_device_train_batch_size=4,
+                              max_completion_length=96, seed=0, beta=0.5)
+    trainer = DistillationTrainer(model, processor, args, train_dataset=rows, teacher_model=teacher,
+                                  tools=[multiply])
+    (mb,), metrics = trainer.generate_round(0)
+    assert metrics["tools/call_frequency"] == 1.0 and (mb["tool_mask"] == 0).any()
+    batch = trainer.gradient_free_inputs(trainer.to_device(mb))
+    loss, _ = trainer.loss(model, batch, mb["normalizer"])
+    total = 0.0
+    for r in range(4):
+        p = mb["prompt_ids"][0][mb["prompt_mask"][0] > 0].tolist() if mb["prompt_ids"].shape[0] == 1 else \
+            mb["prompt_ids"][r][mb["prompt_mask"][r] > 0].tolist()
+        n = int(mb["completion_mask"][r].sum())
+        ids = mx.array([p + mb["completion_ids"][r, :n].tolist()])
+        zs, zt = (np.array(m(ids)[0, len(p) - 1:-1]).astype(np.float64) for m in (model, teacher))
+        ls, lt = (z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                  for z in (zs, zt))
+        ps, pt = np.exp(ls), np.exp(lt)
+        lm = np.log(0.5 * ps + 0.5 * pt)
+        d = 0.5 * (pt * (lt - lm)).sum(-1) + 0.5 * (ps * (ls - lm)).sum(-1)
+        total += float((d * mb["tool_mask"][r, :n]).sum())
+    want = total / float((mb["completion_mask"] * mb["tool_mask"]).sum())
+    assert mb["normalizer"] == pytest.approx(float((mb["completion_mask"] * mb["tool_mask"]).sum()))
+    assert abs(loss.item() - want) < 1e-5
+    with pytest.raises(mlxrl.errors.MlxrlError, match="TRL's RLOOTrainer has no tools"):
+        RLOOTrainer(model, processor, RLOOConfig(output_dir=str(tmp_path / "rloo")), train_dataset=rows,
+                    reward_funcs=[lambda completions, **k: [0.0] * len(completions)], tools=[multiply])
