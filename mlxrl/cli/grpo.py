@@ -65,8 +65,8 @@ def prompt_rows(rows: list[dict]) -> list[dict]:
 
 def add_tools_flag(parser) -> None:
     parser.add_argument("--tools", nargs="+", default=None,
-                        help="module:function (or path/to/file.py:function) Python functions the model may call "
-                             "while it generates (TRL's tools=; needs conversational prompts)")
+                        help="module:function tools the model may call while it generates. TRL's tools=: Python "
+                             "functions (or path/to/file.py:function), conversational prompts only")
 
 
 def tools_of(ns) -> list | None:

@@ -52,9 +52,9 @@ class RolloutConfig(TrainConfig):
     vllm_gpu_memory_utilization: float = refused(0.3, NO_VLLM)
     vllm_max_model_length: int | None = refused(None, NO_VLLM)
     vllm_tensor_parallel_size: int = refused(1, NO_VLLM)
-    max_tool_calling_iterations: int | None = _f(None, "most tool-calling turns per completion when the trainer "
-                                                       "has tools= (None: as long as the model calls tools and "
-                                                       "max_completion_length leaves room)")
+    max_tool_calling_iterations: int | None = _f(None, "most tool-calling turns per completion (with tools=). None: "
+                                                       "as long as the model calls tools and max_completion_length "
+                                                       "leaves room")
     tool_call_timeout: float = _f(60.0, "(mlxrl) seconds a tool call may run; past it the model gets an error "
                                         "result and the rollout goes on")
     # logging
