@@ -505,3 +505,26 @@ def test_distillation_with_a_tool_trains_only_the_students_tokens(tiny_checkpoin
     with pytest.raises(mlxrl.errors.MlxrlError, match="TRL's RLOOTrainer has no tools"):
         RLOOTrainer(model, processor, RLOOConfig(output_dir=str(tmp_path / "rloo")), train_dataset=rows,
                     reward_funcs=[lambda completions, **k: [0.0] * len(completions)], tools=[multiply])
+
+
+def test_the_tool_demo_runs_short(tmp_path, capsys):
+    """`python -m mlxrl.grpo --demo_task tools`, shortened: the brief SFT on tool-calling conversations, the
+    held-out scores before and after, GRPO with the PaintShop environment; its reward needs the tool's answer."""
+    from mlxrl.cli.tool_demo import PaintShop, paint_reward, run_tool_demo
+
+    shop = PaintShop()
+    shop.reset(thing="door", colour="red")
+    assert shop.paint_of("door") == "red" and shop.paint_of("roof") == "unknown"
+    called = [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "paint_of", "arguments": {"thing": "door"}}}]},
+        {"role": "tool", "name": "paint_of", "content": "red"}, {"role": "assistant", "content": "red"}]
+    logged = {}
+    assert paint_reward(None, [called, [{"role": "assistant", "content": "blue"}]], ["door", "door"], ["red", "red"],
+                        log_metric=lambda k, v: logged.update({k: v})) == [1.0, 0.0]
+    assert logged == {"tool_use": 0.5}
+    args = GRPOConfig(output_dir=str(tmp_path / "demo"))
+    out = run_tool_demo(args, set(), sft_steps=2, n_test=1, overrides={"max_steps": 1, "per_device_train_batch_size": 8,
+                                                                      "max_completion_length": 16})
+    text = capsys.readouterr().out
+    assert "held-out reward" in text and "correct tool use" in text
+    assert all(0.0 <= x <= 1.0 for x in (*out["before"], *out["after"]))

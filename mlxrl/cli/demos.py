@@ -31,10 +31,10 @@ DEMO_SFT = {"learning_rate": 2e-3, "per_device_train_batch_size": 8, "freeze_emb
 
 
 def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: str | None, demo: str = "qwen3_vl",
-                        make_rows=None):
+                        make_rows=None, what: str = "synthetic colour questions"):
     """The DPO / GRPO / KTO demos' starting point: `model_path`, or the embedded default (`demo`: its architecture)
     after `sft_steps` of SFT on synthetic colour questions (so the policy is partly trained): `make_rows(n, seed=,
-    split=)`'s rows, the image questions (`make_vqa`) unless given."""
+    split=)`'s rows (`what` they are, for the log), the image questions (`make_vqa`) unless given."""
     import mlxrl
 
     from ..data.synthetic import make_vqa
@@ -48,8 +48,7 @@ def briefly_sft_default(args, sft_steps: int, sft_settings: dict, model_path: st
     # "before" score (the trainer made next finds nothing left to quantize)
     model, processor = mlxrl.load_default(seed=args.seed, dtype=args.compute_dtype(), arch=demo)
     if sft_steps > 0:
-        print(f"embedded default: {DEMO_NAMES[demo]}, brief SFT ({sft_steps} steps) on synthetic colour questions",
-              flush=True)
+        print(f"embedded default: {DEMO_NAMES[demo]}, brief SFT ({sft_steps} steps) on {what}", flush=True)
         sft_args = SFTConfig(**{**sft_settings, "max_steps": sft_steps, "seed": args.seed,
                                 "logging_steps": max(1, sft_steps // 2),
                                 "output_dir": os.path.join(args.output_dir, "sft"), "overwrite_output_dir": True})

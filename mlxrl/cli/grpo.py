@@ -35,6 +35,7 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a reru
                   "logging_steps": 1, "save_steps": 0, "gradient_checkpointing": False, "output_dir": "out/grpo-demo",
                   "disable_tqdm": True}
 DEMO_SFT_STEPS, DEMO_TEST = 10, 96
+TOOL_DEMO_SFT_STEPS = 200  # cli.tool_demo's (imported there: this module loads without it)
 QWEN3_5_SFT_STEPS = 30  # the tiny Qwen3.5 after 10 steps answers almost nothing right: GRPO gets no reward to follow
 # Why these settings (each measured over seeds: docs/grpo.md, the paragraph on robustness): a brief SFT teaches the
 # answer format (a colour word) but leaves room for the reward to rise; top_k samples among the plausible words
@@ -88,9 +89,12 @@ def _extra(parser, title: str = "GRPO"):
                              "(default: the demo's colour_reward)")
     if title == "GRPO":
         add_tools_flag(parser)
+        parser.add_argument("--demo_task", default="colours", choices=("colours", "tools"),
+                            help="embedded default only: the colour questions, or tools (questions only a tool "
+                                 "can answer)")
     parser.add_argument("--sft_steps", type=int, default=None,
-                        help=f"embedded default only: SFT steps before {title} when starting from the tiny model "
-                             f"(default: {DEMO_SFT_STEPS}; {QWEN3_5_SFT_STEPS} for the tiny Qwen3.5)")
+                        help=f"embedded default only: SFT steps before {title} from the tiny model "
+                             f"({DEMO_SFT_STEPS}; {QWEN3_5_SFT_STEPS} for Qwen3.5; {TOOL_DEMO_SFT_STEPS} for tools)")
 
 
 def run_demo(args: GRPOConfig, explicit: set, model_path: str | None = None, sft_steps: int | None = None,
@@ -170,8 +174,18 @@ def _main(ns, trainer: str = "grpo") -> None:
             raise MlxrlError("--sft_steps applies to the embedded default without --model")
         if tools:
             raise MlxrlError("--tools needs --model and --dataset (the embedded demo has its own task)")
+        if getattr(ns, "demo_task", "colours") == "tools":
+            from .tool_demo import run_tool_demo
+
+            if ns.model is not None or funcs:
+                raise MlxrlError("--demo_task tools runs the embedded default with its own reward: leave out --model "
+                                 "and --reward_funcs")
+            run_tool_demo(args, explicit, ns.sft_steps, demo)
+            return
         run_demo(args, explicit, ns.model, ns.sft_steps, reward_funcs=funcs, demo=demo, trainer=trainer)
         return
+    if getattr(ns, "demo_task", "colours") != "colours":
+        raise MlxrlError("--demo_task picks the embedded default's task: leave out --dataset")
     if ns.model is None:
         raise MlxrlError("--model is required with --dataset (a Hub id or a local folder)")
     if not funcs:
