@@ -26,6 +26,7 @@ from ..trainers.flags import build_parser, config_from_args
 from ..trainers.grpo.trainer import GRPOConfig
 from .common import apply_overrides, load_model_and_rows, run
 from .demos import briefly_sft_default
+from .tool_demo import TOOL_DEMO_SFT_STEPS
 
 # The embedded default's settings (used only for fields the user did not set).
 DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a rerun starts over
@@ -35,7 +36,6 @@ DEMO_OVERRIDES = {"overwrite_output_dir": True,  # the demo's own folder: a reru
                   "logging_steps": 1, "save_steps": 0, "gradient_checkpointing": False, "output_dir": "out/grpo-demo",
                   "disable_tqdm": True}
 DEMO_SFT_STEPS, DEMO_TEST = 10, 96
-TOOL_DEMO_SFT_STEPS = 200  # cli.tool_demo's (imported there: this module loads without it)
 QWEN3_5_SFT_STEPS = 30  # the tiny Qwen3.5 after 10 steps answers almost nothing right: GRPO gets no reward to follow
 # Why these settings (each measured over seeds: docs/grpo.md, the paragraph on robustness): a brief SFT teaches the
 # answer format (a colour word) but leaves room for the reward to rise; top_k samples among the plausible words

@@ -24,7 +24,7 @@ __all__ = ["PaintShop", "paint_reward", "run_tool_demo", "TOOL_DEMO_OVERRIDES"]
 THINGS = ("door", "fence", "roof", "car", "boat", "bike", "wall", "gate")
 COLOURS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
 
-TOOL_DEMO_TEST = 12
+TOOL_DEMO_SFT_STEPS, TOOL_DEMO_TEST = 200, 12
 TOOL_DEMO_SFT = {"learning_rate": 3e-3, "per_device_train_batch_size": 8, "freeze_embeddings": False,
                  "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "max_grad_norm": 0.0, "save_steps": 0,
                  "gradient_checkpointing": False, "max_length": 512, "assistant_only_loss": True,
@@ -118,7 +118,6 @@ def run_tool_demo(args, explicit: set, sft_steps: int | None = None, demo: str =
     from ..trainers.grpo.trainer import GRPOTrainer
     from .common import apply_overrides
     from .demos import briefly_sft_default
-    from .grpo import TOOL_DEMO_SFT_STEPS
 
     apply_overrides(args, explicit, {**TOOL_DEMO_OVERRIDES, **(overrides or {})})
     check_grpo_config(args)
