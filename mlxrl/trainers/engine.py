@@ -323,7 +323,7 @@ class Trainer(TRLSurface):
             self.print(quantize_lib.describe(self.model))
         if note := runtime.compile_note(args.compile and self.compilable):
             self.print(note)
-        self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.1f}M; "
+        self.print(f"trainable parameters: {trainable / 1e6:.2f}M of {total_params / 1e6:.2f}M; "
                    f"{total} optimizer steps, {steps_per_epoch} per epoch{ranks}")
         self.memory_plan = self._memory_plan()
 
