@@ -62,17 +62,26 @@ def paint_pairs(n: int, seed: int, split: str) -> list[tuple[str, str]]:
     return [(THINGS[rng.integers(len(THINGS))], COLOURS[rng.integers(len(COLOURS))]) for _ in range(n)]
 
 
-def sft_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
-    """Whole tool-calling conversations (the call, the tool's answer, the colour) with the tool's schema."""
+def sft_rows(n: int, seed: int = 0, split: str = "train", tool_share: float = 1.0) -> list[dict]:
+    """Whole tool-calling conversations (the call, the tool's answer, the colour) with the tool's schema; a
+    `1 - tool_share` part of them a guess instead (a colour drawn at random, no call)."""
     from ..trainers.rollout.tools import tool_schema
 
     schema = tool_schema(PaintShop().paint_of)
-    return [{"messages": [{"role": "user", "content": question(t)},
-                          {"role": "assistant", "content": "", "tool_calls": [
-                              {"type": "function", "function": {"name": "paint_of", "arguments": {"thing": t}}}]},
-                          {"role": "tool", "name": "paint_of", "content": c},
-                          {"role": "assistant", "content": c}], "tools": [schema]}
-            for t, c in paint_pairs(n, seed, split)]
+    rng = np.random.default_rng([int(seed), 17])
+    rows = []
+    for t, c in paint_pairs(n, seed, split):
+        if rng.random() < tool_share:
+            messages = [{"role": "user", "content": question(t)},
+                        {"role": "assistant", "content": "", "tool_calls": [
+                            {"type": "function", "function": {"name": "paint_of", "arguments": {"thing": t}}}]},
+                        {"role": "tool", "name": "paint_of", "content": c},
+                        {"role": "assistant", "content": c}]
+        else:
+            messages = [{"role": "user", "content": question(t)},
+                        {"role": "assistant", "content": COLOURS[rng.integers(len(COLOURS))]}]
+        rows.append({"messages": messages, "tools": [schema]})
+    return rows
 
 
 def prompt_rows(pairs) -> list[dict]:
@@ -112,8 +121,9 @@ def held_out(model, processor, args, pairs) -> tuple[float, float]:
 
 
 def run_tool_demo(args, explicit: set, sft_steps: int | None = None, demo: str = "qwen3_vl",
-                  n_test: int = TOOL_DEMO_TEST, overrides: dict | None = None) -> dict:
-    """The demo (module docstring); overrides replace TOOL_DEMO_OVERRIDES (tests use a shorter run)."""
+                  n_test: int = TOOL_DEMO_TEST, overrides: dict | None = None, tool_share: float = 1.0) -> dict:
+    """The demo (module docstring); overrides replace TOOL_DEMO_OVERRIDES (tests use a shorter run); tool_share:
+    the part of the SFT conversations that call the tool (the rest guess)."""
     from ..trainers.grpo.config import check_grpo_config
     from ..trainers.grpo.trainer import GRPOTrainer
     from .common import apply_overrides
@@ -123,7 +133,8 @@ def run_tool_demo(args, explicit: set, sft_steps: int | None = None, demo: str =
     check_grpo_config(args)
     t0 = time.perf_counter()
     steps = TOOL_DEMO_SFT_STEPS if sft_steps is None else sft_steps
-    model, processor = briefly_sft_default(args, steps, TOOL_DEMO_SFT, None, demo, make_rows=sft_rows,
+    model, processor = briefly_sft_default(args, steps, TOOL_DEMO_SFT, None, demo,
+                                           make_rows=lambda n, **kw: sft_rows(n, tool_share=tool_share, **kw),
                                            what="tool-calling conversations")
     test = paint_pairs(n_test, args.seed, "test")
     before = held_out(model, processor, args, test)
