@@ -677,7 +677,7 @@ def test_property_grpo_prompt_rows(rows, vl):
     except DataError as e:
         assert "row " in str(e) and "\n" not in str(e), str(e)
         return
-    trainer = SimpleNamespace(processor=VL if vl else TEXT)
+    trainer = SimpleNamespace(processor=VL if vl else TEXT, environments=None, toolbox=None)
     for i, row in enumerate(rows):
         _accepted_or_names_the_row(lambda row=row, i=i: GRPOTrainer._render(trainer, row, i), i)
 

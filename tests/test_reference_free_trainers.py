@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from test_trl_runs import assert_same_weights  # the weight comparison of the SFT runs
+from test_trl_runs import assert_as_close_to_float64  # the weight comparison against float64
 
 import mlxrl
 from mlxrl import CPOConfig, CPOTrainer, ORPOConfig, ORPOTrainer
@@ -58,13 +58,13 @@ def trl_classes(kind):
     return C, T
 
 
-def trl_run(kind, folder, tmp_path, rows, extra):
+def trl_run(kind, folder, tmp_path, rows, extra, dtype=None):
     import torch
     import transformers
     from datasets import Dataset
 
     C, T = trl_classes(kind)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     args = C(output_dir=str(tmp_path / "trl"), bf16=False, use_cpu=True, report_to=[], save_strategy="no",
              logging_steps=1, dataloader_num_workers=0, gradient_checkpointing=False, **HYPER, **extra)
@@ -103,7 +103,10 @@ def test_a_whole_run_ends_at_trls_weights(tiny_checkpoint, tmp_path, kind, extra
     for mine, want in zip(ours_log, trl_log, strict=True):
         for key in SHARED + (ORPO_ONLY if kind == "orpo" else ()):
             assert mine[key] == pytest.approx(want[key], rel=2e-4, abs=2e-5), (key, mine[key], want[key])
-    assert_same_weights(start, ours, theirs)
+    import torch
+
+    theirs64, _ = trl_run(kind, folder, tmp_path / "f64", rows, extra, dtype=torch.float64)
+    assert_as_close_to_float64(start, ours, theirs, theirs64)
 
 
 def test_rows_are_tokenised_as_trl_experimental_tokenises_them(tiny_checkpoint):

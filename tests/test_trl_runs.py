@@ -176,6 +176,31 @@ def assert_same_weights(start, ours, theirs):
     assert checked >= len(start) // 2
 
 
+def assert_as_close_to_float64(start, ours, theirs32, theirs64, tolerance=2e-3):
+    """Each trained tensor no further from the reference's float64 run than `tolerance` of its update or twice the
+    reference's own float32 run. Adam divides a gradient by its own root mean square, so an element whose gradient
+    is near zero (below Adam's eps) takes a step set by its rounding: one such element of a CPO simpo run's up_proj
+    (8192 elements) differed by 1.7e-3 (an lr-sized step) while the rest agreed to 1e-4 of the update. Up to one
+    element in a thousand may differ by at most twice the tensor's largest step; the rest are held to the bound."""
+    checked = 0
+    for name, w0 in start.items():
+        if name not in theirs64:
+            continue  # a tied head
+        step = theirs64[name] - w0
+        update = np.linalg.norm(step)
+        if update == 0:
+            continue
+        diff = np.abs(ours[name].astype(np.float64) - theirs64[name]).ravel()
+        gap32 = np.linalg.norm(theirs32[name] - theirs64[name])
+        outliers = np.argsort(diff)[::-1][:max(1, diff.size // 1000)]
+        outliers = outliers[diff[outliers] <= 2 * np.abs(step).max()]
+        rest = np.delete(diff, outliers)
+        assert np.linalg.norm(rest) <= max(tolerance * update, 2 * gap32), (name, np.linalg.norm(diff) / update,
+                                                                          gap32 / update)
+        checked += 1
+    assert checked >= len(start) // 2
+
+
 def test_max_length_none_means_no_truncation(tiny_checkpoint, tmp_path):
     """SFTConfig(max_length=None), TRL's spelling of "no truncation": accepted, and the longest row trained whole."""
     from mlxrl.errors import MlxrlError

@@ -50,17 +50,17 @@ ONE_CHUNK_BLOCKS, LIVE_BLOCKS, LIVE_BLOCKS_NO_WEIGHT_GRAD = 9, 13, 15
 
 def peak_bytes(rows: int, vocab: int, width: int, weight_grad: bool, elem: int = 4, teacher_width: int | None = None,
                teacher_elem: int | None = None, tied: bool = False) -> float:
-    """The op's peak above its inputs over `rows` positions in a training step (the planner's model): the live
-    logit blocks, a trained head's [V, D] float32 gradient (one running sum, its `addmm` done in place: one [V, D]
-    array, the op's output) and, for a head `tied` to the embedding, its sum with the embedding's gradient (one
-    more [V, D]; measured in distillation steps: `mlxrl plan --trainer distill --measure`, the whole runs of
-    tests/test_distill_trainer.py), and a float32 copy of each head whose weights are not float32 (`elem`,
-    `teacher_elem` bytes per weight)."""
+    """What the op adds to a training step's peak over `rows` positions (the planner's model): the live logit
+    blocks; a trained head's [V, D] float32 gradient is the op's output (one running sum, its `addmm` done in
+    place), which the planner counts with the trainable state, and a head `tied` to the embedding adds two more
+    [V, D] (that sum and the embedding's own gradient, added together); and a float32 copy of each head whose
+    weights are not float32 (`elem`, `teacher_elem` bytes per weight). Measured in distillation steps: `mlxrl plan
+    --trainer distill --measure` (tied), the whole runs of tests/test_distill_trainer.py (untied)."""
     chunk = divergence_chunk_rows(vocab)
     live = ONE_CHUNK_BLOCKS if rows <= chunk else (LIVE_BLOCKS if weight_grad else LIVE_BLOCKS_NO_WEIGHT_GRAD)
     out = live * min(rows, chunk) * vocab * 4
-    if weight_grad:
-        out += (2 if tied else 1) * vocab * width * 4
+    if weight_grad and tied:
+        out += 2 * vocab * width * 4
     if elem != 4:
         out += vocab * width * 4
     if (teacher_elem or elem) != 4:
