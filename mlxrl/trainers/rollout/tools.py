@@ -129,11 +129,24 @@ class ToolRollout:
 
     completion_ids: np.ndarray
     completion_mask: np.ndarray
-    tool_mask: np.ndarray
+    tool_mask: np.ndarray | None
     truncated: np.ndarray
     messages: list = field(default_factory=list)
     calls: int = 0
     failures: int = 0
+
+    @classmethod
+    def from_rows(cls, seqs: list, own: list | None, truncated, pad: int, **kw) -> ToolRollout:
+        """Right-padded arrays from each row's tokens and, where some are not the model's, its own-token mask
+        (None: every token is the model's, no tool_mask)."""
+        n, width = len(seqs), max(1, max(len(s) for s in seqs))
+        ids, mask = np.full((n, width), pad, np.int32), np.zeros((n, width), np.int32)
+        tool_mask = None if own is None else np.zeros((n, width), np.int32)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)], mask[r, :len(s)] = s, 1
+            if own is not None:
+                tool_mask[r, :len(s)] = own[r][:len(s)]
+        return cls(ids, mask, tool_mask, np.asarray(truncated), **kw)
 
 
 class ToolBox:

@@ -242,17 +242,12 @@ class RolloutTrainer(Trainer):
                    "attention_mask": np.zeros((len(p_rows), width), np.int64)}
             for i, p in enumerate(p_rows):
                 enc["input_ids"][i, width - len(p):], enc["attention_mask"][i, width - len(p):] = p, 1
-            cw = max(1, max(len(c) for c in c_list))
-            ids, mask, tmask = np.full((len(c_list), cw), pad, np.int32), np.zeros((len(c_list), cw), np.int32), \
-                np.zeros((len(c_list), cw), np.int32)
-            for i, c in enumerate(c_list):
-                ids[i, :len(c)], mask[i, :len(c)] = c, 1
-                tmask[i, :len(c)] = 1 if env_mask is None else list(env_mask[start + i])[:len(c)]
-            truncated = np.array([not c or c[-1] not in stops for c in c_list])
+            own = None if env_mask is None else [list(env_mask[start + i]) for i in range(len(c_list))]
+            truncated = [not c or c[-1] not in stops for c in c_list]
             messages = [[{"role": "assistant", "content": self.processor.tokenizer.decode(c, skip_special_tokens=True)}]
                         if not isinstance(prompts[start + i], str) else [] for i, c in enumerate(c_list)]
-            chunks.append((enc, ToolRollout(ids, mask, tmask if env_mask is not None else None, truncated,
-                                            messages if all(messages) else [])))
+            chunks.append((enc, ToolRollout.from_rows(c_list, own, truncated, pad,
+                                                      messages=messages if all(messages) else [])))
         return rows, rendered, chunks
 
     def _environment_prompts(self, rows: list[dict], indices: list[int]):
@@ -290,6 +285,13 @@ class RolloutTrainer(Trainer):
         from ...generation.engine import continue_generation
 
         a, box, tok = self.args, self.toolbox, self.processor.tokenizer
+
+        def parse(tokens: list, r: int) -> dict:
+            message, problem = box.parse(tok.decode(tokens, skip_special_tokens=False), thinking[r])
+            if problem:
+                self.problems.note("a tool call that does not parse (the turn is scored as text)", problem)
+            return message
+
         ids, mask = np.array(gen.completion_ids), np.array(gen.completion_mask)
         n = ids.shape[0]
         prompt_len = np.repeat(enc["attention_mask"].sum(1), n // enc["attention_mask"].shape[0])
@@ -299,9 +301,7 @@ class RolloutTrainer(Trainer):
         truncated = np.array(gen.truncated).copy()
         messages, active = [], []
         for r in range(n):
-            message, problem = box.parse(tok.decode(seqs[r], skip_special_tokens=False), thinking[r])
-            if problem:
-                self.problems.note("a tool call that does not parse (the turn is scored as text)", problem)
+            message = parse(seqs[r], r)
             messages.append([message])
             if message.get("tool_calls"):
                 active.append(r)
@@ -352,20 +352,13 @@ class RolloutTrainer(Trainer):
                 truncated[r] = cut or not bool(done[i])
                 if not drawn:
                     continue
-                message, problem = box.parse(tok.decode(drawn, skip_special_tokens=False), thinking[r])
-                if problem:
-                    self.problems.note("a tool call that does not parse (the turn is scored as text)", problem)
+                message = parse(drawn, r)
                 messages[r].append(message)
                 if message.get("tool_calls") and not cut:  # a cut turn's cache holds tokens past the cut
                     active.append(r)
             previous, previous_rows, turn = nxt, keep, turn + 1
-        width = max(1, max(len(s) for s in seqs))
-        pad = self.processor.pad_token_id
-        out = ToolRollout(np.full((n, width), pad, np.int32), np.zeros((n, width), np.int32),
-                          np.zeros((n, width), np.int32), truncated, messages, calls, failures)
-        for r, (s, m) in enumerate(zip(seqs, tool_mask, strict=True)):
-            out.completion_ids[r, :len(s)], out.completion_mask[r, :len(s)], out.tool_mask[r, :len(m)] = s, 1, m
-        return out
+        return ToolRollout.from_rows(seqs, tool_mask, truncated, self.processor.pad_token_id, messages=messages,
+                                     calls=calls, failures=failures)
 
     def _lengths(self, chunks: list) -> tuple[list, list]:
         """(completion lengths, prompt lengths) of this rank's round, one per completion; with tools a completion's
