@@ -103,9 +103,28 @@ def _all_native(*arrays: mx.array):
 
 
 def silu_mul(g: mx.array, u: mx.array) -> mx.array:
-    """silu(g) * u, the SwiGLU product; native: one pass forward, one for both gradients."""
+    """silu(g) * u, the SwiGLU product; native: one pass forward, one for both gradients. Elsewhere
+    `graph_silu_mul` (same shapes) or the composed product (broadcasting)."""
     k = _all_native(g, u) if g.shape == u.shape else None
-    return k.silu_mul(g, u) if k is not None else silu(g) * u
+    if k is not None:
+        return k.silu_mul(g, u)
+    return graph_silu_mul(g, u) if g.shape == u.shape else silu(g) * u
+
+
+@mx.custom_function
+def graph_silu_mul(g: mx.array, u: mx.array) -> mx.array:
+    """silu(g) * u in MLX ops whose VJP keeps only g and u: with s = sigmoid(g) recomputed, dg = c u s (1 + g
+    (1 - s)), du = c g s, each one elementwise expression (fused under `mx.compile`). Autograd of the composed
+    product keeps sigmoid(g), silu(g) and their products from the forward to the backward: arrays of the MLP's
+    width that a checkpointed layer holds from its recompute to its backward."""
+    return g * mx.sigmoid(g) * u
+
+
+@graph_silu_mul.vjp
+def _graph_silu_mul_vjp(primals, cotangent, output):
+    g, u = primals
+    s = mx.sigmoid(g)
+    return cotangent * u * s * (1 + g * (1 - s)), cotangent * g * s
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -132,12 +151,13 @@ def graph_rms_norm(eps: float):
     @norm.vjp
     def norm_vjp(primals, cotangent, output):
         x, w = primals
-        x32 = x.astype(mx.float32)
+        x32, g32, w32 = x.astype(mx.float32), cotangent.astype(mx.float32), w.astype(mx.float32)
         r = mx.rsqrt(mx.mean(mx.square(x32), axis=-1, keepdims=True) + eps)
-        xhat = x32 * r
-        gw = cotangent.astype(mx.float32) * w.astype(mx.float32)
-        dx = r * (gw - xhat * mx.mean(gw * xhat, axis=-1, keepdims=True))
-        dw = (cotangent.astype(mx.float32) * xhat).reshape(-1, x.shape[-1]).sum(0)
+        # r (gw - x^ mean(gw x^)) = r gw - x r^3 mean(gw x): one elementwise expression of x, g and the rows'
+        # scalars (no float32 x^ or gw of x's size between the reductions)
+        c = r * r * r * mx.mean(g32 * w32 * x32, axis=-1, keepdims=True)
+        dx = r * g32 * w32 - x32 * c
+        dw = (g32 * x32 * r).reshape(-1, x.shape[-1]).sum(0)
         return dx.astype(x.dtype), dw.astype(w.dtype)
 
     return norm
