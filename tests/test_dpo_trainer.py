@@ -187,6 +187,30 @@ def test_lora_off_reference_equals_a_frozen_copy_without_a_second_copy(use_dora,
     assert rejected.shape == (4,)
 
 
+def test_a_model_carrying_adapters_trains_them_against_itself_with_them_off(tiny_checkpoint, tmp_path):
+    """A policy given with LoRA layers already on it and use_peft off (TRL: a PeftModel passed in): its adapters
+    train and nothing else, and the reference is the policy with them off (no frozen copy, which could not even
+    load the adapters' weights): its log-probs equal the base checkpoint's."""
+    from mlxrl.models.lora import apply_lora
+
+    folder = tiny_checkpoint("qwen3")
+    model, processor = mlxrl.load(folder)
+    apply_lora(model, r=4, alpha=8, dropout=0.0)
+    mx.random.seed(4)
+    for _, layer in lora_layers(model):
+        layer.lora_b = mx.random.normal(layer.lora_b.shape) * 0.05
+    trainer = DPOTrainer(model, processor, config(tmp_path), train_dataset=TEXT_ROWS)
+    assert trainer.ref_model is None
+    trained = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    assert trained and all(k.endswith(("lora_a", "lora_b")) for k in trained), trained
+    arrays = trainer.gradient_free_inputs(trainer.to_device(trainer.pair_batches(trainer.train_examples, 0, False,
+                                                                                 4)[0]))
+    base, _ = mlxrl.load(folder)
+    want = trainer.sequence_logps(base, arrays)
+    np.testing.assert_allclose(np.array(arrays["ref_chosen"]), np.array(want[:4]), rtol=1e-5, atol=1e-4)
+    assert float(mx.abs(trainer.sequence_logps(model, arrays) - want).max()) > 1e-3
+
+
 def test_precomputed_reference_equals_on_the_fly(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("qwen3")
     model, processor = mlxrl.load(folder)

@@ -216,18 +216,26 @@ def test_batched_greedy_generation_equals_transformers_generate(pair):
     np.testing.assert_array_equal(got, np.repeat(want, 2, axis=0))
 
 
+@pytest.mark.parametrize("block_channels", [None, 5])
 @pytest.mark.parametrize("L", [37, 2])
 @pytest.mark.parametrize("documents", [False, True])
-def test_fused_conv_vjp_equals_autograd_of_the_plain_convolution(documents, L, kernel_path, monkeypatch):
+def test_fused_conv_vjp_equals_autograd_of_the_plain_convolution(documents, L, block_channels, kernel_path,
+                                                                 monkeypatch):
     """The convolution + SiLU + split as one op with its own VJP (`text.conv_qkv`: on the native path the C++
     kernel, `cpu/native/causal_conv.cpp`, recomputing position by position; on the graph path `_conv_qkv`,
     recomputed from its input, the input's gradient summed from shifted windows of dc) against MLX's autograd
     of `causal_conv`, SiLU and the split: the outputs and every input's gradient (x, the weight, the K - 1
     inputs before x), with packed documents and a carried-in state, at a length of no special size and at one
-    shorter than the kernel (the last K - 1 inputs then reach into the state)."""
+    shorter than the kernel (the last K - 1 inputs then reach into the state); block_channels: the graph path's
+    backward in blocks of 5 channels (CONV_BLOCK_BYTES made small: blocks that do not divide q's, k's or v's
+    channels), else one block per part."""
     from mlxrl.models.qwen3_5 import text
 
     hk, dk, hv, dv, K, B = 2, 8, 3, 12, 4, 2
+    if block_channels:
+        if kernel_path == "native":
+            pytest.skip("the graph path's blocks")
+        monkeypatch.setattr(text, "CONV_BLOCK_BYTES", 4 * B * (L + K - 1) * block_channels)
     C = 2 * hk * dk + hv * dv
     rng = np.random.default_rng(5)
     x, weight, state = (mx.array(rng.normal(size=s).astype(np.float32)) for s in ((B, L, C), (C, 1, K), (B, K - 1, C)))

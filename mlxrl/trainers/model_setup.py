@@ -56,7 +56,8 @@ def prepare_for_training(model, args) -> None:
     """`model` made ready for the run `args` (after `check_for_training`): a float base quantized when
     load_in_4bit / load_in_8bit ask (full fine-tuning of a quantized base refused), MLP tiling set, LoRA applied
     or the model unfrozen (less the vision tower / embeddings when frozen), and no trained weight left in a dtype
-    the update cannot keep."""
+    the update cannot keep. A model that already carries adapters trains them alone (as TRL trains a PeftModel
+    it is given), and its reference is the model with them off (`trainers.reference`)."""
     args.quantize(model)
     _check_merge_quantized(model, args, quantizing=False)  # a quantization that found no layer to quantize
     lm = model.language_model
@@ -70,6 +71,10 @@ def prepare_for_training(model, args) -> None:
                             target_parameters=lora_lib.none_means_empty(args.lora_target_parameters))
         # PEFT's modules_to_save: a classifier's head trained whole beside the adapters (`models.score`)
         lora_lib.train_whole(model, args.trained_whole() if hasattr(args, "trained_whole") else [])
+    elif lora_lib.lora_layers(model):  # adapters already on it (TRL's PeftModel passed in): they train, not the base
+        model.freeze()
+        for _, layer in lora_lib.lora_layers(model):
+            layer.unfreeze(keys=["lora_a", "lora_b", "m"], strict=False)
     else:
         model.unfreeze()
         if args.freeze_vision_tower and hasattr(model, "vision_tower"):

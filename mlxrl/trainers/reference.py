@@ -4,8 +4,9 @@ In order:
 
 * a model object (`ref_model=`), or a path / Hub id in the config (`args.ref_model`, loaded with `mlxrl.load` in
   the run's dtype): frozen and in eval mode;
-* LoRA (`use_peft`) without one: the policy itself with its adapters switched off (`models.reference.
-  adapters_disabled`: no second copy of the weights; TRL does the same with PEFT's `disable_adapter`);
+* LoRA (`use_peft`, or a policy that already carries LoRA / DoRA layers: TRL's PeftModel passed in) without one:
+  the policy itself with its adapters switched off (`models.reference.adapters_disabled`: no second copy of the
+  weights; TRL does the same with PEFT's `disable_adapter`);
 * reference log-probs precomputed before training (`precomputed`): the policy before its first step, used once;
   nothing is kept;
 * full fine-tuning without any of these: a frozen copy of the initial weights (`models.reference.frozen_copy`:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..models.lora import lora_layers
 from ..models.reference import adapters_disabled, frozen_copy
 
 __all__ = ["Reference"]
@@ -38,7 +40,7 @@ class Reference:
         if ref_model is not None:
             ref_model.freeze()
             ref_model.eval()
-        elif needed and not lora and not precomputed:
+        elif needed and not lora and not precomputed and not lora_layers(policy):
             ref_model = frozen_copy(policy)  # see the module docstring for its cost
         self.model = ref_model
         self.needed = needed

@@ -157,6 +157,9 @@ def causal_conv(x: mx.array, weight: mx.array, starts: mx.array | None, state: m
     return _conv(full, weight, starts, L), full[:, L:]
 
 
+CONV_BLOCK_BYTES = 16 << 20  # one float32 [B, L, channels] array of the graph convolution's backward, per block
+
+
 @functools.cache
 def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
     """x [B, L, C], the conv weight, the K - 1 inputs before x (and the document starts) -> q, k [B, L, Hk, dk],
@@ -179,28 +182,45 @@ def _conv_qkv(hk: int, dk: int, hv: int, dv: int, documents: bool):
     @conv_qkv.vjp
     def conv_qkv_vjp(primals, cotangents, outputs):
         x, weight, state, *starts = primals
-        dq, dk_, dv_, dlast = cotangents
         B, L, C = x.shape
         K = weight.shape[-1]
-        full = mx.concatenate([state.astype(x.dtype), x], axis=1)
         st = starts[0] if documents else None
-        c = _conv(full, weight, st, L)
-        s = mx.sigmoid(c)
-        dy = mx.concatenate([dq.reshape(B, L, -1), dk_.reshape(B, L, -1), dv_.reshape(B, L, -1)], axis=-1)
-        dc = dy * s * (1 + c * (1 - s))
-        d_full = mx.pad(dlast.astype(dc.dtype), [(0, 0), (L, 0), (0, 0)])  # the last K - 1 inputs' own cotangent
-        # d_full[i] = sum_j w_j dc[i - j]: each tap a shifted window of dc padded once on both sides, so the
-        # sum is elementwise over views (one fused kernel when compiled), not a padded copy per tap
         edge = [(0, 0), (K - 1, K - 1), (0, 0)]
-        dcp = mx.pad(dc, edge)
-        dw = []
-        for j, xs, wj, same in _taps(full, weight, st, L):
-            dcj = dc if same is None else mx.where(same, dc, 0)
-            src = dcp if same is None else mx.pad(dcj, edge)
-            d_full = d_full + src[:, K - 1 - j:2 * (K - 1) - j + L] * wj
-            dw.append((xs.astype(mx.float32) * dcj.astype(mx.float32)).sum(axis=(0, 1)))
-        dweight = mx.stack(dw, axis=-1).reshape(weight.shape).astype(weight.dtype)
-        grads = [d_full[:, K - 1:].astype(x.dtype), dweight, d_full[:, :K - 1].astype(state.dtype)]
+        dx, d_state, dws, after = None, [], [], []
+        # the convolution is depthwise: blocks of channels are independent problems, each within q's, k's or v's
+        # channels (its cotangent a slice of theirs: no [L, C] concatenation), run one after another (each
+        # waits for the one before), so one block's working set, CONV_BLOCK_BYTES an array, is alive at a time
+        width = max(1, CONV_BLOCK_BYTES // (4 * B * (L + K - 1)))
+        blocks = [(p0 + a, p0 + min(a + width, p1 - p0), dy.reshape(B, L, p1 - p0)[..., a:a + width])
+                  for (p0, p1), dy in zip(((0, kd), (kd, 2 * kd), (2 * kd, C)), cotangents[:3], strict=True)
+                  for a in range(0, p1 - p0, width)]
+        for a, b, dy in blocks:
+            ins = [x[..., a:b], state[..., a:b], dy, cotangents[3][..., a:b]]
+            xa, sa, dya, dla = mx.depends(ins, after) if after else ins
+            w = weight[a:b]
+            full = mx.concatenate([sa.astype(x.dtype), xa], axis=1)
+            c = _conv(full, w, st, L)
+            sg = mx.sigmoid(c)
+            dc = dya * sg * (1 + c * (1 - sg))
+            d_full = mx.pad(dla.astype(dc.dtype), [(0, 0), (L, 0), (0, 0)])  # the last K - 1 inputs' cotangent
+            # d_full[i] = sum_j w_j dc[i - j]: each tap a shifted window of dc padded once on both sides, so the
+            # sum is elementwise over views (one fused kernel when compiled), not a padded copy per tap
+            dcp = mx.pad(dc, edge)
+            dw = []
+            for j, xs, wj, same in _taps(full, w, st, L):
+                dcj = dc if same is None else mx.where(same, dc, 0)
+                src = dcp if same is None else mx.pad(dcj, edge)
+                d_full = d_full + src[:, K - 1 - j:2 * (K - 1) - j + L] * wj
+                dw.append((xs.astype(mx.float32) * dcj.astype(mx.float32)).sum(axis=(0, 1)))
+            dws.append(mx.stack(dw, axis=-1))
+            piece = d_full[:, K - 1:].astype(x.dtype)
+            d_state.append(d_full[:, :K - 1].astype(state.dtype))
+            if dx is None:
+                dx = mx.zeros(x.shape, x.dtype)
+            dx[..., a:b] = piece  # in place: each update is the previous one's only reader
+            after = [piece, d_state[-1], dws[-1]]
+        dweight = mx.concatenate(dws, axis=0).reshape(weight.shape).astype(weight.dtype)
+        grads = [dx, dweight, mx.concatenate(d_state, axis=-1)]
         return (*grads, *(mx.zeros_like(t) for t in starts))
 
     return conv_qkv
