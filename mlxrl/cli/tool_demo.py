@@ -5,11 +5,12 @@ The task: "What colour is the <thing> painted today?" for eight things, whose co
 for every question, so no model can know it: each rollout gets a `PaintShop` environment (TRL's
 `environment_factory`) reset with its question's row, whose one method, `paint_of(thing)`, answers the colour of
 that row's thing ("unknown" for any other). The reward is 1 when the final answer is the colour; a guess without
-the tool scores one time in eight. The tiny default model first gets a brief SFT on full tool-calling
-conversations (the call, the tool's answer, the colour), with its embeddings trained: copying the thing into the
-call and the colour out of the tool's answer is what a 4-layer model of width 128 has to learn. Then GRPO with
-LoRA, and the held-out questions are scored before and after: the reward (right colour) and the correct tool use
-(the call names the question's thing), over 8 sampled rollouts each.
+the tool scores one time in eight. The tiny default model first gets a brief SFT with its embeddings
+trained, on conversations of which half call the tool (the call, the tool's answer, the colour) and half guess a
+colour: it learns the format and to copy (the thing into the call, the colour out of the tool's answer: what a
+4-layer model of width 128 has to learn), and calls about half the time. Then GRPO with LoRA, where a call is
+what scores, and the held-out questions are scored before and after: the reward (right colour) and the correct
+tool use (the call names the question's thing), over 8 sampled rollouts each.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ __all__ = ["PaintShop", "paint_reward", "run_tool_demo", "TOOL_DEMO_OVERRIDES"]
 THINGS = ("door", "fence", "roof", "car", "boat", "bike", "wall", "gate")
 COLOURS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
 
-TOOL_DEMO_SFT_STEPS, TOOL_DEMO_TEST = 200, 12
+TOOL_DEMO_SFT_STEPS, TOOL_DEMO_TEST = 600, 12
+TOOL_DEMO_TOOL_SHARE = 0.5  # the SFT conversations that call the tool; the others guess
 TOOL_DEMO_SFT = {"learning_rate": 3e-3, "per_device_train_batch_size": 8, "freeze_embeddings": False,
                  "lr_scheduler_type": "cosine", "warmup_ratio": 0.1, "max_grad_norm": 0.0, "save_steps": 0,
                  "gradient_checkpointing": False, "max_length": 512, "assistant_only_loss": True,
                  "disable_tqdm": True}
-TOOL_DEMO_OVERRIDES = {"overwrite_output_dir": True, "learning_rate": 1e-3, "max_steps": 40,
+TOOL_DEMO_OVERRIDES = {"overwrite_output_dir": True, "learning_rate": 5e-4, "beta": 0.04, "max_steps": 40,
                        "per_device_train_batch_size": 16, "num_generations": 8, "max_completion_length": 48,
                        "max_tool_calling_iterations": 2, "temperature": 1.0, "top_k": 8, "use_peft": True,
                        "lora_r": 16, "lora_alpha": 32, "lr_scheduler_type": "constant", "warmup_steps": 0,
@@ -121,7 +123,8 @@ def held_out(model, processor, args, pairs) -> tuple[float, float]:
 
 
 def run_tool_demo(args, explicit: set, sft_steps: int | None = None, demo: str = "qwen3_vl",
-                  n_test: int = TOOL_DEMO_TEST, overrides: dict | None = None, tool_share: float = 1.0) -> dict:
+                  n_test: int = TOOL_DEMO_TEST, overrides: dict | None = None,
+                  tool_share: float = TOOL_DEMO_TOOL_SHARE) -> dict:
     """The demo (module docstring); overrides replace TOOL_DEMO_OVERRIDES (tests use a shorter run); tool_share:
     the part of the SFT conversations that call the tool (the rest guess)."""
     from ..trainers.grpo.config import check_grpo_config
